@@ -1,0 +1,5 @@
+"""Worker side: the Stage API, the worker loop, batching under a deadline, the supervisor."""
+
+from workers.stage import Stage
+
+__all__ = ["Stage"]

@@ -1,0 +1,208 @@
+"""The one codec for everything conveyor puts in Redis: msgpack plus two extension types.
+
+Why msgpack and never pickle: payloads cross process and trust boundaries (foreign producers
+write stage 0), and unpickling runs arbitrary code. msgpack only ever builds plain data.
+
+What is carried: None, bool, int (in msgpack's range ``[-2**63, 2**64 - 1]``), float, str,
+bytes (bytearray/memoryview decode as bytes), list, tuple, dict, and numpy arrays and scalars
+of bool or numeric dtype (kinds ``b i u f c m M``). Anything else raises `CodecError` naming
+its type and where it sits (``$.a[2]``).
+
+Lossy on purpose, so know it: tuples (and other list/dict/str/bytes/int/float subclasses,
+numpy ``str_``/``bytes_`` included) decode as the plain base type. Dict keys must be hashable
+once decoded: a tuple key decodes as a list, which `decode` refuses.
+
+Exact on purpose: an array decodes with the same dtype (byte order included), shape, values
+and, for a Fortran-ordered array, Fortran order; it is a fresh, writable, aligned copy.
+Non-contiguous arrays travel as C-order copies. A numpy scalar decodes as the same numpy type.
+
+Wire format: ExtType 1 = msgpack ``[dtype.str, shape, "C" | "F", raw bytes]``; ExtType 2 =
+msgpack ``[dtype.str, raw bytes]`` (a numpy scalar). Packing uses ``strict_types=True`` so
+that ``np.float64`` (a ``float`` subclass) reaches the hook instead of decaying to ``float``;
+the price is that tuples go through the hook too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CodecError", "array_header", "decode", "encode"]
+
+_EXT_ARRAY = 1
+_EXT_SCALAR = 2
+_KINDS = frozenset("biufcmM")
+_DTYPE_STR = re.compile(r"[<>|][biufcmM]\d{1,2}(\[\w{1,8}\])?")  # e.g. "<f4", "|b1", ">M8[ns]"
+_MAX_DEPTH = 511  # msgpack's own packer nesting limit
+_CARRIES = (
+    "conveyor's codec carries None, bool, int, float, str, bytes, list/tuple, dict "
+    "and numpy arrays/scalars of bool or numeric dtype"
+)
+# Subclasses that strict_types sends to the hook, and the plain type they travel as.
+_COERCE: tuple[tuple[type, type], ...] = (
+    (tuple, list),
+    (list, list),
+    (dict, dict),
+    (str, str),
+    (bytes, bytes),
+    (int, int),
+    (float, float),
+)
+
+
+class CodecError(ValueError):
+    """A value conveyor cannot put on the wire, or bytes that are not a conveyor payload."""
+
+
+def _numeric(dtype: np.dtype[Any]) -> bool:
+    """Only fixed-size, plain-number dtypes: their raw bytes are the whole value."""
+    return dtype.kind in _KINDS and dtype.fields is None and dtype.subdtype is None
+
+
+def _pack_array(a: npt.NDArray[Any]) -> msgpack.ExtType:
+    """Raw buffer in the array's own memory order, so Fortran arrays need no transpose copy."""
+    if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
+        order, flat = "F", a.T.reshape(-1)
+    else:
+        order, flat = "C", a.reshape(-1)  # copies only when a is not C-contiguous
+    raw = flat.view(np.uint8).data  # a memoryview: packed without an extra tobytes() copy
+    return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([a.dtype.str, list(a.shape), order, raw]))
+
+
+def _problem(obj: object) -> str | None:
+    """Why a leaf value cannot be encoded, or None if it can."""
+    if isinstance(obj, np.ma.MaskedArray):
+        return "numpy masked array (the mask would be dropped)"
+    if isinstance(obj, np.ndarray):
+        return None if _numeric(obj.dtype) else f"numpy array of dtype {obj.dtype.str!r}"
+    if isinstance(obj, np.generic):
+        return None if _numeric(obj.dtype) else f"numpy scalar of type {type(obj).__name__!r}"
+    if isinstance(obj, int) and not -(2**63) <= obj < 2**64:
+        return f"int {obj} outside the 64-bit range [-2**63, 2**64 - 1]"
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return "str that is not valid UTF-8 (lone surrogate)"
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, bytearray, memoryview, list, dict)):
+        return None
+    return f"object of type {type(obj).__name__!r}"
+
+
+def _default(obj: object) -> Any:
+    """msgpack hook: numpy values become ExtTypes, subclasses their base type; the rest is refused."""
+    if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray) and _numeric(obj.dtype):
+        return _pack_array(obj)
+    if isinstance(obj, np.generic) and _numeric(obj.dtype):
+        return msgpack.ExtType(_EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
+    for base, plain in _COERCE:  # np.str_ and np.bytes_ included: they subclass str and bytes
+        if isinstance(obj, base):
+            return plain(obj)
+    raise CodecError(f"cannot encode {_problem(obj) or type(obj).__name__}: {_CARRIES}")
+
+
+def _child(path: str, key: object) -> str:
+    return f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else f"{path}[{key!r}]"
+
+
+def _explain(obj: object, path: str, depth: int) -> str | None:
+    """Slow path, only after a failed encode: find the first offending value and say where it is."""
+    if depth > _MAX_DEPTH:
+        return f"cannot encode structure nested deeper than {_MAX_DEPTH} levels (a cycle?) at {path[:60]}..."
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            sub = _child(path, key)
+            found = _explain(key, f"{sub} (the key)", depth + 1) or _explain(value, sub, depth + 1)
+            if found:
+                return found
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            found = _explain(item, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+    else:
+        problem = _problem(obj)
+        return f"cannot encode {problem} at {path}: {_CARRIES}" if problem else None
+    return None
+
+
+def encode(obj: object) -> bytes:
+    """Serialize obj; raise CodecError (with the path of the culprit) if any part is not carried."""
+    try:
+        data: bytes = msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+        return data
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(_explain(obj, "$", 0) or f"cannot encode value: {exc}") from exc
+
+
+def _dtype(name: object) -> np.dtype[Any]:
+    """Accept only what ``dtype.str`` of a carried dtype looks like, before numpy parses it."""
+    if not (isinstance(name, str) and _DTYPE_STR.fullmatch(name)):
+        raise CodecError(f"bad or non-numeric dtype in payload: {name!r}")
+    dtype = np.dtype(name)
+    if not _numeric(dtype):
+        raise CodecError(f"refusing non-numeric dtype {name!r} in payload")
+    return dtype
+
+
+def _unpack_array(data: bytes) -> npt.NDArray[Any]:
+    """Validate everything before allocating: the payload may come from a foreign producer."""
+    fields = msgpack.unpackb(data, raw=False)
+    if not (isinstance(fields, list) and len(fields) == 4):
+        raise CodecError("malformed array payload")
+    name, shape, order, raw = fields
+    dtype = _dtype(name)
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise CodecError(f"bad array shape in payload: {shape!r}")
+    if order not in ("C", "F") or not isinstance(raw, bytes):
+        raise CodecError("malformed array payload")
+    count = math.prod(shape)
+    if (need := count * dtype.itemsize) != len(raw):
+        raise CodecError(f"array payload has {len(raw)} bytes, shape {shape} of {name} needs {need}")
+    flat = np.frombuffer(raw, dtype=dtype, count=count).copy()  # writable, aligned, owns its memory
+    return flat.reshape(shape, order=order)
+
+
+def _unpack_scalar(data: bytes) -> Any:
+    fields = msgpack.unpackb(data, raw=False)
+    if not (isinstance(fields, list) and len(fields) == 2 and isinstance(fields[1], bytes)):
+        raise CodecError("malformed numpy scalar payload")
+    dtype = _dtype(fields[0])
+    raw = fields[1]
+    if len(raw) != dtype.itemsize:
+        raise CodecError(f"numpy scalar payload has {len(raw)} bytes, {dtype.str} needs {dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype)[0]
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _EXT_ARRAY:
+        return _unpack_array(data)
+    if code == _EXT_SCALAR:
+        return _unpack_scalar(data)
+    raise CodecError(f"unknown msgpack extension type {code}")
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of `encode`; any bytes that are not one well-formed payload raise CodecError."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+    except CodecError:
+        raise
+    except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # msgpack's errors are ValueErrors
+        raise CodecError(f"cannot decode payload: {type(exc).__name__}: {exc}") from exc
+
+
+def array_header(n: int) -> bytes:
+    """msgpack header of an n-item array: lets callers join already-encoded items without re-encoding."""
+    if n < 0 or n >= 2**32:
+        raise CodecError(f"msgpack arrays hold 0 to 2**32 - 1 items, not {n}")
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 2**16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")

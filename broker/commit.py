@@ -1,0 +1,77 @@
+"""Builds the arguments of ``commit.lua`` for one batch: the only write path of a worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+
+import redis
+
+from broker.keys import GROUP, Keys
+
+COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
+
+
+@dataclass
+class Commit:
+    """Everything one batch leaves behind, accumulated while the batch is processed."""
+
+    acks: list[bytes] = field(default_factory=list)
+    forwards: list[bytes] = field(default_factory=list)  # flat: id, data, reply, deadline
+    results: list[tuple[bytes, bytes, bytes | None]] = field(default_factory=list)  # key, record, reply
+    dead: list[bytes] = field(default_factory=list)  # flat: entry id, request id, reason, data
+    batch_size: int = 0
+    duration_ms: float = 0.0
+
+    def forward(self, request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None) -> None:
+        self.forwards += [request_id, data, reply or b"", b"" if deadline_ms is None else b"%d" % deadline_ms]
+
+    def publish(self, result_key: bytes, record: bytes, reply: bytes | None) -> None:
+        self.results.append((result_key, record, reply))
+
+    def dead_letter(self, entry_id: bytes, request_id: bytes | None, reason: str, data: bytes) -> None:
+        self.dead += [entry_id, request_id or b"", reason.encode(), data]
+
+    def empty(self) -> bool:
+        return not (self.acks or self.forwards or self.results or self.dead)
+
+
+@dataclass(frozen=True)
+class Ttls:
+    result_ttl_ms: int = 60_000
+    reply_ttl_ms: int = 300_000
+
+
+class Committer:
+    """Runs ``commit.lua`` with EVALSHA (redis-py falls back to EVAL after a script flush)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, stage: int, stage_name: str,
+                 has_next: bool, ttls: Ttls) -> None:
+        self._script = client.register_script(COMMIT_LUA)
+        self._static_keys = [
+            keys.stream(stage), keys.stream(stage + 1) if has_next else keys.stream(stage),
+            keys.dead(stage), keys.stats(stage),
+        ]
+        self._stage_name = stage_name
+        self._ttls = ttls
+
+    def __call__(self, commit: Commit) -> int:
+        keys: list[str | bytes] = list(self._static_keys)
+        index: dict[bytes, int] = {}
+
+        def key_index(key: bytes) -> int:
+            if key not in index:
+                keys.append(key)
+                index[key] = len(keys)  # Lua is 1-based
+            return index[key]
+
+        res_args: list[bytes | int] = []
+        for result_key, record, reply in commit.results:
+            res_args += [key_index(result_key), record, key_index(reply) if reply else 0]
+        head: list[bytes | int | str] = [
+            GROUP, self._ttls.result_ttl_ms, self._ttls.reply_ttl_ms, self._stage_name,
+            len(commit.acks), len(commit.forwards) // 4, len(commit.results), len(commit.dead) // 4,
+            commit.batch_size, round(commit.duration_ms, 3),
+        ]
+        args = head + commit.forwards + res_args + commit.dead + commit.acks
+        return int(self._script(keys=keys, args=args))

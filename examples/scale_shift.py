@@ -1,0 +1,24 @@
+"""Seed 000's example in conveyor: two stages, the second one batched.
+
+Run it:  conveyor run examples.scale_shift:pipeline
+Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d 3   ->  {"result": 9}
+"""
+
+from broker import Pipeline
+from workers import Stage
+
+
+class Scale(Stage):
+    def predict(self, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+
+class Shift(Stage):
+    batch_size = 32  # predict() now receives a list and returns a list of the same length
+    batch_wait_s = 0.005  # the longest an item waits for its batch, from the batch's first item
+
+    def predict(self, xs):  # type: ignore[no-untyped-def]
+        return [x + 3 for x in xs]
+
+
+pipeline = Pipeline("scale-shift").add(Scale, workers=2, cpus=[0, 1]).add(Shift)

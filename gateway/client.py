@@ -1,0 +1,248 @@
+"""The asyncio gateway: submits singleton requests and resolves them from one reply list.
+
+Thousands of concurrent ``predict`` calls share two connections' worth of round trips:
+submissions queue in an outbox that one flusher task writes with one pipelined round trip
+per turn, and workers push the answers of a whole batch as one element onto this gateway's
+reply list, which one reader task pops with BLPOP and fans out to the waiting futures (as
+saq's multiplexer does). The per-request result key stays the durable record: after a
+reconnect the reader re-reads the keys of every request still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio as aredis
+
+from broker import codec, protocol
+from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
+from broker.keys import DEFAULT_PREFIX, Keys
+from broker.server_info import acheck_server
+from broker.status import PipelineStatus, read_status
+from gateway.errors import Overloaded, StageError
+
+log = logging.getLogger("conveyor.gateway")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    timeout_s: float = 30.0
+    max_in_flight: int = 100_000  # this gateway's own cap, whatever the backlog
+    max_backlog: int | None = None  # None: the first stage's max_backlog from the pipeline spec
+    max_connections: int = 4
+    reply_block_s: float = 1.0
+    prefix: str = DEFAULT_PREFIX
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[Any]
+    timer: asyncio.TimerHandle
+
+
+class Gateway:
+    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None) -> None:
+        self.settings = settings or GatewaySettings()
+        self.keys = Keys(pipeline, self.settings.prefix)
+        self.redis = RedisSettings(redis_url)
+        self.gateway_id = uuid.uuid4().hex[:16]
+        self._reply_key = self.keys.reply(self.gateway_id).encode()
+        self._stream = self.keys.stream(0)
+        self._result_prefix = self.keys.result("").encode()
+        self._pending: dict[bytes, _Pending] = {}
+        self._outbox: list[dict[bytes, bytes]] = []
+        self._unlink: list[bytes] = []
+        self._wake = asyncio.Event()
+        self._counter = 0
+        self._backlog = 0
+        self._max_backlog: int | None = self.settings.max_backlog
+        self._tasks: list[asyncio.Task[None]] = []
+        self._status_marks: dict[int, bytes] = {}
+        self._closing = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._client = self.redis.async_client(self.settings.max_connections)
+        self._reply_client = self.redis.async_client(1)
+        await acheck_server(self._client)
+        if self._max_backlog is None:
+            await self._load_spec()
+        self._tasks = [asyncio.create_task(self._flusher(), name="conveyor-flusher"),
+                       asyncio.create_task(self._reader(), name="conveyor-reader")]
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pending in self._pending.values():
+            pending.timer.cancel()
+            if not pending.future.done():
+                pending.future.set_exception(ConnectionError("gateway closed"))
+        self._pending.clear()
+        await self._client.aclose()
+        await self._reply_client.aclose()
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
+        """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
+        data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
+        timeout = self.settings.timeout_s if timeout_s is None else timeout_s
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        self._admit()
+        loop = asyncio.get_running_loop()
+        self._counter += 1
+        request_id = f"{self.gateway_id}-{self._counter}".encode()
+        future: asyncio.Future[Any] = loop.create_future()
+        timer = loop.call_later(timeout, self._expire, request_id, timeout)
+        self._pending[request_id] = _Pending(future, timer)
+        deadline_ms = protocol.now_ms() + int(timeout * 1000)
+        self._outbox.append(protocol.entry_fields(request_id, data, self._reply_key, deadline_ms))
+        self._wake.set()
+        return await future
+
+    def _admit(self) -> None:
+        if len(self._pending) >= self.settings.max_in_flight:
+            raise Overloaded(f"gateway has {len(self._pending)} requests in flight "
+                             f"(max_in_flight={self.settings.max_in_flight})")
+        limit = self._max_backlog
+        if limit is not None and self._backlog + len(self._outbox) >= limit:
+            raise Overloaded(f"first stage backlog is {self._backlog} (max_backlog={limit}); retry later")
+
+    def _expire(self, request_id: bytes, timeout: float) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(TimeoutError(
+                f"no answer within {timeout:g}s for request {request_id.decode()}"))
+
+    def _resolve(self, record: dict[str, Any]) -> None:
+        request_id = str(record.get("id", "")).encode()
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return  # expired, or a duplicate answer: the first one won
+        pending.timer.cancel()
+        self._unlink.append(self._result_prefix + request_id)
+        if pending.future.done():
+            return
+        if record.get("ok"):
+            pending.future.set_result(record.get("value"))
+        else:
+            err = record.get("error") or {}
+            pending.future.set_exception(StageError(
+                str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
+                str(err.get("traceback", ""))))
+
+    # -- background tasks -----------------------------------------------------------------
+
+    async def _flusher(self) -> None:
+        backoff = Backoff()
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox or self._unlink:
+                batch, self._outbox = self._outbox, []
+                unlink, self._unlink = self._unlink, []
+                try:
+                    await self._send(batch, unlink)
+                    backoff.reset()
+                except CONNECTION_ERRORS as exc:
+                    log.warning("redis unavailable for submissions error=%r", exc)
+                    live = [f for f in batch if f[protocol.F_ID] in self._pending]
+                    self._outbox[:0] = live  # expired ones are dropped; the rest are retried
+                    await asyncio.sleep(backoff.next_delay_s())
+
+    async def _send(self, batch: list[dict[bytes, bytes]], unlink: list[bytes]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for fields in batch:
+            pipe.xadd(self._stream, fields)  # type: ignore[arg-type]
+        if unlink:
+            pipe.unlink(*unlink)
+        pipe.xlen(self._stream)
+        results = await pipe.execute()
+        self._backlog = int(results[-1])
+
+    async def _reader(self) -> None:
+        backoff = Backoff()
+        block = self.settings.reply_block_s
+        recovering = False
+        while not self._closing:
+            try:
+                if recovering:
+                    await self._recover()
+                    recovering = False
+                popped = await self._reply_client.blpop([self._reply_key], timeout=block)
+                backoff.reset()
+            except CONNECTION_ERRORS as exc:
+                if self._closing:
+                    return
+                log.warning("reply connection lost error=%r", exc)
+                recovering = True
+                await asyncio.sleep(backoff.next_delay_s())
+                continue
+            if popped is not None:
+                self._deliver(popped[1])
+
+    def _deliver(self, element: bytes) -> None:
+        try:
+            records = codec.decode(element)
+        except codec.CodecError as exc:
+            log.error("undecodable reply element dropped error=%s", exc)
+            return
+        for record in records if isinstance(records, list) else []:
+            if isinstance(record, dict):
+                self._resolve(record)
+
+    async def _recover(self) -> None:
+        """Re-read the durable result keys of every request in flight (a popped reply may be lost)."""
+        ids = list(self._pending)
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            values = await self._reply_client.mget([self._result_prefix + i for i in chunk])
+            for raw in values:
+                if raw is not None:
+                    self._deliver(protocol.array_of([raw]))
+
+    # -- status ---------------------------------------------------------------------------
+
+    async def _load_spec(self) -> None:
+        raw = await self._client.get(self.keys.spec)
+        if raw:
+            stages = codec.decode(raw)
+            if stages and stages[0].get("max_backlog") is not None:
+                self._max_backlog = int(stages[0]["max_backlog"])
+
+    async def pipeline_status(self) -> PipelineStatus:
+        status = await read_status(self._client, self.keys, self._status_marks)
+        if self.settings.max_backlog is None and status.stages:
+            self._max_backlog = status.stages[0].max_backlog
+        return status
+
+
+async def connect(redis_url: str, pipeline: str, **settings: Any) -> Gateway:
+    gateway = Gateway(redis_url, pipeline, GatewaySettings(**settings))
+    await gateway.start()
+    return gateway
+
+
+__all__ = ["Gateway", "GatewaySettings", "Overloaded", "StageError", "aredis"]

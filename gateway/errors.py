@@ -1,0 +1,18 @@
+"""Exceptions a gateway caller can meet besides the builtin ``TimeoutError``."""
+
+from __future__ import annotations
+
+
+class StageError(Exception):
+    """A stage's code raised on this request (or conveyor refused the item at a stage)."""
+
+    def __init__(self, type: str, message: str, stage: str, traceback: str = "") -> None:
+        super().__init__(f"{type} in stage {stage or '?'}: {message}")
+        self.type = type
+        self.message = message
+        self.stage = stage
+        self.traceback = traceback
+
+
+class Overloaded(Exception):
+    """The first stage's backlog (or this gateway's in-flight count) is at its limit."""

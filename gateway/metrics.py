@@ -1,0 +1,214 @@
+"""Prometheus metrics of one gateway, on its own CollectorRegistry.
+
+Why a per-server registry and never prometheus-client's global one: tests (and embedders) run
+several gateways in one process, and the global registry refuses a second metric of the same
+name. Each `Metrics` owns its registry; ``/metrics`` renders exactly that registry.
+
+Two kinds of numbers live here:
+
+- request metrics the HTTP front observes itself (`observe_request`): requests by route and
+  outcome, end-to-end latency, open connections; in-flight predictions are read from the
+  backend at scrape time through a gauge callback, so they can never drift.
+- pipeline metrics (per stage backlog, pending, consumers, live workers, dead letters, batch
+  size and duration) that only Redis knows. They are pulled right before exposition
+  (`refresh` then `render`) instead of by a background poller, so an unscraped gateway does
+  no extra Redis work and a scrape always shows fresh numbers.
+
+A status's ``batches`` are the batches *since the last read*: whoever reads a status must
+feed it to `update`, or those batches are lost to the histograms. That is why ``/readyz``
+passes its status here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = [
+    "CONTENT_TYPE",
+    "LATENCY_BUCKETS",
+    "Metrics",
+    "PipelineStatusLike",
+    "StageStatusLike",
+    "StatusSource",
+]
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Model serving spans sub-millisecond lookups to minute-long generations: cover both ends.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STAGE_LABELS = ("index", "stage")
+
+
+class StageStatusLike(Protocol):
+    """What metrics read of `broker.status.StageStatus` (read-only, so the dataclass fits)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def backlog(self) -> int: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def consumers(self) -> int: ...
+    @property
+    def live_workers(self) -> int: ...
+    @property
+    def dead_letters(self) -> int: ...
+    @property
+    def batches(self) -> Sequence[tuple[int, float]]: ...
+
+
+class PipelineStatusLike(Protocol):
+    """What metrics and ``/readyz`` read of `broker.status.PipelineStatus`."""
+
+    @property
+    def reachable(self) -> bool: ...
+    @property
+    def stages(self) -> Sequence[StageStatusLike]: ...
+    @property
+    def ready(self) -> bool: ...
+
+
+class StatusSource(Protocol):
+    """The part of the gateway backend metrics need: the in-flight count and the pipeline status."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def pipeline_status(self) -> PipelineStatusLike: ...
+
+
+class Metrics:
+    """All metrics of one gateway process, on a private registry.
+
+    ``namespace`` prefixes every name (default ``conveyor``). ``status_timeout_s`` bounds the
+    Redis round trip of a scrape: a scrape that hangs would make Prometheus mark the target
+    down, when the interesting news is "Redis unreachable", which ``conveyor_redis_reachable``
+    says.
+    """
+
+    def __init__(self, backend: StatusSource, *, namespace: str = "conveyor",
+                 status_timeout_s: float = 5.0) -> None:
+        self.backend = backend
+        self.status_timeout_s = status_timeout_s
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._open_connections = 0
+        ns, reg = namespace, self.registry
+        self.requests = Counter(f"{ns}_gateway_requests", "HTTP requests answered, by route and outcome.",
+                                ["route", "outcome"], registry=reg)
+        self.latency = Histogram(f"{ns}_gateway_request_duration_seconds",
+                                 "End-to-end latency of predict requests (request head read to response "
+                                 "written), by outcome.", ["outcome"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.in_flight = Gauge(f"{ns}_gateway_in_flight", "Predictions submitted and not yet answered.",
+                               registry=reg)
+        self.in_flight.set_function(self._read_in_flight)
+        self.rejected_connections = Counter(f"{ns}_gateway_rejected_connections",
+                                            "Connections answered 503 at once (connection cap or draining).",
+                                            registry=reg)
+        self.connections = Gauge(f"{ns}_gateway_open_connections", "Open HTTP connections.", registry=reg)
+        self.connections.set_function(lambda: float(self._open_connections))
+        self.reachable = Gauge(f"{ns}_redis_reachable", "1 if the last status read reached Redis.",
+                               registry=reg)
+        self.ready = Gauge(f"{ns}_pipeline_ready",
+                           "1 if Redis is reachable and every stage has a live worker.", registry=reg)
+        self._stage_gauges = {
+            "backlog": Gauge(f"{ns}_stage_backlog",
+                             "Entries in the stage stream not yet delivered to a worker.", STAGE_LABELS,
+                             registry=reg),
+            "pending": Gauge(f"{ns}_stage_pending", "Entries delivered to a worker and not yet acked.",
+                             STAGE_LABELS, registry=reg),
+            "consumers": Gauge(f"{ns}_stage_consumers", "Consumers in the stage's consumer group.",
+                               STAGE_LABELS, registry=reg),
+            "live_workers": Gauge(f"{ns}_stage_live_workers", "Workers with a recent heartbeat.",
+                                  STAGE_LABELS, registry=reg),
+            "dead_letters": Gauge(f"{ns}_stage_dead_letters", "Entries in the stage's dead-letter stream.",
+                                  STAGE_LABELS, registry=reg),
+        }
+        self.batch_size = Histogram(f"{ns}_stage_batch_size", "Items per batch a stage ran.", STAGE_LABELS,
+                                    buckets=BATCH_SIZE_BUCKETS, registry=reg)
+        self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
+                                        STAGE_LABELS, buckets=LATENCY_BUCKETS, registry=reg)
+
+    def _read_in_flight(self) -> float:
+        """Gauge callback: a broken backend must not break the whole scrape."""
+        try:
+            return float(self.backend.in_flight)
+        except Exception:  # pragma: no cover - defensive
+            log.exception("reading backend.in_flight failed")
+            return float("nan")
+
+    # -- request side ---------------------------------------------------------------------------
+
+    def observe_request(self, route: str, outcome: str, duration_s: float | None = None) -> None:
+        """Count one answered request; predict requests also pass their end-to-end duration."""
+        self.requests.labels(route, outcome).inc()
+        if duration_s is not None:
+            self.latency.labels(outcome).observe(duration_s)
+
+    def connection_opened(self) -> None:
+        self._open_connections += 1
+
+    def connection_closed(self) -> None:
+        self._open_connections -= 1
+
+    # -- pipeline side --------------------------------------------------------------------------
+
+    def update(self, status: PipelineStatusLike) -> None:
+        """Set the pipeline gauges from one status and feed its new batches to the histograms.
+
+        Stage gauges are cleared first: a stage that vanished (or an unreachable Redis) must not
+        keep reporting its last numbers as if they were current.
+        """
+        self.reachable.set(1.0 if status.reachable else 0.0)
+        self.ready.set(1.0 if status.ready else 0.0)
+        for gauge in self._stage_gauges.values():
+            gauge.clear()
+        for stage in status.stages:
+            labels = (str(stage.index), stage.name)
+            for attr, gauge in self._stage_gauges.items():
+                gauge.labels(*labels).set(float(getattr(stage, attr)))
+            for size, duration_s in stage.batches:
+                self.batch_size.labels(*labels).observe(size)
+                self.batch_duration.labels(*labels).observe(duration_s)
+
+    def mark_unreachable(self) -> None:
+        """The status itself could not be read: say so instead of showing stale stage numbers."""
+        self.reachable.set(0.0)
+        self.ready.set(0.0)
+        for gauge in self._stage_gauges.values():
+            gauge.clear()
+
+    async def refresh(self) -> PipelineStatusLike | None:
+        """Read the pipeline status (bounded by ``status_timeout_s``) and `update` from it.
+
+        Returns the status, or None when it could not be read (then `mark_unreachable`).
+        """
+        try:
+            status = await asyncio.wait_for(self.backend.pipeline_status(), self.status_timeout_s)
+        except Exception as exc:  # a scrape must still answer: with reachable=0
+            log.warning("pipeline status unavailable for metrics: %s: %s", type(exc).__name__, exc)
+            self.mark_unreachable()
+            return None
+        self.update(status)
+        return status
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format (serve with `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """What ``GET /metrics`` answers: refresh from Redis, then render."""
+        await self.refresh()
+        return self.render()
+

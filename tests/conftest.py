@@ -1,0 +1,62 @@
+"""Shared fixtures: a real, private redis-server per test session, and one per test on demand.
+
+Why real: the pipeline's semantics (consumer groups, XAUTOCLAIM, Lua, blocking reads across
+processes) are what is under test; why private: tests must never touch a developer's Redis.
+``tests/__init__.py`` makes ``tests`` a package, so worker subprocesses started from the repo
+root can import ``tests.stages``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from broker.embedded import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """One embedded Redis for the whole session: starting one per test would cost ~30 ms each.
+
+    Tests that kill or restart the server must use ``private_redis`` instead.
+    """
+    server = EmbeddedRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """URL of the session server, emptied first so that tests do not see each other's keys."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A sync client (bytes replies) on the emptied session server, closed after the test."""
+    client = redis.Redis.from_url(redis_url, decode_responses=False)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A server of the test's own, which it may kill or restart; stopped after the test."""
+    server = EmbeddedRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

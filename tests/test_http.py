@@ -1,0 +1,749 @@
+"""The HTTP front (gateway/http.py) against a fake backend: the thing under test is HTTP handling.
+
+Clients are raw asyncio sockets so that malformed, pipelined and stalled requests can be sent
+byte for byte; responses are parsed with h11 (client side), one fresh parser per response so
+that pipelined responses and responses to garbage parse alike. Every wait is bounded
+(`asyncio.wait_for`); nothing sleeps to synchronize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import h11
+import numpy as np
+import pytest
+
+from broker.codec import CodecError, decode, encode
+from broker.status import PipelineStatus, StageStatus
+from gateway.errors import Overloaded, StageError
+from gateway.http import HttpServer, HttpSettings
+from gateway.http import run as run_http
+from gateway.metrics import Metrics
+
+T = TypeVar("T")
+WAIT_S = 5.0  # upper bound of any single wait in these tests
+
+
+# -- fakes and helpers ---------------------------------------------------------------------------
+
+
+@dataclass
+class FakeBackend:
+    """Echoes its input; a dict ``{"op": ...}`` makes it fail the way a real gateway can."""
+
+    status: PipelineStatus | Exception = field(default_factory=lambda: ready_status())
+    calls: list[tuple[Any, float | None]] = field(default_factory=list)
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    _in_flight: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def pipeline_status(self) -> PipelineStatus:
+        status = self.status
+        if isinstance(status, Exception):
+            raise status
+        # batches are "since the last read": hand them out once, like broker.status does
+        fresh = PipelineStatus(status.reachable, [StageStatus(**vars(s)) for s in status.stages])
+        for stage in status.stages:
+            stage.batches = []
+        return fresh
+
+    async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
+        self.calls.append((x, timeout_s))
+        self._in_flight += 1
+        try:
+            return await self._predict(x)
+        finally:
+            self._in_flight -= 1
+
+    async def _predict(self, x: Any) -> Any:
+        op = x.get("op") if isinstance(x, dict) else None
+        if op == "stage":
+            raise StageError("ValueError", "negative input", "double", "Traceback (most recent call last)")
+        if op == "overloaded":
+            raise Overloaded("backlog full")
+        if op == "timeout":
+            raise TimeoutError("no result within 1.0 s")
+        if op == "codec":
+            raise CodecError("cannot encode int 2**70")
+        if op == "crash":
+            raise RuntimeError("gateway bug")
+        if op == "array":
+            return np.arange(6, dtype=np.float32).reshape(2, 3)
+        if op == "block":
+            self.entered.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return "released"
+        return x
+
+
+def ready_status(live: int = 1, reachable: bool = True) -> PipelineStatus:
+    return PipelineStatus(reachable, [
+        StageStatus(index=0, name="double", backlog=3, pending=1, consumers=2, live_workers=live,
+                    dead_letters=0, batches=[(4, 0.01), (8, 0.02)]),
+        StageStatus(index=1, name="sum", backlog=0, pending=0, consumers=1, live_workers=1),
+    ])
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one async test body with a hard bound, so a hang fails instead of stalling the suite."""
+    return asyncio.run(asyncio.wait_for(coro, 12.0))
+
+
+@asynccontextmanager
+async def serving(backend: FakeBackend | None = None, **settings: Any) -> AsyncIterator[HttpServer]:
+    server = HttpServer(backend or FakeBackend(), HttpSettings(port=0, **settings))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close(drain=False)
+
+
+@dataclass
+class Resp:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        assert self.headers["content-type"] == "application/json", self.headers
+        return json.loads(self.body)
+
+
+def http_request(method: str, target: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+    """Request bytes, serialized by an h11 client connection (so they are well-formed)."""
+    conn = h11.Connection(h11.CLIENT)
+    hdrs = [("host", "test"), *(headers or {}).items()]
+    if method in ("POST", "PUT"):
+        hdrs.append(("content-length", str(len(body))))
+    out = conn.send(h11.Request(method=method, target=target, headers=hdrs)) or b""
+    if body:
+        out += conn.send(h11.Data(data=body)) or b""
+    return out + (conn.send(h11.EndOfMessage()) or b"")
+
+
+def predict_json(x: Any, **headers: str) -> bytes:
+    return http_request("POST", "/v1/predict", json.dumps(x).encode(),
+                        {"content-type": "application/json", **headers})
+
+
+class Client:
+    """A raw TCP client; responses are parsed by h11."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.buffer = b""
+        self.eof = False
+
+    @classmethod
+    async def open(cls, port: int) -> Client:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WAIT_S)
+        return cls(reader, writer)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await asyncio.wait_for(self.writer.drain(), WAIT_S)
+
+    async def _fill(self) -> None:
+        try:
+            data = await asyncio.wait_for(self.reader.read(65536), WAIT_S)
+        except ConnectionResetError:
+            data = b""
+        self.eof = not data
+        self.buffer += data
+
+    async def response(self, method: str = "GET") -> Resp:
+        """The next response (an informational 100 counts as one); ``method`` of its request
+        matters for framing (a HEAD response has a Content-Length but no body)."""
+        while True:
+            parsed = self._parse(method)
+            if parsed is not None:
+                return parsed
+            assert not self.eof, f"connection closed mid-response, got {self.buffer!r}"
+            await self._fill()
+
+    def _parse(self, method: str) -> Resp | None:
+        """Parse one response from the buffer with a fresh h11 client; None if incomplete."""
+        if not self.buffer:
+            return None
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method=method, target="/", headers=[("host", "test")]))  # sets up framing
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(self.buffer)  # (never b"": to h11 that means EOF)
+        status, headers, body = 0, {}, b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                return None
+            if isinstance(event, (h11.Response, h11.InformationalResponse)):
+                status = event.status_code
+                headers = {k.decode(): v.decode() for k, v in event.headers}
+                if isinstance(event, h11.InformationalResponse):
+                    self.buffer = conn.trailing_data[0]
+                    return Resp(status, headers, b"")
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                self.buffer = conn.trailing_data[0]
+                return Resp(status, headers, body)
+            else:
+                raise AssertionError(f"unexpected event {event!r}")
+
+    async def closed(self) -> bool:
+        """True once the server closed the connection (EOF or reset) with nothing more to read."""
+        while not self.eof:
+            await self._fill()
+        return True
+
+    async def close(self) -> None:
+        self.writer.close()
+        with suppress(ConnectionError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.writer.wait_closed(), WAIT_S)
+
+
+async def one(port: int, data: bytes) -> Resp:
+    """Send one request on a fresh connection and return its response."""
+    client = await Client.open(port)
+    try:
+        await client.send(data)
+        return await client.response(data.split(b" ", 1)[0].decode())
+    finally:
+        await client.close()
+
+
+async def assert_still_serving(port: int) -> None:
+    resp = await one(port, predict_json({"still": "ok"}))
+    assert resp.status == 200
+    assert resp.json() == {"result": {"still": "ok"}}
+
+
+def http_test(**settings: Any) -> Callable[[Callable[[HttpServer, FakeBackend], Awaitable[None]]],
+                                           Callable[[], None]]:
+    """Decorator: run the async body against a fresh server on port 0 with these settings."""
+    def wrap(body: Callable[[HttpServer, FakeBackend], Awaitable[None]]) -> Callable[[], None]:
+        def test() -> None:
+            async def main() -> None:
+                backend = FakeBackend()
+                async with serving(backend, **settings) as server:
+                    await body(server, backend)
+            run(main())
+        test.__name__ = body.__name__
+        test.__doc__ = body.__doc__
+        return test
+    return wrap
+
+
+# -- predict -------------------------------------------------------------------------------------
+
+
+@http_test()
+async def test_predict_json_echoes_and_passes_timeout_header(
+        server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, predict_json({"a": [1, 2.5, None]}, **{"X-Conveyor-Timeout-S": "2.5"}))
+    assert resp.status == 200
+    assert resp.json() == {"result": {"a": [1, 2.5, None]}}
+    assert backend.calls == [({"a": [1, 2.5, None]}, 2.5)]
+
+
+@http_test()
+async def test_predict_without_content_type_is_json_and_without_timeout_passes_none(
+        server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, http_request("POST", "/v1/predict?x=1", b"[1, 2]"))
+    assert (resp.status, resp.json()) == (200, {"result": [1, 2]})
+    assert backend.calls == [([1, 2], None)]
+
+
+@http_test()
+async def test_deadline_header_becomes_a_timeout(server: HttpServer, backend: FakeBackend) -> None:
+    deadline_ms = int((time.time() + 3.0) * 1000)
+    resp = await one(server.port, predict_json(1, **{"X-Conveyor-Deadline-Ms": str(deadline_ms)}))
+    assert resp.status == 200
+    timeout_s = backend.calls[0][1]
+    assert timeout_s is not None and 2.0 < timeout_s <= 3.0
+
+
+@http_test()
+async def test_predict_msgpack_roundtrips_a_numpy_array(server: HttpServer, backend: FakeBackend) -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    resp = await one(server.port, http_request("POST", "/v1/predict", encode(x),
+                                               {"content-type": "application/msgpack"}))
+    assert resp.status == 200
+    assert resp.headers["content-type"] == "application/msgpack"
+    result = decode(resp.body)["result"]
+    assert isinstance(result, np.ndarray) and result.dtype == np.float32
+    np.testing.assert_array_equal(result, x)
+
+
+@http_test()
+async def test_json_response_turns_numpy_into_lists(server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, predict_json({"op": "array"}))
+    assert resp.json() == {"result": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]}
+
+
+@pytest.mark.parametrize(("debug", "with_trace"), [(False, False), (True, True)])
+def test_stage_error_is_422_with_traceback_only_in_debug(debug: bool, with_trace: bool) -> None:
+    async def main() -> None:
+        async with serving(debug=debug) as server:
+            resp = await one(server.port, predict_json({"op": "stage"}))
+            assert resp.status == 422
+            error = resp.json()["error"]
+            assert error["type"] == "ValueError" and error["stage"] == "double"
+            assert error["message"] == "negative input"
+            assert ("traceback" in error) is with_trace
+            msgpack_resp = await one(server.port, http_request("POST", "/v1/predict", encode({"op": "stage"}),
+                                                               {"content-type": "application/msgpack"}))
+            assert msgpack_resp.status == 422
+            assert decode(msgpack_resp.body)["error"]["stage"] == "double"
+    run(main())
+
+
+@pytest.mark.parametrize(("op", "status", "error_type"), [
+    ("overloaded", 503, "Overloaded"),
+    ("timeout", 504, "DeadlineExceeded"),
+    ("codec", 400, "BadRequest"),
+    ("crash", 500, "RuntimeError"),
+])
+def test_backend_failures_map_to_status_codes(op: str, status: int, error_type: str) -> None:
+    async def main() -> None:
+        async with serving() as server:
+            resp = await one(server.port, predict_json({"op": op}))
+            assert resp.status == status
+            error = resp.json()["error"]
+            assert error["type"] == error_type and "traceback" not in error
+            if status == 503:
+                assert resp.headers["retry-after"] == "1"
+            await assert_still_serving(server.port)
+    run(main())
+
+
+@http_test()
+async def test_passed_deadline_is_504_without_calling_the_backend(
+        server: HttpServer, backend: FakeBackend) -> None:
+    past_ms = str(int((time.time() - 1) * 1000))
+    resp = await one(server.port, predict_json(1, **{"X-Conveyor-Deadline-Ms": past_ms}))
+    assert resp.status == 504
+    assert backend.calls == []
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_bad_timeout_header_is_400(value: str) -> None:
+    async def main() -> None:
+        async with serving() as server:
+            resp = await one(server.port, predict_json(1, **{"X-Conveyor-Timeout-S": value}))
+            assert resp.status == 400
+            assert "x-conveyor-timeout-s" in resp.json()["error"]["message"]
+    run(main())
+
+
+# -- malformed requests --------------------------------------------------------------------------
+
+
+@http_test()
+async def test_bad_json_is_400_and_the_connection_stays_usable(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(http_request("POST", "/v1/predict", b"{not json", {"content-type": "application/json"}))
+    resp = await client.response()
+    assert resp.status == 400 and resp.json()["error"]["type"] == "BadRequest"
+    await client.send(predict_json("after"))  # a bad body is no protocol error: keep-alive continues
+    assert (await client.response()).json() == {"result": "after"}
+    await client.close()
+    assert backend.calls == [("after", None)]
+
+
+@http_test()
+async def test_bad_msgpack_is_400(server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, http_request("POST", "/v1/predict", b"\xc1",
+                                               {"content-type": "application/msgpack"}))
+    assert resp.status == 400
+    assert resp.headers["content-type"] == "application/msgpack"
+    assert decode(resp.body)["error"]["type"] == "BadRequest"
+    await assert_still_serving(server.port)
+
+
+@http_test()
+async def test_unsupported_content_type_is_415(server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, http_request("POST", "/v1/predict", b"x=1",
+                                               {"content-type": "application/x-www-form-urlencoded"}))
+    assert resp.status == 415
+
+
+@pytest.mark.parametrize("raw", [
+    b"NOT AN HTTP REQUEST\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40),  # a TLS ClientHello
+])
+def test_malformed_request_is_400_then_closed(raw: bytes) -> None:
+    async def main() -> None:
+        async with serving() as server:
+            client = await Client.open(server.port)
+            await client.send(raw)
+            resp = await client.response()
+            assert resp.status == 400
+            assert resp.headers["connection"] == "close"
+            assert await client.closed()
+            await client.close()
+            await assert_still_serving(server.port)
+    run(main())
+
+
+@http_test(max_header_bytes=1024)
+async def test_oversized_head_is_431(server: HttpServer, backend: FakeBackend) -> None:
+    """h11 bounds what it buffers of an incomplete head: a head that keeps growing is refused."""
+    client = await Client.open(server.port)
+    await client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000)
+    resp = await client.response()
+    assert resp.status == 431
+    assert await client.closed()
+    await client.close()
+    await assert_still_serving(server.port)
+
+
+@http_test()
+async def test_unknown_path_is_404_and_wrong_method_405(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(http_request("GET", "/nope") + http_request("GET", "/v1/predict"))
+    assert (await client.response()).status == 404
+    resp = await client.response()
+    assert resp.status == 405 and resp.headers["allow"] == "POST"
+    await client.close()
+
+
+@http_test(max_body_bytes=1024)
+async def test_body_over_the_limit_is_413_by_content_length(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    head = (b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2048\r\n\r\n")
+    await client.send(head)  # the body is never sent: the answer must not wait for it
+    resp = await client.response()
+    assert resp.status == 413 and resp.headers["connection"] == "close"
+    assert await client.closed()
+    await client.close()
+    assert backend.calls == []
+    await assert_still_serving(server.port)
+
+
+@http_test(max_body_bytes=1024)
+async def test_chunked_body_over_the_limit_is_413(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    chunk = b"[" + b"1," * 300 + b"1]"
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+                      + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n")
+    assert (await client.response()).status == 413
+    await client.close()
+    await assert_still_serving(server.port)
+
+
+@http_test(max_body_bytes=1024)
+async def test_expect_100_continue(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    body = b'"hello"'
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body))
+    assert (await client.response()).status == 100
+    await client.send(body)
+    assert (await client.response()).json() == {"result": "hello"}
+    # over the limit: refused before the client sends the body
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                      b"Content-Length: 5000\r\n\r\n")
+    assert (await client.response()).status == 413
+    await client.close()
+
+
+# -- connection handling -------------------------------------------------------------------------
+
+
+@http_test()
+async def test_keep_alive_serves_two_requests_on_one_connection(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    for i in range(2):
+        await client.send(predict_json(i))
+        resp = await client.response()
+        assert resp.json() == {"result": i}
+        assert "connection" not in resp.headers
+    await client.close()
+
+
+@http_test()
+async def test_pipelined_requests_are_answered_in_order(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(predict_json("first") + http_request("GET", "/healthz") + predict_json("third"))
+    assert (await client.response()).json() == {"result": "first"}
+    assert (await client.response()).json() == {"status": "ok"}
+    assert (await client.response()).json() == {"result": "third"}
+    await client.close()
+
+
+@http_test()
+async def test_connection_close_and_http10_are_honoured(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(http_request("GET", "/healthz", headers={"connection": "close"}))
+    assert (await client.response()).headers["connection"] == "close"
+    assert await client.closed()
+    await client.close()
+    client = await Client.open(server.port)
+    await client.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+    assert (await client.response()).status == 200
+    assert await client.closed()
+    await client.close()
+
+
+@http_test(header_timeout_s=0.5)
+async def test_slowloris_head_is_cut_off_with_408(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    started = time.monotonic()
+    await client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    resp = await client.response()
+    assert resp.status == 408
+    assert await client.closed()
+    assert 0.4 <= time.monotonic() - started < 3.0
+    await client.close()
+    await assert_still_serving(server.port)
+
+
+@http_test(header_timeout_s=0.5)
+async def test_silent_connection_is_closed_after_header_timeout(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    assert await client.closed()
+    assert client.buffer == b""  # nothing was asked, nothing is answered
+    await client.close()
+
+
+@http_test(body_timeout_s=0.5)
+async def test_slow_body_is_cut_off_with_408(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n[1,")
+    assert (await client.response()).status == 408
+    assert await client.closed()
+    await client.close()
+    assert backend.calls == []
+
+
+@http_test(keepalive_timeout_s=0.3)
+async def test_idle_keep_alive_connection_is_closed_quietly(server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(http_request("GET", "/healthz"))
+    assert (await client.response()).status == 200
+    assert await client.closed()
+    assert client.buffer == b""
+    await client.close()
+
+
+@http_test(max_connections=1)
+async def test_connections_over_the_cap_get_503(server: HttpServer, backend: FakeBackend) -> None:
+    first = await Client.open(server.port)
+    await first.send(http_request("GET", "/healthz"))
+    assert (await first.response()).status == 200  # the first connection now holds the only slot
+    second = await Client.open(server.port)
+    await second.send(http_request("GET", "/healthz"))
+    resp = await second.response()
+    assert resp.status == 503 and resp.json()["error"]["type"] == "Overloaded"
+    assert await second.closed()
+    await second.close()
+    # the slot is released before the server's side of the socket closes: EOF means free
+    await first.send(http_request("GET", "/healthz", headers={"connection": "close"}))
+    assert (await first.response()).status == 200
+    assert await first.closed()
+    await first.close()
+    await assert_still_serving(server.port)
+    assert server.metrics.rejected_connections._value.get() == 1
+
+
+# -- health, readiness, metrics ------------------------------------------------------------------
+
+
+@http_test()
+async def test_healthz_and_head(server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, http_request("GET", "/healthz"))
+    assert (resp.status, resp.json()) == (200, {"status": "ok"})
+    head = await one(server.port, http_request("HEAD", "/healthz"))
+    assert head.status == 200 and head.body == b""
+
+
+def test_readyz_follows_the_pipeline_status() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        async with serving(backend) as server:
+            resp = await one(server.port, http_request("GET", "/readyz"))
+            assert resp.status == 200
+            body = resp.json()
+            assert body["ready"] is True and [s["name"] for s in body["stages"]] == ["double", "sum"]
+            backend.status = ready_status(live=0)
+            assert (await one(server.port, http_request("GET", "/readyz"))).status == 503
+            backend.status = PipelineStatus(False, [])
+            assert (await one(server.port, http_request("GET", "/readyz"))).status == 503
+            backend.status = ConnectionError("redis down")
+            resp = await one(server.port, http_request("GET", "/readyz"))
+            assert resp.status == 503 and "redis down" in resp.json()["error"]
+    run(main())
+
+
+@http_test()
+async def test_metrics_exposition(server: HttpServer, backend: FakeBackend) -> None:
+    await one(server.port, predict_json(1))
+    await one(server.port, predict_json({"op": "overloaded"}))
+    await one(server.port, http_request("GET", "/nope"))
+    resp = await one(server.port, http_request("GET", "/metrics"))
+    assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = resp.body.decode()
+    for needle in [
+        'conveyor_gateway_requests_total{outcome="ok",route="predict"} 1.0',
+        'conveyor_gateway_requests_total{outcome="overloaded",route="predict"} 1.0',
+        'conveyor_gateway_requests_total{outcome="not_found",route="other"} 1.0',
+        'conveyor_gateway_request_duration_seconds_count{outcome="ok"} 1.0',
+        "conveyor_gateway_in_flight 0.0",
+        "conveyor_gateway_open_connections 1.0",
+        "conveyor_redis_reachable 1.0",
+        "conveyor_pipeline_ready 1.0",
+        'conveyor_stage_backlog{index="0",stage="double"} 3.0',
+        'conveyor_stage_pending{index="0",stage="double"} 1.0',
+        'conveyor_stage_live_workers{index="1",stage="sum"} 1.0',
+        'conveyor_stage_consumers{index="0",stage="double"} 2.0',
+        'conveyor_stage_dead_letters{index="0",stage="double"} 0.0',
+        'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0',
+        'conveyor_stage_batch_size_sum{index="0",stage="double"} 12.0',
+        'conveyor_stage_batch_duration_seconds_count{index="0",stage="double"} 2.0',
+    ]:
+        assert needle in text, needle
+    # batches are "since the last read": a second scrape must not count them again
+    text = (await one(server.port, http_request("GET", "/metrics"))).body.decode()
+    assert 'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0' in text
+
+
+def test_metrics_without_redis_report_unreachable_and_drop_stale_stage_numbers() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        metrics = Metrics(backend)
+        await metrics.refresh()
+        assert b'conveyor_stage_backlog{index="0",stage="double"} 3.0' in metrics.render()
+        backend.status = ConnectionError("down")
+        text = (await metrics.scrape()).decode()
+        assert "conveyor_redis_reachable 0.0" in text and "conveyor_stage_backlog{" not in text
+        # a second Metrics (a second server in the process) has its own registry
+        assert Metrics(backend).render() != b""
+    run(main())
+
+
+def test_readyz_batches_are_not_lost_to_metrics() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        async with serving(backend) as server:
+            assert (await one(server.port, http_request("GET", "/readyz"))).status == 200
+            text = (await one(server.port, http_request("GET", "/metrics"))).body.decode()
+            assert 'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0' in text
+    run(main())
+
+
+# -- drain ---------------------------------------------------------------------------------------
+
+
+def test_graceful_drain_finishes_in_flight_and_closes_idle() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=5.0))
+        await server.start()
+        port = server.port
+        busy = await Client.open(port)
+        await busy.send(predict_json({"op": "block"}))
+        await asyncio.wait_for(backend.entered.wait(), WAIT_S)
+        idle = await Client.open(port)
+        await idle.send(http_request("GET", "/healthz"))
+        assert (await idle.response()).status == 200
+
+        closing = asyncio.create_task(server.close())
+        assert await idle.closed()  # the idle keep-alive connection is closed at once
+        with pytest.raises(OSError):  # no longer accepting
+            await Client.open(port)
+        assert not closing.done()
+        backend.release.set()
+        resp = await busy.response()  # the in-flight request still gets its answer
+        assert resp.json() == {"result": "released"} and resp.headers["connection"] == "close"
+        assert await busy.closed()
+        await asyncio.wait_for(closing, WAIT_S)
+        await asyncio.wait_for(server.serve_forever(), WAIT_S)  # returns once closed
+        for client in (busy, idle):
+            await client.close()
+    run(main())
+
+
+def test_drain_timeout_cancels_what_is_left() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=0.2))
+        await server.start()
+        client = await Client.open(server.port)
+        await client.send(predict_json({"op": "block"}))
+        await asyncio.wait_for(backend.entered.wait(), WAIT_S)
+        await asyncio.wait_for(server.close(), WAIT_S)
+        assert backend.cancelled.is_set()
+        assert await client.closed()
+        await client.close()
+    run(main())
+
+
+def test_second_stop_request_cancels_in_flight() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=60.0))
+        await server.start()
+        client = await Client.open(server.port)
+        await client.send(predict_json({"op": "block"}))
+        await asyncio.wait_for(backend.entered.wait(), WAIT_S)
+        server.request_close()
+        server.request_close()
+        await asyncio.wait_for(server.serve_forever(), WAIT_S)
+        assert backend.cancelled.is_set()
+        await client.close()
+    run(main())
+
+
+def test_run_serves_until_sigterm() -> None:
+    async def main() -> None:
+        ports: list[int] = []
+
+        def started(server: HttpServer) -> None:
+            ports.append(server.port)
+            os.kill(os.getpid(), signal.SIGTERM)  # handlers are installed before `started` runs
+
+        await asyncio.wait_for(run_http(FakeBackend(), HttpSettings(port=0), started=started), WAIT_S)
+        assert ports and ports[0] > 0
+        with pytest.raises(OSError):
+            await Client.open(ports[0])
+    run(main())
+
+
+def test_sigterm_starts_a_drain() -> None:
+    async def main() -> None:
+        server = HttpServer(FakeBackend(), HttpSettings(port=0))
+        await server.start()
+        port = server.port
+        server.install_signal_handlers([signal.SIGTERM])
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(server.serve_forever(), WAIT_S)
+        assert server.draining
+        with pytest.raises(OSError):
+            await Client.open(port)
+    run(main())

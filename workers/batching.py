@@ -1,0 +1,139 @@
+"""Batch assembly under a deadline, on top of ``XREADGROUP COUNT/BLOCK``.
+
+Redis only checks BLOCK timeouts every 1/hz (about 100 ms by default), so a batch window of
+a few milliseconds cannot be left to BLOCK: the reader sends a blocking XREADGROUP, waits on
+its socket for exactly the time left, and if nothing came it ends the read with
+``CLIENT UNBLOCK`` from another connection. New items still wake it at once, because a
+blocked XREADGROUP returns as soon as an entry arrives.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from broker.keys import GROUP
+
+Entry = tuple[bytes, dict[bytes, bytes] | None]
+
+
+class WaitPolicy(Protocol):
+    """How long to keep filling a batch once its first item is in hand."""
+
+    def budget_s(self, idle_s: float, have: int, batch_size: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class FixedWait:
+    """Seed 000's rule: wait up to ``batch_wait_s`` from the batch's first item, except after a
+    long idle (the first item took longer than ``batch_wait_s`` to come), when the worker
+    takes what is already queued and goes."""
+
+    batch_wait_s: float
+
+    def budget_s(self, idle_s: float, have: int, batch_size: int) -> float:
+        if have >= batch_size or idle_s >= self.batch_wait_s:
+            return 0.0
+        return self.batch_wait_s
+
+
+def _parse(response: Any) -> list[Entry]:
+    if not response:
+        return []
+    # RESP3 (redis-py 8's default) answers a map of streams, RESP2 an array of pairs.
+    streams = response.items() if isinstance(response, dict) else response
+    entries: list[Entry] = []
+    for _stream, items in streams:
+        for entry_id, fields in items:
+            if fields is None:
+                entries.append((entry_id, None))
+            else:
+                it = iter(fields)
+                entries.append((entry_id, dict(zip(it, it, strict=True))))
+    return entries
+
+
+class StreamReader:
+    """Reads one stage stream as one consumer, on a connection of its own."""
+
+    def __init__(self, client: redis.Redis, stream: str, consumer: str) -> None:
+        self._client = client
+        self._stream = stream
+        self._consumer = consumer
+        self._conn: Any = None
+        self._client_id: int | None = None
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            self._conn = self._client.connection_pool.make_connection()
+            self._conn.send_command("CLIENT", "ID")
+            self._client_id = int(self._conn.read_response())
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._conn = None
+        self._client_id = None
+
+    def _command(self, count: int, block_ms: int | None, start: str) -> list[Any]:
+        cmd: list[Any] = ["XREADGROUP", "GROUP", GROUP, self._consumer, "COUNT", count]
+        if block_ms is not None:
+            cmd += ["BLOCK", block_ms]
+        return [*cmd, "STREAMS", self._stream, start]
+
+    def read(self, count: int, block_ms: int | None = None, start: str = ">") -> list[Entry]:
+        """Plain read: non-blocking, or blocking with Redis's own (coarse) timeout."""
+        conn = self._connection()
+        try:
+            conn.send_command(*self._command(count, block_ms, start))
+            return _parse(conn.read_response())
+        except BaseException:
+            self.close()
+            raise
+
+    def read_until(self, count: int, timeout_s: float) -> list[Entry]:
+        """Blocking read that returns within ``timeout_s`` by the client's clock."""
+        conn = self._connection()
+        block_ms = max(1, math.ceil(timeout_s * 1000))
+        try:
+            conn.send_command(*self._command(count, block_ms, ">"))
+            if not conn.can_read(timeout=timeout_s):
+                # The reply to XREADGROUP is read either way: nil, or entries that won the race.
+                self._client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+            return _parse(conn.read_response())
+        except BaseException:
+            self.close()
+            raise
+
+
+class BatchCollector:
+    """Collects up to ``batch_size`` new entries, waiting as the policy allows."""
+
+    def __init__(self, reader: StreamReader, batch_size: int, policy: WaitPolicy, idle_block_ms: int) -> None:
+        self._reader = reader
+        self._batch_size = batch_size
+        self._policy = policy
+        self._idle_block_ms = idle_block_ms
+
+    def collect(self) -> list[Entry]:
+        started = time.monotonic()
+        entries = self._reader.read(self._batch_size, block_ms=self._idle_block_ms)
+        if not entries:
+            return entries
+        first_at = time.monotonic()
+        budget = self._policy.budget_s(first_at - started, len(entries), self._batch_size)
+        deadline = first_at + budget
+        while len(entries) < self._batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            more = self._reader.read_until(self._batch_size - len(entries), remaining)
+            if not more:
+                break
+            entries += more
+        return entries

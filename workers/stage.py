@@ -1,0 +1,38 @@
+"""The user-facing Stage API: plain synchronous Python, one instance per worker process."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class Stage:
+    """Subclass it and write ``predict``.
+
+    Class attributes are the stage's defaults; ``Pipeline.add(...)`` overrides them.
+    With ``batch_size`` absent or 1, ``predict(x)`` takes one input and returns one output.
+    With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a sequence of the same
+    length, in order; conveyor waits at most ``batch_wait_s`` after a batch's first item.
+    Extra keyword arguments of ``add`` arrive in ``__init__`` as plain data.
+    """
+
+    name: ClassVar[str | None] = None
+    workers: ClassVar[int | None] = None
+    cpus: ClassVar[list[int] | None] = None
+    threads: ClassVar[int | None] = None
+    batch_size: ClassVar[int | None] = None
+    batch_wait_s: ClassVar[float | None] = None
+    max_run_s: ClassVar[float | None] = None
+    max_backlog: ClassVar[int | None] = None
+    max_deliveries: ClassVar[int | None] = None
+    claim_idle_s: ClassVar[float | None] = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+    def setup(self) -> None:
+        """Load the model. Runs once in the worker process, after pinning and thread limits,
+        before the worker reads anything."""
+
+    def predict(self, x: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")

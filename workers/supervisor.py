@@ -1,0 +1,225 @@
+"""Starts, watches and replaces worker processes; gives up on a stage that cannot start.
+
+Each child holds the write end of a pipe and reports 'R' (ready), 'B' (busy) and 'I'
+(idle). The supervisor waits on those pipes with a selector, so it wakes when a child
+reports or dies (EOF), never polling. A child that dies before it is ready, several times
+in a row, means the stage cannot start here (bad setup, missing model): the supervisor
+stops everything and exits non-zero so compose or Kubernetes replaces the container rather
+than leaving a zombie that looks alive. A child killed after it was ready is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+from broker.pipeline import StageSpec
+from workers.pinning import allowed_cpus, assign_cpus, thread_env
+
+log = logging.getLogger("conveyor.supervisor")
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    max_start_failures: int = 3  # consecutive deaths before 'ready' that end the supervisor
+    restart_base_s: float = 0.2
+    restart_cap_s: float = 10.0
+    stable_after_s: float = 10.0  # a worker up this long resets its restart backoff
+    grace_s: float = 10.0
+
+
+@dataclass
+class Slot:
+    spec: StageSpec
+    number: int
+    cpu: int | None
+    consumer: str
+    proc: subprocess.Popen[bytes] | None = None
+    pipe: int | None = None
+    ready_at: float | None = None
+    busy_since: float | None = None
+    start_failures: int = 0
+    quick_deaths: int = 0
+    restart_at: float | None = 0.0
+    history: list[int] = field(default_factory=list)  # exit codes, for tests and logs
+
+
+class Supervisor:
+    def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], redis_url: str,
+                 settings: SupervisorSettings | None = None, cpu_offset: int = 0) -> None:
+        self.app = app
+        self.stages = list(stages)
+        self.redis_url = redis_url
+        self.settings = settings or SupervisorSettings()
+        self.cpu_offset = cpu_offset
+        self.stopping = False
+        self.slots: list[Slot] = []
+
+    def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
+        self.stopping = True
+
+    def _make_slots(self) -> None:
+        allowed = allowed_cpus()
+        # Unique even where containers share a host name and PID 1 (host networking).
+        host = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        spread = self.cpu_offset
+        for spec, count in self.stages:
+            for n in range(count):
+                cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
+                consumer = f"{spec.name}@{host}:{n}"
+                self.slots.append(Slot(spec, n, cpu, consumer))
+            spread += count
+
+    # -- main loop ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
+        self._make_slots()
+        self._selector = selectors.DefaultSelector()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        old_fd = signal.set_wakeup_fd(wake_w)
+        self._selector.register(wake_r, selectors.EVENT_READ, None)
+        code = 0
+        try:
+            code = self._watch()
+        finally:
+            self._stop_all()
+            signal.set_wakeup_fd(old_fd)
+            self._selector.close()
+            os.close(wake_r)
+            os.close(wake_w)
+        return code
+
+    def _watch(self) -> int:
+        while not self.stopping:
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
+                    self._spawn(slot)
+                self._check_runtime(slot, now)
+            for key, _ in self._selector.select(timeout=self._next_timeout()):
+                if key.data is None:
+                    _drain(key.fd)
+                else:
+                    self._on_pipe(key.data)
+            failed = [s for s in self.slots if s.start_failures >= self.settings.max_start_failures]
+            if failed:
+                log.error("stage %s failed to start %d times in a row: giving up",
+                          failed[0].spec.name, failed[0].start_failures)
+                return 1
+        return 0
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        waits = [1.0]
+        for slot in self.slots:
+            if slot.proc is None and slot.restart_at is not None:
+                waits.append(slot.restart_at - now)
+            if slot.busy_since is not None and slot.spec.max_run_s:
+                waits.append(slot.busy_since + slot.spec.max_run_s - now)
+        return max(0.0, min(waits))
+
+    # -- children ------------------------------------------------------------------------
+
+    def _spawn(self, slot: Slot) -> None:
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ, CONVEYOR_REDIS_URL=self.redis_url, **thread_env(slot.spec.threads))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "workers.child", "--app", self.app, "--stage", slot.spec.name,
+               "--consumer", slot.consumer, "--status-fd", str(write_fd)]
+        if slot.cpu is not None:
+            cmd += ["--cpu", str(slot.cpu)]
+        try:
+            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        slot.pipe = read_fd
+        slot.ready_at = None
+        slot.busy_since = None
+        slot.restart_at = None
+        self._selector.register(read_fd, selectors.EVENT_READ, slot)
+        log.info("started worker stage=%s slot=%d pid=%d cpu=%s", slot.spec.name, slot.number,
+                 slot.proc.pid, slot.cpu)
+
+    def _on_pipe(self, slot: Slot) -> None:
+        assert slot.pipe is not None
+        data = os.read(slot.pipe, 4096)
+        if not data:
+            self._on_exit(slot)
+            return
+        now = time.monotonic()
+        for code in data:
+            if code == ord("R"):
+                slot.ready_at = now
+                slot.start_failures = 0
+            elif code == ord("B"):
+                slot.busy_since = now
+            elif code == ord("I"):
+                slot.busy_since = None
+
+    def _on_exit(self, slot: Slot) -> None:
+        assert slot.proc is not None and slot.pipe is not None
+        self._selector.unregister(slot.pipe)
+        os.close(slot.pipe)
+        returncode = slot.proc.wait()
+        slot.history.append(returncode)
+        now = time.monotonic()
+        if slot.ready_at is None:
+            slot.start_failures += 1
+            slot.quick_deaths += 1
+        elif now - slot.ready_at < self.settings.stable_after_s:
+            slot.quick_deaths += 1
+        else:
+            slot.quick_deaths = 0
+        delay = min(self.settings.restart_cap_s, self.settings.restart_base_s * 2 ** max(0, slot.quick_deaths - 1))
+        log.warning("worker exited stage=%s slot=%d code=%s ready=%s restart_in=%.2fs", slot.spec.name,
+                    slot.number, returncode, slot.ready_at is not None, delay)
+        slot.proc, slot.pipe, slot.busy_since = None, None, None
+        slot.restart_at = now + delay
+
+    def _check_runtime(self, slot: Slot, now: float) -> None:
+        limit = slot.spec.max_run_s
+        if slot.proc is None or slot.busy_since is None or not limit:
+            return
+        if now - slot.busy_since > limit:
+            log.error("worker stage=%s pid=%d ran predict for over max_run_s=%.1fs: killing it",
+                      slot.spec.name, slot.proc.pid, limit)
+            slot.proc.kill()
+            slot.busy_since = None
+
+    def _stop_all(self) -> None:
+        live = [s for s in self.slots if s.proc is not None]
+        for slot in live:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.grace_s
+        for slot in live:
+            assert slot.proc is not None
+            try:
+                slot.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker pid=%d did not stop within grace_s: killing it", slot.proc.pid)
+                slot.proc.kill()
+                slot.proc.wait()
+            if slot.pipe is not None:
+                self._selector.unregister(slot.pipe)
+                os.close(slot.pipe)
+                slot.pipe = None
+            slot.proc = None
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.read(fd, 4096)

@@ -1,0 +1,276 @@
+"""One worker process of one stage: read a batch, run the user's code, commit, repeat.
+
+Delivery is at-least-once: an entry leaves the stage's pending list only in the same Lua
+call that puts its next step (next stream, result key) into Redis. A crash anywhere before
+that leaves it pending, to be drained by this consumer when it restarts or claimed by a
+live one after ``claim_idle_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from broker import codec, protocol
+from broker.commit import Commit, Committer, Ttls
+from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
+from broker.keys import GROUP
+from broker.pipeline import Pipeline, StageSpec
+from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
+from workers.runner import run_batch, run_single
+from workers.stage import Stage
+
+log = logging.getLogger("conveyor.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    idle_block_ms: int = 1000  # how often an idle worker looks at its stop flag
+    heartbeat_s: float = 1.0
+    result_ttl_ms: int = 60_000
+    reply_ttl_ms: int = 300_000
+    max_payload_bytes: int = 16 * 1024 * 1024
+
+
+class StatusPipe:
+    """Tells the supervisor 'ready', 'busy' and 'idle' with one byte, so it can spot a worker
+    that dies before it is ready or runs past ``max_run_s``."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def send(self, code: bytes) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(self._fd, code)
+
+
+class Worker:
+    def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
+                 consumer: str, settings: WorkerSettings, status: StatusPipe) -> None:
+        self.pipeline = pipeline
+        self.spec = spec
+        self.redis_settings = redis_settings
+        self.consumer = consumer
+        self.settings = settings
+        self.status = status
+        self.keys = pipeline.keys
+        self.stopping = False  # set by a signal handler: a plain flag, never a lock
+        self._heartbeat_done = threading.Event()
+        self._held: list[bytes] = []
+        self._held_since = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        stage = self.spec.cls(**self.spec.kwargs)
+        stage.setup()
+        self._client = self.redis_settings.sync_client()
+        self._stream = self.keys.stream(self.spec.index)
+        self._next = self.pipeline.next_of(self.spec)
+        self._committer = Committer(self._client, self.keys, self.spec.index, self.spec.name,
+                                    self._next is not None,
+                                    Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
+        self._limits = protocol.Limits(self.settings.max_payload_bytes)
+        self._result_prefix = self.keys.result("").encode()
+        reader = StreamReader(self._client, self._stream, self.consumer)
+        wait = FixedWait(self.spec.batch_wait_s)
+        self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
+        self._reader = reader
+        self._stage = stage
+        self._with_redis(self._register)
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeat.start()
+        self.status.send(b"R")
+        log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
+        try:
+            self._loop()
+        finally:
+            self._heartbeat_done.set()
+            reader.close()
+            self._client.close()
+
+    def _register(self) -> None:
+        try:
+            self._client.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._client.set(self.keys.spec, codec.encode(self.pipeline.describe()))
+
+    def _loop(self) -> None:
+        recover = True  # first drain what this consumer left pending in a previous life
+        backoff = Backoff()
+        next_claim = time.monotonic() + self.spec.claim_idle_s / 2
+        while not self.stopping:
+            try:
+                if recover:
+                    self._drain_own_pending()
+                    recover = False
+                if time.monotonic() >= next_claim:
+                    self._claim_stale()
+                    next_claim = time.monotonic() + self.spec.claim_idle_s / 2
+                entries = self._collector.collect()
+                if entries:
+                    self._process(entries, deliveries=None)
+                backoff.reset()
+            except CONNECTION_ERRORS as exc:
+                log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
+                recover = True
+                time.sleep(backoff.next_delay_s())
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group missing (Redis restarted empty?): recreating")
+                self._register()
+
+    def request_stop(self) -> None:
+        """Finish the batch in hand, commit it, and return from ``run``."""
+        self.stopping = True
+
+    def _with_redis(self, action: Any) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                action()
+                return
+            except CONNECTION_ERRORS as exc:
+                log.warning("redis unavailable at start error=%r", exc)
+                if self.stopping:
+                    return
+                time.sleep(backoff.next_delay_s())
+
+    # -- recovery -------------------------------------------------------------------------
+
+    def _drain_own_pending(self) -> None:
+        while not self.stopping:
+            entries = self._reader.read(self.spec.batch_size, start="0")
+            if not entries:
+                return
+            self._process(entries, deliveries=self._delivery_counts(entries))
+
+    def _claim_stale(self) -> None:
+        min_idle_ms = int(self.spec.claim_idle_s * 1000)
+        cursor = "0-0"
+        while not self.stopping:
+            reply = self._client.xautoclaim(self._stream, GROUP, self.consumer, min_idle_ms, cursor,
+                                            count=self.spec.batch_size)
+            cursor, claimed = reply[0], reply[1]
+            deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
+            entries: list[Entry] = [(eid, fields or None) for eid, fields in claimed]
+            entries += [(eid, None) for eid in deleted]
+            if entries:
+                log.warning("claimed stale entries stage=%s count=%d", self.spec.name, len(entries))
+                self._process(entries, deliveries=self._delivery_counts(entries))
+            if cursor in (b"0-0", "0-0"):
+                return
+
+    def _delivery_counts(self, entries: list[Entry]) -> dict[bytes, int]:
+        ids = sorted((e[0] for e in entries), key=_id_key)
+        rows = self._client.xpending_range(self._stream, GROUP, ids[0], ids[-1], len(ids) * 2,
+                                           consumername=self.consumer)
+        return {row["message_id"]: int(row["times_delivered"]) for row in rows}
+
+    def _heartbeat_loop(self) -> None:
+        client = self.redis_settings.sync_client()
+        hb_key = self.keys.heartbeats(self.spec.index)
+        while not self._heartbeat_done.wait(self.settings.heartbeat_s):
+            try:
+                now = protocol.now_ms()
+                pipe = client.pipeline(transaction=False)
+                pipe.zadd(hb_key, {self.consumer: now})
+                pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
+                held, since = self._held, self._held_since
+                if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
+                    # Renew the lease: a long batch must not be claimed by another worker.
+                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, held, justid=True)
+                pipe.execute()
+            except CONNECTION_ERRORS:
+                continue
+        client.close()
+
+    # -- one batch ------------------------------------------------------------------------
+
+    def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
+        commit = Commit(acks=[e[0] for e in entries])
+        work = self._admit(entries, deliveries, commit)
+        self._held, self._held_since = commit.acks, time.monotonic()
+        started = time.perf_counter()
+        if work:
+            self.status.send(b"B")
+            outcomes = self._run([x for _, x in work])
+            self.status.send(b"I")
+            for (item, _), outcome in zip(work, outcomes, strict=True):
+                self._route(item, outcome, commit)
+        commit.batch_size = len(work)
+        commit.duration_ms = (time.perf_counter() - started) * 1000
+        self._committer(commit)
+        self._held = []
+
+    def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
+        stage: Stage = self._stage
+        if self.spec.batched:
+            return run_batch(stage.predict, inputs)
+        return run_single(stage.predict, inputs)
+
+    def _admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None,
+               commit: Commit) -> list[tuple[protocol.Item, Any]]:
+        """Validate, decode and drop what must not reach user code; answer those at once."""
+        at = protocol.now_ms()
+        work: list[tuple[protocol.Item, Any]] = []
+        for entry_id, fields in entries:
+            item = protocol.parse_entry(entry_id, fields, self.keys, self._limits, at)
+            if isinstance(item, protocol.Rejected):
+                self._reject(item, item.reason, commit)
+                continue
+            count = deliveries.get(entry_id, 1) if deliveries else 1
+            if count > self.spec.max_deliveries:
+                reason = f"delivered {count} times (max_deliveries={self.spec.max_deliveries})"
+                self._reject(item, reason, commit)
+            elif item.expired(at):
+                self._error(item, protocol.E_DEADLINE, "deadline passed before the stage ran", "", commit)
+            else:
+                try:
+                    work.append((item, codec.decode(item.data)))
+                except codec.CodecError as exc:
+                    self._reject(item, f"undecodable payload: {exc}", commit)
+        return work
+
+    def _reject(self, item: protocol.Item | protocol.Rejected, reason: str, commit: Commit) -> None:
+        log.warning("dead-letter stage=%s request=%r reason=%s", self.spec.name, item.request_id, reason)
+        commit.dead_letter(item.entry_id, item.request_id, reason, item.data[:1024])
+        if item.request_id is not None:
+            record = protocol.error_record(item.request_id, protocol.E_DEAD_LETTER, reason, self.spec.name, "")
+            commit.publish(self._result_prefix + item.request_id, record, item.reply)
+
+    def _error(self, item: protocol.Item, type_: str, message: str, tb: str, commit: Commit) -> None:
+        record = protocol.error_record(item.request_id, type_, message, self.spec.name, tb)
+        commit.publish(self._result_prefix + item.request_id, record, item.reply)
+
+    def _route(self, item: protocol.Item, outcome: tuple[bool, Any], commit: Commit) -> None:
+        ok, value = outcome
+        if not ok:
+            self._error(item, value.type, value.message, value.traceback, commit)
+        elif self._next is None:
+            commit.publish(self._result_prefix + item.request_id, protocol.ok_record(item.request_id, value),
+                           item.reply)
+        else:
+            try:
+                data = codec.encode(value)
+            except codec.CodecError as exc:
+                self._error(item, protocol.E_UNENCODABLE, str(exc), "", commit)
+                return
+            commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+
+
+def _id_key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
