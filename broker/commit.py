@@ -68,10 +68,10 @@ class Committer:
         res_args: list[bytes | int] = []
         for result_key, record, reply in commit.results:
             res_args += [key_index(result_key), record, key_index(reply) if reply else 0]
-        head: list[bytes | int | str] = [
+        head: list[bytes | int | float | str] = [
             GROUP, self._ttls.result_ttl_ms, self._ttls.reply_ttl_ms, self._stage_name,
             len(commit.acks), len(commit.forwards) // 4, len(commit.results), len(commit.dead) // 4,
             commit.batch_size, round(commit.duration_ms, 3),
         ]
-        args = head + commit.forwards + res_args + commit.dead + commit.acks
+        args = [*head, *commit.forwards, *res_args, *commit.dead, *commit.acks]
         return int(self._script(keys=keys, args=args))

@@ -150,3 +150,8 @@ def error_record(request_id: bytes, type_: str, message: str, stage: str, traceb
 def array_of(records: list[bytes]) -> bytes:
     """A reply list element: a msgpack array built from already-encoded records."""
     return array_header(len(records)) + b"".join(records)
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    """redis-py types replies as ``bytes | str``; ours are always bytes (no decode_responses)."""
+    return value if isinstance(value, bytes) else value.encode()

@@ -10,7 +10,7 @@ import redis.asyncio as aredis
 from broker import codec
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import GROUP, Keys
-from broker.protocol import now_ms
+from broker.protocol import as_bytes, now_ms
 
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat is older than this is not live
 
@@ -53,7 +53,7 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
         raw_spec = await client.get(keys.spec)
         if not raw_spec:
             return PipelineStatus(True, [], "no worker has registered this pipeline yet")
-        spec = codec.decode(raw_spec)
+        spec = codec.decode(as_bytes(raw_spec))
         pipe = client.pipeline(transaction=False)
         now = now_ms()
         for stage in spec:

@@ -201,7 +201,7 @@ class Gateway:
                 await asyncio.sleep(backoff.next_delay_s())
                 continue
             if popped is not None:
-                self._deliver(popped[1])
+                self._deliver(protocol.as_bytes(popped[1]))
 
     def _deliver(self, element: bytes) -> None:
         try:
@@ -221,14 +221,14 @@ class Gateway:
             values = await self._reply_client.mget([self._result_prefix + i for i in chunk])
             for raw in values:
                 if raw is not None:
-                    self._deliver(protocol.array_of([raw]))
+                    self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
 
     # -- status ---------------------------------------------------------------------------
 
     async def _load_spec(self) -> None:
         raw = await self._client.get(self.keys.spec)
         if raw:
-            stages = codec.decode(raw)
+            stages = codec.decode(protocol.as_bytes(raw))
             if stages and stages[0].get("max_backlog") is not None:
                 self._max_backlog = int(stages[0]["max_backlog"])
 

@@ -177,7 +177,7 @@ class Worker:
         ids = sorted((e[0] for e in entries), key=_id_key)
         rows = self._client.xpending_range(self._stream, GROUP, ids[0], ids[-1], len(ids) * 2,
                                            consumername=self.consumer)
-        return {row["message_id"]: int(row["times_delivered"]) for row in rows}
+        return {row["message_id"]: int(row["times_delivered"]) for row in rows}  # type: ignore[misc]
 
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
@@ -191,7 +191,7 @@ class Worker:
                 held, since = self._held, self._held_since
                 if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
                     # Renew the lease: a long batch must not be claimed by another worker.
-                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, held, justid=True)
+                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
                 pipe.execute()
             except CONNECTION_ERRORS:
                 continue
