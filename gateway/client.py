@@ -11,23 +11,30 @@ reconnect the reader re-reads the keys of every request still in flight.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import uuid
 from dataclasses import dataclass
+from importlib import resources
 from types import TracebackType
 from typing import Any
 
-import redis.asyncio as aredis
+import redis
 
 from broker import codec, protocol
 from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.status import PipelineStatus, read_status
 from gateway.errors import Overloaded, StageError
 
 log = logging.getLogger("conveyor.gateway")
+
+SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
+SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
+Submission = tuple[bytes, bytes, bytes]  # request id, data, deadline ms
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,10 @@ class Gateway:
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
-        self._stream = self.keys.stream(0)
+        self._stream = self.keys.stream(0).encode()
         self._result_prefix = self.keys.result("").encode()
         self._pending: dict[bytes, _Pending] = {}
-        self._outbox: list[dict[bytes, bytes]] = []
+        self._outbox: list[Submission] = []
         self._unlink: list[bytes] = []
         self._wake = asyncio.Event()
         self._counter = 0
@@ -72,6 +79,7 @@ class Gateway:
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
         await acheck_server(self._client)
+        await self._client.script_load(SUBMIT_LUA)
         if self._max_backlog is None:
             await self._load_spec()
         self._tasks = [asyncio.create_task(self._flusher(), name="conveyor-flusher"),
@@ -118,7 +126,7 @@ class Gateway:
         timer = loop.call_later(timeout, self._expire, request_id, timeout)
         self._pending[request_id] = _Pending(future, timer)
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
-        self._outbox.append(protocol.entry_fields(request_id, data, self._reply_key, deadline_ms))
+        self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
         return await future
 
@@ -168,19 +176,32 @@ class Gateway:
                     backoff.reset()
                 except CONNECTION_ERRORS as exc:
                     log.warning("redis unavailable for submissions error=%r", exc)
-                    live = [f for f in batch if f[protocol.F_ID] in self._pending]
+                    live = [s for s in batch if s[0] in self._pending]
                     self._outbox[:0] = live  # expired ones are dropped; the rest are retried
                     await asyncio.sleep(backoff.next_delay_s())
 
-    async def _send(self, batch: list[dict[bytes, bytes]], unlink: list[bytes]) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        for fields in batch:
-            pipe.xadd(self._stream, fields)  # type: ignore[arg-type]
-        if unlink:
-            pipe.unlink(*unlink)
-        pipe.xlen(self._stream)
-        results = await pipe.execute()
-        self._backlog = int(results[-1])
+    async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
+        args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (1 + len(unlink)), self._stream, *unlink, b"%d" % len(batch)]
+        for request_id, data, deadline in batch:
+            args += (request_id, data, self._reply_key, deadline)
+        packed = pack_command(args)
+        try:
+            self._backlog = int(await self._execute_packed(packed))
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            await self._client.script_load(SUBMIT_LUA)
+            self._backlog = int(await self._execute_packed(packed))
+
+    async def _execute_packed(self, packed: bytes) -> Any:
+        pool = self._client.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+            return await conn.read_response()
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
 
     async def _reader(self) -> None:
         backoff = Backoff()

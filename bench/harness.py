@@ -1,0 +1,76 @@
+"""Shared by the benchmarks: an embedded Redis, real `conveyor worker` processes, latency stats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import redis.asyncio as aredis
+
+from broker.embedded import EmbeddedRedis
+from broker.keys import Keys
+from broker.status import read_status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> str:
+    mem_gib = psutil.virtual_memory().total / 2**30
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, " \
+           f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
+
+
+@contextlib.contextmanager
+def embedded_redis() -> Iterator[str]:
+    server = EmbeddedRedis()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def workers(app: str, stages: list[str], redis_url: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    env = dict(os.environ, CONVEYOR_REDIS_URL=redis_url, CONVEYOR_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "worker", app, "--stage", s],
+                              env=env, cwd=ROOT) for s in stages]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def wait_ready(redis_url: str, pipeline: str, n_stages: int, timeout_s: float = 30.0) -> None:
+    client = aredis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            status = await read_status(client, Keys(pipeline))
+            if status.ready and len(status.stages) == n_stages:
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"pipeline {pipeline} not ready within {timeout_s}s")
+    finally:
+        await client.aclose()
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[k]

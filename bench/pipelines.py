@@ -1,0 +1,41 @@
+"""Pipelines the benchmarks run (importable as ``bench.pipelines:NAME`` by worker processes)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from broker import Pipeline
+from workers import Stage
+
+
+class Square(Stage):
+    """Seed 001's model: sleeps a little longer for a longer batch, far less than per item."""
+
+    batch_size = 200
+    batch_wait_s = 0.002
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        time.sleep(0.001 * math.log(len(xs) + 1))
+        return [v * v for v in xs]
+
+
+class Scale(Stage):
+    batch_size = 64
+    batch_wait_s = 0.002
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return [x * 2 for x in xs]
+
+
+class Shift(Stage):
+    batch_size = 64
+    batch_wait_s = 0.002
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return [x + 3 for x in xs]
+
+
+seed001 = Pipeline("bench-seed001").add(Square)
+scale_shift = Pipeline("bench-scale-shift").add(Scale).add(Shift)
