@@ -258,12 +258,3 @@ class Gateway:
         if self.settings.max_backlog is None and status.stages:
             self._max_backlog = status.stages[0].max_backlog
         return status
-
-
-async def connect(redis_url: str, pipeline: str, **settings: Any) -> Gateway:
-    gateway = Gateway(redis_url, pipeline, GatewaySettings(**settings))
-    await gateway.start()
-    return gateway
-
-
-__all__ = ["Gateway", "GatewaySettings", "Overloaded", "StageError", "aredis"]
