@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--consumer", required=True)
     parser.add_argument("--cpu", type=int, default=None)
     parser.add_argument("--status-fd", type=int, default=None)
+    parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     limit_torch_threads(spec.threads)
     redis_url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0")
     worker = Worker(pipeline, spec, RedisSettings(redis_url), args.consumer, WorkerSettings(),
-                    StatusPipe(args.status_fd))
+                    StatusPipe(args.status_fd), previous_exit=args.previous_exit)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

@@ -53,6 +53,7 @@ class Slot:
     quick_deaths: int = 0
     restart_at: float | None = 0.0
     history: list[int] = field(default_factory=list)  # exit codes, for tests and logs
+    killed_for_timeout: bool = False
 
 
 class Supervisor:
@@ -141,6 +142,8 @@ class Supervisor:
                "--consumer", slot.consumer, "--status-fd", str(write_fd)]
         if slot.cpu is not None:
             cmd += ["--cpu", str(slot.cpu)]
+        if slot.killed_for_timeout:
+            cmd += ["--previous-exit", "timeout"]
         try:
             slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,))
         finally:
@@ -164,6 +167,8 @@ class Supervisor:
             if code == ord("R"):
                 slot.ready_at = now
                 slot.start_failures = 0
+            elif code == ord("D"):  # drained what its predecessor held
+                slot.killed_for_timeout = False
             elif code == ord("B"):
                 slot.busy_since = now
             elif code == ord("I"):
@@ -198,6 +203,7 @@ class Supervisor:
                       slot.spec.name, slot.proc.pid, limit)
             slot.proc.kill()
             slot.busy_since = None
+            slot.killed_for_timeout = True
 
     def _stop_all(self) -> None:
         live = [s for s in self.slots if s.proc is not None]

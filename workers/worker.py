@@ -55,13 +55,14 @@ class StatusPipe:
 
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
-                 consumer: str, settings: WorkerSettings, status: StatusPipe) -> None:
+                 consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "") -> None:
         self.pipeline = pipeline
         self.spec = spec
         self.redis_settings = redis_settings
         self.consumer = consumer
         self.settings = settings
         self.status = status
+        self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
         self.keys = pipeline.keys
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
         self._heartbeat_done = threading.Event()
@@ -114,6 +115,7 @@ class Worker:
             try:
                 if recover:
                     self._drain_own_pending()
+                    self.status.send(b"D")
                     recover = False
                 if time.monotonic() >= next_claim:
                     self._claim_stale()
@@ -151,11 +153,19 @@ class Worker:
     # -- recovery -------------------------------------------------------------------------
 
     def _drain_own_pending(self) -> None:
+        """Finish what this consumer held when it died. Entries delivered before run one at a
+        time: if one of them crashed or hung the worker, it alone pays for it again."""
         while not self.stopping:
             entries = self._reader.read(self.spec.batch_size, start="0")
             if not entries:
                 return
-            self._process(entries, deliveries=self._delivery_counts(entries))
+            deliveries = self._delivery_counts(entries)
+            fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
+            if fresh:
+                self._process(fresh, deliveries)
+            for entry in entries:
+                if deliveries.get(entry[0], 1) > 1:
+                    self._process([entry], deliveries)
 
     def _claim_stale(self) -> None:
         min_idle_ms = int(self.spec.claim_idle_s * 1000)
@@ -233,8 +243,7 @@ class Worker:
                 continue
             count = deliveries.get(entry_id, 1) if deliveries else 1
             if count > self.spec.max_deliveries:
-                reason = f"delivered {count} times (max_deliveries={self.spec.max_deliveries})"
-                self._reject(item, reason, commit)
+                self._reject(item, self._redelivery_reason(count), commit)
             elif item.expired(at):
                 self._error(item, protocol.E_DEADLINE, "deadline passed before the stage ran", "", commit)
             else:
@@ -243,6 +252,12 @@ class Worker:
                 except codec.CodecError as exc:
                     self._reject(item, f"undecodable payload: {exc}", commit)
         return work
+
+    def _redelivery_reason(self, count: int) -> str:
+        limit = f"delivered {count} times (max_deliveries={self.spec.max_deliveries})"
+        if self.previous_exit == "timeout":
+            return f"timeout: predict ran past max_run_s={self.spec.max_run_s}s; {limit}"
+        return f"{limit}: its worker crashed or was killed while processing it"
 
     def _reject(self, item: protocol.Item | protocol.Rejected, reason: str, commit: Commit) -> None:
         log.warning("dead-letter stage=%s request=%r reason=%s", self.spec.name, item.request_id, reason)
