@@ -73,6 +73,11 @@ class Pipeline:
         self.prefix = prefix
         self.stages: list[StageSpec] = []
 
+    def use_prefix(self, prefix: str) -> None:
+        """Move the pipeline's keys under another prefix (tenants sharing one Redis)."""
+        self.keys = Keys(self.name, prefix)
+        self.prefix = prefix
+
     def add(self, cls: type, **options: Any) -> Pipeline:
         """Append a stage. Known knobs override the class attributes; the rest go to ``cls(...)``."""
         knobs = {k: options.pop(k) for k in list(options) if k in STAGE_KNOBS}

@@ -13,7 +13,15 @@ class AppError(Exception):
     """The APP argument does not name a Pipeline."""
 
 
-def load_pipeline(app: str) -> Pipeline:
+def load_pipeline(app: str, prefix: str | None = None) -> Pipeline:
+    """Import APP; ``prefix`` (``--prefix``/``CONVEYOR_PREFIX``) overrides the pipeline's key prefix."""
+    pipeline = _import_pipeline(app)
+    if prefix:
+        pipeline.use_prefix(prefix)
+    return pipeline
+
+
+def _import_pipeline(app: str) -> Pipeline:
     if os.getcwd() not in sys.path:  # as uvicorn's --app-dir ".": apps import from where you stand
         sys.path.insert(0, os.getcwd())
     module_name, sep, attr = app.partition(":")

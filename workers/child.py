@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
     try:
-        pipeline = load_pipeline(args.app)
+        pipeline = load_pipeline(args.app, os.environ.get("CONVEYOR_PREFIX"))
         spec = pipeline.stage(args.stage)
     except (AppError, ValueError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)

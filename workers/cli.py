@@ -23,9 +23,11 @@ def _setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
-def _load(app: str) -> Any:
+def _load(app: str, prefix: str | None) -> Any:
+    if prefix:  # worker processes read it from their environment
+        os.environ["CONVEYOR_PREFIX"] = prefix
     try:
-        return load_pipeline(app)
+        return load_pipeline(app, prefix)
     except AppError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -42,16 +44,18 @@ def _supervise(supervisor: Supervisor) -> int:
 @click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS",
               help="Worker processes (default: the stage's own setting).")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS, show_default=True)
+@click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None,
+              help="Key prefix (default: the pipeline's own, 'conveyor').")
 @click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S",
               help="On SIGTERM, how long workers may take to finish their batch.")
-def worker(app: str, stage: str, workers: int | None, redis_url: str, grace_s: float) -> None:
+def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: str | None, grace_s: float) -> None:
     """Run the worker processes of one stage of APP (module:attribute).
 
     Exits non-zero when the stage's workers keep dying before they are ready, so that
     compose or Kubernetes replaces the container.
     """
     _setup_logging()
-    pipeline = _load(app)
+    pipeline = _load(app, prefix)
     try:
         spec = pipeline.stage(stage)
     except ValueError as exc:
@@ -66,10 +70,12 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, grace_s: f
               help="Use this Redis instead of starting an embedded one.")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST")
 @click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT")
-def run(app: str, redis_url: str | None, host: str, port: int) -> None:
+@click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None,
+              help="Key prefix (default: the pipeline's own, 'conveyor').")
+def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None) -> None:
     """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway."""
     _setup_logging()
-    pipeline = _load(app)
+    pipeline = _load(app, prefix)
     embedded = EmbeddedRedis() if redis_url is None else None
     gateway: subprocess.Popen[bytes] | None = None
     code = 1
