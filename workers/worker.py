@@ -159,13 +159,16 @@ class Worker:
             entries = self._reader.read(self.spec.batch_size, start="0")
             if not entries:
                 return
-            deliveries = self._delivery_counts(entries)
-            fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
-            if fresh:
-                self._process(fresh, deliveries)
-            for entry in entries:
-                if deliveries.get(entry[0], 1) > 1:
-                    self._process([entry], deliveries)
+            self._process_redelivered(entries)
+
+    def _process_redelivered(self, entries: list[Entry]) -> None:
+        deliveries = self._delivery_counts(entries)
+        fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
+        if fresh:
+            self._process(fresh, deliveries)
+        for entry in entries:
+            if deliveries.get(entry[0], 1) > 1:
+                self._process([entry], deliveries)
 
     def _claim_stale(self) -> None:
         min_idle_ms = int(self.spec.claim_idle_s * 1000)
@@ -179,7 +182,7 @@ class Worker:
             entries += [(eid, None) for eid in deleted]
             if entries:
                 log.warning("claimed stale entries stage=%s count=%d", self.spec.name, len(entries))
-                self._process(entries, deliveries=self._delivery_counts(entries))
+                self._process_redelivered(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
