@@ -8,7 +8,8 @@ next one, the CLI to find a stage by name. It holds stage *classes* without impo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,20 +49,51 @@ class StageSpec:
         return self.batch_size > 1
 
     def validate(self) -> None:
-        if self.workers < 1:
-            raise PipelineError(f"stage {self.name}: workers must be >= 1, got {self.workers}")
-        if self.batch_size < 1:
-            raise PipelineError(f"stage {self.name}: batch_size must be >= 1, got {self.batch_size}")
-        if not (self.batch_wait_s >= 0 and math.isfinite(self.batch_wait_s)):
-            raise PipelineError(f"stage {self.name}: batch_wait_s must be a finite number >= 0")
-        if self.threads is not None and self.threads < 1:
-            raise PipelineError(f"stage {self.name}: threads must be >= 1")
-        if self.cpus is not None and len(self.cpus) == 0:
-            raise PipelineError(f"stage {self.name}: cpus must not be empty (omit it for the default spread)")
-        if self.max_deliveries < 1:
-            raise PipelineError(f"stage {self.name}: max_deliveries must be >= 1")
-        if self.claim_idle_s <= 0:
-            raise PipelineError(f"stage {self.name}: claim_idle_s must be > 0")
+        if not isinstance(self.name, str) or not self.name:
+            raise PipelineError(f"stage names must be non-empty strings, got {self.name!r}")
+        _check_int(self.name, "workers", self.workers, 1)
+        _check_int(self.name, "batch_size", self.batch_size, 1)
+        _check_number(self.name, "batch_wait_s", self.batch_wait_s, allow_zero=True)
+        if self.threads is not None:
+            _check_int(self.name, "threads", self.threads, 1)
+        if self.cpus is not None:
+            if len(self.cpus) == 0:
+                raise PipelineError(f"stage {self.name}: cpus must not be empty (omit it for the default spread)")
+            for cpu in self.cpus:
+                _check_int(self.name, "cpus entries", cpu, 0)
+        _check_int(self.name, "max_deliveries", self.max_deliveries, 1)
+        _check_number(self.name, "claim_idle_s", self.claim_idle_s, allow_zero=False)
+        if self.max_run_s is not None:
+            _check_number(self.name, "max_run_s", self.max_run_s, allow_zero=True)
+        if self.max_backlog is not None:
+            _check_int(self.name, "max_backlog", self.max_backlog, 0)
+
+
+def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= minimum
+    except TypeError:
+        ok = False
+    if not ok:
+        raise PipelineError(f"stage {stage}: {knob} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(stage: str, knob: str, value: Any, allow_zero: bool) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value >= 0 if allow_zero else value > 0))
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise PipelineError(f"stage {stage}: {knob} must be a finite number {bound}, got {value!r}")
+
+
+def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
+    """A list of core numbers as a tuple; a string or a non-iterable is a configuration error."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise PipelineError(f"stage {stage}: cpus must be a list of core numbers, got {value!r}")
+    cpus = tuple(value)
+    for cpu in cpus:
+        _check_int(stage, "cpus entries", cpu, 0)
+    return tuple(operator.index(c) for c in cpus)
 
 
 class Pipeline:
@@ -89,7 +121,7 @@ class Pipeline:
                 resolved[knob] = getattr(cls, knob)
         resolved.setdefault("name", cls.__name__)
         if resolved.get("cpus") is not None:
-            resolved["cpus"] = tuple(int(c) for c in resolved["cpus"])
+            resolved["cpus"] = _cpus(str(resolved["name"]), resolved["cpus"])
         spec = StageSpec(cls=cls, index=len(self.stages), kwargs=dict(options), **resolved)
         spec.validate()
         if any(s.name == spec.name for s in self.stages):

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         pin(args.cpu)
     limit_torch_threads(spec.threads)
     redis_url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0")
-    worker = Worker(pipeline, spec, RedisSettings(redis_url), args.consumer, WorkerSettings(),
+    worker = Worker(pipeline, spec, RedisSettings(redis_url), args.consumer, WorkerSettings.from_env(os.environ),
                     StatusPipe(args.status_fd), previous_exit=args.previous_exit)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,17 @@ class WorkerSettings:
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
     max_payload_bytes: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """``CONVEYOR_RESULT_TTL_S``, ``CONVEYOR_REPLY_TTL_S``, ``CONVEYOR_MAX_PAYLOAD_BYTES``: read by
+        the worker process at start (its supervisor passes its own environment on)."""
+        defaults = cls()
+        return cls(
+            result_ttl_ms=int(float(env.get("CONVEYOR_RESULT_TTL_S", defaults.result_ttl_ms / 1000)) * 1000),
+            reply_ttl_ms=int(float(env.get("CONVEYOR_REPLY_TTL_S", defaults.reply_ttl_ms / 1000)) * 1000),
+            max_payload_bytes=int(env.get("CONVEYOR_MAX_PAYLOAD_BYTES", defaults.max_payload_bytes)),
+        )
 
 
 class StatusPipe:
