@@ -39,3 +39,13 @@ class Shift(Stage):
 
 seed001 = Pipeline("bench-seed001").add(Square)
 scale_shift = Pipeline("bench-scale-shift").add(Scale).add(Shift)
+
+
+class Echo(Stage):
+    """No work, no batching: what is left of a request's latency is conveyor's own."""
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+echo = Pipeline("bench-echo").add(Echo)
