@@ -185,18 +185,24 @@ class Worker:
     def _claim_stale(self) -> None:
         min_idle_ms = int(self.spec.claim_idle_s * 1000)
         cursor = "0-0"
+        unnamed = False
         while not self.stopping:
             reply = self._client.xautoclaim(self._stream, GROUP, self.consumer, min_idle_ms, cursor,
                                             count=self.spec.batch_size)
             cursor, claimed = reply[0], reply[1]
             deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
-            entries: list[Entry] = [(eid, fields or None) for eid, fields in claimed]
+            # Redis 6.2 answers a bare nil (no id) for an entry deleted while pending, yet claims it:
+            # it is ours now, and reading our own history below names it.
+            entries: list[Entry] = [(eid, fields or None) for eid, fields in claimed if eid is not None]
+            unnamed = unnamed or len(entries) < len(claimed)
             entries += [(eid, None) for eid in deleted]
             if entries:
                 log.warning("claimed stale entries stage=%s count=%d", self.spec.name, len(entries))
                 self._process_redelivered(entries)
             if cursor in (b"0-0", "0-0"):
-                return
+                break
+        if unnamed:
+            self._drain_own_pending()
 
     def _delivery_counts(self, entries: list[Entry]) -> dict[bytes, int]:
         ids = sorted((e[0] for e in entries), key=_id_key)
@@ -207,7 +213,9 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
         hb_key = self.keys.heartbeats(self.spec.index)
-        while not self._heartbeat_done.wait(self.settings.heartbeat_s):
+        # Beat at once, then every heartbeat_s: `status`/readyz must see a worker as live as soon
+        # as it is ready, not heartbeat_s later.
+        while True:
             try:
                 now = protocol.now_ms()
                 pipe = client.pipeline(transaction=False)
@@ -219,7 +227,9 @@ class Worker:
                     pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
                 pipe.execute()
             except CONNECTION_ERRORS:
-                continue
+                pass
+            if self._heartbeat_done.wait(self.settings.heartbeat_s):
+                break
         client.close()
 
     # -- one batch ------------------------------------------------------------------------

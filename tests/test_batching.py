@@ -1,0 +1,176 @@
+"""StreamReader and BatchCollector against a real Redis.
+
+Timing assertions here are behaviour checks with generous bounds (a read that should take
+5 ms must not take Redis's ~100 ms BLOCK resolution, a batch that is full must not wait for
+its window), not benchmarks. Producers that must act *during* a read run in a thread and
+signal what they did through events; the read itself is what is measured.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from broker.keys import GROUP
+from workers.batching import BatchCollector, FixedWait, StreamReader
+
+STREAM = "conveyor:{t-batching}:stream:0"
+
+
+@pytest.fixture
+def reader(redis_client: redis.Redis) -> Iterator[StreamReader]:
+    redis_client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    r = StreamReader(redis_client, STREAM, "consumer-1")
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def add(client: redis.Redis, n: int, start: int = 0) -> None:
+    pipe = client.pipeline(transaction=False)
+    for i in range(start, start + n):
+        pipe.xadd(STREAM, {"id": f"r{i}", "data": b"\x01"})
+    pipe.execute()
+
+
+def ids(entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[bytes]:
+    return [fields[b"id"] for _, fields in entries if fields is not None]
+
+
+class Producer(threading.Thread):
+    """Runs ``action`` after ``delay_s`` on a connection of its own; records when it acted."""
+
+    def __init__(self, url: str, delay_s: float, action: Callable[[redis.Redis], None]) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.delay_s = delay_s
+        self.action = action
+        self.done = threading.Event()
+        self.acted_at = 0.0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        client = redis.Redis.from_url(self.url)
+        try:
+            time.sleep(self.delay_s)  # the stimulus comes later on purpose: this is not a wait for state
+            self.acted_at = time.monotonic()
+            self.action(client)
+        except BaseException as exc:  # surfaced by finish()
+            self.error = exc
+        finally:
+            client.close()
+            self.done.set()
+
+    def finish(self) -> None:
+        assert self.done.wait(10), "producer thread did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+def test_read_until_returns_by_the_client_deadline(reader: StreamReader) -> None:
+    took = []
+    for _ in range(3):  # and the connection stays usable after each CLIENT UNBLOCK
+        started = time.monotonic()
+        assert reader.read_until(10, 0.005) == []
+        took.append(time.monotonic() - started)
+    # A plain BLOCK 5 would take Redis's ~100 ms timer resolution every time.
+    assert min(took) < 0.05 and max(took) < 0.095, [f"{t * 1000:.0f} ms" for t in took]
+
+
+def test_read_until_returns_early_when_an_item_arrives(reader: StreamReader, redis_url: str) -> None:
+    producer = Producer(redis_url, 0.05, lambda c: add(c, 1, start=7))
+    producer.start()
+    started = time.monotonic()
+    entries = reader.read_until(10, 5.0)
+    returned = time.monotonic()
+    producer.finish()
+    assert ids(entries) == [b"r7"]
+    assert returned - started < 2.0, "the read waited for its timeout instead of the item"
+    assert returned >= producer.acted_at
+
+
+def test_read_until_after_a_timeout_still_reads_new_items(reader: StreamReader, redis_client: redis.Redis) -> None:
+    assert reader.read_until(5, 0.002) == []
+    add(redis_client, 2)
+    assert ids(reader.read_until(5, 1.0)) == [b"r0", b"r1"]
+
+
+def test_collector_takes_a_full_batch_at_once(reader: StreamReader, redis_client: redis.Redis) -> None:
+    add(redis_client, 100)
+    collector = BatchCollector(reader, 32, FixedWait(5.0), idle_block_ms=1000)
+    started = time.monotonic()
+    batch = collector.collect()
+    assert len(batch) == 32
+    assert ids(batch) == [f"r{i}".encode() for i in range(32)]
+    assert time.monotonic() - started < 1.0, "a full batch must not wait for batch_wait_s"
+    assert ids(collector.collect()) == [f"r{i}".encode() for i in range(32, 64)]
+
+
+def test_collector_after_an_idle_read_does_not_wait(reader: StreamReader, redis_client: redis.Redis,
+                                                    redis_url: str) -> None:
+    # The first item comes after batch_wait_s of idling: take it and go, do not open a window.
+    batch_wait_s = 0.5
+    producer = Producer(redis_url, 0.6, lambda c: add(c, 1))
+    producer.start()
+    collector = BatchCollector(reader, 32, FixedWait(batch_wait_s), idle_block_ms=5000)
+    batch = collector.collect()
+    returned = time.monotonic()
+    producer.finish()
+    assert ids(batch) == [b"r0"]
+    assert returned - producer.acted_at < batch_wait_s / 2, "the collector waited after a long idle"
+
+
+def test_collector_waits_the_window_for_a_trickle(reader: StreamReader, redis_client: redis.Redis,
+                                                  redis_url: str) -> None:
+    batch_wait_s = 0.4
+
+    def trickle(client: redis.Redis) -> None:
+        for i in range(1, 6):
+            add(client, 1, start=i)
+            time.sleep(0.01)  # a trickle, one item every 10 ms
+
+    add(redis_client, 1)  # the batch's first item is there at once: no idle, the window opens
+    producer = Producer(redis_url, 0.0, trickle)
+    started = time.monotonic()
+    producer.start()
+    batch = BatchCollector(reader, 32, FixedWait(batch_wait_s), idle_block_ms=1000).collect()
+    elapsed = time.monotonic() - started
+    producer.finish()
+    assert ids(batch) == [f"r{i}".encode() for i in range(6)]
+    assert elapsed >= batch_wait_s * 0.9, "a batch that is not full waits for its window"
+    assert elapsed < batch_wait_s + 0.5, f"the window of {batch_wait_s}s took {elapsed:.2f}s"
+
+
+def test_collector_returns_when_the_batch_fills_within_the_window(reader: StreamReader, redis_client: redis.Redis,
+                                                                   redis_url: str) -> None:
+    add(redis_client, 1)
+    producer = Producer(redis_url, 0.05, lambda c: add(c, 3, start=1))
+    started = time.monotonic()
+    producer.start()
+    batch = BatchCollector(reader, 4, FixedWait(5.0), idle_block_ms=1000).collect()
+    elapsed = time.monotonic() - started
+    producer.finish()
+    assert ids(batch) == [b"r0", b"r1", b"r2", b"r3"]
+    assert elapsed < 2.0, "a batch that filled up must not wait out its window"
+
+
+def test_collector_with_nothing_queued_returns_empty_after_the_idle_block(reader: StreamReader) -> None:
+    started = time.monotonic()
+    assert BatchCollector(reader, 8, FixedWait(0.01), idle_block_ms=50).collect() == []
+    assert time.monotonic() - started < 1.0
+
+
+def test_reader_reads_its_own_pending_history(reader: StreamReader, redis_client: redis.Redis) -> None:
+    add(redis_client, 3)
+    assert len(reader.read(10)) == 3
+    assert reader.read(10, start=">") == []
+    assert ids(reader.read(10, start="0")) == [b"r0", b"r1", b"r2"]  # not acked: still pending
+    first = reader.read(10, start="0")[0][0]
+    redis_client.xdel(STREAM, first)
+    history = reader.read(10, start="0")
+    assert history[0] == (first, None)  # deleted while pending: reported, not dropped

@@ -1,0 +1,234 @@
+"""The process side, for real: crash loops, SIGKILLed workers, SIGTERM/SIGINT, ``conveyor run``."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from broker.keys import GROUP, Keys
+from gateway.client import Gateway
+from tests import stages
+from tests.helpers import (
+    REPO_ROOT,
+    alive,
+    conveyor_argv,
+    conveyor_env,
+    descendants,
+    kill_group,
+    running_workers,
+    start_worker,
+    stop_process,
+    wait_for,
+    wait_ready,
+)
+
+T = 30.0
+
+
+def test_a_stage_whose_setup_keeps_failing_makes_conveyor_worker_exit_non_zero(redis_url: str, tmp_path: Path) -> None:
+    proc = start_worker(redis_url, "tests.stages:crash", "BrokenSetup", log_dir=tmp_path)
+    try:
+        code = proc.popen.wait(timeout=T)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.popen)
+        pytest.fail(f"conveyor worker still running {T:g}s into a crash loop\n{proc.report()}")
+    log = proc.log()
+    assert code != 0, log
+    assert "model file is missing" in log
+    assert "failed to start" in log
+    assert log.count("started worker") >= 2  # it was retried before giving up
+    assert descendants(proc.pid) == []
+
+
+def holder_of_pending(client: redis.Redis, stream: str) -> bytes | None:
+    """The consumer that holds the stream's only pending entry, if exactly one is pending."""
+    rows = client.xpending_range(stream, GROUP, "-", "+", 10)
+    return rows[0]["consumer"] if len(rows) == 1 else None
+
+
+def test_sigkilled_worker_is_replaced_and_requests_still_succeed(redis_url: str, redis_client: redis.Redis) -> None:
+    stream = Keys("t-sleepy").stream(0)
+    with running_workers(redis_url, "tests.stages:sleepy", [("Sleepy", 2)]) as workers:
+        workers.wait_ready("t-sleepy", T, workers={"Sleepy": 2})
+        supervisor = workers.stage("Sleepy")
+        before = supervisor.children()
+        assert len(before) == 2
+
+        async def main() -> tuple[Any, list[Any], psutil.Process]:
+            async with Gateway(redis_url, "t-sleepy") as gw:
+                slow = asyncio.ensure_future(gw.predict(-1.0))  # holds its worker for 1 s
+                consumer = await asyncio.to_thread(wait_for, lambda: holder_of_pending(redis_client, stream), T,
+                                                   "a worker to take the slow request")
+                victim = next(p for p in before if consumer.decode() in p.cmdline())
+                victim.kill()  # SIGKILL while it holds the slow request: only its successor can finish it
+                rest = await asyncio.gather(*(gw.predict(x) for x in range(200)))
+                # well before claim_idle_s (30 s): the successor drained its slot's pending entry
+                return await asyncio.wait_for(slow, 10), rest, victim
+
+        slow, rest, victim = asyncio.run(asyncio.wait_for(main(), 2 * T))
+        assert slow == 0.0
+        assert rest == [x + 1 for x in range(200)]
+        # A new worker took the dead one's place (same slot, new pid); the other one lived on.
+        after = wait_for(lambda: (c := supervisor.children()) and len(c) == 2 and victim.pid not in
+                         {p.pid for p in c} and c, T, "a replacement worker", supervisor.report)
+        survivor = next(p for p in before if p.pid != victim.pid)
+        assert survivor.pid in {p.pid for p in after}
+        assert "code=-9" in supervisor.log() and "restart_in=" in supervisor.log()
+        assert redis_client.xpending(stream, GROUP)["pending"] == 0
+        # The replacement is the same consumer (a stable name per slot), and each worker process
+        # ran setup() exactly once.
+        assert len(redis_client.xinfo_consumers(stream, GROUP)) == 2
+        setups = [int(pid) for pid in redis_client.lrange(stages.Sleepy.setups_key, 0, -1)]
+        assert sorted(setups) == sorted(p.pid for p in [*before, *(p for p in after if p.pid != survivor.pid)])
+
+
+def test_sigterm_stops_conveyor_worker_cleanly_mid_traffic(redis_url: str, redis_client: redis.Redis,
+                                                           tmp_path: Path) -> None:
+    """SIGTERM: workers finish the item in hand, commit, exit; nothing stays pending, nothing
+    is lost: what was not taken yet waits in the stream for the next workers."""
+    stream = Keys("t-sleepy").stream(0)
+    proc = start_worker(redis_url, "tests.stages:sleepy", "Sleepy", workers=2, log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-sleepy", T, workers={"Sleepy": 2}, diagnostics=proc.report)
+        children = proc.children()
+        assert len(children) == 2
+
+        async def main() -> list[Any]:
+            async with Gateway(redis_url, "t-sleepy") as gw:
+                tasks = [asyncio.ensure_future(gw.predict(x)) for x in range(300)]
+                first = await asyncio.wait_for(asyncio.shield(tasks[0]), T)
+                assert first == 1
+                stop_process(proc.popen)  # SIGTERM while items are in flight
+                code = await asyncio.to_thread(proc.popen.wait, T)
+                assert code == 0, proc.report()
+                assert alive(children) == []
+                assert redis_client.xpending(stream, GROUP)["pending"] == 0
+                assert redis_client.xlen(stream) > 0, "everything was processed before the stop took effect"
+                # the next workers pick up where these left off
+                with running_workers(redis_url, "tests.stages:sleepy", [("Sleepy", 2)]):
+                    return await asyncio.wait_for(asyncio.gather(*tasks), T)
+
+        assert asyncio.run(main()) == [x + 1 for x in range(300)]
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+
+
+# -- conveyor run ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_call(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def http_ready(port: int) -> bool:
+    try:
+        return http_call(port, "GET", "/readyz")[0] == 200
+    except OSError:
+        return False
+
+
+class Lines(threading.Thread):
+    """Reads a pipe line by line into a queue, so the test can wait for a line with a bound."""
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__(daemon=True)
+        self.pipe = pipe
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+
+    def run(self) -> None:
+        for raw in iter(self.pipe.readline, b""):
+            self.lines.put(raw.decode(errors="replace"))
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s:g}s: {self.seen}")
+
+
+@pytest.fixture
+def run_log() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="conveyor-run-test-") as d:
+        yield Path(d) / "stderr.log"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_conveyor_run_serves_and_stops_without_leftovers(sig: signal.Signals, run_log: Path) -> None:
+    port = free_port()
+    with run_log.open("wb") as err:
+        popen = subprocess.Popen(conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port)),
+                                 cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+    lines = Lines(popen.stdout)
+    lines.start()
+
+    def report() -> str:
+        return f"exit={popen.poll()}\nstdout={lines.seen}\n{run_log.read_text(errors='replace')[-4000:]}"
+
+    try:
+        url = lines.wait_for(r"Redis at (unix://\S+)", T).group(1)
+        redis_dir = Path(url.removeprefix("unix://")).parent
+        assert redis_dir.is_dir()
+        wait_for(lambda: popen.poll() is not None or http_ready(port), T, "the gateway's /readyz", report)
+        assert popen.poll() is None, report()
+
+        status, body = http_call(port, "POST", "/v1/predict", b"3")
+        assert (status, json.loads(body)) == (200, {"result": 9}), report()
+        status, body = http_call(port, "POST", "/v1/predict", b'"a"')  # "a" * 2 is "aa"; "aa" + 3 raises
+        assert status == 422, body
+        assert json.loads(body)["error"]["type"] == "TypeError" and json.loads(body)["error"]["stage"] == "Shift"
+
+        tree = descendants(popen.pid)
+        names = " ".join(" ".join(p.cmdline()) for p in tree)
+        assert "redis-server" in names and "gateway" in names and names.count("workers.child") == 3, names
+
+        os.kill(popen.pid, sig)
+        code = popen.wait(timeout=T)
+        assert code == 0, report()
+        assert alive(tree) == [], [p.cmdline() for p in alive(tree)]
+        assert not redis_dir.exists(), f"embedded Redis left {redis_dir} behind"
+    finally:
+        if popen.poll() is None:
+            kill_group(popen)
+        lines.join(timeout=5)
+        if popen.stdout is not None:
+            popen.stdout.close()
