@@ -1,7 +1,26 @@
-"""Reads a pipeline's state from Redis in one pipelined round trip (for status, readyz, metrics)."""
+"""Reads a pipeline's state from Redis (for ``conveyor status``, ``/readyz`` and ``/metrics``).
+
+One GET of the spec (which stages exist), then one pipelined round trip for every stage:
+
+- ``XINFO GROUPS`` / ``XINFO CONSUMERS`` of the stage stream: pending entries, consumers, and
+  (Redis >= 7) the group's ``lag``, i.e. the backlog;
+- ``XLEN`` of the stage stream: the backlog on Redis 6.2, where ``lag`` does not exist. Workers
+  XDEL every entry they ack, so the stream holds exactly the undelivered entries plus the
+  pending ones: backlog = XLEN - pending;
+- the heartbeat zset: live workers are members whose score (Unix ms) is recent, whatever the
+  consumer group still lists (a killed worker stays a consumer until the janitor removes it);
+- ``XLEN`` of the dead-letter stream;
+- ``XRANGE`` of the stats stream over the last minute (entry ID = time, ``n`` = batch size,
+  ``ms`` = duration): throughput and batch-duration percentiles.
+
+``marks`` (one dict per reader, kept between calls) makes ``StageStatus.batches`` hold the
+batches *since the previous call* of that reader, once each: the gateway's histograms use it.
+The first call of a reader only sets its marks.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +32,9 @@ from broker.keys import GROUP, Keys
 from broker.protocol import as_bytes, now_ms
 
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat is older than this is not live
+STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
+STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
+_COMMANDS_PER_STAGE = 6
 
 
 @dataclass
@@ -20,6 +42,8 @@ class ConsumerStatus:
     name: str
     pending: int
     idle_ms: int
+    heartbeat_age_ms: int | None = None  # None: no heartbeat in the last hour (or never)
+    live: bool = False  # heartbeat within LIVE_AFTER_MS
 
 
 @dataclass
@@ -34,6 +58,13 @@ class StageStatus:
     max_backlog: int | None = None
     batches: list[tuple[int, float]] = field(default_factory=list)  # (size, seconds) since last read
     consumer_details: list[ConsumerStatus] = field(default_factory=list)
+    # Over the last minute (or less: see stats_window_s), from the stats stream:
+    items_last_minute: int = 0
+    batches_last_minute: int = 0
+    throughput_per_s: float = 0.0  # items per second
+    batch_p50_s: float | None = None  # None: no batch in the window
+    batch_p99_s: float | None = None
+    stats_window_s: float = STATS_WINDOW_MS / 1000  # shorter when the stats stream was trimmed
 
 
 @dataclass
@@ -47,56 +78,135 @@ class PipelineStatus:
         return self.reachable and bool(self.stages) and all(s.live_workers > 0 for s in self.stages)
 
 
-async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] | None = None) -> PipelineStatus:
-    """``marks`` remembers the last stats entry seen per stage, so batches are reported once."""
+async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] | None = None, *,
+                      window_ms: int = STATS_WINDOW_MS) -> PipelineStatus:
+    """The pipeline's status; ``marks`` remembers the last stats entry seen per stage, so that
+    ``batches`` reports each batch once per reader (None: ``batches`` stays empty)."""
     try:
         raw_spec = await client.get(keys.spec)
         if not raw_spec:
             return PipelineStatus(True, [], "no worker has registered this pipeline yet")
         spec = codec.decode(as_bytes(raw_spec))
-        pipe = client.pipeline(transaction=False)
         now = now_ms()
+        window_start = now - window_ms
+        pipe = client.pipeline(transaction=False)
         for stage in spec:
             i = int(stage["index"])
             pipe.xinfo_groups(keys.stream(i))
             pipe.xinfo_consumers(keys.stream(i), GROUP)
-            pipe.zcount(keys.heartbeats(i), now - LIVE_AFTER_MS, "+inf")
+            pipe.xlen(keys.stream(i))
+            pipe.zrange(keys.heartbeats(i), 0, -1, withscores=True)
             pipe.xlen(keys.dead(i))
-            start = b"(" + marks[i] if marks is not None and i in marks else (b"-" if marks is None else b"+")
-            pipe.xrange(keys.stats(i), min=start, max="+", count=1000) if start != b"+" else pipe.xrevrange(
-                keys.stats(i), count=1)
+            pipe.xrange(keys.stats(i), min=_range_start(marks, i, window_start), max="+")
         results = await pipe.execute(raise_on_error=False)
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc!r}")
-    stages = [_stage(stage, results[5 * n:5 * n + 5], marks) for n, stage in enumerate(spec)]
+    n = _COMMANDS_PER_STAGE
+    stages = [_stage(stage, results[n * k:n * k + n], marks, now, window_start) for k, stage in enumerate(spec)]
     return PipelineStatus(True, stages)
+
+
+def _range_start(marks: dict[int, bytes] | None, stage: int, window_start: int) -> bytes:
+    """Read from the window's start, or from just after the mark if that is older: the batches
+    since the mark must all be read, however long ago the previous reader call was."""
+    mark = marks.get(stage) if marks is not None else None
+    if mark is not None and _id_key(mark) < (window_start, 0):
+        return b"(" + mark
+    return b"%d" % window_start
 
 
 def _ok(value: Any, default: Any) -> Any:
     return default if isinstance(value, Exception) else value
 
 
-def _stage(stage: dict[str, Any], results: list[Any], marks: dict[int, bytes] | None) -> StageStatus:
-    groups, consumers, live, dead, stats = (_ok(r, d) for r, d in zip(results, ([], [], 0, 0, []), strict=True))
+def _stage(stage: dict[str, Any], results: list[Any], marks: dict[int, bytes] | None, now: int,
+           window_start: int) -> StageStatus:
+    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [])
+    groups, consumers, length, beats, dead, stats = (_ok(r, d) for r, d in zip(results, defaults, strict=True))
     i = int(stage["index"])
-    status = StageStatus(i, str(stage["name"]), live_workers=int(live), dead_letters=int(dead),
-                         max_backlog=stage.get("max_backlog"))
+    status = StageStatus(i, str(stage["name"]), dead_letters=int(dead), max_backlog=stage.get("max_backlog"))
+    lag: Any = None
     for group in groups:
         if group["name"] in (GROUP, GROUP.encode()):
             status.pending = int(group["pending"])
             status.consumers = int(group["consumers"])
             lag = group.get("lag")
-            status.backlog = int(lag) if lag is not None else 0
-    status.consumer_details = [
-        ConsumerStatus(_text(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
-    ]
-    if marks is not None and stats:
-        if marks.get(i) is None and stats:
-            marks[i] = stats[0][0]  # first look: start counting from now on
-        else:
-            status.batches = [(int(f[b"n"]), float(f[b"ms"]) / 1000) for _, f in stats]
-            marks[i] = stats[-1][0]
+    # Redis >= 7 says how many entries the group has not read yet (lag; None when it cannot
+    # tell); otherwise the stream holds the undelivered entries plus the pending ones.
+    status.backlog = int(lag) if lag is not None else max(0, int(length) - status.pending)
+    heartbeats = {_text(member): int(score) for member, score in beats}
+    status.live_workers = sum(1 for score in heartbeats.values() if score >= now - LIVE_AFTER_MS)
+    status.consumer_details = [_consumer(c, heartbeats, now) for c in consumers]
+    _window_stats(status, stats, window_start, now)
+    if marks is not None:
+        _since_mark(status, stats, marks, window_start)
     return status
+
+
+def _consumer(info: dict[str, Any], heartbeats: dict[str, int], now: int) -> ConsumerStatus:
+    name = _text(info["name"])
+    beat = heartbeats.get(name)
+    age = None if beat is None else max(0, now - beat)
+    return ConsumerStatus(name, int(info["pending"]), int(info["idle"]), age,
+                          age is not None and age <= LIVE_AFTER_MS)
+
+
+def _window_stats(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], window_start: int,
+                  now: int) -> None:
+    recent = [(_id_key(eid)[0], fields) for eid, fields in stats if _id_key(eid) >= (window_start, 0)]
+    sizes: list[int] = []
+    durations: list[float] = []
+    for _, fields in recent:
+        try:
+            sizes.append(int(fields[b"n"]))
+            durations.append(float(fields[b"ms"]) / 1000)
+        except (KeyError, ValueError):
+            continue  # not written by a worker: ignore it rather than fail the whole status
+    window_ms = now - window_start
+    if len(recent) >= STATS_MAXLEN:
+        # The stream holds only its last ~STATS_MAXLEN batches: the window really starts at
+        # the oldest one left, or the throughput would be understated.
+        window_ms = max(1, now - recent[0][0])
+    status.stats_window_s = window_ms / 1000
+    status.batches_last_minute = len(sizes)
+    status.items_last_minute = sum(sizes)
+    status.throughput_per_s = status.items_last_minute / status.stats_window_s if window_ms > 0 else 0.0
+    if durations:
+        durations.sort()
+        status.batch_p50_s = _percentile(durations, 50)
+        status.batch_p99_s = _percentile(durations, 99)
+
+
+def _since_mark(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], marks: dict[int, bytes],
+                window_start: int) -> None:
+    i = status.index
+    mark = marks.get(i)
+    if mark is None:
+        # First look of this reader: count from now on. An empty window means no batch
+        # since window_start, so the next call may start just after it.
+        marks[i] = bytes(stats[-1][0]) if stats else b"%d-0" % window_start
+        return
+    fresh = [(eid, fields) for eid, fields in stats if _id_key(eid) > _id_key(mark)]
+    batches: list[tuple[int, float]] = []
+    for _, fields in fresh:
+        try:
+            batches.append((int(fields[b"n"]), float(fields[b"ms"]) / 1000))
+        except (KeyError, ValueError):
+            continue
+    status.batches = batches
+    if fresh:
+        marks[i] = bytes(fresh[-1][0])
+
+
+def _percentile(sorted_values: list[float], p: float) -> float:
+    """Nearest-rank percentile of a sorted, non-empty list."""
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = as_bytes(entry_id).partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 def _text(value: bytes | str) -> str:

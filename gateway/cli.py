@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import logging
 import os
+import signal
+import sys
+import time
 from dataclasses import asdict
+from typing import Any
 
 import click
 
+from broker.connection import RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from broker.status import PipelineStatus, read_status
 from gateway.client import Gateway, GatewaySettings
 from gateway.http import HttpSettings
 from gateway.http import run as serve_http
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
+_HTTP_DEFAULTS = HttpSettings()
 
 
 @click.command()
@@ -29,12 +37,28 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
               help="Default deadline of a request (a header may set its own).")
 @click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG",
               help="Include stage tracebacks in error responses.")
-def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeout_s: float, debug: bool) -> None:
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_body_bytes,
+              show_default=True, envvar="CONVEYOR_MAX_BODY_BYTES", help="Larger request bodies get 413.")
+@click.option("--header-timeout-s", type=click.FloatRange(min=0, min_open=True),
+              default=_HTTP_DEFAULTS.header_timeout_s, show_default=True, envvar="CONVEYOR_HEADER_TIMEOUT_S",
+              help="A request head must arrive within this (slow clients get 408).")
+@click.option("--body-timeout-s", type=click.FloatRange(min=0, min_open=True),
+              default=_HTTP_DEFAULTS.body_timeout_s, show_default=True, envvar="CONVEYOR_BODY_TIMEOUT_S",
+              help="A request body must arrive within this once its head is in (else 408).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_connections,
+              show_default=True, envvar="CONVEYOR_MAX_CONNECTIONS",
+              help="Open connections beyond this are answered 503 at once.")
+@click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
+              envvar=FORMAT_ENV, help="Log lines as key=value pairs or JSON objects.")
+def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeout_s: float, debug: bool,
+            max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, max_connections: int,
+            log_format: str) -> None:
     """Serve pipeline NAME over HTTP: POST /v1/predict, GET /healthz, /readyz, /metrics."""
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(log_format.lower())
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix)
-    http = HttpSettings(host=host, port=port, debug=debug)
+    http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
+                        header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                        max_connections=max_connections)
 
     async def main() -> None:
         async with Gateway(redis_url, name, settings) as backend:
@@ -47,35 +71,117 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS, show_default=True)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def status(name: str, redis_url: str, prefix: str, as_json: bool) -> None:
-    """Print per stage: backlog, pending, consumers and their idle time, live workers, dead letters."""
-    from broker.connection import RedisSettings
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON for scripts (with --watch: one compact object per line).")
+@click.option("--watch", is_flag=True, help="Refresh every --interval-s until Ctrl-C (exit 0).")
+@click.option("--interval-s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+def status(name: str, redis_url: str, prefix: str, as_json: bool, watch: bool, interval_s: float) -> None:
+    """Per stage of pipeline NAME: backlog, pending, live workers, throughput and batch-duration
+    percentiles over the last minute, dead letters, and every consumer with its heartbeat.
 
-    async def read() -> PipelineStatus:
-        client = RedisSettings(redis_url).async_client(1)
+    Exits 2 when Redis is unreachable (without --watch).
+    """
+    keys = Keys(name, prefix)
+    if watch:
         try:
-            return await read_status(client, Keys(name, prefix))
-        finally:
-            await client.aclose()
-
-    result = asyncio.run(read())
+            asyncio.run(_watch(name, keys, redis_url, interval_s, as_json))
+        except BrokenPipeError:  # `conveyor status --watch | head`
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except KeyboardInterrupt:  # a Ctrl-C that arrived before our handler was installed
+            pass
+        return
+    result = asyncio.run(_read_once(keys, redis_url))
     if as_json:
-        click.echo(json.dumps(asdict(result) | {"ready": result.ready}, indent=2))
+        click.echo(json.dumps(status_json(name, result), indent=2))
     else:
         click.echo(format_status(name, result))
     if not result.reachable:
         raise SystemExit(2)
 
 
+async def _read_once(keys: Keys, redis_url: str) -> PipelineStatus:
+    client = RedisSettings(redis_url).async_client(1)
+    try:
+        return await _read_bounded(client, keys)
+    finally:
+        await client.aclose()
+
+
+async def _read_bounded(client: Any, keys: Keys) -> PipelineStatus:
+    try:
+        return await asyncio.wait_for(read_status(client, keys), STATUS_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return PipelineStatus(False, [], f"no answer from redis within {STATUS_TIMEOUT_S:g}s")
+
+
+async def _watch(name: str, keys: Keys, redis_url: str, interval_s: float, as_json: bool) -> None:
+    """Print a status every ``interval_s`` until SIGINT or SIGTERM, which end it at once, even
+    in the middle of a read from an unresponsive Redis."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
+    client = RedisSettings(redis_url).async_client(1)
+    clear = sys.stdout.isatty() and not as_json
+    try:
+        while not stop.is_set():
+            read = asyncio.ensure_future(_read_bounded(client, keys))
+            await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await read
+                break
+            result = read.result()
+            if as_json:
+                click.echo(json.dumps(status_json(name, result), separators=(",", ":")))
+            else:
+                click.echo(("\x1b[H\x1b[2J" if clear else "") + format_status(name, result) + ("" if clear else "\n"))
+            sys.stdout.flush()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(stopped), interval_s)
+    finally:
+        stopped.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await client.aclose()
+
+
+def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
+    """What ``--json`` prints: the status's fields, without ``batches`` (a reader-relative list
+    that a one-shot reader never fills), plus ``pipeline``, ``ready`` and ``time_ms``."""
+    stages = []
+    for stage in result.stages:
+        data = asdict(stage)
+        data.pop("batches", None)
+        stages.append(data)
+    return {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
+            "reachable": result.reachable, "error": result.error, "stages": stages}
+
+
 def format_status(name: str, result: PipelineStatus) -> str:
+    stamp = time.strftime("%H:%M:%S")
     if not result.reachable or not result.stages:
-        return f"pipeline {name}: {result.error}"
-    lines = [f"pipeline {name}: {'ready' if result.ready else 'NOT READY'}",
-             f"{'#':>2} {'stage':<20} {'backlog':>8} {'pending':>8} {'live':>5} {'consumers':>9} {'dead':>6}"]
+        return f"pipeline {name}: {result.error}  ({stamp})"
+    lines = [f"pipeline {name}: {'ready' if result.ready else 'NOT READY'}  ({stamp})",
+             f"{'#':>2} {'stage':<16} {'backlog':>8} {'pending':>8} {'live':>5} {'consumers':>9} {'dead':>6} "
+             f"{'items/s':>9} {'batches':>8} {'p50 ms':>8} {'p99 ms':>8}"]
     for s in result.stages:
-        lines.append(f"{s.index:>2} {s.name:<20} {s.backlog:>8} {s.pending:>8} {s.live_workers:>5} "
-                     f"{s.consumers:>9} {s.dead_letters:>6}")
+        lines.append(f"{s.index:>2} {s.name:<16} {s.backlog:>8} {s.pending:>8} {s.live_workers:>5} "
+                     f"{s.consumers:>9} {s.dead_letters:>6} {s.throughput_per_s:>9.2f} "
+                     f"{s.batches_last_minute:>8} {_ms(s.batch_p50_s):>8} {_ms(s.batch_p99_s):>8}")
         for c in s.consumer_details:
-            lines.append(f"{'':>3}  - {c.name} pending={c.pending} idle={c.idle_ms / 1000:.1f}s")
+            beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
+            lines.append(f"{'':>3}  - {c.name} {'live' if c.live else 'NOT LIVE'} {beat} "
+                         f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s")
+    short = [f"{s.name}: {s.stats_window_s:.1f}s" for s in result.stages if s.stats_window_s < 59.5]
+    lines.append("items/s, batches, p50/p99 (batch duration): over the last minute"
+                 + (f" (stats stream trimmed, covers only {', '.join(short)})" if short else ""))
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.2f}"

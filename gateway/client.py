@@ -68,6 +68,7 @@ class Gateway:
         self._wake = asyncio.Event()
         self._counter = 0
         self._backlog = 0
+        self._recheck_backlog = False
         self._max_backlog: int | None = self.settings.max_backlog
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
@@ -136,6 +137,10 @@ class Gateway:
                              f"(max_in_flight={self.settings.max_in_flight})")
         limit = self._max_backlog
         if limit is not None and self._backlog + len(self._outbox) >= limit:
+            # The estimate is the stream's length at our last submission: have the flusher re-read
+            # it, or a gateway that refuses everything never sees the backlog drain.
+            self._recheck_backlog = True
+            self._wake.set()
             raise Overloaded(f"first stage backlog is {self._backlog} (max_backlog={limit}); retry later")
 
     def _expire(self, request_id: bytes, timeout: float) -> None:
@@ -168,7 +173,8 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or self._unlink:
+            while self._outbox or self._unlink or self._recheck_backlog:
+                self._recheck_backlog = False
                 batch, self._outbox = self._outbox, []
                 unlink, self._unlink = self._unlink, []
                 try:
@@ -223,6 +229,7 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
+                self._wake.set()  # let the flusher unlink the consumed result keys now
 
     def _deliver(self, element: bytes) -> None:
         try:

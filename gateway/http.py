@@ -485,6 +485,8 @@ class HttpServer:
         try:
             return await self.backend.predict(x, timeout_s)
         except StageError as exc:
+            if exc.type == "DeadlineExceeded":  # a stage met the item past its deadline
+                raise HttpError(504, exc.type, exc.message, stage=exc.stage, outcome="timeout") from exc
             trace = (exc.traceback or None) if self.settings.debug else None
             raise HttpError(422, exc.type, exc.message, stage=exc.stage, trace=trace,
                             outcome="stage_error") from exc

@@ -45,6 +45,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Batches of light stages take tens of microseconds: start well below the request latency buckets.
+BATCH_DURATION_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)
 STAGE_LABELS = ("index", "stage")
 
 
@@ -138,7 +140,7 @@ class Metrics:
         self.batch_size = Histogram(f"{ns}_stage_batch_size", "Items per batch a stage ran.", STAGE_LABELS,
                                     buckets=BATCH_SIZE_BUCKETS, registry=reg)
         self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
-                                        STAGE_LABELS, buckets=LATENCY_BUCKETS, registry=reg)
+                                        STAGE_LABELS, buckets=BATCH_DURATION_BUCKETS, registry=reg)
 
     def _read_in_flight(self) -> float:
         """Gauge callback: a broken backend must not break the whole scrape."""

@@ -2,13 +2,13 @@
 
 A separate interpreter per worker (not fork) so thread-count variables are in the
 environment before numpy or torch is imported, and no state leaks from the supervisor.
-Exit codes: 0 stopped on request, 3 ``setup()`` or start-up failed, 4 APP could not be loaded.
+Exit codes: 0 stopped on request, 3 ``setup()`` or start-up failed, 4 APP could not be loaded,
+5 crashed after it was ready.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -16,12 +16,14 @@ import traceback
 from types import FrameType
 
 from broker.connection import RedisSettings
+from broker.logs import configure_logging
 from workers.app import AppError, load_pipeline
 from workers.pinning import limit_torch_threads, pin
 from workers.worker import StatusPipe, Worker, WorkerSettings
 
 EXIT_SETUP_FAILED = 3
 EXIT_BAD_APP = 4
+EXIT_CRASHED = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
+    configure_logging()  # CONVEYOR_LOG_FORMAT / CONVEYOR_LOG_LEVEL, inherited from the supervisor
     try:
         pipeline = load_pipeline(args.app, os.environ.get("CONVEYOR_PREFIX"))
         spec = pipeline.stage(args.stage)
@@ -55,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         worker.run()
-    except Exception:  # start-up or setup() failed: the supervisor counts it as a crash
+    except Exception:  # the supervisor restarts it; before 'ready' it counts towards a crash loop
         traceback.print_exc()
-        return EXIT_SETUP_FAILED
+        return EXIT_CRASHED if worker.ready else EXIT_SETUP_FAILED
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -12,15 +11,22 @@ from typing import Any
 import click
 
 from broker.embedded import EmbeddedRedis
+from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from workers.app import AppError, load_pipeline
+from workers.pinning import PinningError
 from workers.supervisor import Supervisor, SupervisorSettings
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _setup_logging(log_format: str) -> None:
+    configure_logging(log_format)
+    os.environ[FORMAT_ENV] = log_format  # worker processes (and run's gateway) inherit it
+
+
+LOG_FORMAT = click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
+                          show_default=True, envvar=FORMAT_ENV,
+                          help="Log lines as key=value pairs or JSON objects (workers inherit it).")
 
 
 def _load(app: str, prefix: str | None) -> Any:
@@ -35,7 +41,10 @@ def _load(app: str, prefix: str | None) -> Any:
 def _supervise(supervisor: Supervisor) -> int:
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    except PinningError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @click.command()
@@ -48,13 +57,15 @@ def _supervise(supervisor: Supervisor) -> int:
               help="Key prefix (default: the pipeline's own, 'conveyor').")
 @click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S",
               help="On SIGTERM, how long workers may take to finish their batch.")
-def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: str | None, grace_s: float) -> None:
+@LOG_FORMAT
+def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: str | None, grace_s: float,
+           log_format: str) -> None:
     """Run the worker processes of one stage of APP (module:attribute).
 
     Exits non-zero when the stage's workers keep dying before they are ready, so that
     compose or Kubernetes replaces the container.
     """
-    _setup_logging()
+    _setup_logging(log_format.lower())
     pipeline = _load(app, prefix)
     try:
         spec = pipeline.stage(stage)
@@ -72,9 +83,10 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
 @click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT")
 @click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None,
               help="Key prefix (default: the pipeline's own, 'conveyor').")
-def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None) -> None:
+@LOG_FORMAT
+def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None, log_format: str) -> None:
     """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway."""
-    _setup_logging()
+    _setup_logging(log_format.lower())
     pipeline = _load(app, prefix)
     embedded = EmbeddedRedis() if redis_url is None else None
     gateway: subprocess.Popen[bytes] | None = None

@@ -14,6 +14,10 @@ THREAD_ENV_VARS = (
 )
 
 
+class PinningError(ValueError):
+    """A stage asks for a core this machine (or container) does not give us."""
+
+
 def allowed_cpus() -> list[int]:
     """The cores this process may run on (a container's cpuset, taskset, ...)."""
     return sorted(psutil.Process().cpu_affinity() or [])
@@ -26,7 +30,10 @@ def assign_cpus(slot: int, explicit: Sequence[int] | None, allowed: Sequence[int
     stage's first worker on core 0.
     """
     if explicit:
-        return int(explicit[slot % len(explicit)])
+        cpu = int(explicit[slot % len(explicit)])
+        if allowed and cpu not in allowed:
+            raise PinningError(f"cpu {cpu} is not among the cores this process may use: {list(allowed)}")
+        return cpu
     if not allowed:
         raise ValueError("no CPU is allowed for this process")
     return int(allowed[(offset + slot) % len(allowed)])

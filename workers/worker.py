@@ -25,6 +25,7 @@ from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
 from broker.keys import GROUP
 from broker.pipeline import Pipeline, StageSpec
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
+from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
 
@@ -33,7 +34,7 @@ log = logging.getLogger("conveyor.worker")
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    idle_block_ms: int = 1000  # how often an idle worker looks at its stop flag
+    idle_block_ms: int = 250  # how often an idle worker looks at its stop flag
     heartbeat_s: float = 1.0
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
@@ -75,6 +76,9 @@ class Worker:
         self.settings = settings
         self.status = status
         self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
+        self.ready = False
+        self._next_claim = time.monotonic() + spec.claim_idle_s / 2
+        self._next_reap = time.monotonic() + REAP_INTERVAL_S
         self.keys = pipeline.keys
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
         self._heartbeat_done = threading.Event()
@@ -102,6 +106,7 @@ class Worker:
         self._with_redis(self._register)
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
+        self.ready = True
         self.status.send(b"R")
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
         try:
@@ -122,16 +127,13 @@ class Worker:
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
         backoff = Backoff()
-        next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         while not self.stopping:
             try:
                 if recover:
                     self._drain_own_pending()
                     self.status.send(b"D")
                     recover = False
-                if time.monotonic() >= next_claim:
-                    self._claim_stale()
-                    next_claim = time.monotonic() + self.spec.claim_idle_s / 2
+                self._housekeeping()
                 entries = self._collector.collect()
                 if entries:
                     self._process(entries, deliveries=None)
@@ -145,6 +147,17 @@ class Worker:
                     raise
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
                 self._register()
+
+    def _housekeeping(self) -> None:
+        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing."""
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._claim_stale()
+            self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
+        if now >= self._next_reap:
+            reap_dead_consumers(self._client, self.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
+                                keep=(self.consumer,))
+            self._next_reap = time.monotonic() + REAP_INTERVAL_S
 
     def request_stop(self) -> None:
         """Finish the batch in hand, commit it, and return from ``run``."""
