@@ -173,6 +173,9 @@ class Supervisor:
                 slot.busy_since = now
             elif code == ord("I"):
                 slot.busy_since = None
+                # It finished a batch: not a crash loop, so a later death restarts it promptly
+                # (otherwise workers killed every few seconds end up 10 s apart, the stage idle).
+                slot.quick_deaths = 0
 
     def _on_exit(self, slot: Slot) -> None:
         assert slot.proc is not None and slot.pipe is not None
