@@ -15,10 +15,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import h11
 import numpy as np
@@ -27,8 +27,6 @@ from broker import Pipeline
 from workers import Stage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-POLL_S = 0.02
-T = TypeVar("T")
 
 
 # -- a pipeline for what scale-shift cannot do: numpy, slow items, errors with tracebacks ---------
@@ -59,19 +57,6 @@ ops = Pipeline("t-ops").add(Nap).add(Twice)
 
 
 # -- waiting ----------------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str,
-             diagnostics: Callable[[], str] = lambda: "") -> T:
-    """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}\n{diagnostics()}")
-        time.sleep(POLL_S)
 
 
 # -- conveyor processes -----------------------------------------------------------------------------
