@@ -26,6 +26,7 @@ from broker.codec import decode as msgpack_decode
 from broker.codec import encode as msgpack_encode
 from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
+from tests.helpers import wait_for
 from tests.ops_stages import (
     Proc,
     RawClient,
@@ -37,7 +38,6 @@ from tests.ops_stages import (
     start_conveyor,
     status_code,
     stop_all,
-    wait_for,
 )
 
 SCALE_SHIFT = "examples.scale_shift:pipeline"

@@ -32,7 +32,8 @@ from broker.protocol import now_ms
 from broker.status import LIVE_AFTER_MS, PipelineStatus, read_status
 from gateway import Gateway
 from gateway.cli import status as status_command
-from tests.ops_stages import Proc, start_conveyor, stop_all, wait_for
+from tests.helpers import wait_for
+from tests.ops_stages import Proc, start_conveyor, stop_all
 from workers.janitor import REAP_LUA, reap_dead_consumers
 
 APP = "examples.scale_shift:pipeline"
