@@ -230,3 +230,28 @@ foreign = Pipeline("t-foreign").add(AddOne).add(Guard)
 
 # A short claim_idle_s, so that a worker claims a dead consumer's entries within the test.
 claim = Pipeline("t-claim").add(AddOne, claim_idle_s=0.5)
+
+
+# -- threads: limits reach the worker process before setup() -----------------------------------
+
+
+class Environment(Stage):
+    """Reports what its worker process was given: thread variables and its CPU pinning."""
+
+    threads = 1
+
+    def setup(self) -> None:
+        import psutil
+
+        self.seen = {
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "openblas": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "mkl": os.environ.get("MKL_NUM_THREADS"),
+            "cpus": psutil.Process().cpu_affinity(),
+        }
+
+    def predict(self, x: Any) -> Any:
+        return self.seen
+
+
+environment = Pipeline("t-env").add(Environment, threads=2)

@@ -348,3 +348,16 @@ def test_stale_entries_of_a_dead_consumer_are_claimed(any_server: str) -> None:
     finally:
         client.close()
 
+
+
+def test_threads_and_pinning_are_set_before_setup(redis_url: str) -> None:
+    with running_workers(redis_url, "tests.stages:environment", ["Environment"]) as workers:
+        workers.wait_ready("t-env")
+
+        async def ask() -> Any:
+            async with Gateway(redis_url, "t-env", GatewaySettings(timeout_s=20)) as gw:
+                return await gw.predict(0)
+
+        seen = asyncio.run(ask())
+    assert seen["omp"] == seen["openblas"] == seen["mkl"] == "2"  # add(threads=2) overrides the class's 1
+    assert len(seen["cpus"]) == 1, "a worker is pinned to one core"
