@@ -24,7 +24,7 @@ from typing import Any
 from broker.codec import CodecError, array_header, encode
 from broker.keys import PROTOCOL_VERSION, Keys
 
-_ID_RE = re.compile(rb"^[A-Za-z0-9_.:\-]{1,128}$")
+_ID_RE = re.compile(rb"[A-Za-z0-9_.:\-]{1,128}")  # fullmatch: `$` would let a trailing newline through
 MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a week is a bug
 
 F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
@@ -79,7 +79,7 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
     if fields is None:
         return Rejected(entry_id, "entry was deleted while pending", None, None, b"")
     raw_id = fields.get(F_ID)
-    request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.match(raw_id) else None
+    request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.fullmatch(raw_id) else None
     reply = _valid_reply(fields.get(F_REPLY), keys)
     data = fields.get(F_DATA, b"")
 

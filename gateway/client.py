@@ -69,6 +69,9 @@ class Gateway:
         self._counter = 0
         self._backlog = 0
         self._recheck_backlog = False
+        # Requests sent again after a failed submission may run twice: their result keys are left
+        # to expire instead of being unlinked, so that the late copy's SET NX loses (one answer).
+        self._sent_twice: set[bytes] = set()
         self._max_backlog: int | None = self.settings.max_backlog
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
@@ -145,6 +148,7 @@ class Gateway:
 
     def _expire(self, request_id: bytes, timeout: float) -> None:
         pending = self._pending.pop(request_id, None)
+        self._sent_twice.discard(request_id)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(TimeoutError(
                 f"no answer within {timeout:g}s for request {request_id.decode()}"))
@@ -155,7 +159,10 @@ class Gateway:
         if pending is None:
             return  # expired, or a duplicate answer: the first one won
         pending.timer.cancel()
-        self._unlink.append(self._result_prefix + request_id)
+        if request_id in self._sent_twice:
+            self._sent_twice.discard(request_id)
+        else:
+            self._unlink.append(self._result_prefix + request_id)
         if pending.future.done():
             return
         if record.get("ok"):
@@ -184,6 +191,7 @@ class Gateway:
                     log.warning("redis unavailable for submissions error=%r", exc)
                     live = [s for s in batch if s[0] in self._pending]
                     self._outbox[:0] = live  # expired ones are dropped; the rest are retried
+                    self._sent_twice.update(s[0] for s in live)  # the failed call may have run
                     await asyncio.sleep(backoff.next_delay_s())
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:

@@ -69,9 +69,18 @@ class StreamReader:
 
     def _connection(self) -> Any:
         if self._conn is None:
-            self._conn = self._client.connection_pool.make_connection()
-            self._conn.send_command("CLIENT", "ID")
-            self._client_id = int(self._conn.read_response())
+            # A connection of our own, outside the pool: pool.make_connection() counts every call
+            # against max_connections and never gives it back, so after that many reconnects
+            # (dropped connections, Redis restarts) the worker could never read again.
+            pool = self._client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+            try:
+                conn.send_command("CLIENT", "ID")
+                self._client_id = int(conn.read_response())
+            except BaseException:
+                conn.disconnect()
+                raise
+            self._conn = conn  # only once its id is known: CLIENT UNBLOCK needs it
         return self._conn
 
     def close(self) -> None:

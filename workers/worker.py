@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker import codec, protocol
 from broker.commit import Commit, Committer, Ttls
@@ -91,6 +93,10 @@ class Worker:
         stage = self.spec.cls(**self.spec.kwargs)
         stage.setup()
         self._client = self.redis_settings.sync_client()
+        # No silent retries: a commit whose reply was lost would run twice (forwarding its items
+        # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
+        # entries, which tells exactly what was committed and what was not.
+        self._client.set_retry(Retry(NoBackoff(), 0))
         self._stream = self.keys.stream(self.spec.index)
         self._next = self.pipeline.next_of(self.spec)
         self._committer = Committer(self._client, self.keys, self.spec.index, self.spec.name,
@@ -146,7 +152,7 @@ class Worker:
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
-                self._register()
+                self._with_redis(self._register)
 
     def _housekeeping(self) -> None:
         """Claim entries of dead consumers, and remove long-dead consumers that hold nothing."""
@@ -241,7 +247,10 @@ class Worker:
                 pipe.execute()
             except CONNECTION_ERRORS:
                 pass
-            if self._heartbeat_done.wait(self.settings.heartbeat_s):
+            except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
+                log.warning("heartbeat failed stage=%s error=%r", self.spec.name, exc)
+            # Beat at least every claim_idle_s / 3, so that a renewed lease never ages past claim_idle_s.
+            if self._heartbeat_done.wait(min(self.settings.heartbeat_s, self.spec.claim_idle_s / 3)):
                 break
         client.close()
 
