@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +151,3 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"
 
-
-def names(stages: Sequence[StageSpec]) -> list[str]:
-    return [s.name for s in stages]

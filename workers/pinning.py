@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence
 
 import psutil
@@ -59,6 +58,3 @@ def limit_torch_threads(threads: int | None) -> None:
 
     torch.set_num_threads(threads)
 
-
-def current_threads_env() -> dict[str, str | None]:
-    return {name: os.environ.get(name) for name in THREAD_ENV_VARS}
