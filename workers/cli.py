@@ -101,7 +101,7 @@ def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | Non
              "--prefix", pipeline.prefix],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url))
         stages = [(spec, spec.workers) for spec in pipeline.stages]
-        code = _supervise(Supervisor(app, stages, url))
+        code = _supervise(Supervisor(app, stages, url, companions=[gateway]))
     finally:
         if gateway is not None:
             _stop_process(gateway)

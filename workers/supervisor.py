@@ -58,8 +58,10 @@ class Slot:
 
 class Supervisor:
     def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], redis_url: str,
-                 settings: SupervisorSettings | None = None, cpu_offset: int = 0) -> None:
+                 settings: SupervisorSettings | None = None, cpu_offset: int = 0,
+                 companions: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self.app = app
+        self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
         self.stages = list(stages)
         self.redis_url = redis_url
         self.settings = settings or SupervisorSettings()
@@ -115,6 +117,10 @@ class Supervisor:
                     _drain(key.fd)
                 else:
                     self._on_pipe(key.data)
+            gone = [p for p in self.companions if p.poll() is not None]
+            if gone:  # checked at least every second: the selector never sleeps longer
+                log.error("process %s exited with code %s: stopping", gone[0].args, gone[0].returncode)
+                return 1
             failed = [s for s in self.slots if s.start_failures >= self.settings.max_start_failures]
             if failed:
                 log.error("stage %s failed to start %d times in a row: giving up",
