@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import os
 import shutil
 import signal
@@ -245,3 +246,16 @@ def wait_ready(redis_url: str, pipeline_name: str, timeout_s: float = 30.0, *,
             await client.aclose()
 
     return asyncio.run(poll())
+
+
+def http_call(port: int, method: str, path: str, body: bytes | None = None,
+              timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """One HTTP request to a local gateway (JSON body), with a bounded wait."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()

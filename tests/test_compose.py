@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import http.client
 import json
 import os
 import re
@@ -33,6 +32,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
+from tests.helpers import http_call
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -441,17 +442,6 @@ class LocalCompose:
                 p.popen.wait(timeout=5)
 
 
-def request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
-    try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
 def wait_for(
     predicate: Callable[[], bool], timeout: float, what: str, stack: LocalCompose, interval: float = 0.1
 ) -> None:
@@ -467,7 +457,7 @@ def wait_for(
 
 def status_is(port: int, path: str, expected: int) -> bool:
     try:
-        return request(port, "GET", path)[0] == expected
+        return http_call(port, "GET", path)[0] == expected
     except OSError:
         return False
 
@@ -534,7 +524,7 @@ def workers_per_container(stack: LocalCompose, service: str) -> int:
 
 
 def predict(port: int, x: int) -> tuple[int, Any]:
-    status, body = request(port, "POST", "/v1/predict", json.dumps(x).encode())
+    status, body = http_call(port, "POST", "/v1/predict", json.dumps(x).encode())
     return x, (status, json.loads(body) if status == 200 else body)
 
 
@@ -546,7 +536,7 @@ def test_services_run_as_local_processes_end_to_end(local_stack: LocalCompose) -
     # The gateway first: alive at once, not ready while a stage has no worker.
     (gateway,) = stack.up("gateway")
     wait_for(lambda: status_is(port, "/healthz", 200), READY_TIMEOUT_S, "gateway /healthz", stack)
-    assert request(port, "GET", "/readyz")[0] == 503, "ready without any worker"
+    assert http_call(port, "GET", "/readyz")[0] == 503, "ready without any worker"
 
     # Then the stages, the scaled one as REPLICAS "containers" (docker compose up --scale scale=3).
     for name in STAGES:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import queue
@@ -31,6 +30,7 @@ from tests.helpers import (
     conveyor_argv,
     conveyor_env,
     descendants,
+    http_call,
     kill_group,
     running_workers,
     start_worker,
@@ -138,17 +138,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def http_call(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
 
 
 def http_ready(port: int) -> bool:
