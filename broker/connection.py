@@ -59,3 +59,17 @@ class Backoff:
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
 )
+CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
+
+
+# Error replies that say "Redis cannot take this write right now" rather than "this command is wrong":
+# out of memory, a read-only replica after a failover, a failing disk (MISCONF), a busy script,
+# a loading dataset. Callers back off and retry them like a dropped connection.
+TRANSIENT_REPLY_CODES = ("OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
+
+
+def is_transient(exc: redis.ResponseError) -> bool:
+    if isinstance(exc, redis.exceptions.OutOfMemoryError | redis.exceptions.ReadOnlyError):
+        return True
+    text = str(exc)
+    return any(code in text for code in TRANSIENT_REPLY_CODES)

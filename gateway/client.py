@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 import uuid
 from dataclasses import dataclass
 from importlib import resources
@@ -23,7 +24,7 @@ from typing import Any
 import redis
 
 from broker import codec, protocol
-from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.resp import pack_command
 from broker.server_info import acheck_server
@@ -76,18 +77,35 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
         self._closing = False
+        self._next_spec_check = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
-        await acheck_server(self._client)
-        await self._client.script_load(SUBMIT_LUA)
-        if self._max_backlog is None:
-            await self._load_spec()
+        try:
+            await acheck_server(self._client)
+            await self._client.script_load(SUBMIT_LUA)
+            if self._max_backlog is None:
+                await self._load_spec()
+        except BaseException:
+            await self._client.aclose()
+            await self._reply_client.aclose()
+            raise
         self._tasks = [asyncio.create_task(self._flusher(), name="conveyor-flusher"),
                        asyncio.create_task(self._reader(), name="conveyor-reader")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        if not self._closing and not task.cancelled() and task.exception() is not None:
+            log.error("gateway task %s died: the gateway is not ready", task.get_name(), exc_info=task.exception())
+
+    @property
+    def healthy(self) -> bool:
+        """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""
+        return all(not task.done() for task in self._tasks)
 
     async def close(self) -> None:
         self._closing = True
@@ -168,7 +186,8 @@ class Gateway:
         if record.get("ok"):
             pending.future.set_result(record.get("value"))
         else:
-            err = record.get("error") or {}
+            err = record.get("error")
+            err = err if isinstance(err, dict) else {}
             pending.future.set_exception(StageError(
                 str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
                 str(err.get("traceback", ""))))
@@ -185,6 +204,7 @@ class Gateway:
                 batch, self._outbox = self._outbox, []
                 unlink, self._unlink = self._unlink, []
                 try:
+                    await self._refresh_spec()
                     await self._send(batch, unlink)
                     backoff.reset()
                 except CONNECTION_ERRORS as exc:
@@ -192,7 +212,25 @@ class Gateway:
                     live = [s for s in batch if s[0] in self._pending]
                     self._outbox[:0] = live  # expired ones are dropped; the rest are retried
                     self._sent_twice.update(s[0] for s in live)  # the failed call may have run
+                    self._unlink[:0] = unlink
                     await asyncio.sleep(backoff.next_delay_s())
+                except redis.ResponseError as exc:  # the script never ran: nothing was added
+                    self._refuse(batch, exc)
+                    self._unlink[:0] = unlink
+                    await asyncio.sleep(backoff.next_delay_s())
+
+    def _refuse(self, batch: list[Submission], exc: redis.ResponseError) -> None:
+        """Redis refused a turn of submissions (out of memory, read-only replica, ...): fail
+        those requests at once with a clear error rather than letting them time out."""
+        log.error("redis refused submissions count=%d error=%s", len(batch), exc)
+        for request_id, _, _ in batch:
+            pending = self._pending.pop(request_id, None)
+            if pending is None or pending.future.done():
+                continue
+            pending.timer.cancel()
+            error: Exception = (Overloaded(f"redis refused the request: {exc}") if is_transient(exc)
+                                else ConnectionError(f"redis refused the request: {exc}"))
+            pending.future.set_exception(error)
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
         args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (1 + len(unlink)), self._stream, *unlink, b"%d" % len(batch)]
@@ -228,7 +266,7 @@ class Gateway:
                     recovering = False
                 popped = await self._reply_client.blpop([self._reply_key], timeout=block)
                 backoff.reset()
-            except CONNECTION_ERRORS as exc:
+            except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
                 if self._closing:
                     return
                 log.warning("reply connection lost error=%r", exc)
@@ -261,6 +299,12 @@ class Gateway:
 
     # -- status ---------------------------------------------------------------------------
 
+    async def _refresh_spec(self) -> None:
+        """A gateway may start before any worker wrote the spec: look again now and then."""
+        if self._max_backlog is None and time.monotonic() >= self._next_spec_check:
+            self._next_spec_check = time.monotonic() + 5.0
+            await self._load_spec()
+
     async def _load_spec(self) -> None:
         raw = await self._client.get(self.keys.spec)
         if raw:
@@ -269,6 +313,8 @@ class Gateway:
                 self._max_backlog = int(stages[0]["max_backlog"])
 
     async def pipeline_status(self) -> PipelineStatus:
+        if not self.healthy:
+            return PipelineStatus(False, [], "a gateway background task died (see its log)")
         status = await read_status(self._client, self.keys, self._status_marks)
         if self.settings.max_backlog is None and status.stages:
             self._max_backlog = status.stages[0].max_backlog

@@ -187,7 +187,12 @@ class Supervisor:
         assert slot.proc is not None and slot.pipe is not None
         self._selector.unregister(slot.pipe)
         os.close(slot.pipe)
-        returncode = slot.proc.wait()
+        try:
+            returncode = slot.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # it closed its status pipe but lives on: unsupervisable
+            log.error("worker pid=%d closed its status pipe: killing it", slot.proc.pid)
+            slot.proc.kill()
+            returncode = slot.proc.wait()
         slot.history.append(returncode)
         now = time.monotonic()
         if slot.ready_at is None:

@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from broker import codec, protocol
 from broker.commit import Commit, Committer, Ttls
-from broker.connection import CONNECTION_ERRORS, Backoff, RedisSettings
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import GROUP
 from broker.pipeline import Pipeline, StageSpec
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
@@ -79,6 +79,7 @@ class Worker:
         self.status = status
         self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
         self.ready = False
+        self._own_rereads: dict[bytes, int] = {}  # re-reads of our pending list after losing Redis
         self._next_claim = time.monotonic() + spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         self.keys = pipeline.keys
@@ -132,13 +133,14 @@ class Worker:
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
+        first_drain = True
         backoff = Backoff()
         while not self.stopping:
             try:
                 if recover:
-                    self._drain_own_pending()
+                    self._drain_own_pending(own_retry=not first_drain)
                     self.status.send(b"D")
-                    recover = False
+                    recover = first_drain = False
                 self._housekeeping()
                 entries = self._collector.collect()
                 if entries:
@@ -149,6 +151,11 @@ class Worker:
                 recover = True
                 time.sleep(backoff.next_delay_s())
             except redis.ResponseError as exc:
+                if is_transient(exc):  # out of memory, read-only replica, ...: wait it out
+                    log.warning("redis refused a write stage=%s error=%s", self.spec.name, exc)
+                    recover = True
+                    time.sleep(backoff.next_delay_s())
+                    continue
                 if "NOGROUP" not in str(exc):
                     raise
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
@@ -175,7 +182,9 @@ class Worker:
             try:
                 action()
                 return
-            except CONNECTION_ERRORS as exc:
+            except CONNECTION_OR_REPLY_ERRORS as exc:
+                if isinstance(exc, redis.ResponseError) and not is_transient(exc):
+                    raise
                 log.warning("redis unavailable at start error=%r", exc)
                 if self.stopping:
                     return
@@ -183,13 +192,20 @@ class Worker:
 
     # -- recovery -------------------------------------------------------------------------
 
-    def _drain_own_pending(self) -> None:
+    def _drain_own_pending(self, own_retry: bool = False) -> None:
         """Finish what this consumer held when it died. Entries delivered before run one at a
-        time: if one of them crashed or hung the worker, it alone pays for it again."""
+        time: if one of them crashed or hung the worker, it alone pays for it again.
+
+        ``own_retry``: this same process re-reads after losing Redis, not after a crash. Each
+        re-read counts as a delivery in Redis; it is subtracted, so flapping Redis never sends
+        innocent entries to the dead-letter stream."""
         while not self.stopping:
             entries = self._reader.read(self.spec.batch_size, start="0")
             if not entries:
                 return
+            if own_retry:
+                for entry_id, _ in entries:
+                    self._own_rereads[entry_id] = self._own_rereads.get(entry_id, 0) + 1
             self._process_redelivered(entries)
 
     def _process_redelivered(self, entries: list[Entry]) -> None:
@@ -227,7 +243,11 @@ class Worker:
         ids = sorted((e[0] for e in entries), key=_id_key)
         rows = self._client.xpending_range(self._stream, GROUP, ids[0], ids[-1], len(ids) * 2,
                                            consumername=self.consumer)
-        return {row["message_id"]: int(row["times_delivered"]) for row in rows}  # type: ignore[misc]
+        counts: dict[bytes, int] = {}
+        for row in rows:
+            entry_id = protocol.as_bytes(row["message_id"])  # type: ignore[arg-type]
+            counts[entry_id] = int(row["times_delivered"]) - self._own_rereads.get(entry_id, 0)
+        return counts
 
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
@@ -271,6 +291,9 @@ class Worker:
         commit.duration_ms = (time.perf_counter() - started) * 1000
         self._committer(commit)
         self._held = []
+        if self._own_rereads:
+            for entry_id in commit.acks:
+                self._own_rereads.pop(entry_id, None)
 
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
