@@ -32,9 +32,6 @@ class Commit:
     def dead_letter(self, entry_id: bytes, request_id: bytes | None, reason: str, data: bytes) -> None:
         self.dead += [entry_id, request_id or b"", reason.encode(), data]
 
-    def empty(self) -> bool:
-        return not (self.acks or self.forwards or self.results or self.dead)
-
 
 @dataclass(frozen=True)
 class Ttls:

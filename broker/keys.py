@@ -31,6 +31,7 @@ The consumer group of every stage stream is named ``workers``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 DEFAULT_PREFIX = "conveyor"
 GROUP = "workers"
@@ -64,6 +65,11 @@ class Keys:
 
     def reply(self, gateway_id: str) -> str:
         return f"{self.base}:reply:{gateway_id}"
+
+    @cached_property
+    def reply_prefix(self) -> bytes:
+        """Every reply key a producer may name starts with this (checked per entry: computed once)."""
+        return f"{self.base}:reply:".encode()
 
     @property
     def spec(self) -> str:

