@@ -108,7 +108,9 @@ class WorkerProc:
 def start_worker(redis_url: str, app: str, stage: str, workers: int | None = None,
                  log_dir: Path | None = None, **env: str) -> WorkerProc:
     """Start ``conveyor worker`` in a process group of its own, logging to a file."""
-    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="conveyor-test-"))
+    if log_dir is None:  # one shared folder, rather than a new temp dir per call left behind
+        log_dir = Path(tempfile.gettempdir()) / "conveyor-test-logs"
+        log_dir.mkdir(exist_ok=True)
     log_path = log_dir / f"worker-{stage}-{time.monotonic_ns()}.log"
     argv = conveyor_argv("worker", app, "--stage", stage)
     if workers is not None:
