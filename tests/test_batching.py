@@ -79,7 +79,8 @@ def test_read_until_returns_by_the_client_deadline(reader: StreamReader) -> None
         assert reader.read_until(10, 0.005) == []
         took.append(time.monotonic() - started)
     # A plain BLOCK 5 would take Redis's ~100 ms timer resolution every time.
-    assert min(took) < 0.05 and max(took) < 0.095, [f"{t * 1000:.0f} ms" for t in took]
+    # Two of three under 95 ms: one scheduling hiccup on a busy 2-core machine must not fail it.
+    assert min(took) < 0.05 and sorted(took)[1] < 0.095, [f"{t * 1000:.0f} ms" for t in took]
 
 
 def test_read_until_returns_early_when_an_item_arrives(reader: StreamReader, redis_url: str) -> None:
