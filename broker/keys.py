@@ -63,6 +63,14 @@ class Keys:
     def result(self, request_id: str) -> str:
         return f"{self.base}:result:{request_id}"
 
+    @cached_property
+    def result_prefix(self) -> bytes:
+        return f"{self.base}:result:".encode()
+
+    def result_key(self, request_id: bytes) -> bytes:
+        """``result(...)`` for the hot paths, where request ids are already bytes."""
+        return self.result_prefix + request_id
+
     def reply(self, gateway_id: str) -> str:
         return f"{self.base}:reply:{gateway_id}"
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.spec import StageInfo
 
 # Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
@@ -140,13 +141,9 @@ class Pipeline:
         i = spec.index + 1
         return self.stages[i] if i < len(self.stages) else None
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[StageInfo]:
         """What workers publish under the spec key, so gateways and `status` know the stages."""
-        return [
-            {"index": s.index, "name": s.name, "batch_size": s.batch_size,
-             "batch_wait_s": s.batch_wait_s, "max_backlog": s.max_backlog}
-            for s in self.stages
-        ]
+        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog) for s in self.stages]
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"

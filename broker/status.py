@@ -26,10 +26,10 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from broker import codec
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import GROUP, Keys
 from broker.protocol import as_bytes, now_ms
+from broker.spec import SpecError, StageInfo, decode_spec
 
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat is older than this is not live
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
@@ -86,12 +86,12 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
         raw_spec = await client.get(keys.spec)
         if not raw_spec:
             return PipelineStatus(True, [], "no worker has registered this pipeline yet")
-        spec = codec.decode(as_bytes(raw_spec))
+        spec = decode_spec(as_bytes(raw_spec))
         now = now_ms()
         window_start = now - window_ms
         pipe = client.pipeline(transaction=False)
         for stage in spec:
-            i = int(stage["index"])
+            i = stage.index
             pipe.xinfo_groups(keys.stream(i))
             pipe.xinfo_consumers(keys.stream(i), GROUP)
             pipe.xlen(keys.stream(i))
@@ -101,6 +101,8 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
         results = await pipe.execute(raise_on_error=False)
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc!r}")
+    except SpecError as exc:
+        return PipelineStatus(True, [], str(exc))
     n = _COMMANDS_PER_STAGE
     stages = [_stage(stage, results[n * k:n * k + n], marks, now, window_start) for k, stage in enumerate(spec)]
     return PipelineStatus(True, stages)
@@ -119,12 +121,11 @@ def _ok(value: Any, default: Any) -> Any:
     return default if isinstance(value, Exception) else value
 
 
-def _stage(stage: dict[str, Any], results: list[Any], marks: dict[int, bytes] | None, now: int,
+def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None, now: int,
            window_start: int) -> StageStatus:
     defaults: tuple[Any, ...] = ([], [], 0, [], 0, [])
     groups, consumers, length, beats, dead, stats = (_ok(r, d) for r, d in zip(results, defaults, strict=True))
-    i = int(stage["index"])
-    status = StageStatus(i, str(stage["name"]), dead_letters=int(dead), max_backlog=stage.get("max_backlog"))
+    status = StageStatus(stage.index, stage.name, dead_letters=int(dead), max_backlog=stage.max_backlog)
     lag: Any = None
     for group in groups:
         if group["name"] in (GROUP, GROUP.encode()):

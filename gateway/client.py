@@ -11,13 +11,11 @@ reconnect the reader re-reads the keys of every request still in flight.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import resources
 from types import TracebackType
 from typing import Any
 
@@ -26,16 +24,14 @@ import redis
 from broker import codec, protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import DEFAULT_PREFIX, Keys
-from broker.resp import pack_command
 from broker.server_info import acheck_server
+from broker.spec import decode_spec
 from broker.status import PipelineStatus, read_status
+from broker.submit import Submission, Submitter
 from gateway.errors import Overloaded, StageError
 
 log = logging.getLogger("conveyor.gateway")
 
-SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
-SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
-Submission = tuple[bytes, bytes, bytes]  # request id, data, deadline ms
 
 
 @dataclass(frozen=True)
@@ -61,8 +57,6 @@ class Gateway:
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
-        self._stream = self.keys.stream(0).encode()
-        self._result_prefix = self.keys.result("").encode()
         self._pending: dict[bytes, _Pending] = {}
         self._outbox: list[Submission] = []
         self._unlink: list[bytes] = []
@@ -86,7 +80,8 @@ class Gateway:
         self._reply_client = self.redis.async_client(1)
         try:
             await acheck_server(self._client)
-            await self._client.script_load(SUBMIT_LUA)
+            self._submit = Submitter(self._client, self.keys, self._reply_key)
+            await self._submit.load()
             if self._max_backlog is None:
                 await self._load_spec()
         except BaseException:
@@ -180,7 +175,7 @@ class Gateway:
         if request_id in self._sent_twice:
             self._sent_twice.discard(request_id)
         else:
-            self._unlink.append(self._result_prefix + request_id)
+            self._unlink.append(self.keys.result_key(request_id))
         if pending.future.done():
             return
         if record.get("ok"):
@@ -233,27 +228,7 @@ class Gateway:
             pending.future.set_exception(error)
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
-        args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (1 + len(unlink)), self._stream, *unlink, b"%d" % len(batch)]
-        for request_id, data, deadline in batch:
-            args += (request_id, data, self._reply_key, deadline)
-        packed = pack_command(args)
-        try:
-            self._backlog = int(await self._execute_packed(packed))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-            await self._client.script_load(SUBMIT_LUA)
-            self._backlog = int(await self._execute_packed(packed))
-
-    async def _execute_packed(self, packed: bytes) -> Any:
-        pool = self._client.connection_pool
-        conn = await pool.get_connection()
-        try:
-            await conn.send_packed_command(packed, check_health=False)
-            return await conn.read_response()
-        except BaseException:
-            await conn.disconnect()
-            raise
-        finally:
-            await pool.release(conn)
+        self._backlog = await self._submit(batch, unlink)
 
     async def _reader(self) -> None:
         backoff = Backoff()
@@ -292,7 +267,7 @@ class Gateway:
         ids = list(self._pending)
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
-            values = await self._reply_client.mget([self._result_prefix + i for i in chunk])
+            values = await self._reply_client.mget([self.keys.result_key(i) for i in chunk])
             for raw in values:
                 if raw is not None:
                     self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
@@ -308,9 +283,9 @@ class Gateway:
     async def _load_spec(self) -> None:
         raw = await self._client.get(self.keys.spec)
         if raw:
-            stages = codec.decode(protocol.as_bytes(raw))
-            if stages and stages[0].get("max_backlog") is not None:
-                self._max_backlog = int(stages[0]["max_backlog"])
+            stages = decode_spec(protocol.as_bytes(raw))
+            if stages and stages[0].max_backlog is not None:
+                self._max_backlog = stages[0].max_backlog
 
     async def pipeline_status(self) -> PipelineStatus:
         if not self.healthy:

@@ -95,7 +95,7 @@ def test_name_class_attribute_and_index() -> None:
     assert [(s.index, s.name) for s in pipe.stages] == [(0, "Plain"), (1, "custom-name"), (2, "again")]
     assert pipe.next_of(pipe.stages[0]) is pipe.stages[1]
     assert pipe.next_of(pipe.stages[2]) is None
-    assert [d["name"] for d in pipe.describe()] == ["Plain", "custom-name", "again"]
+    assert [d.name for d in pipe.describe()] == ["Plain", "custom-name", "again"]
 
 
 def test_add_chains_and_knob_list_is_the_documented_one() -> None:

@@ -27,6 +27,7 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import GROUP
 from broker.pipeline import Pipeline, StageSpec
 from broker.server_info import check_server
+from broker.spec import encode_spec
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.runner import run_batch, run_single
@@ -105,7 +106,6 @@ class Worker:
                                     self._next is not None,
                                     Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
-        self._result_prefix = self.keys.result("").encode()
         reader = StreamReader(self._client, self._stream, self.consumer)
         wait = FixedWait(self.spec.batch_wait_s)
         self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
@@ -131,7 +131,7 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self._client.set(self.keys.spec, codec.encode(self.pipeline.describe()))
+        self._client.set(self.keys.spec, encode_spec(self.pipeline.describe()))
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
@@ -336,18 +336,18 @@ class Worker:
         commit.dead_letter(item.entry_id, item.request_id, reason, item.data[:1024])
         if item.request_id is not None:
             record = protocol.error_record(item.request_id, protocol.E_DEAD_LETTER, reason, self.spec.name, "")
-            commit.publish(self._result_prefix + item.request_id, record, item.reply)
+            commit.publish(self.keys.result_key(item.request_id), record, item.reply)
 
     def _error(self, item: protocol.Item, type_: str, message: str, tb: str, commit: Commit) -> None:
         record = protocol.error_record(item.request_id, type_, message, self.spec.name, tb)
-        commit.publish(self._result_prefix + item.request_id, record, item.reply)
+        commit.publish(self.keys.result_key(item.request_id), record, item.reply)
 
     def _route(self, item: protocol.Item, outcome: tuple[bool, Any], commit: Commit) -> None:
         ok, value = outcome
         if not ok:
             self._error(item, value.type, value.message, value.traceback, commit)
         elif self._next is None:
-            commit.publish(self._result_prefix + item.request_id, protocol.ok_record(item.request_id, value),
+            commit.publish(self.keys.result_key(item.request_id), protocol.ok_record(item.request_id, value),
                            item.reply)
         else:
             try:
