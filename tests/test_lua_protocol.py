@@ -1,0 +1,56 @@
+"""The Lua scripts spell the stream entry fields and the protocol version themselves (Lua cannot
+import Python): these tests hold them to what ``broker.protocol`` declares."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+
+from broker import protocol
+from broker.keys import PROTOCOL_VERSION
+
+ENTRY_FIELDS = {protocol.F_ID, protocol.F_DATA, protocol.F_REPLY, protocol.F_DEADLINE, protocol.F_VERSION}
+
+
+def _xadds_to_stage_streams(script: str) -> list[str]:
+    """The field lists of the XADDs that write stage stream entries (not dead letters or stats)."""
+    text = resources.files("broker").joinpath(script).read_text()
+    calls = re.findall(r"(?:XADD', |args = \{)(KEYS\[\d\]), '\*', (.*?)[})]", text, flags=re.S)
+    return [fields for _key, fields in calls]
+
+
+def _field_names(fields: str) -> list[bytes]:
+    literals = re.findall(r"'([^']*)'", fields)
+    # Literal field names alternate with values: names are at even positions once values that are
+    # literals ('1', the version) are taken out pairwise.
+    return [name.encode() for name in literals if not name.isdigit()]
+
+
+@pytest.mark.parametrize("script", ["submit.lua", "commit.lua"])
+def test_lua_entry_fields_are_the_protocols(script: str) -> None:
+    calls = _xadds_to_stage_streams(script)
+    assert calls, f"no stage-stream XADD found in {script}"
+    for fields in calls:
+        names = set(_field_names(fields))
+        assert names <= ENTRY_FIELDS, f"{script} writes fields {names - ENTRY_FIELDS} unknown to broker.protocol"
+        assert {protocol.F_ID, protocol.F_DATA, protocol.F_VERSION} <= names
+
+
+@pytest.mark.parametrize("script", ["submit.lua", "commit.lua"])
+def test_lua_writes_the_declared_protocol_version(script: str) -> None:
+    text = resources.files("broker").joinpath(script).read_text()
+    versions = re.findall(r"'v', '(\d+)'", text)
+    assert versions, f"{script} writes no protocol version"
+    assert {int(v) for v in versions} == {PROTOCOL_VERSION}
+
+
+def test_protocol_field_names_are_the_documented_ones() -> None:
+    assert ENTRY_FIELDS == {b"id", b"data", b"reply", b"deadline_ms", b"v"}
+
+
+def test_commit_lua_optional_fields_are_the_protocols() -> None:
+    text = resources.files("broker").joinpath("commit.lua").read_text()
+    optional = {name.encode() for name in re.findall(r"args\[#args \+ 1\] = '([^']+)'", text)}
+    assert optional == {protocol.F_REPLY, protocol.F_DEADLINE}
