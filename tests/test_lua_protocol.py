@@ -47,7 +47,7 @@ def test_lua_writes_the_declared_protocol_version(script: str) -> None:
 
 
 def test_protocol_field_names_are_the_documented_ones() -> None:
-    assert ENTRY_FIELDS == {b"id", b"data", b"reply", b"deadline_ms", b"v"}
+    assert {b"id", b"data", b"reply", b"deadline_ms", b"v"} == ENTRY_FIELDS
 
 
 def test_commit_lua_optional_fields_are_the_protocols() -> None:
