@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import redis.asyncio as aredis
 
-from broker.embedded import EmbeddedRedis
 from broker.keys import Keys
-from broker.status import read_status
+from gateway.status import read_status
+from workers.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def embedded_redis() -> Iterator[str]:
 @contextlib.contextmanager
 def workers(app: str, stages: list[str], redis_url: str) -> Iterator[list[subprocess.Popen[bytes]]]:
     env = dict(os.environ, CONVEYOR_REDIS_URL=redis_url, CONVEYOR_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "broker.cli", "worker", app, "--stage", s],
+    procs = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", app, "--stage", s],
                               env=env, cwd=ROOT) for s in stages]
     try:
         yield procs

@@ -6,8 +6,7 @@ import math
 import time
 from typing import Any
 
-from broker import Pipeline
-from workers import Stage
+from workers import Pipeline, Stage
 
 
 class Square(Stage):

@@ -1,5 +1,2 @@
-"""Everything that speaks Redis: keys, codec, protocol, scripts, connections, the embedded server."""
-
-from broker.pipeline import Pipeline, PipelineError, StageSpec
-
-__all__ = ["Pipeline", "PipelineError", "StageSpec"]
+"""What speaks Redis: key names, the codec, the stream protocol, the Lua scripts with their Python
+owners (``Submitter`` for gateways, ``Committer`` for workers), the spec record, connections."""

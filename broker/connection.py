@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aredis
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 LONGEST_BLOCK_S = 2.0  # no XREADGROUP/BLPOP of ours blocks longer than this
 
 

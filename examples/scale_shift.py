@@ -4,8 +4,7 @@ Run it:  conveyor run examples.scale_shift:pipeline
 Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d 3   ->  {"result": 9}
 """
 
-from broker import Pipeline
-from workers import Stage
+from workers import Pipeline, Stage
 
 
 class Scale(Stage):

@@ -14,22 +14,21 @@ from typing import Any
 
 import click
 
-from broker.connection import RedisSettings
+from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
-from broker.status import PipelineStatus, read_status
 from gateway.client import Gateway, GatewaySettings
 from gateway.http import HttpSettings
 from gateway.http import run as serve_http
+from gateway.status import PipelineStatus, read_status
 
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
 _HTTP_DEFAULTS = HttpSettings()
 
 
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS, show_default=True)
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST")
 @click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT")
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX")
@@ -69,7 +68,7 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
 
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS, show_default=True)
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX")
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON for scripts (with --watch: one compact object per line).")

@@ -26,9 +26,9 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.server_info import acheck_server
 from broker.spec import decode_spec
-from broker.status import PipelineStatus, read_status
 from broker.submit import Submission, Submitter
 from gateway.errors import Overloaded, StageError
+from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 

@@ -51,7 +51,7 @@ STAGE_LABELS = ("index", "stage")
 
 
 class StageStatusLike(Protocol):
-    """What metrics read of `broker.status.StageStatus` (read-only, so the dataclass fits)."""
+    """What metrics read of `gateway.status.StageStatus` (read-only, so the dataclass fits)."""
 
     @property
     def index(self) -> int: ...
@@ -72,7 +72,7 @@ class StageStatusLike(Protocol):
 
 
 class PipelineStatusLike(Protocol):
-    """What metrics and ``/readyz`` read of `broker.status.PipelineStatus`."""
+    """What metrics and ``/readyz`` read of `gateway.status.PipelineStatus`."""
 
     @property
     def reachable(self) -> bool: ...

@@ -19,8 +19,7 @@ from typing import Any
 
 import redis
 
-from broker import Pipeline
-from workers import Stage
+from workers import Pipeline, Stage
 
 
 def _redis() -> redis.Redis:

@@ -25,7 +25,7 @@ import psutil
 
 from broker.connection import RedisSettings
 from broker.keys import Keys
-from broker.status import PipelineStatus, read_status
+from gateway.status import PipelineStatus, read_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
@@ -46,7 +46,7 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str,
 
 
 def conveyor_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", *args]
+    return [sys.executable, "-m", "workers.cli", *args]
 
 
 def conveyor_env(redis_url: str | None = None, **extra: str) -> dict[str, str]:

@@ -23,8 +23,7 @@ from typing import Any
 import h11
 import numpy as np
 
-from broker import Pipeline
-from workers import Stage
+from workers import Pipeline, Stage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +63,7 @@ ops = Pipeline("t-ops").add(Nap).add(Twice)
 
 @dataclass
 class Proc:
-    """A ``python -m broker.cli ...`` process in a session of its own, its stderr in a file."""
+    """A ``python -m workers.cli ...`` process in a session of its own, its stderr in a file."""
 
     popen: subprocess.Popen[bytes]
     log: Path
@@ -105,10 +104,10 @@ def conveyor_env(redis_url: str, **extra: str) -> dict[str, str]:
 
 def start_conveyor(log_dir: Path, name: str, *args: str, redis_url: str, stdout: int | None = None,
                    **env: str) -> Proc:
-    """Start ``python -m broker.cli ARGS`` from the repository root."""
+    """Start ``python -m workers.cli ARGS`` from the repository root."""
     log = log_dir / f"{name}.log"
     with open(log, "wb") as err:
-        popen = subprocess.Popen([sys.executable, "-m", "broker.cli", *args], cwd=REPO_ROOT,
+        popen = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=REPO_ROOT,
                                  env=conveyor_env(redis_url, **env), stdout=stdout, stderr=err,
                                  start_new_session=True)
     return Proc(popen, log, name)

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from broker import Pipeline
-from workers import Stage
+from workers import Pipeline, Stage
 from workers.pinning import allowed_cpus
 
 #: The cores the test process may use; pinned stages take the first two.

@@ -31,11 +31,11 @@ import pytest
 import redis
 
 from broker import codec
-from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
 from gateway import Gateway, GatewaySettings, StageError
 from tests.chaos_stages import chaos_f
 from tests.helpers import Workers, running_workers, wait_for
+from workers.embedded import EmbeddedRedis
 
 APP = "tests.chaos_stages:chaos"
 PIPELINE = "c-chaos"

@@ -342,7 +342,7 @@ def conveyor_argv() -> list[str]:
     script = Path(sys.executable).with_name("conveyor")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "broker.cli"]
+    return [sys.executable, "-m", "workers.cli"]
 
 
 def cli_available() -> str | None:

@@ -14,8 +14,6 @@ import pytest
 import redis
 import redis.asyncio
 
-from broker import embedded
-from broker.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from broker.server_info import (
     ServerInfo,
     UnsupportedServer,
@@ -24,6 +22,8 @@ from broker.server_info import (
     parse_version,
     server_info_from_info,
 )
+from workers import embedded
+from workers.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 
 
 @pytest.fixture

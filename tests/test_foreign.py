@@ -15,8 +15,8 @@ import msgpack
 import pytest
 import redis
 
-from broker.embedded import EmbeddedRedis
 from tests.helpers import Workers, running_workers, wait_for
+from workers.embedded import EmbeddedRedis
 
 PIPELINE = "t-foreign"  # tests/stages.py: AddOne then Guard, f(x) = 2 (x + 1), refuses x = 99
 STREAM0 = "conveyor:{t-foreign}:stream:0"

@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import codec
-from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
 from broker.protocol import now_ms
 from gateway import Gateway, GatewaySettings
 from tests.helpers import Workers, running_workers, wait_for
+from workers.embedded import EmbeddedRedis
 
 APP = "tests.chaos_stages:hostile"
 PIPELINE = "c-hostile"

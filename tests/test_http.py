@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from broker.codec import CodecError, decode, encode
-from broker.status import PipelineStatus, StageStatus
 from gateway.errors import Overloaded, StageError
 from gateway.http import HttpServer, HttpSettings
 from gateway.http import run as run_http
 from gateway.metrics import Metrics
+from gateway.status import PipelineStatus, StageStatus
 
 T = TypeVar("T")
 WAIT_S = 5.0  # upper bound of any single wait in these tests
@@ -55,7 +55,7 @@ class FakeBackend:
         status = self.status
         if isinstance(status, Exception):
             raise status
-        # batches are "since the last read": hand them out once, like broker.status does
+        # batches are "since the last read": hand them out once, like gateway.status does
         fresh = PipelineStatus(status.reachable, [StageStatus(**vars(s)) for s in status.stages])
         for stage in status.stages:
             stage.batches = []

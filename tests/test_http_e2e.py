@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.codec import decode as msgpack_decode
 from broker.codec import encode as msgpack_encode
-from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
 from tests.helpers import wait_for
 from tests.ops_stages import (
@@ -39,6 +38,7 @@ from tests.ops_stages import (
     status_code,
     stop_all,
 )
+from workers.embedded import EmbeddedRedis
 
 SCALE_SHIFT = "examples.scale_shift:pipeline"
 OPS = "tests.ops_stages:ops"

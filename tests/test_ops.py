@@ -25,15 +25,15 @@ from click.testing import CliRunner
 
 from broker import codec
 from broker.connection import RedisSettings
-from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
 from broker.logs import configure_logging
 from broker.protocol import now_ms
-from broker.status import LIVE_AFTER_MS, PipelineStatus, read_status
 from gateway import Gateway
 from gateway.cli import status as status_command
+from gateway.status import LIVE_AFTER_MS, PipelineStatus, read_status
 from tests.helpers import wait_for
 from tests.ops_stages import Proc, start_conveyor, stop_all
+from workers.embedded import EmbeddedRedis
 from workers.janitor import REAP_LUA, reap_dead_consumers
 
 APP = "examples.scale_shift:pipeline"

@@ -22,7 +22,6 @@ import pytest
 import redis
 
 from broker import codec
-from broker.embedded import EmbeddedRedis
 from broker.keys import GROUP, Keys
 from broker.protocol import entry_fields, now_ms, ok_record
 from gateway import Gateway, GatewaySettings, Overloaded, StageError
@@ -38,6 +37,7 @@ from tests.helpers import (
     wait_ready,
 )
 from tests.test_chaos import CountingGateway
+from workers.embedded import EmbeddedRedis
 
 APP = "tests.chaos_stages"
 T = 30.0  # bound of any single wait in this module

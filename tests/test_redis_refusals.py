@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis
 
-from broker.embedded import EmbeddedRedis
 from gateway import Gateway, GatewaySettings, Overloaded
 from tests.helpers import running_workers
+from workers.embedded import EmbeddedRedis
 
 APP = "examples.scale_shift:pipeline"
 

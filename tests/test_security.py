@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker.embedded import EmbeddedRedis
 from gateway import Gateway, GatewaySettings
 from tests.helpers import running_workers
+from workers.embedded import EmbeddedRedis
 
 APP = "examples.scale_shift:pipeline"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"

@@ -10,7 +10,6 @@ import pytest
 
 from broker.codec import decode
 from broker.keys import Keys
-from broker.pipeline import STAGE_KNOBS, Pipeline, PipelineError
 from broker.protocol import (
     MAX_DEADLINE_AHEAD_MS,
     Item,
@@ -25,6 +24,7 @@ from tests import stages
 from workers import Stage
 from workers.batching import FixedWait
 from workers.pinning import assign_cpus
+from workers.pipeline import STAGE_KNOBS, Pipeline, PipelineError
 from workers.runner import BatchLengthError, run_batch, run_single
 
 # -- Pipeline.add: knob resolution -------------------------------------------------------

@@ -1,6 +1,6 @@
 """Worker side: the Stage API, the pipeline definition, the worker loop, batching, the supervisor."""
 
-from broker.pipeline import Pipeline, PipelineError, StageSpec
+from workers.pipeline import Pipeline, PipelineError, StageSpec
 from workers.stage import Stage
 
 __all__ = ["Pipeline", "PipelineError", "Stage", "StageSpec"]

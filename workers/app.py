@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from broker.pipeline import Pipeline
+from workers.pipeline import Pipeline
 
 
 class AppError(Exception):

@@ -4,18 +4,25 @@ A separate interpreter per worker (not fork) so thread-count variables are in th
 environment before numpy or torch is imported, and no state leaks from the supervisor.
 Exit codes: 0 stopped on request, 3 ``setup()`` or start-up failed, 4 APP could not be loaded,
 5 crashed after it was ready.
+
+Settings arrive as one JSON record on standard input (:class:`ChildSettings`), written by the
+supervisor: explicit, and the Redis URL (which may carry a password) never shows on a command
+line. Only the thread-count variables travel in the environment, because OpenMP and BLAS read
+them there when they load.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import signal
 import sys
 import traceback
+from dataclasses import asdict, dataclass, field
 from types import FrameType
+from typing import IO, Any
 
-from broker.connection import RedisSettings
+from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
 from workers.app import AppError, load_pipeline
 from workers.pinning import limit_torch_threads, pin
@@ -24,6 +31,31 @@ from workers.worker import StatusPipe, Worker, WorkerSettings
 EXIT_SETUP_FAILED = 3
 EXIT_BAD_APP = 4
 EXIT_CRASHED = 5
+
+
+@dataclass(frozen=True)
+class ChildSettings:
+    """Everything a worker process needs besides its command-line identity (app, stage, slot)."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str | None = None
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    log_format: str = "kv"
+    log_level: str = "INFO"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ChildSettings:
+        """Parse the record; raises ValueError (or TypeError) on anything else."""
+        data: dict[str, Any] = json.loads(raw)
+        worker = WorkerSettings(**data.pop("worker", {}))
+        return cls(worker=worker, **data)
+
+
+def read_settings(stream: IO[bytes]) -> ChildSettings:
+    return ChildSettings.from_json(stream.readline())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
     args = parser.parse_args(argv)
-    configure_logging()  # CONVEYOR_LOG_FORMAT / CONVEYOR_LOG_LEVEL, inherited from the supervisor
     try:
-        pipeline = load_pipeline(args.app, os.environ.get("CONVEYOR_PREFIX"))
+        settings = read_settings(sys.stdin.buffer)
+    except (ValueError, TypeError) as exc:
+        print(f"conveyor worker: unreadable settings record on stdin: {exc}", file=sys.stderr)
+        return EXIT_BAD_APP
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        pipeline = load_pipeline(args.app, settings.prefix)
         spec = pipeline.stage(args.stage)
     except (AppError, ValueError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
@@ -45,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu is not None:
         pin(args.cpu)
     limit_torch_threads(spec.threads)
-    redis_url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0")
-    worker = Worker(pipeline, spec, RedisSettings(redis_url), args.consumer, WorkerSettings.from_env(os.environ),
+    worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
                     StatusPipe(args.status_fd), previous_exit=args.previous_exit)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

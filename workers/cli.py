@@ -1,37 +1,77 @@
-"""``conveyor run`` and ``conveyor worker``: the process side of the command line."""
+"""The ``conveyor`` command: ``run`` and ``worker`` live here; other packages plug theirs in.
+
+The group composes its own commands with those registered under the ``conveyor.commands``
+entry-point group (pyproject.toml: the gateway package registers ``gateway`` and ``status``).
+So the dependency arrows stay one way (workers -> broker <- gateway): this module never
+names the gateway package; the composition is declared in packaging metadata, where it can be
+read, as Flask and pytest compose their plugins.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from typing import Any
 
 import click
 
-from broker.embedded import EmbeddedRedis
-from broker.logs import FORMAT_ENV, FORMATS, configure_logging
+from broker.connection import DEFAULT_REDIS_URL
+from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
+from workers.child import ChildSettings
+from workers.embedded import EmbeddedRedis
 from workers.pinning import PinningError
 from workers.supervisor import Supervisor, SupervisorSettings
+from workers.worker import WorkerSettings
 
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-
-
-def _setup_logging(log_format: str) -> None:
-    configure_logging(log_format)
-    os.environ[FORMAT_ENV] = log_format  # worker processes (and run's gateway) inherit it
+COMMAND_GROUP = "conveyor.commands"
+_WORKER_DEFAULTS = WorkerSettings()
 
 
-LOG_FORMAT = click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
-                          show_default=True, envvar=FORMAT_ENV,
-                          help="Log lines as key=value pairs or JSON objects (workers inherit it).")
+def _options(func: Any) -> Any:
+    """Options every process-starting command shares; each shows its environment variable."""
+    options = [
+        click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None, show_envvar=True,
+                     help="Key prefix (default: the pipeline's own, 'conveyor')."),
+        click.option("--result-ttl-s", type=click.FloatRange(min=0.001), envvar="CONVEYOR_RESULT_TTL_S",
+                     default=_WORKER_DEFAULTS.result_ttl_ms / 1000, show_default=True, show_envvar=True,
+                     help="How long a result key lives for a foreign client to read it."),
+        click.option("--reply-ttl-s", type=click.FloatRange(min=0.001), envvar="CONVEYOR_REPLY_TTL_S",
+                     default=_WORKER_DEFAULTS.reply_ttl_ms / 1000, show_default=True, show_envvar=True,
+                     help="How long an unread reply list lives (a dead gateway's list expires)."),
+        click.option("--max-payload-bytes", type=click.IntRange(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
+                     default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
+                     help="Larger stream entries are dead-lettered."),
+        click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
+                     show_default=True, envvar=FORMAT_ENV, show_envvar=True,
+                     help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
+        click.option("--log-level", default="INFO", show_default=True, envvar=LEVEL_ENV, show_envvar=True,
+                     help="DEBUG, INFO, WARNING, ..."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) -> ChildSettings:
+    log_format = str(opts["log_format"]).lower()
+    log_level = str(opts["log_level"]).upper()
+    try:
+        configure_logging(log_format, log_level)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--log-level") from exc
+    worker = WorkerSettings(result_ttl_ms=int(opts["result_ttl_s"] * 1000),
+                            reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
+                            max_payload_bytes=opts["max_payload_bytes"])
+    return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
+                         log_level=log_level)
 
 
 def _load(app: str, prefix: str | None) -> Any:
-    if prefix:  # worker processes read it from their environment
-        os.environ["CONVEYOR_PREFIX"] = prefix
     try:
         return load_pipeline(app, prefix)
     except AppError as exc:
@@ -49,59 +89,58 @@ def _supervise(supervisor: Supervisor) -> int:
 
 @click.command()
 @click.argument("app", envvar="CONVEYOR_APP")
-@click.option("--stage", required=True, envvar="CONVEYOR_STAGE", help="Name of the stage to run.")
-@click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS",
+@click.option("--stage", required=True, envvar="CONVEYOR_STAGE", show_envvar=True, help="Name of the stage to run.")
+@click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
               help="Worker processes (default: the stage's own setting).")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS, show_default=True)
-@click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None,
-              help="Key prefix (default: the pipeline's own, 'conveyor').")
-@click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S",
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+              show_envvar=True)
+@click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S", show_envvar=True,
               help="On SIGTERM, how long workers may take to finish their batch.")
-@LOG_FORMAT
+@_options
 def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: str | None, grace_s: float,
-           log_format: str) -> None:
+           **opts: Any) -> None:
     """Run the worker processes of one stage of APP (module:attribute).
 
     Exits non-zero when the stage's workers keep dying before they are ready, so that
     compose or Kubernetes replaces the container.
     """
-    _setup_logging(log_format.lower())
+    child = _child_settings(redis_url, prefix, opts)
     pipeline = _load(app, prefix)
     try:
         spec = pipeline.stage(stage)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    supervisor = Supervisor(app, [(spec, workers or spec.workers)], redis_url, SupervisorSettings(grace_s=grace_s))
+    supervisor = Supervisor(app, [(spec, workers or spec.workers)], child, SupervisorSettings(grace_s=grace_s))
     sys.exit(_supervise(supervisor))
 
 
 @click.command()
 @click.argument("app", envvar="CONVEYOR_APP")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None,
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help="Use this Redis instead of starting an embedded one.")
-@click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST")
-@click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT")
-@click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None,
-              help="Key prefix (default: the pipeline's own, 'conveyor').")
-@LOG_FORMAT
-def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None, log_format: str) -> None:
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
+@click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT", show_envvar=True)
+@_options
+def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None, **opts: Any) -> None:
     """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway."""
-    _setup_logging(log_format.lower())
+    child = _child_settings(redis_url or "", prefix, opts)
     pipeline = _load(app, prefix)
     embedded = EmbeddedRedis() if redis_url is None else None
     gateway: subprocess.Popen[bytes] | None = None
     code = 1
     try:
         url = embedded.start() if embedded is not None else redis_url
-        assert url is not None
+        if url is None:
+            raise click.UsageError("no Redis: pass --redis or let conveyor start an embedded one")
         click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {url}")
         click.echo(f"conveyor: HTTP on http://{host}:{port}/v1/predict  (Ctrl-C to stop)")
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "broker.cli", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix],
+            [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
+             "--prefix", pipeline.prefix, "--log-format", child.log_format],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url))
         stages = [(spec, spec.workers) for spec in pipeline.stages]
-        code = _supervise(Supervisor(app, stages, url, companions=[gateway]))
+        child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
+        code = _supervise(Supervisor(app, stages, child, companions=[gateway]))
     finally:
         if gateway is not None:
             _stop_process(gateway)
@@ -118,3 +157,37 @@ def _stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+class ConveyorGroup(click.Group):
+    """``run`` and ``worker``, plus the commands other installed packages register."""
+
+    def _plugins(self) -> dict[str, Any]:
+        return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self._plugins()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands:
+            return self.commands[cmd_name]
+        plugin = self._plugins().get(cmd_name)
+        if plugin is None:
+            return None
+        command = plugin.load()
+        if not isinstance(command, click.Command):
+            logging.getLogger("conveyor.cli").error("entry point %s is not a click command", plugin.value)
+            return None
+        return command
+
+
+@click.group(cls=ConveyorGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """conveyor: serve a model as a pipeline of batching stages over Redis Streams."""
+
+
+main.add_command(run)
+main.add_command(worker)
+
+if __name__ == "__main__":
+    main()

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from broker.pipeline import StageSpec
+from workers.child import ChildSettings
 from workers.pinning import allowed_cpus, assign_cpus, thread_env
+from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -57,13 +58,14 @@ class Slot:
 
 
 class Supervisor:
-    def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], redis_url: str,
+    def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], child: ChildSettings,
                  settings: SupervisorSettings | None = None, cpu_offset: int = 0,
                  companions: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self.app = app
         self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
         self.stages = list(stages)
-        self.redis_url = redis_url
+        self.child = child
+        self._child_record = child.to_json()
         self.settings = settings or SupervisorSettings()
         self.cpu_offset = cpu_offset
         self.stopping = False
@@ -142,7 +144,7 @@ class Supervisor:
 
     def _spawn(self, slot: Slot) -> None:
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ, CONVEYOR_REDIS_URL=self.redis_url, **thread_env(slot.spec.threads))
+        env = dict(os.environ, **thread_env(slot.spec.threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "workers.child", "--app", self.app, "--stage", slot.spec.name,
                "--consumer", slot.consumer, "--status-fd", str(write_fd)]
@@ -151,9 +153,10 @@ class Supervisor:
         if slot.killed_for_timeout:
             cmd += ["--previous-exit", "timeout"]
         try:
-            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,))
+            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE)
         finally:
             os.close(write_fd)
+        self._send_settings(slot.proc)
         slot.pipe = read_fd
         slot.ready_at = None
         slot.busy_since = None
@@ -161,6 +164,15 @@ class Supervisor:
         self._selector.register(read_fd, selectors.EVENT_READ, slot)
         log.info("started worker stage=%s slot=%d pid=%d cpu=%s", slot.spec.name, slot.number,
                  slot.proc.pid, slot.cpu)
+
+    def _send_settings(self, proc: subprocess.Popen[bytes]) -> None:
+        """One JSON line on the child's stdin, then EOF (a child that died at once is not our
+        problem here: its status pipe reports the death)."""
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(self._child_record)
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
 
     def _on_pipe(self, slot: Slot) -> None:
         assert slot.pipe is not None

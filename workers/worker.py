@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +24,11 @@ from broker import codec, protocol
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import GROUP
-from broker.pipeline import Pipeline, StageSpec
 from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
+from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
 
@@ -43,17 +42,6 @@ class WorkerSettings:
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
     max_payload_bytes: int = 16 * 1024 * 1024
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
-        """``CONVEYOR_RESULT_TTL_S``, ``CONVEYOR_REPLY_TTL_S``, ``CONVEYOR_MAX_PAYLOAD_BYTES``: read by
-        the worker process at start (its supervisor passes its own environment on)."""
-        defaults = cls()
-        return cls(
-            result_ttl_ms=int(float(env.get("CONVEYOR_RESULT_TTL_S", defaults.result_ttl_ms / 1000)) * 1000),
-            reply_ttl_ms=int(float(env.get("CONVEYOR_REPLY_TTL_S", defaults.reply_ttl_ms / 1000)) * 1000),
-            max_payload_bytes=int(env.get("CONVEYOR_MAX_PAYLOAD_BYTES", defaults.max_payload_bytes)),
-        )
 
 
 class StatusPipe:
