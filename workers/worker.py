@@ -81,8 +81,6 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        stage = self.spec.cls(**self.spec.kwargs)
-        stage.setup()
         self._client = self.redis_settings.sync_client()
         # No silent retries: a commit whose reply was lost would run twice (forwarding its items
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
@@ -98,8 +96,11 @@ class Worker:
         wait = FixedWait(self.spec.batch_wait_s)
         self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
         self._reader = reader
-        self._stage = stage
+        # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
+        stage = self.spec.cls(**self.spec.kwargs)
+        stage.setup()
+        self._stage = stage
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         self.ready = True
@@ -119,7 +120,16 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self._client.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        # Admission (submit.lua) reads the first stage's limit from this key, in the same call
+        # as its XADDs: every gateway and foreign producer is bounded from this moment on.
+        limit = self.pipeline.stages[0].max_backlog
+        if limit is None:
+            pipe.delete(self.keys.max_backlog)
+        else:
+            pipe.set(self.keys.max_backlog, limit)
+        pipe.execute()
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
