@@ -18,6 +18,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -84,9 +85,27 @@ def _load(app: str, prefix: str | None) -> Any:
         raise click.UsageError(str(exc)) from exc
 
 
-def _supervise(supervisor: Supervisor) -> int:
+class _EarlyStop:
+    """Stop requests that arrive while ``run`` starts Redis and the gateway: remembered, and
+    handed to the supervisor, which then stops everything in order (a handler only sets a flag;
+    raising from it could land in a finalizer and be lost)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
+    for _ in range(early.count if early is not None else 0):
+        supervisor.request_stop()
     try:
         return supervisor.run()
     except PinningError as exc:
@@ -151,8 +170,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(pipeline.name), detach=True)
     gateway: subprocess.Popen[bytes] | None = None
     code = 1
-    # Until the supervisor takes the signals over, SIGTERM unwinds like Ctrl-C, through `finally`.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    early = _EarlyStop()
+    early.install()
     try:
         url = _start_redis(embedded) if embedded is not None else str(redis_url)
         click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {_safe_url(url)}")
@@ -168,7 +187,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s)
-        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway]))
+        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway]), early)
     finally:
         if gateway is not None:
             _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
