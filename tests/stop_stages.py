@@ -13,26 +13,17 @@ from typing import Any
 from workers import Pipeline, Stage
 
 
-class SlowAdd(Stage):
-    """Adds one, batch by batch, each batch taking ``delay_s``."""
+class Slow(Stage):
+    """Adds one (``double=False``) or doubles, batch by batch, each batch taking ``delay_s``."""
 
     batch_size = 64
     batch_wait_s = 0.01
     delay_s = 0.4
+    double = False
 
     def predict(self, xs: list[Any]) -> list[Any]:
         time.sleep(self.delay_s)
-        return [x + 1 for x in xs]
-
-
-class SlowDouble(Stage):
-    batch_size = 64
-    batch_wait_s = 0.01
-    delay_s = 0.1
-
-    def predict(self, xs: list[Any]) -> list[Any]:
-        time.sleep(self.delay_s)
-        return [x * 2 for x in xs]
+        return [x * 2 if self.double else x + 1 for x in xs]
 
 
 def expected(x: int) -> int:
@@ -40,7 +31,8 @@ def expected(x: int) -> int:
 
 
 #: For ``conveyor run``: one worker per stage.
-stop = Pipeline("t-stop").add(SlowAdd).add(SlowDouble)
+stop = Pipeline("t-stop").add(Slow, name="SlowAdd").add(Slow, name="SlowDouble", double=True, delay_s=0.1)
 
 #: For rolling restarts: shorter batches, so that a restart lands in the middle of many.
-rolling = Pipeline("t-rolling").add(SlowAdd, delay_s=0.05, batch_size=16).add(SlowDouble, delay_s=0.02)
+rolling = (Pipeline("t-rolling").add(Slow, name="SlowAdd", delay_s=0.05, batch_size=16)
+           .add(Slow, name="SlowDouble", double=True, delay_s=0.02))
