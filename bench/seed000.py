@@ -4,7 +4,9 @@ two workers, then a batched ``Shift``; 2,000 requests at once.
     python -m bench.seed000 [--rounds 5] [--requests 2000]
 
 Prints req/s per round and the CPU seconds each Scale worker spent (both must be busy: a singleton
-stage reads a share of its queue per XREADGROUP, not the whole queue and not one entry).
+stage reads a share of its queue per XREADGROUP, not the whole queue and not one entry). For scale,
+the same bursts run interleaved against the same work with both stages batched (batch 64, one
+worker each): on a shared machine, the ratio between the two is the figure to compare.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bench.harness import embedded_redis, machine, wait_ready, workers
 from gateway import Gateway
 
 NAME = "scale-shift"
+BATCHED = "bench-scale-shift"
 
 
 async def burst(gw: Gateway, total: int) -> float:
@@ -36,16 +39,19 @@ def cpu_seconds(procs: list[psutil.Process]) -> list[float]:
 
 
 async def run(url: str, rounds: int, total: int,
-              scale_workers: list[psutil.Process]) -> tuple[list[float], list[float]]:
+              scale_workers: list[psutil.Process]) -> tuple[list[float], list[float], list[float]]:
     rates: list[float] = []
+    batched: list[float] = []
     cpu = [0.0] * len(scale_workers)
-    async with Gateway(url, NAME) as gw:
+    async with Gateway(url, NAME) as gw, Gateway(url, BATCHED) as reference:
         await burst(gw, 500)  # warm up
+        await burst(reference, 500)
         for _ in range(rounds):
             before = cpu_seconds(scale_workers)
             rates.append(await burst(gw, total))
             cpu = [c + a - b for c, a, b in zip(cpu, cpu_seconds(scale_workers), before, strict=True)]
-    return rates, cpu
+            batched.append(await burst(reference, total))
+    return rates, batched, cpu
 
 
 def main() -> None:
@@ -54,15 +60,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    with embedded_redis() as url, workers("examples.scale_shift:pipeline", [("Scale", 2), "Shift"], url) as procs:
+    with embedded_redis() as url, workers("examples.scale_shift:pipeline", [("Scale", 2), "Shift"], url) as procs, \
+            workers("bench.pipelines:scale_shift", ["Scale", "Shift"], url):
         asyncio.run(wait_ready(url, NAME, 2))
+        asyncio.run(wait_ready(url, BATCHED, 2))
         deadline = time.monotonic() + 30
         scale_workers = psutil.Process(procs[0].pid).children()
         while len(scale_workers) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
             scale_workers = psutil.Process(procs[0].pid).children()
-        rates, cpu = asyncio.run(run(url, args.rounds, args.requests, scale_workers))
+        rates, batched, cpu = asyncio.run(run(url, args.rounds, args.requests, scale_workers))
     print(f"{args.requests} at once, req/s per round: {' '.join(f'{r:.0f}' for r in rates)}")
+    ratio = statistics.median(rates) / statistics.median(batched)
+    print(f"same work, both stages batched:    {' '.join(f'{r:.0f}' for r in batched)}  (median "
+          f"{statistics.median(batched):.0f}; seed 000 / batched = {ratio:.2f})")
     print(f"median {statistics.median(rates):.0f} req/s, best {max(rates):.0f}; goal >= 10,000: "
           f"{'met' if statistics.median(rates) >= 10_000 else 'NOT met'} (median)")
     print(f"CPU seconds per Scale worker over the rounds: {' '.join(f'{c:.2f}' for c in cpu)}")
