@@ -20,8 +20,8 @@ key                                type    TTL                  written by
 ``P:spec``                         string  none                 workers at start (msgpack of
                                                                 the stages' names and knobs)
 ``P:max_backlog``                  string  none                 workers at start: the first
-                                                                stage's max_backlog (decimal;
-                                                                absent: none), read by
+                                                                stage's max_backlog (decimal
+                                                                or "none"), read by
                                                                 submit.lua for admission
 ``P:hb:<i>``                       zset    none (members        stage i workers, every
                                            pruned by score)     ``heartbeat_s`` (score: ms)

@@ -31,9 +31,11 @@ from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 
-# Consumed result keys ride on the next submission's script call; only this many waiting with no
-# submission to ride on get a call of their own (they expire at result_ttl_ms regardless).
-UNLINK_BATCH = 256
+# Consumed result keys are unlinked in groups: they ride on a submission's script call once this
+# many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
+# own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
+UNLINK_BATCH = 64
+UNLINK_ALONE = 256
 
 
 
@@ -188,9 +190,11 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or len(self._unlink) >= UNLINK_BATCH:
+            while self._outbox or len(self._unlink) >= UNLINK_ALONE:
                 batch, self._outbox = self._outbox, []
-                unlink, self._unlink = self._unlink, []
+                unlink: list[bytes] = []
+                if len(self._unlink) >= UNLINK_ALONE:
+                    unlink, self._unlink = self._unlink, []
                 try:
                     await self._send(batch, unlink)
                     backoff.reset()
@@ -254,7 +258,7 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
-                if len(self._unlink) >= UNLINK_BATCH:
+                if len(self._unlink) >= UNLINK_ALONE:
                     self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:

@@ -141,10 +141,7 @@ class Worker:
         # Admission (submit.lua) reads the first stage's limit from this key, in the same call
         # as its XADDs: every gateway and foreign producer is bounded from this moment on.
         limit = self.pipeline.stages[0].max_backlog
-        if limit is None:
-            pipe.delete(self.keys.max_backlog)
-        else:
-            pipe.set(self.keys.max_backlog, limit)
+        pipe.set(self.keys.max_backlog, "none" if limit is None else limit)
         pipe.execute()
 
     def _loop(self) -> None:
