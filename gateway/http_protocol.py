@@ -102,6 +102,7 @@ class HttpProtocol(asyncio.Protocol):
         self.current: tuple[Request, str, Pending] | None = None  # the request whose reply is awaited
         self.started = 0.0
         self.feeding = False  # inside parser.feed_data: requests are answered once it returns
+        self.eof = False  # the client half-closed its side
         self.write_paused = False
         self.phase = _IDLE
         self.first = True
@@ -164,6 +165,7 @@ class HttpProtocol(asyncio.Protocol):
         self._advance()
 
     def eof_received(self) -> bool | None:
+        self.eof = True
         if self.lingering or not self.queue:
             self._close()
             return None
@@ -270,8 +272,11 @@ class HttpProtocol(asyncio.Protocol):
                 return
             if not self._respond(item, label, answer):
                 return
-        if not self.queue and self.phase == _IDLE and not self.closed and not self.lingering:
-            self._after_idle()
+        if not self.queue and not self.closed and not self.lingering:
+            if self.eof:
+                self._close()  # the client half-closed: nothing more will come
+            elif self.phase == _IDLE:
+                self._after_idle()
 
     def _on_done(self, future: asyncio.Future[object]) -> None:
         if self.current is None:
