@@ -132,6 +132,11 @@ class Gateway:
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
+        return await self.submit(x, timeout_s)
+
+    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
+        callback instead of creating a task per request). Overloaded/CodecError raise here."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (timeout > 0 and math.isfinite(timeout)):
@@ -146,7 +151,7 @@ class Gateway:
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
         self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
-        return await future
+        return future
 
     def _admit(self) -> None:
         """This gateway's own cap. The first stage's max_backlog is enforced in Redis, by the
