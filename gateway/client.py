@@ -285,7 +285,7 @@ class Gateway:
         """Whether a worker has registered this pipeline (its spec key) in this Redis; once true,
         it stays true for this gateway (no more round trips)."""
         if not self._registered:
-            self._registered = bool(await self._client.exists(self.keys.spec))
+            self._registered = bool(await self._client.get(self.keys.spec))  # GET: in the gateway's ACL
         return self._registered
 
     async def _log_registration(self) -> None:
@@ -335,7 +335,8 @@ class Gateway:
 
     async def _known_pipelines(self, limit: int = 10) -> list[str]:
         """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
-        bounded SCAN, so a large keyspace costs a few round trips at most."""
+        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
+        docs/security.md has no SCAN: then there is no hint)."""
         pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
         names: list[str] = []
         cursor = 0
@@ -346,7 +347,7 @@ class Gateway:
                           for k in found]
                 if cursor == 0 or len(names) >= limit:
                     break
-        except CONNECTION_OR_REPLY_ERRORS:
+        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
             return []
         return sorted(set(names))[:limit]
 

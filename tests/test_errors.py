@@ -20,6 +20,7 @@ from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http import HttpServer, HttpSettings
 from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, running_workers
+from workers.embedded import EmbeddedRedis
 
 T = 30.0
 TYPO = "no-such-pipeline"
@@ -132,3 +133,25 @@ def test_conveyor_run_on_a_taken_port_says_so_in_one_line(tmp_path: Path) -> Non
     assert len(lines) == 1, err
     assert "address already in use" in lines[0] and f"127.0.0.1:{port}" in lines[0] and "--port" in lines[0]
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_a_second_conveyor_run_of_one_pipeline_says_so_in_one_line(tmp_path: Path) -> None:
+    """Two runs would share the socket path: the second one refuses, naming the way out."""
+    with EmbeddedRedis(directory=tmp_path / "r", detach=True) as first:
+        done = subprocess.run(
+            conveyor_argv("run", "examples.scale_shift:pipeline", "--port", "0", "--redis-dir", str(tmp_path / "r")),
+            cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=T)
+        assert _ping(first.url)  # untouched
+    err = done.stderr.decode()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert "already answers" in lines[0] and "--redis-dir" in lines[0]
+    assert not (tmp_path / "r").exists()  # the first server's stop removed what it made
+
+
+def _ping(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()

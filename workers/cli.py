@@ -28,7 +28,7 @@ from broker.connection import DEFAULT_REDIS_URL
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.child import ChildSettings
-from workers.embedded import EmbeddedRedis, EmbeddedRedisError, default_redis_dir
+from workers.embedded import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.pinning import PinningError
 from workers.procs import detached_preexec
 from workers.supervisor import Supervisor, SupervisorSettings
@@ -191,18 +191,22 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     finally:
         if gateway is not None:
             _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
-        if embedded is not None:
+        if embedded is not None and embedded.running:
             log.info("stopping: the embedded Redis")
             embedded.stop()
             log.info("stopped")
+        elif embedded is not None:
+            embedded.stop()  # a failed start cleans up after itself: this only makes sure
     sys.exit(code)
 
 
 def _start_redis(embedded: EmbeddedRedis) -> str:
     try:
         return embedded.start()
+    except RedisDirError as exc:
+        raise click.ClickException(f"{exc} with --redis-dir (or CONVEYOR_REDIS_DIR)") from exc
     except EmbeddedRedisError as exc:
-        raise click.ClickException(f"{exc} (--redis-dir or CONVEYOR_REDIS_DIR chooses the directory)") from exc
+        raise click.ClickException(str(exc)) from exc
 
 
 def _safe_url(url: str) -> str:
