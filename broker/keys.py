@@ -19,6 +19,10 @@ key                                type    TTL                  written by
 ``P:reply:<gateway id>``)                  renewed per push     batch and reply key
 ``P:spec``                         string  none                 workers at start (msgpack of
                                                                 the stages' names and knobs)
+``P:max_backlog``                  string  none                 workers at start: the first
+                                                                stage's max_backlog (decimal;
+                                                                absent: none), read by
+                                                                submit.lua for admission
 ``P:hb:<i>``                       zset    none (members        stage i workers, every
                                            pruned by score)     ``heartbeat_s`` (score: ms)
 ``P:stats:<i>``                    stream  none (MAXLEN ~)      stage i workers, one entry per
@@ -82,6 +86,11 @@ class Keys:
     @property
     def spec(self) -> str:
         return f"{self.base}:spec"
+
+    @property
+    def max_backlog(self) -> str:
+        """The first stage's admission limit, read by ``submit.lua`` in the same call as its XADDs."""
+        return f"{self.base}:max_backlog"
 
     def heartbeats(self, stage: int) -> str:
         return f"{self.base}:hb:{stage}"

@@ -182,7 +182,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix, "--log-format", child.log_format],
+             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s)],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)

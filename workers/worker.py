@@ -21,18 +21,21 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker import codec, protocol
-from broker.commit import Commit, Committer, Ttls
+from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import GROUP
 from broker.server_info import check_server
 from broker.spec import encode_spec
-from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
+from workers.adaptive import AdaptiveWait, SingletonReadSize
+from workers.batching import BatchCollector, Entry, FixedWait, StreamReader, WaitPolicy
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
+
+LIVE_AFTER_MS = 5_000  # a heartbeat older than this is not a live worker (as in gateway/status.py)
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,6 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        stage = self.spec.cls(**self.spec.kwargs)
-        stage.setup()
         self._client = self.redis_settings.sync_client()
         # No silent retries: a commit whose reply was lost would run twice (forwarding its items
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
@@ -95,11 +96,16 @@ class Worker:
                                     Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
         reader = StreamReader(self._client, self._stream, self.consumer)
-        wait = FixedWait(self.spec.batch_wait_s)
-        self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
+        self._policy = self._wait_policy()
+        self._read_size = SingletonReadSize()
+        self._stats = BatchStats()
+        self._collector = BatchCollector(reader, self.spec.batch_size, self._policy, self.settings.idle_block_ms)
         self._reader = reader
-        self._stage = stage
+        # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
+        stage = self.spec.cls(**self.spec.kwargs)
+        stage.setup()
+        self._stage = stage
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         self.ready = True
@@ -112,6 +118,17 @@ class Worker:
             reader.close()
             self._client.close()
 
+    def _wait_policy(self) -> WaitPolicy:
+        if not self.spec.batched:
+            return FixedWait(0.0)  # a singleton stage never waits: it takes what is queued
+        if self.spec.batch_policy == "deadline":
+            return FixedWait(self.spec.batch_wait_s)
+        return AdaptiveWait(self.spec.batch_wait_s)
+
+    def _read_count(self) -> int:
+        """Entries to read at once: a batch, or for a singleton stage a share of what is queued."""
+        return self.spec.batch_size if self.spec.batched else self._read_size.count()
+
     def _register(self) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
         try:
@@ -119,7 +136,16 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self._client.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        # Admission (submit.lua) reads the first stage's limit from this key, in the same call
+        # as its XADDs: every gateway and foreign producer is bounded from this moment on.
+        limit = self.pipeline.stages[0].max_backlog
+        if limit is None:
+            pipe.delete(self.keys.max_backlog)
+        else:
+            pipe.set(self.keys.max_backlog, limit)
+        pipe.execute()
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
@@ -132,9 +158,13 @@ class Worker:
                     self.status.send(b"D")
                     recover = first_drain = False
                 self._housekeeping()
-                entries = self._collector.collect()
+                # With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most.
+                idle_ms = int(self._stats.period_s * 1000) if self._stats.sizes else None
+                entries = self._collector.collect(self._read_count(), idle_ms)
                 if entries:
                     self._process(entries, deliveries=None)
+                else:
+                    self._committer.flush_stats(self._stats, time.monotonic())
                 backoff.reset()
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
@@ -250,11 +280,12 @@ class Worker:
                 pipe = client.pipeline(transaction=False)
                 pipe.zadd(hb_key, {self.consumer: now})
                 pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
+                pipe.zcount(hb_key, now - LIVE_AFTER_MS, "+inf")
                 held, since = self._held, self._held_since
                 if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
                     # Renew the lease: a long batch must not be claimed by another worker.
                     pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
-                pipe.execute()
+                self._read_size.live_workers = max(1, int(pipe.execute()[2]))
             except CONNECTION_ERRORS:
                 pass
             except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
@@ -277,13 +308,32 @@ class Worker:
             self.status.send(b"I")
             for (item, _), outcome in zip(work, outcomes, strict=True):
                 self._route(item, outcome, commit)
-        commit.batch_size = len(work)
-        commit.duration_ms = (time.perf_counter() - started) * 1000
+        ran = time.perf_counter()
+        self._record_stats(len(work), (ran - started) * 1000)
+        now = time.monotonic()
+        if self._stats.due(now):
+            commit.stats = self._stats.take(now)
         self._committer(commit)
+        committed = time.perf_counter()
+        self._policy_observe(len(work), ran - started, committed - ran)
         self._held = []
         if self._own_rereads:
             for entry_id in commit.acks:
                 self._own_rereads.pop(entry_id, None)
+
+    def _record_stats(self, size: int, duration_ms: float) -> None:
+        """One stats value per predict call: a singleton stage's read of k entries is k calls."""
+        if self.spec.batched or size <= 1:
+            self._stats.add(size, duration_ms)
+            return
+        for _ in range(size):
+            self._stats.add(1, duration_ms / size)
+
+    def _policy_observe(self, size: int, predict_s: float, commit_s: float) -> None:
+        """Feed the measured batch cost to whatever learns from it (adaptive wait, read size)."""
+        if isinstance(self._policy, AdaptiveWait):
+            self._policy.observe_batch(size, predict_s, commit_s)
+        self._read_size.observe_batch(size, predict_s, commit_s)
 
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
