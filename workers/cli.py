@@ -52,7 +52,8 @@ def _options(func: Any) -> Any:
                      help="How long an unread reply list lives (a dead gateway's list expires)."),
         click.option("--max-payload-bytes", type=click.IntRange(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
                      default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
-                     help="Larger stream entries are dead-lettered."),
+                     help="A stage result larger than this (encoded) is answered ResultTooLarge; a larger "
+                          "incoming entry is dead-lettered."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
