@@ -382,15 +382,28 @@ class Worker:
         if not ok:
             self._error(item, value.type, value.message, value.traceback, commit)
         elif self._next is None:
-            commit.publish(self.keys.result_key(item.request_id), protocol.ok_record(item.request_id, value),
-                           item.reply)
+            record = protocol.ok_record(item.request_id, value, self.spec.name)
+            if not self._too_large(item, len(record), commit):
+                commit.publish(self.keys.result_key(item.request_id), record, item.reply)
         else:
             try:
                 data = codec.encode(value)
             except codec.CodecError as exc:
-                self._error(item, protocol.E_UNENCODABLE, str(exc), "", commit)
+                self._error(item, protocol.E_UNENCODABLE, f"result of stage {self.spec.name!r} cannot be encoded: "
+                            f"{exc}", "", commit)
                 return
-            commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+            if not self._too_large(item, len(data), commit):
+                commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+
+    def _too_large(self, item: protocol.Item, size: int, commit: Commit) -> bool:
+        """A result over max_payload_bytes is this stage's error, said as such (not a dead letter
+        of the next stage, nor a huge value in Redis)."""
+        limit = self.settings.max_payload_bytes
+        if size <= limit:
+            return False
+        self._error(item, protocol.E_TOO_LARGE, f"result of stage {self.spec.name!r} too large: {size} bytes > "
+                    f"max_payload_bytes={limit}", "", commit)
+        return True
 
 
 def _id_key(entry_id: bytes) -> tuple[int, int]:
