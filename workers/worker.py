@@ -26,8 +26,9 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import GROUP
 from broker.server_info import check_server
 from broker.spec import encode_spec
-from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
+from workers.batching import BatchCollector, Entry, FixedWait
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
+from workers.partitions import stream_reader
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
@@ -94,7 +95,7 @@ class Worker:
                                     self._next is not None,
                                     Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
-        reader = StreamReader(self._client, self._stream, self.consumer)
+        reader = stream_reader(self._client, self._stream, self.consumer)
         wait = FixedWait(self.spec.batch_wait_s)
         self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
         self._reader = reader
