@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+import redis
+from redis.cluster import key_slot
 
 from broker.connection import RedisSettings, _cluster_url
+from broker.keys import GROUP, Keys
 from gateway.client import Gateway
+from gateway.partitioned import PartitionedGateway
+from gateway.status import PipelineStatus
+from tests.cluster import LocalCluster
 from tests.helpers import running_workers
 from tests.test_pipeline_e2e import assert_drained
 
@@ -41,3 +48,80 @@ def test_scale_shift_seed_000_on_cluster(cluster_url: str) -> None:
             assert_drained(client, "t-scale-shift", 2)
         finally:
             client.close()
+
+
+# -- partitions -------------------------------------------------------------------------------
+
+
+class ScriptMonitor:
+    """Records the KEYS of every EVAL/EVALSHA each master runs (MONITOR, one thread per node)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.calls: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._cluster = cluster
+        self._threads = [threading.Thread(target=self._watch, args=(cluster.node(p),), daemon=True)
+                         for p in cluster.ports]
+
+    def __enter__(self) -> ScriptMonitor:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for port in self._cluster.ports:  # one more command on each node wakes its monitor thread
+            with self._cluster.node(port) as client:
+                client.ping()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _watch(self, client: redis.Redis) -> None:
+        client.connection_pool.connection_kwargs["socket_timeout"] = 30
+        with client.monitor() as monitor:
+            while not self._stop.is_set():
+                command = monitor.next_command()["command"]
+                words = command.split(" ")
+                if words[0].upper() in ("EVAL", "EVALSHA"):
+                    self.calls.append([w.encode() for w in words[3:3 + int(words[2])]])
+
+
+def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCluster, cluster_url: str) -> None:
+    keys = Keys("t-parts1").partitions(3)
+    masters = {redis_cluster.master_of(k.spec) for k in keys}
+    assert len(masters) == 3, "the test pipeline's partitions should sit on three masters"
+    n = 600
+    with ScriptMonitor(redis_cluster) as monitor, \
+            running_workers(cluster_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+        async def main() -> PipelineStatus:
+            async with PartitionedGateway(cluster_url, "t-parts1") as gw:
+                assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
+                values = list(range(n))
+                assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(30)))
+                assert keyed == [v * 2 + 3 for v in range(30)]
+                assert gw.in_flight == 0
+                return await gw.pipeline_status()
+
+        status = asyncio.run(asyncio.wait_for(main(), T))
+    assert status.partitions == 3 and len(status.by_partition) == 3
+    per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
+    assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
+    assert min(per_partition) >= n // 3  # round robin: every partition served its share
+    client = RedisSettings(cluster_url).sync_client()
+    try:
+        for k in keys:
+            for i in range(2):
+                assert client.xlen(k.stream(i)) == 0 and client.xpending(k.stream(i), GROUP)["pending"] == 0
+                assert client.xlen(k.dead(i)) == 0
+        # Every answer written once: one result key per request, in the partition it went to.
+        results = sum(len(list(client.scan_iter(match=f"{k.base}:result:*", target_nodes="primaries")))
+                      for k in keys)
+    finally:
+        client.close()
+    assert results == 0 or results == n + 30  # the gateway unlinks consumed results: none, or all left
+    assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
+    for call_keys in monitor.calls:
+        assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"

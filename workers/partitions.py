@@ -1,5 +1,5 @@
 """What a worker needs beyond one stream on one server: a reader bound to the node that owns
-its stream on a Redis Cluster.
+its stream on a Redis Cluster, and one lane per partition of a partitioned pipeline.
 
 The batching reader (:class:`workers.batching.StreamReader`) keeps a connection of its own for
 XREADGROUP BLOCK and ends a wait early with ``CLIENT UNBLOCK`` sent from the pool: on a
@@ -11,12 +11,18 @@ and reconnects to the new owner.
 
 from __future__ import annotations
 
+import math
+import select
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from broker.commit import Committer
 from broker.connection import is_cluster_client, node_client, refresh_slots
-from workers.batching import StreamReader
+from broker.keys import Keys
+from workers.batching import BatchCollector, Entry, StreamReader, _parse
 
 
 class NodeStreamReader(StreamReader):
@@ -46,3 +52,54 @@ def stream_reader(client: redis.Redis, stream: str, consumer: str) -> StreamRead
     if is_cluster_client(client):
         return NodeStreamReader(client, stream, consumer)
     return StreamReader(client, stream, consumer)
+
+
+@dataclass
+class Lane:
+    """One partition of a worker's stage: its keys, stream, reader, collector and committer."""
+
+    keys: Keys
+    stream: str
+    reader: StreamReader
+    collector: BatchCollector
+    committer: Committer
+
+
+def wait_any(lanes: Sequence[Lane], count: int, timeout_s: float) -> list[tuple[Lane, list[Entry]]]:
+    """Block on every lane's stream at once; return as soon as one has new entries.
+
+    An idle worker of a partitioned stage must wake for whichever partition gets an item
+    first, yet one XREADGROUP can only name streams of one slot. So each lane's reader (its
+    own connection, on its stream's node) sends ``XREADGROUP ... BLOCK``; the first socket to
+    become readable ends the wait, and the other reads are ended with ``CLIENT UNBLOCK`` on
+    their own node. Every reply is read: entries that won the race on another lane are
+    returned too (they are delivered to this consumer and must be processed).
+    """
+    block_ms = max(1, math.ceil(timeout_s * 1000))
+    sent: list[tuple[Lane, Any]] = []
+    try:
+        for lane in lanes:
+            reader = lane.reader
+            conn = reader._connection()
+            conn.send_command(*reader._command(count, block_ms, ">"))
+            sent.append((lane, conn))
+        readable, _, _ = select.select([conn._sock for _, conn in sent], [], [], timeout_s)
+        ready = set(readable)
+        for lane, conn in sent:
+            if conn._sock not in ready:
+                _unblock(lane.reader, conn)
+        found = [(lane, _parse(conn.read_response())) for lane, conn in sent]
+    except BaseException:
+        for lane in lanes:
+            lane.reader.close()
+        raise
+    return [(lane, entries) for lane, entries in found if entries]
+
+
+def _unblock(reader: StreamReader, conn: Any) -> None:
+    """``CLIENT UNBLOCK`` the reader's pending XREADGROUP. It was sent on another connection,
+    so in rare races the node has not started blocking yet (UNBLOCK answers 0): try again
+    shortly, a bounded number of times, rather than wait out the whole BLOCK."""
+    for _ in range(3):
+        if reader._client.execute_command("CLIENT", "UNBLOCK", reader._client_id) or conn.can_read(timeout=0.005):
+            return

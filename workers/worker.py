@@ -23,12 +23,12 @@ from redis.retry import Retry
 from broker import codec, protocol
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
-from broker.keys import GROUP
+from broker.keys import GROUP, Keys
 from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.batching import BatchCollector, Entry, FixedWait
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
-from workers.partitions import stream_reader
+from workers.partitions import Lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
@@ -78,6 +78,7 @@ class Worker:
         self._heartbeat_done = threading.Event()
         self._held: list[bytes] = []
         self._held_since = 0.0
+        self._held_stream = ""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -89,16 +90,10 @@ class Worker:
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
         # entries, which tells exactly what was committed and what was not.
         self._client.set_retry(Retry(NoBackoff(), 0))
-        self._stream = self.keys.stream(self.spec.index)
         self._next = self.pipeline.next_of(self.spec)
-        self._committer = Committer(self._client, self.keys, self.spec.index, self.spec.name,
-                                    self._next is not None,
-                                    Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
-        reader = stream_reader(self._client, self._stream, self.consumer)
-        wait = FixedWait(self.spec.batch_wait_s)
-        self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
-        self._reader = reader
+        self._lanes = [self._lane(keys) for keys in self.pipeline.partition_keys]
+        self._use(self._lanes[0])
         self._stage = stage
         self._with_redis(self._register)
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -110,17 +105,36 @@ class Worker:
             self._loop()
         finally:
             self._heartbeat_done.set()
-            reader.close()
+            for lane in self._lanes:
+                lane.reader.close()
             self._client.close()
+
+    def _lane(self, keys: Keys) -> Lane:
+        """One partition's stream (the only one unless the pipeline is partitioned)."""
+        stream = keys.stream(self.spec.index)
+        committer = Committer(self._client, keys, self.spec.index, self.spec.name, self._next is not None,
+                              Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
+        reader = stream_reader(self._client, stream, self.consumer)
+        # With several partitions the collectors never block: wait_any blocks on all streams at once.
+        idle_block_ms = self.settings.idle_block_ms if self.pipeline.partitions == 1 else None
+        collector = BatchCollector(reader, self.spec.batch_size, FixedWait(self.spec.batch_wait_s), idle_block_ms)
+        return Lane(keys, stream, reader, collector, committer)
+
+    def _use(self, lane: Lane) -> None:
+        """Make ``lane`` the partition that the batch and recovery code below works on."""
+        self.keys, self._stream = lane.keys, lane.stream
+        self._reader, self._collector, self._committer = lane.reader, lane.collector, lane.committer
 
     def _register(self) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
-        try:
-            self._client.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._client.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        spec = encode_spec(self.pipeline.describe())
+        for lane in self._lanes:
+            try:
+                self._client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            self._client.set(lane.keys.spec, spec)
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
@@ -129,13 +143,13 @@ class Worker:
         while not self.stopping:
             try:
                 if recover:
-                    self._drain_own_pending(own_retry=not first_drain)
+                    for lane in self._lanes:
+                        self._use(lane)
+                        self._drain_own_pending(own_retry=not first_drain)
                     self.status.send(b"D")
                     recover = first_drain = False
                 self._housekeeping()
-                entries = self._collector.collect()
-                if entries:
-                    self._process(entries, deliveries=None)
+                self._serve()
                 backoff.reset()
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
@@ -152,15 +166,39 @@ class Worker:
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
                 self._with_redis(self._register)
 
+    def _serve(self) -> None:
+        """One batch of the only partition; or one sweep over every partition, each batch
+        committed in its own partition, then, if all were empty, one wait on all of them."""
+        if len(self._lanes) == 1:
+            entries = self._collector.collect()
+            if entries:
+                self._process(entries, deliveries=None)
+            return
+        served = False
+        for lane in self._lanes:
+            self._use(lane)
+            entries = lane.collector.collect()
+            if entries:
+                self._process(entries, deliveries=None)
+                served = True
+        if not served:
+            for lane, entries in wait_any(self._lanes, self.spec.batch_size, self.settings.idle_block_ms / 1000):
+                self._use(lane)
+                self._process(entries, deliveries=None)
+
     def _housekeeping(self) -> None:
-        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing."""
+        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing,
+        in every partition."""
         now = time.monotonic()
         if now >= self._next_claim:
-            self._claim_stale()
+            for lane in self._lanes:
+                self._use(lane)
+                self._claim_stale()
             self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         if now >= self._next_reap:
-            reap_dead_consumers(self._client, self.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
-                                keep=(self.consumer,))
+            for lane in self._lanes:
+                reap_dead_consumers(self._client, lane.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
+                                    keep=(self.consumer,))
             self._next_reap = time.monotonic() + REAP_INTERVAL_S
 
     def request_stop(self) -> None:
@@ -242,19 +280,20 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
-        hb_key = self.keys.heartbeats(self.spec.index)
+        hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
         # Beat at once, then every heartbeat_s: `status`/readyz must see a worker as live as soon
         # as it is ready, not heartbeat_s later.
         while True:
             try:
                 now = protocol.now_ms()
                 pipe = client.pipeline(transaction=False)
-                pipe.zadd(hb_key, {self.consumer: now})
-                pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
-                held, since = self._held, self._held_since
+                for hb_key in hb_keys:  # one per partition: each partition's janitor and status read its own
+                    pipe.zadd(hb_key, {self.consumer: now})
+                    pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
+                held, since, stream = self._held, self._held_since, self._held_stream
                 if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
                     # Renew the lease: a long batch must not be claimed by another worker.
-                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
+                    pipe.xclaim(stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
                 pipe.execute()
             except CONNECTION_ERRORS:
                 pass
@@ -270,6 +309,7 @@ class Worker:
     def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
         commit = Commit(acks=[e[0] for e in entries])
         work = self._admit(entries, deliveries, commit)
+        self._held_stream = self._stream
         self._held, self._held_since = commit.acks, time.monotonic()
         started = time.perf_counter()
         if work:
