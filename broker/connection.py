@@ -134,8 +134,11 @@ class Backoff:
         self._attempt = 0
 
 
+# A cluster client raises ClusterError when its retries over a failover ran out, and
+# SlotNotCoveredError while no live node serves a slot: both mean "the server is not there now".
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
+    redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
 )
 CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
 

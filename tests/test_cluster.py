@@ -14,7 +14,7 @@ from broker.keys import GROUP, Keys
 from gateway.client import Gateway
 from gateway.partitioned import PartitionedGateway
 from gateway.status import PipelineStatus
-from tests.cluster import LocalCluster
+from tests.cluster import ClusterError, LocalCluster
 from tests.helpers import running_workers
 from tests.test_pipeline_e2e import assert_drained
 
@@ -125,3 +125,65 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
     for call_keys in monitor.calls:
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
+
+
+# -- failover ---------------------------------------------------------------------------------
+
+
+def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster) -> None:
+    """A master dies under load; its replica takes over. Every request gets exactly one outcome:
+    its right answer, or (only those in flight on the dead master) a timeout; after the
+    failover every request is answered again, by the same worker processes.
+
+    Why some may time out: Redis replication is asynchronous, so entries and acks the dead
+    master accepted in its last moments may never have reached the replica (docs/deployment.md).
+    """
+    url = failover_cluster.url
+    victim = failover_cluster.master_of(Keys("t-parts1").spec)  # partition 0's master
+    outcomes: dict[int, object] = {}
+    with running_workers(url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+        async def one(gw: PartitionedGateway, v: int) -> None:
+            try:
+                outcomes[v] = await gw.predict(v, timeout_s=6.0)
+            except TimeoutError as exc:
+                outcomes[v] = exc
+
+        async def main() -> None:
+            async with PartitionedGateway(url, "t-parts1") as gw:
+                counter = 0
+                killed_at = None
+                started = asyncio.get_running_loop().time()
+                while True:
+                    now = asyncio.get_running_loop().time()
+                    if killed_at is None and now - started > 1.5:
+                        failover_cluster.kill(victim)
+                        killed_at = now
+                    if killed_at is not None and now - killed_at > 5.0 and await _healthy(failover_cluster):
+                        break
+                    assert now - started < T, "the replica was not promoted in time"
+                    wave = range(counter, counter + 30)
+                    counter += 30
+                    await asyncio.gather(*(one(gw, v) for v in wave))
+                # After the failover: every request answered, in every partition.
+                after = range(counter, counter + 300)
+                await asyncio.gather(*(one(gw, v) for v in after))
+                failed = {v: repr(outcomes[v]) for v in after if outcomes[v] != 2 * v + 3}
+                assert not failed, f"{len(failed)} requests failed after the failover: {list(failed.items())[:3]}"
+
+        asyncio.run(asyncio.wait_for(main(), 2 * T))
+        workers.check_alive()
+    wrong = {v: o for v, o in outcomes.items() if not isinstance(o, TimeoutError) and o != 2 * v + 3}
+    assert not wrong
+    timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
+    print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
+    assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
+
+
+async def _healthy(cluster: LocalCluster) -> bool:
+    try:
+        await asyncio.to_thread(cluster.wait_healthy, 0.1)
+    except ClusterError:
+        return False
+    return True

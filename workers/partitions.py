@@ -34,12 +34,18 @@ class NodeStreamReader(StreamReader):
         self._stale = False
 
     def _connection(self) -> Any:
-        if self._conn is None:
+        if self._conn is not None:
+            return self._conn
+        try:
             if self._stale:
                 refresh_slots(self._cluster)
-                self._stale = False
             self._client = node_client(self._cluster, self._stream)
-        return super()._connection()
+            conn = super()._connection()
+        except BaseException:
+            self._stale = True  # e.g. the node is dead: ask the cluster again next time
+            raise
+        self._stale = False
+        return conn
 
     def close(self) -> None:
         if self._conn is not None:
