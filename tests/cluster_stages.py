@@ -7,7 +7,25 @@ streams on several nodes at once.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from tests.stages import Scale, Shift
-from workers import Pipeline
+from workers import Pipeline, Stage
 
 partitioned = Pipeline("t-parts1", partitions=3).add(Scale, workers=2).add(Shift)
+
+
+class Slow(Stage):
+    """Adds one, slowly (a batch of up to 4 takes 40 ms per item), so that a host killed under
+    load leaves entries pending for the other host's workers to claim."""
+
+    batch_size = 4
+    delay_s = 0.04
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        time.sleep(self.delay_s * len(xs))
+        return [x + 1 for x in xs]
+
+
+hosts = Pipeline("t-hosts").add(Slow, claim_idle_s=1.0).add(Shift)
