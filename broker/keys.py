@@ -26,6 +26,11 @@ key                                type    TTL                  written by
                                                                 the stages' names and knobs,
                                                                 and N if N > 1), in every
                                                                 partition
+``P:max_backlog``                  string  none                 workers at start: the first
+                                                                stage's max_backlog (decimal;
+                                                                absent: none), read by
+                                                                submit.lua for admission (a
+                                                                bound per partition)
 ``P:hb:<i>``                       zset    none (members        stage i workers, every
                                            pruned by score)     ``heartbeat_s`` (score: ms)
 ``P:stats:<i>``                    stream  none (MAXLEN ~)      stage i workers, one entry per
@@ -103,6 +108,11 @@ class Keys:
     @property
     def spec(self) -> str:
         return f"{self.base}:spec"
+
+    @property
+    def max_backlog(self) -> str:
+        """The first stage's admission limit, read by ``submit.lua`` in the same call as its XADDs."""
+        return f"{self.base}:max_backlog"
 
     def heartbeats(self, stage: int) -> str:
         return f"{self.base}:hb:{stage}"

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -25,12 +25,15 @@ from broker import codec, protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.server_info import acheck_server
-from broker.spec import decode_spec
-from broker.submit import Submission, Submitter
+from broker.submit import Submission, Submitter, is_overloaded
 from gateway.errors import Overloaded, StageError
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
+
+# Consumed result keys ride on the next submission's script call; only this many waiting with no
+# submission to ride on get a call of their own (they expire at result_ttl_ms regardless).
+UNLINK_BATCH = 256
 
 
 
@@ -38,7 +41,9 @@ log = logging.getLogger("conveyor.gateway")
 class GatewaySettings:
     timeout_s: float = 30.0
     max_in_flight: int = 100_000  # this gateway's own cap, whatever the backlog
-    max_backlog: int | None = None  # None: the first stage's max_backlog from the pipeline spec
+    # A limit of this gateway's own on the first stage's backlog, on top of the stage's max_backlog
+    # (both are enforced in Redis by the submit script; the stricter wins). None: the stage's only.
+    max_backlog: int | None = None
     max_connections: int = 4
     reply_block_s: float = 1.0
     prefix: str = DEFAULT_PREFIX
@@ -65,16 +70,12 @@ class Gateway:
         self._unlink: list[bytes] = []
         self._wake = asyncio.Event()
         self._counter = 0
-        self._backlog = 0
-        self._recheck_backlog = False
         # Requests sent again after a failed submission may run twice: their result keys are left
         # to expire instead of being unlinked, so that the late copy's SET NX loses (one answer).
         self._sent_twice: set[bytes] = set()
-        self._max_backlog: int | None = self.settings.max_backlog
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
         self._closing = False
-        self._next_spec_check = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -83,10 +84,8 @@ class Gateway:
         self._reply_client = self.redis.async_client(1)
         try:
             await acheck_server(self._client)
-            self._submit = Submitter(self._client, self.keys, self._reply_key)
+            self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
             await self._submit.load()
-            if self._max_backlog is None:
-                await self._load_spec()
         except BaseException:
             await self._client.aclose()
             await self._reply_client.aclose()
@@ -151,16 +150,11 @@ class Gateway:
         return await future
 
     def _admit(self) -> None:
+        """This gateway's own cap. The first stage's max_backlog is enforced in Redis, by the
+        submit script, for every producer at once: see ``_refuse``."""
         if len(self._pending) >= self.settings.max_in_flight:
             raise Overloaded(f"gateway has {len(self._pending)} requests in flight "
                              f"(max_in_flight={self.settings.max_in_flight})")
-        limit = self._max_backlog
-        if limit is not None and self._backlog + len(self._outbox) >= limit:
-            # The estimate is the stream's length at our last submission: have the flusher re-read
-            # it, or a gateway that refuses everything never sees the backlog drain.
-            self._recheck_backlog = True
-            self._wake.set()
-            raise Overloaded(f"first stage backlog is {self._backlog} (max_backlog={limit}); retry later")
 
     def _expire(self, request_id: bytes, timeout: float) -> None:
         pending = self._pending.pop(request_id, None)
@@ -197,12 +191,10 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or self._unlink or self._recheck_backlog:
-                self._recheck_backlog = False
+            while self._outbox or len(self._unlink) >= UNLINK_BATCH:
                 batch, self._outbox = self._outbox, []
                 unlink, self._unlink = self._unlink, []
                 try:
-                    await self._refresh_spec()
                     await self._send(batch, unlink)
                     backoff.reset()
                 except CONNECTION_ERRORS as exc:
@@ -212,26 +204,38 @@ class Gateway:
                     self._sent_twice.update(s[0] for s in live)  # the failed call may have run
                     self._unlink[:0] = unlink
                     await asyncio.sleep(backoff.next_delay_s())
-                except redis.ResponseError as exc:  # the script never ran: nothing was added
+                except redis.ResponseError as exc:  # refused: nothing was added
                     self._refuse(batch, exc)
-                    self._unlink[:0] = unlink
-                    await asyncio.sleep(backoff.next_delay_s())
+                    if not is_overloaded(exc):  # the script may not have run: unlink next turn
+                        self._unlink[:0] = unlink
+                        await asyncio.sleep(backoff.next_delay_s())
 
     def _refuse(self, batch: list[Submission], exc: redis.ResponseError) -> None:
-        """Redis refused a turn of submissions (out of memory, read-only replica, ...): fail
-        those requests at once with a clear error rather than letting them time out."""
+        """Redis refused a turn of submissions: fail those requests at once with a clear error
+        rather than letting them time out. ``OVERLOADED`` is the submit script's admission
+        (the first stage's backlog is at max_backlog); OOM, READONLY, ... are Redis's own."""
+        if is_overloaded(exc):
+            self._fail(batch, lambda: Overloaded(str(exc)))
+            return
         log.error("redis refused submissions count=%d error=%s", len(batch), exc)
+        kind = Overloaded if is_transient(exc) else ConnectionError
+        self._fail(batch, lambda: kind(f"redis refused the request: {exc}"))
+
+    def _fail(self, batch: list[Submission], error: Callable[[], Exception]) -> None:
+        """Fail these requests at once, each with an exception of its own."""
         for request_id, _, _ in batch:
             pending = self._pending.pop(request_id, None)
             if pending is None or pending.future.done():
                 continue
             pending.timer.cancel()
-            error: Exception = (Overloaded(f"redis refused the request: {exc}") if is_transient(exc)
-                                else ConnectionError(f"redis refused the request: {exc}"))
-            pending.future.set_exception(error)
+            pending.future.set_exception(error())
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
-        self._backlog = await self._submit(batch, unlink)
+        admitted = await self._submit(batch, unlink)
+        if admitted < len(batch):  # a partial admission: the script took the head of the turn
+            message = (f"first stage backlog is at its max_backlog: {len(batch) - admitted} of {len(batch)} "
+                       "requests refused; retry later")
+            self._fail(batch[admitted:], lambda: Overloaded(message))
 
     async def _reader(self) -> None:
         backoff = Backoff()
@@ -253,7 +257,8 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
-                self._wake.set()  # let the flusher unlink the consumed result keys now
+                if len(self._unlink) >= UNLINK_BATCH:
+                    self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:
         try:
@@ -277,23 +282,7 @@ class Gateway:
 
     # -- status ---------------------------------------------------------------------------
 
-    async def _refresh_spec(self) -> None:
-        """A gateway may start before any worker wrote the spec: look again now and then."""
-        if self._max_backlog is None and time.monotonic() >= self._next_spec_check:
-            self._next_spec_check = time.monotonic() + 5.0
-            await self._load_spec()
-
-    async def _load_spec(self) -> None:
-        raw = await self._client.get(self.keys.spec)
-        if raw:
-            stages = decode_spec(protocol.as_bytes(raw))
-            if stages and stages[0].max_backlog is not None:
-                self._max_backlog = stages[0].max_backlog
-
     async def pipeline_status(self) -> PipelineStatus:
         if not self.healthy:
             return PipelineStatus(False, [], "a gateway background task died (see its log)")
-        status = await read_status(self._client, self.keys, self._status_marks)
-        if self.settings.max_backlog is None and status.stages:
-            self._max_backlog = status.stages[0].max_backlog
-        return status
+        return await read_status(self._client, self.keys, self._status_marks)

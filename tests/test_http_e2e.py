@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,7 +256,14 @@ def test_metrics_show_stage_gauges_and_batch_histograms(stack: Stack) -> None:
     after = scrape(stack.port)
 
     def delta(name: str, labels: tuple[tuple[str, str], ...]) -> float:
-        return after[(name, labels)] - before.get((name, labels), 0.0)
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    # Workers hand their batch stats to Redis about every 100 ms (or when idle), not per batch.
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(
+            delta("conveyor_stage_batch_size_sum", stage_labels(i, s)) < n for i, s in ((0, "Scale"), (1, "Shift"))):
+        time.sleep(0.05)
+        after = scrape(stack.port)
 
     for index, stage in ((0, "Scale"), (1, "Shift")):
         labels = stage_labels(index, stage)

@@ -16,8 +16,10 @@ import contextlib
 import filecmp
 import importlib.util
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -27,7 +29,9 @@ from types import TracebackType
 
 import redis
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server"]
+from workers.procs import detached_preexec
+
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "default_redis_dir", "find_redis_server"]
 
 #: Environment variable naming the redis-server to use; read when a server is looked for.
 BINARY_ENV = "CONVEYOR_REDIS_SERVER"
@@ -38,6 +42,10 @@ _POLL_S = 0.01
 _LOG_TAIL_BYTES = 4000
 # sun_path holds 108 bytes on Linux, 104 on macOS, both counting the final NUL.
 _MAX_SOCKET_PATH = 103
+
+# Files the server and this module create in a chosen directory (removed on stop, then the
+# directory itself if nothing else is left in it).
+_OWN_FILES = ("redis.sock", "redis.log", "redis.out")
 
 _INSTALL_HINT = (
     "no redis-server found: conveyor needs Redis >= 6.2. Install one (e.g. `apt install "
@@ -156,6 +164,16 @@ def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
         return ""
 
 
+def default_redis_dir(pipeline: str) -> Path:
+    """``/tmp/conveyor-<pipeline>``: where ``conveyor run`` puts its Redis unless told otherwise.
+
+    Stable per pipeline, so that the URL it prints (and the README's example) stays the same
+    from one run to the next; characters a path should not hold become ``_``.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", pipeline)
+    return Path("/tmp") / f"conveyor-{safe}"
+
+
 def _make_dir() -> Path:
     """A fresh private directory whose socket path fits in ``sun_path``.
 
@@ -187,16 +205,26 @@ class EmbeddedRedis:
         extra_args: Sequence[str] = (),
         start_timeout_s: float = _START_TIMEOUT_S,
         stop_timeout_s: float = _STOP_TIMEOUT_S,
+        directory: Path | None = None,
+        detach: bool = False,
     ) -> None:
         """Store settings. ``binary`` defaults to :func:`find_redis_server` at start time.
 
         ``extra_args`` come after conveyor's own arguments, so they can override them
         (redis-server keeps the last value given for an option).
+
+        ``directory``: put the socket there (created if missing; on stop our files are
+        removed, then the directory if it is empty) instead of a fresh temporary directory,
+        so that the URL is known in advance. ``detach``: run the server in a session of its
+        own, so a Ctrl-C in the terminal does not reach it and the owner stops it last (see
+        :mod:`workers.procs`); it still dies with its owner on Linux.
         """
         self._binary = binary
         self._extra_args = tuple(extra_args)
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
+        self._chosen_dir = directory
+        self._detach = detach
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -257,7 +285,7 @@ class EmbeddedRedis:
             self._binary = find_redis_server()
         created = self._dir is None
         if self._dir is None:
-            self._dir = _make_dir()
+            self._dir = _make_dir() if self._chosen_dir is None else _claim_dir(self._chosen_dir)
         try:
             self._spawn(self._binary)
             self._wait_ready()
@@ -356,14 +384,13 @@ class EmbeddedRedis:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.directory,
-                # No start_new_session: the server stays in our process group, so a Ctrl-C
-                # in the terminal (SIGINT to the whole foreground group) or a group kill
-                # ends it even if our own cleanup never runs (Python stuck, or SIGKILLed
-                # by a supervisor that kills the group). The price is that on Ctrl-C it
-                # exits at the same moment as the workers, so they cannot drain against
-                # it; that is fine for a server whose data dies with it anyway. A
-                # detached server would outlive any parent that fails to run stop().
-                start_new_session=False,
+                # Not detached (the tests' servers): the server stays in our process group, so
+                # a Ctrl-C or a group kill ends it even if our own cleanup never runs.
+                # Detached (`conveyor run`): out of the terminal's reach, stopped last by its
+                # owner once the gateway and workers have drained, and killed by the kernel
+                # if the owner dies first.
+                start_new_session=self._detach,
+                preexec_fn=detached_preexec() if self._detach else None,
             )
 
     def _wait_ready(self) -> None:
@@ -440,6 +467,57 @@ class EmbeddedRedis:
             ) from e
 
     def _remove_dir(self) -> None:
-        if self._dir is not None:
+        if self._dir is None:
+            return
+        if self._chosen_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        else:  # a directory the user named: remove only what we put there
+            for name in _OWN_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    (self._dir / name).unlink()
+            with contextlib.suppress(OSError):
+                self._dir.rmdir()  # fails, as it should, if something else is in it
+        self._dir = None
+
+
+def _claim_dir(path: Path) -> Path:
+    """Create (or reuse) a chosen directory for the socket, refusing what would go wrong later.
+
+    Refused: a socket path too long for ``sun_path``; a path that is a symlink, not a
+    directory, or another user's (in /tmp anyone could have made it first); a directory
+    where a server already answers (another ``conveyor run`` of the same pipeline). A stale
+    socket left by a killed run is fine: the server replaces it.
+    """
+    path = path.absolute()
+    sock = path / "redis.sock"
+    if len(os.fsencode(sock)) > _MAX_SOCKET_PATH:
+        raise EmbeddedRedisError(f"socket path {sock} is longer than {_MAX_SOCKET_PATH} bytes: choose a shorter"
+                                 " directory")
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise EmbeddedRedisError(f"cannot create {path}: {exc.strerror or exc}") from exc
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise EmbeddedRedisError(f"{path} exists and is not a directory")
+    if info.st_uid != os.getuid():
+        raise EmbeddedRedisError(f"{path} belongs to another user: choose another directory")
+    if sock.exists() and _answers(sock):
+        raise EmbeddedRedisError(f"a Redis already answers on {sock} (another `conveyor run` of this pipeline?):"
+                                 " stop it, or choose another directory")
+    return path
+
+
+def _answers(sock: Path) -> bool:
+    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        client.ping()
+        return True
+    except redis.AuthenticationError:
+        return True
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False  # a stale socket of a killed server: refused
+    finally:
+        client.close()

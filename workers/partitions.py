@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from broker.commit import Committer
+from broker.commit import BatchStats, Committer
 from broker.connection import is_cluster_client, node_client, refresh_slots
 from broker.keys import Keys
 from workers.batching import BatchCollector, Entry, StreamReader, _parse
@@ -69,6 +69,7 @@ class Lane:
     reader: StreamReader
     collector: BatchCollector
     committer: Committer
+    stats: BatchStats
 
 
 def wait_any(lanes: Sequence[Lane], count: int, timeout_s: float) -> list[tuple[Lane, list[Entry]]]:

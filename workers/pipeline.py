@@ -16,9 +16,11 @@ from typing import Any
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.spec import StageInfo
 
+BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching.py
+
 # Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
-    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s",
+    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
     "max_run_s", "max_backlog", "max_deliveries", "claim_idle_s",
 )
 
@@ -39,6 +41,7 @@ class StageSpec:
     threads: int | None = None
     batch_size: int = 1
     batch_wait_s: float = 0.0
+    batch_policy: str = "adaptive"
     max_run_s: float | None = None
     max_backlog: int | None = None
     max_deliveries: int = 5
@@ -55,6 +58,9 @@ class StageSpec:
         _check_int(self.name, "workers", self.workers, 1)
         _check_int(self.name, "batch_size", self.batch_size, 1)
         _check_number(self.name, "batch_wait_s", self.batch_wait_s, allow_zero=True)
+        if self.batch_policy not in BATCH_POLICIES:
+            raise PipelineError(f"stage {self.name}: batch_policy must be one of "
+                                f"{', '.join(map(repr, BATCH_POLICIES))}, got {self.batch_policy!r}")
         if self.threads is not None:
             _check_int(self.name, "threads", self.threads, 1)
         if self.cpus is not None:
