@@ -108,6 +108,7 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
         status = asyncio.run(asyncio.wait_for(main(), T))
     assert status.partitions == 3 and len(status.by_partition) == 3
     per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
+    # Each request ran through the last stage exactly once (a duplicate would count twice).
     assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
     assert min(per_partition) >= n // 3  # round robin: every partition served its share
     client = RedisSettings(cluster_url).sync_client()
@@ -116,12 +117,8 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
             for i in range(2):
                 assert client.xlen(k.stream(i)) == 0 and client.xpending(k.stream(i), GROUP)["pending"] == 0
                 assert client.xlen(k.dead(i)) == 0
-        # Every answer written once: one result key per request, in the partition it went to.
-        results = sum(len(list(client.scan_iter(match=f"{k.base}:result:*", target_nodes="primaries")))
-                      for k in keys)
     finally:
         client.close()
-    assert results == 0 or results == n + 30  # the gateway unlinks consumed results: none, or all left
     assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
     for call_keys in monitor.calls:
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
