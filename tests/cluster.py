@@ -65,6 +65,7 @@ class LocalCluster:
     replicas: int = 0
     host: str = "127.0.0.1"
     extra_args: Sequence[str] = ()
+    cluster_enabled: bool = True  # False: one plain redis-server on TCP (a baseline for bench.scaleout)
     ports: list[int] = field(default_factory=list)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     directory: Path | None = None
@@ -72,6 +73,8 @@ class LocalCluster:
     @property
     def url(self) -> str:
         """The conveyor URL: every node a seed, so a client starts even with one node down."""
+        if not self.cluster_enabled:
+            return f"redis://{self.host}:{self.ports[0]}/0"
         return "redis+cluster://" + ",".join(f"{self.host}:{p}" for p in self.ports)
 
     def start(self) -> LocalCluster:
@@ -86,6 +89,8 @@ class LocalCluster:
                 self._spawn(server, port)
             for port in self.ports:
                 self._wait_ping(port)
+            if not self.cluster_enabled:
+                return self
             nodes = [f"{self.host}:{p}" for p in self.ports]
             subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
                             "--cluster-yes"], check=True, capture_output=True, timeout=_START_TIMEOUT_S)
@@ -100,8 +105,9 @@ class LocalCluster:
         assert self.directory is not None
         node_dir = self.directory / str(port)
         node_dir.mkdir()
-        args = [server, "--port", str(port), "--bind", self.host, "--cluster-enabled", "yes",
-                "--cluster-config-file", str(node_dir / "nodes.conf"), "--cluster-node-timeout", "1000",
+        cluster = ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                   "--cluster-node-timeout", "1000"] if self.cluster_enabled else []
+        args = [server, "--port", str(port), "--bind", self.host, *cluster,
                 "--dir", str(node_dir), "--save", "", "--appendonly", "no", "--logfile", str(node_dir / "log"),
                 "--protected-mode", "no", "--repl-diskless-sync-delay", "0", *self.extra_args]
         self.procs[port] = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
