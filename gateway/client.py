@@ -60,9 +60,12 @@ class _Pending:
 
 
 class Gateway:
-    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None) -> None:
+    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
+                 partition: int = 0) -> None:
+        """``partition``: which partition of a partitioned pipeline this gateway submits to
+        (:class:`gateway.partitioned.PartitionedGateway` runs one per partition)."""
         self.settings = settings or GatewaySettings()
-        self.keys = Keys(pipeline, self.settings.prefix)
+        self.keys = Keys(pipeline, self.settings.prefix, partition)
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
