@@ -150,8 +150,15 @@ class Gateway:
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        if not self._registered:
-            await self._await_registration(timeout)
+        if not self._registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._submit_when_registered(data, timeout))
+        return self._enqueue(data, timeout)
+
+    async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
+        await self._await_registration(timeout)
+        return await self._enqueue(data, timeout)
+
+    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1

@@ -28,6 +28,7 @@ from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
+from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.partitions import Lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
@@ -388,7 +389,7 @@ class Worker:
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
         if self.spec.batched:
-            return run_batch(stage.predict, inputs)
+            return run_grouped(stage, inputs, self.spec.batch_size, run_batch)  # length-aware, if asked
         return run_single(stage.predict, inputs)
 
     def _admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None,
