@@ -20,7 +20,7 @@ from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from gateway.client import GatewaySettings
 from gateway.http import HttpSettings, PortInUse, check_port_free
 from gateway.http_settings import LOOPS
-from gateway.serve import GatewayJob, LoopUnavailable, serve, serve_processes
+from gateway.serve import GatewayJob, LoopUnavailable, check_loop, serve, serve_processes
 from gateway.status import PipelineStatus, read_status
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
@@ -73,6 +73,7 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
     job = GatewayJob(name, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
                      log_format.lower())
     try:
+        check_loop(loop)
         if processes > 1:
             raise SystemExit(serve_processes(job, processes))
         check_port_free(host, port)
