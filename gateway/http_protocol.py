@@ -254,7 +254,7 @@ class HttpProtocol(asyncio.Protocol):
         while self.queue and self.current is None and not self.closed and not self.write_paused:
             item = self.queue[0]
             if isinstance(item, HttpError):
-                self.metrics.observe_request("other", item.outcome)
+                self.metrics.observe_request(item.route, item.outcome)
                 self._write(frame(item.reply(), close=True))
                 self._end()
                 return
@@ -377,6 +377,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def _fail(self, error: HttpError) -> None:
         """Stop reading requests; answer ``error`` after what is already queued, then close."""
+        if self.phase != _IDLE and self.url:  # a request was under way: count it under its route
+            error.route = self.router.label(self.url.split(b"?", 1)[0])
         self.phase = _DEAD
         self.read_deadline = math.inf
         self._enqueue(error)

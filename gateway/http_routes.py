@@ -92,6 +92,7 @@ class HttpError(Exception):
         super().__init__(message)
         self.status, self.type, self.message, self.outcome = status, type_, message, outcome
         self.stage, self.trace, self.close, self.headers = stage, trace, close, list(headers)
+        self.route = "other"  # the metrics label, when the error ends a request whose path was read
 
     def reply(self, codec: Codec = JSON) -> Reply:
         error: dict[str, Any] = {"type": self.type, "message": self.message, "stage": self.stage}
