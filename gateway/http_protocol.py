@@ -141,23 +141,20 @@ class HttpProtocol(asyncio.Protocol):
         if self.phase == _DEAD:
             self._discard(len(data))
             return
+        error: HttpError | None = None
         self.feeding = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            self.feeding = False
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, HttpError) else bad_request(str(exc)))
-            return
         except httptools.HttpParserUpgrade:
+            error = bad_request("protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
+            cause = exc.__context__
+            error = cause if isinstance(cause, HttpError) else bad_request(str(exc))
+        finally:
             self.feeding = False
-            self._fail(bad_request("protocol upgrades are not supported"))
+        if error is not None:
+            self._fail(error)
             return
-        except httptools.HttpParserError as exc:
-            self.feeding = False
-            self._fail(bad_request(str(exc)))
-            return
-        self.feeding = False
         if self.phase == _HEAD:
             self._check_partial_head(data)
         if len(self.queue) >= _MAX_QUEUED:
