@@ -271,7 +271,9 @@ class Router:
             return exc.reply()
         try:
             x = _decode_body(codec, request.body)
-            bound_s = timeout_s(request.headers, time.time())
+            headers = request.headers
+            has_bound = TIMEOUT_HEADER in headers or DEADLINE_HEADER in headers
+            bound_s = timeout_s(headers, time.time()) if has_bound else None
             if bound_s is not None and bound_s <= 0:
                 raise HttpError(504, "DeadlineExceeded", "deadline passed before submission",
                                 outcome="timeout")
