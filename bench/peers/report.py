@@ -92,7 +92,7 @@ def cpu_table(rows: Sequence[dict[str, Any]], key: str = "connections") -> str:
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
@@ -113,7 +113,7 @@ def payload_table(rows: Sequence[dict[str, Any]]) -> str:
             cells.append("-" if r is None else f"{r['mb_s']:,.1f} ({r['rps']:,.0f}, {r['p50_ms']:.2f}{errors})")
         base = by_system.get(REDIS)
         rels = [_x(rel(by_system.get(s), base, "mb_s")) for s in systems if s != REDIS]
-        lines.append(f"| {_size(size)} | {' | '.join(cells)} | {' | '.join(rels)} |")
+        lines.append(f"| {size_label(size)} | {' | '.join(cells)} | {' | '.join(rels)} |")
     return "\n".join(lines)
 
 

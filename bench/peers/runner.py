@@ -25,7 +25,18 @@ import psutil
 
 from bench.peers import inproc
 from bench.peers.load import LoadResult, run_http
-from bench.peers.report import API, HTTP, LABELS, MOSEC, REDIS, cpu_table, payload_table, peers_table, summarise
+from bench.peers.report import (
+    API,
+    HTTP,
+    LABELS,
+    MOSEC,
+    REDIS,
+    cpu_table,
+    payload_table,
+    peers_table,
+    size_label,
+    summarise,
+)
 from bench.peers.servers import PIPELINE_NAME, ROOT, Conveyor, CpuMeter, Mosec, ServerError, http_post
 from broker import codec
 
@@ -72,9 +83,6 @@ def versions() -> dict[str, str]:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         found["conveyor"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                                            capture_output=True, text=True, timeout=5).stdout.strip()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        found["redis-server"] = subprocess.run(["redis-server", "--version"], capture_output=True, text=True,
-                                               timeout=5).stdout.split(" v=")[-1].split()[0]
     return found
 
 
@@ -168,8 +176,10 @@ class Runner:
         mosec = Mosec(s.log_dir) if MOSEC in s.systems else None
         _progress(f"bench.peers: {s.mode}, load generator: {s.generator}, logs in {s.log_dir}")
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        found = versions()
         try:
             conveyor.start()
+            found["redis-server"] = conveyor.server_version()
             if mosec is not None:
                 mosec.start()
             self._check(conveyor, mosec)
@@ -181,7 +191,7 @@ class Runner:
             conveyor.stop()
         key = "payload_bytes" if large else "connections"
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
-        return {"mode": s.mode, "started": started, "machine": machine(), "versions": versions(),
+        return {"mode": s.mode, "started": started, "machine": machine(), "versions": found,
                 "loadgen": s.generator, "settings": settings, "runs": self.runs,
                 "summary": summarise(self.runs, key)}
 
@@ -211,8 +221,9 @@ class Runner:
             row.update(round=rnd, system=system,
                        loadgen=s.generator if system in (HTTP, MOSEC) else "in-process asyncio")
             self.runs.append(row)
+            at = size_label(load) if s.mode == "payloads" else f"{load} conn"
             _progress(f"[{i}/{len(plan)} {time.perf_counter() - self._t0:.0f}s] round {rnd} "
-                      f"{LABELS[system]} @{load}: {row['rps']:,.0f} req/s, p50 {row['p50_ms']:.2f} ms, "
+                      f"{LABELS[system]} @ {at}: {row['rps']:,.0f} req/s, p50 {row['p50_ms']:.2f} ms, "
                       f"p99 {row['p99_ms']:.2f} ms, {row['errors']} errors")
 
     def render(self, document: dict[str, Any]) -> str:
