@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import psutil
+import redis
 
 from bench.peers import inproc
 from bench.peers.load import LoadResult, run_http
@@ -34,6 +35,7 @@ from bench.peers.report import (
     cpu_table,
     payload_table,
     peers_table,
+    redis_table,
     size_label,
     summarise,
 )
@@ -107,12 +109,27 @@ class Runner:
 
     # -- one measurement ---------------------------------------------------------------------
 
-    def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[], LoadResult]) -> dict[str, Any]:
+    def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[Callable[[], None]], LoadResult],
+                 redis_url: str | None) -> dict[str, Any]:
+        """Run ``work``, which calls its argument when its measured part begins (after any warm-up);
+        CPU per process and Redis's time per command count from then on."""
         meter = CpuMeter(groups)
-        meter.start()
-        result = work()
-        cpu = meter.stop()
-        return {**result.as_dict(), "cpu": cpu}
+        client = redis.Redis.from_url(redis_url) if redis_url else None
+
+        def start() -> None:
+            if client is not None:
+                client.config_resetstat()
+            meter.start()
+
+        try:
+            result = work(start)
+            cpu = meter.stop()
+            stats = client.info("commandstats") if client is not None else {}
+        finally:
+            if client is not None:
+                client.close()
+        usec = {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
+        return {**result.as_dict(), "cpu": cpu, "redis_usec": usec}
 
     def _http(self, system: str, conveyor: Conveyor, mosec: Mosec | None, connections: int,
               body: bytes, content_type: str) -> dict[str, Any]:
@@ -121,19 +138,28 @@ class Runner:
         else:
             host, port, path, groups = "127.0.0.1", conveyor.port, "/v1/predict", conveyor.processes()
         s = self.settings
-        return self._metered(groups, lambda: run_http(s.generator, host, port, path, body, content_type,
-                                                      connections, s.duration_s))
+
+        def work(start: Callable[[], None]) -> LoadResult:
+            start()
+            return run_http(s.generator, host, port, path, body, content_type, connections, s.duration_s)
+
+        return self._metered(groups, work, conveyor.redis_url if system == HTTP else None)
 
     def _measure(self, system: str, conveyor: Conveyor, mosec: Mosec | None, load: int, x: Any) -> dict[str, Any]:
         s = self.settings
         if system == API:
             groups = conveyor.processes(gateway_in_process=True)
-            return self._metered(groups, lambda: asyncio.run(
-                inproc.gateway_api(conveyor.redis_url, PIPELINE_NAME, x, load, s.duration_s, warmup_s=0.5)))
+            return self._metered(groups, lambda start: asyncio.run(inproc.gateway_api(
+                conveyor.redis_url, PIPELINE_NAME, x, load, s.duration_s, warmup_s=0.5, started=start)),
+                conveyor.redis_url)
         if system == REDIS:
             data = x.tobytes()
-            return self._metered({"redis": conveyor.processes()["redis"]}, lambda: asyncio.run(
-                inproc.redis_set_get(conveyor.redis_url, data, load, s.duration_s)))
+
+            def raw(start: Callable[[], None]) -> LoadResult:
+                start()
+                return asyncio.run(inproc.redis_set_get(conveyor.redis_url, data, load, s.duration_s))
+
+            return self._metered({"redis": conveyor.processes()["redis"]}, raw, conveyor.redis_url)
         if system == MOSEC:
             body, ctype = (mosec_body(x), "application/msgpack") if s.mode == "payloads" else (b"3", "application/json")
         else:
@@ -234,5 +260,5 @@ class Runner:
         rows = document["summary"]
         if document["mode"] == "payloads":
             return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s\n\n"
-                    f"{payload_table(rows)}\n\n{cpu_table(rows, 'payload_bytes')}")
-        return f"{head}\n{peers_table(rows)}\n\n{cpu_table(rows)}"
+                    f"{payload_table(rows)}\n\n{cpu_table(rows, 'payload_bytes')}\n\n{redis_table(rows)}")
+        return f"{head}\n{peers_table(rows)}\n\n{cpu_table(rows)}\n\n{redis_table(rows, 'connections')}"
