@@ -20,7 +20,7 @@ import pytest
 from bench.peers import inproc
 from bench.peers.__main__ import main as peers_main
 from bench.peers.load import WRK_MARK, LoadError, parse_wrk, run_builtin, wrk_script
-from bench.peers.report import API, HTTP, MOSEC, REDIS, payload_table, peers_table, summarise
+from bench.peers.report import API, HTTP, MOSEC, REDIS, payload_table, peers_table, redis_table, summarise
 from bench.peers.runner import mosec_body, parse_sizes, payload_array
 from bench.peers.servers import PIPELINE_NAME, Conveyor, CpuMeter, Mosec, http_post
 from broker import codec
@@ -59,7 +59,8 @@ def test_wrk_script_posts_the_body_file_and_prints_percentiles(tmp_path: Path) -
 def run(system: str, connections: int, rnd: int, rps: float, p50: float, errors: int = 0,
         **extra: Any) -> dict[str, Any]:
     return {"system": system, "connections": connections, "round": rnd, "rps": rps, "p50_ms": p50,
-            "p99_ms": p50 * 2, "p999_ms": p50 * 3, "errors": errors, "cpu": {"gateway": rps / 100}, **extra}
+            "p99_ms": p50 * 2, "p999_ms": p50 * 3, "errors": errors, "cpu": {"gateway": rps / 100},
+            "requests": int(rps * 2), "duration_s": 2.0, "redis_usec": {"evalsha": int(rps * 2) * 150}, **extra}
 
 
 def test_summary_takes_medians_over_rounds_and_tables_show_ratios() -> None:
@@ -69,6 +70,9 @@ def test_summary_takes_medians_over_rounds_and_tables_show_ratios() -> None:
     rows = summarise(runs)
     http = next(r for r in rows if r["system"] == HTTP)
     assert http["rps"] == 2000 and http["errors"] == 3 and http["rounds"] == 3 and http["cpu"] == {"gateway": 20}
+    assert http["cpu_ms_per_request"] == pytest.approx(0.1)  # 20 % of a core at 2000 req/s
+    assert http["redis_ms_per_request"] == {"evalsha": pytest.approx(0.15)}
+    assert "| 256 | conveyor HTTP | evalsha 0.15 |" in redis_table(rows, "connections")
     table = peers_table(rows)
     line = next(ln for ln in table.splitlines() if ln.startswith("| 256 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]

@@ -37,13 +37,17 @@ def summarise(runs: Sequence[dict[str, Any]], key: str = "connections") -> list[
         labels = sorted({label for r in group for label in r.get("cpu", {})})
         row["cpu"] = {label: _median(r["cpu"][label] for r in group if label in r.get("cpu", {}))
                       for label in labels}
-        row["cpu_ms_per_request"] = _median(_per_request(sum(r.get("cpu", {}).values()) * 10 * r["duration_s"], r)
-                                            for r in group)
+        row["cpu_ms_per_request"] = _median(_cpu_ms(r) for r in group)
         commands = sorted({c for r in group for c in r.get("redis_usec", {})})
         row["redis_ms_per_request"] = {c: _median(_per_request(r["redis_usec"].get(c, 0) / 1000, r) for r in group)
                                        for c in commands}
         rows.append(row)
     return rows
+
+
+def _cpu_ms(run: dict[str, Any]) -> float:
+    """CPU ms all the system's processes spent per request (percent of a core x seconds x 10)."""
+    return _per_request(sum(run.get("cpu", {}).values()) * 10 * run.get("duration_s", 0.0), run)
 
 
 def _per_request(total: float, run: dict[str, Any]) -> float:
