@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 
@@ -12,6 +13,8 @@ class Stage:
     With ``batch_size`` absent or 1, ``predict(x)`` takes one input and returns one output.
     With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a sequence of the same
     length, in order; conveyor waits at most ``batch_wait_s`` after a batch's first item.
+    ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
+    "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
     Extra keyword arguments of ``add`` arrive in ``__init__`` as plain data.
     """
 
@@ -21,10 +24,17 @@ class Stage:
     threads: ClassVar[int | None] = None
     batch_size: ClassVar[int | None] = None
     batch_wait_s: ClassVar[float | None] = None
+    batch_policy: ClassVar[str | None] = None  # "adaptive" (default) or "deadline"
     max_run_s: ClassVar[float | None] = None
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None
+    # Length-aware batching (workers/grouping.py): define ``batch_key(self, x)`` returning a
+    # sortable cost of one decoded item (e.g. its token count); each batch read is then sorted by
+    # it and run as groups of at most ``group_size`` similar items (default batch_size // 4).
+    # ``Pipeline.add(cls, batch_key=None)`` turns it off for one pipeline.
+    batch_key: Callable[[Any], Any] | None = None
+    group_size: int | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         for key, value in kwargs.items():
