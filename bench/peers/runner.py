@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import platform
 import re
 import subprocess
@@ -109,6 +110,10 @@ class Runner:
 
     # -- one measurement ---------------------------------------------------------------------
 
+    def _duration(self, payload_bytes: int) -> float:
+        """Longer windows for large payloads (x4 at 16 MiB), so that a window holds several requests."""
+        return self.settings.duration_s * max(1.0, math.sqrt(payload_bytes / 2**20))
+
     def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[Callable[[], None]], LoadResult],
                  redis_url: str | None) -> dict[str, Any]:
         """Run ``work``, which calls its argument when its measured part begins (after any warm-up);
@@ -141,7 +146,7 @@ class Runner:
 
         def work(start: Callable[[], None]) -> LoadResult:
             start()
-            return run_http(s.generator, host, port, path, body, content_type, connections, s.duration_s)
+            return run_http(s.generator, host, port, path, body, content_type, connections, self._duration(len(body)))
 
         return self._metered(groups, work, conveyor.redis_url if system == HTTP else None)
 
@@ -150,14 +155,15 @@ class Runner:
         if system == API:
             groups = conveyor.processes(gateway_in_process=True)
             return self._metered(groups, lambda start: asyncio.run(inproc.gateway_api(
-                conveyor.redis_url, PIPELINE_NAME, x, load, s.duration_s, warmup_s=0.5, started=start)),
+                conveyor.redis_url, PIPELINE_NAME, x, load, self._duration(getattr(x, "nbytes", 0)), warmup_s=0.5,
+                started=start)),
                 conveyor.redis_url)
         if system == REDIS:
             data = x.tobytes()
 
             def raw(start: Callable[[], None]) -> LoadResult:
                 start()
-                return asyncio.run(inproc.redis_set_get(conveyor.redis_url, data, load, s.duration_s))
+                return asyncio.run(inproc.redis_set_get(conveyor.redis_url, data, load, self._duration(len(data))))
 
             return self._metered({"redis": conveyor.processes()["redis"]}, raw, conveyor.redis_url)
         if system == MOSEC:
@@ -259,6 +265,7 @@ class Runner:
                 f"{self.settings.rounds} interleaved rounds of {self.settings.duration_s:g} s, medians\n")
         rows = document["summary"]
         if document["mode"] == "payloads":
-            return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s\n\n"
+            return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s; "
+                    f"windows above 1 MiB last sqrt(size / 1 MiB) times longer\n\n"
                     f"{payload_table(rows)}\n\n{cpu_table(rows, 'payload_bytes')}\n\n{redis_table(rows)}")
         return f"{head}\n{peers_table(rows)}\n\n{cpu_table(rows)}\n\n{redis_table(rows, 'connections')}"
