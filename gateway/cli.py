@@ -220,4 +220,8 @@ def _partition_lines(result: PipelineStatus) -> list[str]:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.2f}"
+    """Milliseconds, 2 decimals; below 0.01 ms (a cheap singleton predict) in e-notation, not 0.00."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.2f}" if ms >= 0.01 or ms == 0 else f"{ms:.1e}"
