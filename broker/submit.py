@@ -17,6 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
+from broker.connection import is_cluster_client
 from broker.keys import Keys
 from broker.resp import pack_command
 
@@ -47,22 +48,29 @@ class Submitter:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
         await self._client.script_load(SUBMIT_LUA)
 
-    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> bytes:
+    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
         args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
                 b"%d" % len(batch), self._own_limit]
         for request_id, data, deadline in batch:
             args += (request_id, data, self._reply_key, deadline)
-        return pack_command(args)
+        return args
+
+    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> bytes:
+        return pack_command(self._args(batch, unlink))
 
     async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> int:
         """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
         were admitted. Raises ``redis.ResponseError`` (see :func:`is_overloaded`) if none was."""
-        packed = self.pack(batch, unlink)
         try:
-            return int(await self._execute_packed(packed))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            return int(await self._run(batch, unlink))
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             await self.load()
-            return int(await self._execute_packed(packed))
+            return int(await self._run(batch, unlink))
+
+    async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> Any:
+        if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
+            return await self._client.execute_command("EVALSHA", *self._args(batch, unlink)[1:])
+        return await self._execute_packed(self.pack(batch, unlink))
 
     async def _execute_packed(self, packed: bytes) -> Any:
         pool = self._client.connection_pool

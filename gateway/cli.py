@@ -20,8 +20,9 @@ from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from gateway.client import GatewaySettings
 from gateway.http import HttpSettings, PortInUse, check_port_free
 from gateway.http_settings import LOOPS
+from gateway.partitioned import read_all_partitions
 from gateway.serve import GatewayJob, LoopUnavailable, serve, serve_processes
-from gateway.status import PipelineStatus, read_status
+from gateway.status import PipelineStatus
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
 _HTTP_DEFAULTS = HttpSettings()
@@ -128,7 +129,7 @@ async def _read_once(keys: Keys, redis_url: str) -> PipelineStatus:
 
 async def _read_bounded(client: Any, keys: Keys) -> PipelineStatus:
     try:
-        return await asyncio.wait_for(read_status(client, keys), STATUS_TIMEOUT_S)
+        return await asyncio.wait_for(read_all_partitions(client, keys), STATUS_TIMEOUT_S)
     except asyncio.TimeoutError:
         return PipelineStatus(False, [], f"no answer from redis within {STATUS_TIMEOUT_S:g}s")
 
@@ -176,8 +177,11 @@ def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
         data = asdict(stage)
         data.pop("batches", None)
         stages.append(data)
-    return {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
-            "reachable": result.reachable, "error": result.error or None, "stages": stages}
+    out = {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
+           "reachable": result.reachable, "error": result.error or None, "stages": stages}
+    if result.partitions > 1:
+        out["partitions"] = [status_json(name, part)["stages"] for part in result.by_partition]
+    return out
 
 
 def format_status(name: str, result: PipelineStatus) -> str:
@@ -195,10 +199,23 @@ def format_status(name: str, result: PipelineStatus) -> str:
             beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
             lines.append(f"{'':>3}  - {c.name} {'live' if c.live else 'NOT LIVE'} {beat} "
                          f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s")
+    lines += _partition_lines(result)
     short = [f"{s.name}: {s.stats_window_s:.1f}s" for s in result.stages if s.stats_window_s < 59.5]
     lines.append("items/s, batches, p50/p99 (batch duration): over the last minute"
                  + (f" (stats stream trimmed, covers only {', '.join(short)})" if short else ""))
     return "\n".join(lines)
+
+
+def _partition_lines(result: PipelineStatus) -> list[str]:
+    """With partitions: the rows above are totals; one short row per stage and partition."""
+    if result.partitions <= 1:
+        return []
+    lines = [f"partitions: {result.partitions} (rows above: totals; live = fewest over partitions)"]
+    for p, part in enumerate(result.by_partition):
+        for s in part.stages:
+            lines.append(f"  p{p:<3} {s.name:<16} backlog={s.backlog} pending={s.pending} live={s.live_workers} "
+                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}")
+    return lines
 
 
 def _ms(seconds: float | None) -> str:

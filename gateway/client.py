@@ -32,9 +32,11 @@ from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 
-# Consumed result keys ride on the next submission's script call; only this many waiting with no
-# submission to ride on get a call of their own (they expire at result_ttl_ms regardless).
-UNLINK_BATCH = 256
+# Consumed result keys are unlinked in groups: they ride on a submission's script call once this
+# many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
+# own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
+UNLINK_BATCH = 64
+UNLINK_ALONE = 256
 
 
 
@@ -58,9 +60,12 @@ class _Pending:
 
 
 class Gateway:
-    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None) -> None:
+    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
+                 partition: int = 0) -> None:
+        """``partition``: which partition of a partitioned pipeline this gateway submits to
+        (:class:`gateway.partitioned.PartitionedGateway` runs one per partition)."""
         self.settings = settings or GatewaySettings()
-        self.keys = Keys(pipeline, self.settings.prefix)
+        self.keys = Keys(pipeline, self.settings.prefix, partition)
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
@@ -136,12 +141,24 @@ class Gateway:
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
+        return await self.submit(x, timeout_s)
+
+    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
+        callback instead of creating a task per request). Overloaded/CodecError raise here."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
-        if not self._registered:
-            await self._await_registration(timeout)
+        if not self._registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._submit_when_registered(data, timeout))
+        return self._enqueue(data, timeout)
+
+    async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
+        await self._await_registration(timeout)
+        return await self._enqueue(data, timeout)
+
+    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1
@@ -152,7 +169,7 @@ class Gateway:
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
         self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
-        return await future
+        return future
 
     def _admit(self) -> None:
         """This gateway's own cap. The first stage's max_backlog is enforced in Redis, by the
@@ -196,9 +213,11 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or len(self._unlink) >= UNLINK_BATCH:
+            while self._outbox or len(self._unlink) >= UNLINK_ALONE:
                 batch, self._outbox = self._outbox, []
-                unlink, self._unlink = self._unlink, []
+                unlink: list[bytes] = []
+                if len(self._unlink) >= UNLINK_ALONE:
+                    unlink, self._unlink = self._unlink, []
                 try:
                     await self._send(batch, unlink)
                     backoff.reset()
@@ -262,7 +281,7 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
-                if len(self._unlink) >= UNLINK_BATCH:
+                if len(self._unlink) >= UNLINK_ALONE:
                     self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:

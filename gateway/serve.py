@@ -24,9 +24,10 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.client import Gateway, GatewaySettings
+from gateway.client import GatewaySettings
 from gateway.http import HttpServer, HttpSettings, PortInUse, check_port_free
 from gateway.http import run as serve_http
+from gateway.partitioned import PartitionedGateway
 
 __all__ = ["GatewayJob", "LoopUnavailable", "run_loop", "serve", "serve_processes"]
 
@@ -69,7 +70,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
     """One gateway process: serve until SIGTERM/SIGINT, drain, close the Redis connections."""
 
     async def main() -> None:
-        async with Gateway(job.redis_url, job.name, job.gateway) as backend:
+        async with PartitionedGateway(job.redis_url, job.name, job.gateway) as backend:
             await serve_http(backend, job.http, started=started)
 
     run_loop(main(), job.loop)

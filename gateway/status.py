@@ -73,6 +73,9 @@ class PipelineStatus:
     reachable: bool
     stages: list[StageStatus] = field(default_factory=list)
     error: str = ""
+    partitions: int = 1  # the pipeline's partition count, from its spec
+    # With partitions > 1 (see gateway.partitioned): ``stages`` are the totals, these the parts.
+    by_partition: list[PipelineStatus] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -107,7 +110,7 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
         return PipelineStatus(True, [], str(exc))
     n = _COMMANDS_PER_STAGE
     stages = [_stage(stage, results[n * k:n * k + n], marks, now, window_start) for k, stage in enumerate(spec)]
-    return PipelineStatus(True, stages)
+    return PipelineStatus(True, stages, partitions=spec[0].partitions if spec else 1)
 
 
 def _range_start(marks: dict[int, bytes] | None, stage: int, window_start: int) -> bytes:

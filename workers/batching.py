@@ -133,7 +133,8 @@ class StreamReader:
 class BatchCollector:
     """Collects up to ``batch_size`` new entries, waiting as the policy allows."""
 
-    def __init__(self, reader: StreamReader, batch_size: int, policy: WaitPolicy, idle_block_ms: int) -> None:
+    def __init__(self, reader: StreamReader, batch_size: int, policy: WaitPolicy, idle_block_ms: int | None) -> None:
+        """``idle_block_ms`` None: the first read does not block (a caller that waits elsewhere)."""
         self._reader = reader
         self._batch_size = batch_size
         self._policy = policy

@@ -106,16 +106,22 @@ def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
 class Pipeline:
     """An ordered list of stages; ``add`` returns the pipeline so calls chain."""
 
-    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1) -> None:
+        """``partitions``: how many hash slots the pipeline spreads over on a Redis Cluster (each
+        partition a full copy of the key layout; see :mod:`broker.keys`). Pipeline-wide, not per
+        stage, because a stage forwards into the next stage's stream in the same atomic script."""
         self.keys = Keys(name, prefix)  # validates the name
         self.name = name
         self.prefix = prefix
         self.stages: list[StageSpec] = []
+        self.partition_keys = self.keys.partitions(partitions)  # validates the count
+        self.partitions = partitions
 
     def use_prefix(self, prefix: str) -> None:
         """Move the pipeline's keys under another prefix (tenants sharing one Redis)."""
         self.keys = Keys(self.name, prefix)
         self.prefix = prefix
+        self.partition_keys = self.keys.partitions(self.partitions)
 
     def add(self, cls: type, **options: Any) -> Pipeline:
         """Append a stage. Known knobs override the class attributes; the rest go to ``cls(...)``."""
@@ -149,7 +155,8 @@ class Pipeline:
 
     def describe(self) -> list[StageInfo]:
         """What workers publish under the spec key, so gateways and `status` know the stages."""
-        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog) for s in self.stages]
+        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions)
+                for s in self.stages]
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"

@@ -23,12 +23,14 @@ from redis.retry import Retry
 from broker import codec, protocol
 from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
-from broker.keys import GROUP
+from broker.keys import GROUP, Keys
 from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
-from workers.batching import BatchCollector, Entry, FixedWait, StreamReader, WaitPolicy
+from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
+from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
+from workers.partitions import Lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
@@ -80,6 +82,7 @@ class Worker:
         self._heartbeat_done = threading.Event()
         self._held: list[bytes] = []
         self._held_since = 0.0
+        self._held_stream = ""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -89,18 +92,12 @@ class Worker:
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
         # entries, which tells exactly what was committed and what was not.
         self._client.set_retry(Retry(NoBackoff(), 0))
-        self._stream = self.keys.stream(self.spec.index)
         self._next = self.pipeline.next_of(self.spec)
-        self._committer = Committer(self._client, self.keys, self.spec.index, self.spec.name,
-                                    self._next is not None,
-                                    Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
-        reader = StreamReader(self._client, self._stream, self.consumer)
         self._policy = self._wait_policy()
         self._read_size = SingletonReadSize()
-        self._stats = BatchStats()
-        self._collector = BatchCollector(reader, self.spec.batch_size, self._policy, self.settings.idle_block_ms)
-        self._reader = reader
+        self._lanes = [self._lane(keys) for keys in self.pipeline.partition_keys]
+        self._use(self._lanes[0])
         # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
         stage = self.spec.cls(**self.spec.kwargs)
@@ -115,8 +112,25 @@ class Worker:
             self._loop()
         finally:
             self._heartbeat_done.set()
-            reader.close()
+            for lane in self._lanes:
+                lane.reader.close()
             self._client.close()
+
+    def _lane(self, keys: Keys) -> Lane:
+        """One partition's stream (the only one unless the pipeline is partitioned)."""
+        stream = keys.stream(self.spec.index)
+        committer = Committer(self._client, keys, self.spec.index, self.spec.name, self._next is not None,
+                              Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
+        reader = stream_reader(self._client, stream, self.consumer)
+        # With several partitions no collector blocks: wait_any blocks on all of their streams at once.
+        idle_block_ms = self.settings.idle_block_ms if self.pipeline.partitions == 1 else None
+        collector = BatchCollector(reader, self.spec.batch_size, self._policy, idle_block_ms)
+        return Lane(keys, stream, reader, collector, committer, BatchStats())
+
+    def _use(self, lane: Lane) -> None:
+        """Make ``lane`` the partition that the batch and recovery code below works on."""
+        self.keys, self._stream, self._stats = lane.keys, lane.stream, lane.stats
+        self._reader, self._collector, self._committer = lane.reader, lane.collector, lane.committer
 
     def _wait_policy(self) -> WaitPolicy:
         if not self.spec.batched:
@@ -131,21 +145,22 @@ class Worker:
 
     def _register(self) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
-        try:
-            self._client.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        pipe = self._client.pipeline(transaction=False)
-        pipe.set(self.keys.spec, encode_spec(self.pipeline.describe()))
-        # Admission (submit.lua) reads the first stage's limit from this key, in the same call
-        # as its XADDs: every gateway and foreign producer is bounded from this moment on.
+        spec = encode_spec(self.pipeline.describe())
         limit = self.pipeline.stages[0].max_backlog
-        if limit is None:
-            pipe.delete(self.keys.max_backlog)
-        else:
-            pipe.set(self.keys.max_backlog, limit)
-        pipe.execute()
+        for lane in self._lanes:
+            try:
+                self._client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(lane.keys.spec, spec)
+            # Admission (submit.lua) reads the first stage's limit from this key, in the same call
+            # as its XADDs: every gateway and foreign producer is bounded from this moment on.
+            # With partitions the limit bounds each partition's first stream. "none", not DEL:
+            # the documented minimal ACLs hold.
+            pipe.set(lane.keys.max_backlog, "none" if limit is None else limit)
+            pipe.execute()
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
@@ -154,17 +169,16 @@ class Worker:
         while not self.stopping:
             try:
                 if recover:
-                    self._drain_own_pending(own_retry=not first_drain)
+                    for lane in self._lanes:
+                        self._use(lane)
+                        self._drain_own_pending(own_retry=not first_drain)
                     self.status.send(b"D")
                     recover = first_drain = False
                 self._housekeeping()
-                # With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most.
-                idle_ms = int(self._stats.period_s * 1000) if self._stats.sizes else None
-                entries = self._collector.collect(self._read_count(), idle_ms)
-                if entries:
-                    self._process(entries, deliveries=None)
+                if len(self._lanes) == 1:
+                    self._serve_one()
                 else:
-                    self._committer.flush_stats(self._stats, time.monotonic())
+                    self._serve_all()
                 backoff.reset()
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
@@ -181,15 +195,50 @@ class Worker:
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
                 self._with_redis(self._register)
 
+    def _serve_one(self) -> None:
+        """One batch of the only partition."""
+        # With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most.
+        idle_ms = int(self._stats.period_s * 1000) if self._stats.sizes else None
+        entries = self._collector.collect(self._read_count(), idle_ms)
+        if entries:
+            self._process(entries, deliveries=None)
+        else:
+            self._committer.flush_stats(self._stats, time.monotonic())
+
+    def _serve_all(self) -> None:
+        """One sweep over every partition (a batch from each that has entries, committed in its
+        own partition, without blocking), then, if all were empty, one wait on all of them."""
+        served = False
+        for lane in self._lanes:
+            self._use(lane)
+            entries = lane.collector.collect(self._read_count(), None)  # never blocks (see _lane)
+            if entries:
+                self._process(entries, deliveries=None)
+                served = True
+            else:
+                self._committer.flush_stats(self._stats, time.monotonic())
+        if served:
+            return
+        wait_s = self.settings.idle_block_ms / 1000
+        if any(lane.stats.sizes for lane in self._lanes):
+            wait_s = min(wait_s, self._stats.period_s)
+        for lane, entries in wait_any(self._lanes, self._read_count(), wait_s):
+            self._use(lane)
+            self._process(entries, deliveries=None)
+
     def _housekeeping(self) -> None:
-        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing."""
+        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing,
+        in every partition."""
         now = time.monotonic()
         if now >= self._next_claim:
-            self._claim_stale()
+            for lane in self._lanes:
+                self._use(lane)
+                self._claim_stale()
             self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         if now >= self._next_reap:
-            reap_dead_consumers(self._client, self.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
-                                keep=(self.consumer,))
+            for lane in self._lanes:
+                reap_dead_consumers(self._client, lane.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
+                                    keep=(self.consumer,))
             self._next_reap = time.monotonic() + REAP_INTERVAL_S
 
     def request_stop(self) -> None:
@@ -271,21 +320,22 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
-        hb_key = self.keys.heartbeats(self.spec.index)
+        hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
         # Beat at once, then every heartbeat_s: `status`/readyz must see a worker as live as soon
         # as it is ready, not heartbeat_s later.
         while True:
             try:
                 now = protocol.now_ms()
                 pipe = client.pipeline(transaction=False)
-                pipe.zadd(hb_key, {self.consumer: now})
-                pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
-                pipe.zcount(hb_key, now - LIVE_AFTER_MS, "+inf")
-                held, since = self._held, self._held_since
+                pipe.zcount(hb_keys[0], now - LIVE_AFTER_MS, "+inf")
+                for hb_key in hb_keys:  # one per partition: each partition's janitor and status read its own
+                    pipe.zadd(hb_key, {self.consumer: now})
+                    pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
+                held, since, stream = self._held, self._held_since, self._held_stream
                 if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
                     # Renew the lease: a long batch must not be claimed by another worker.
-                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
-                self._read_size.live_workers = max(1, int(pipe.execute()[2]))
+                    pipe.xclaim(stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
+                self._read_size.live_workers = max(1, int(pipe.execute()[0]))
             except CONNECTION_ERRORS:
                 pass
             except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
@@ -300,6 +350,7 @@ class Worker:
     def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
         commit = Commit(acks=[e[0] for e in entries])
         work = self._admit(entries, deliveries, commit)
+        self._held_stream = self._stream
         self._held, self._held_since = commit.acks, time.monotonic()
         started = time.perf_counter()
         if work:
@@ -338,7 +389,7 @@ class Worker:
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
         if self.spec.batched:
-            return run_batch(stage.predict, inputs)
+            return run_grouped(stage, inputs, self.spec.batch_size, run_batch)  # length-aware, if asked
         return run_single(stage.predict, inputs)
 
     def _admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None,
