@@ -8,6 +8,7 @@ the pipeline module without loading a model, and the offline variables must be s
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,10 @@ class Embedder:
         model.eval()
         if self.int8:
             # Seed 003's trick: int8 weights for every Linear layer, activations quantized on the fly.
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+            # Measured here, it fails the accuracy bar (docs/embeddings.md), so the example does not offer it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch 2.13 deprecates the quantized tensor constructors
+                model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         self._model = model
         self._torch = torch
 
