@@ -29,6 +29,7 @@ from broker.spec import encode_spec
 from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
 from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
+from workers.loading import LoadingBeacon
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
@@ -83,7 +84,9 @@ class Worker:
 
     def run(self) -> None:
         stage = self.spec.cls(**self.spec.kwargs)
-        stage.setup()
+        with LoadingBeacon(self.redis_settings, self.keys, self.spec.index, self.consumer,
+                           encode_spec(self.pipeline.describe()), self.settings.heartbeat_s):
+            stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._client = self.redis_settings.sync_client()
         # No silent retries: a commit whose reply was lost would run twice (forwarding its items
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
