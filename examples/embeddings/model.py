@@ -58,7 +58,8 @@ class Tokenizer:
         self._tok: Any = None
 
     def load(self) -> None:
-        self._tok = _transformers().AutoTokenizer.from_pretrained(model_path())
+        path = model_path()
+        self._tok = _transformers().AutoTokenizer.from_pretrained(path)
 
     def __call__(self, texts: Sequence[str]) -> list[np.ndarray]:
         for text in texts:
@@ -77,10 +78,11 @@ class Embedder:
         self._torch: Any = None
 
     def load(self) -> None:
+        path = model_path()  # first: the cheapest way to learn that the extra is missing
         transformers = _transformers()
         import torch
 
-        model = transformers.AutoModel.from_pretrained(model_path())
+        model = transformers.AutoModel.from_pretrained(path)
         model.eval()
         if self.int8:
             # Seed 003's trick: int8 weights for every Linear layer, activations quantized on the fly.
