@@ -2,14 +2,16 @@
 --
 -- Forwards items to the next stage's stream, publishes results and errors (first write
 -- wins: SET NX), notifies each reply list once per batch, dead-letters rejected entries,
--- records batch stats, then XACKs and XDELs the consumed entries. Because everything
+-- records batch stats (when the worker hands a period's worth), then XACKs and XDELs the consumed entries. Because everything
 -- happens in one script, an entry is acked if and only if its next step is in Redis.
 --
 -- KEYS[1] in stream   KEYS[2] out stream (unused if no forwards)   KEYS[3] dead-letter stream
 -- KEYS[4] stats stream   KEYS[5..] result keys and reply keys, referenced by index below
 --
 -- ARGV[1] group  ARGV[2] result ttl ms  ARGV[3] reply ttl ms  ARGV[4] stage name
--- ARGV[5] n_ack  ARGV[6] n_fwd  ARGV[7] n_res  ARGV[8] n_dead  ARGV[9] batch size  ARGV[10] duration ms
+-- ARGV[5] n_ack  ARGV[6] n_fwd  ARGV[7] n_res  ARGV[8] n_dead
+-- ARGV[9] batch sizes, ARGV[10] durations ms: space-separated, one value per batch since the worker's
+--   last stats entry ('' for no entry now; workers hand them about every 100 ms, not per batch)
 -- then n_fwd x (request id, data, reply or '', deadline ms or '')
 -- then n_res x (KEYS index of result key, record, KEYS index of reply key or 0)
 -- then n_dead x (entry id, request id or '', reason, data excerpt)
@@ -52,13 +54,11 @@ for _ = 1, n_res do
 end
 
 for _, key in ipairs(order) do
-  -- A foreign producer may name a key of another type: skip it rather than fail the batch.
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'list' or kind == 'none' then
-    local records = replies[key]
-    redis.call('RPUSH', key, array_header(#records) .. table.concat(records))
-    redis.call('PEXPIRE', key, reply_ttl)
-  end
+  -- A foreign producer may name a key of another type: pcall skips it (WRONGTYPE) rather than
+  -- failing the batch, for one command instead of a TYPE check and the push.
+  local records = replies[key]
+  local pushed = redis.pcall('RPUSH', key, array_header(#records) .. table.concat(records))
+  if type(pushed) == 'number' then redis.call('PEXPIRE', key, reply_ttl) end
 end
 
 for _ = 1, n_dead do
@@ -67,7 +67,7 @@ for _ = 1, n_dead do
   a = a + 4
 end
 
-if tonumber(ARGV[9]) > 0 then
+if ARGV[9] ~= '' then
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
 end
 

@@ -2,15 +2,28 @@
 
 redis-py 8 defaults to a 5 s socket timeout, which would cut our longer blocking reads;
 ``socket_timeout_s`` here is always kept above the longest BLOCK we issue.
+
+**Redis Cluster** is named by the URL scheme, ``redis+cluster://host:port[,host:port...]``
+(``rediss+cluster://`` with TLS; user and password as in ``redis://``): the same one setting
+(``--redis``, ``CONVEYOR_REDIS_URL``) reaches every process (gateway, supervisor, each worker
+child, compose services) unchanged, so no process can be started with a flag the others lack,
+and the choice is explicit rather than guessed from a first node's ``INFO`` (a plain client on
+a cluster node would fail later with ``MOVED`` on some keys only). The hosts are seed nodes;
+redis-py's :class:`redis.RedisCluster` (sync) and :class:`redis.asyncio.RedisCluster` discover
+the rest and follow MOVED/ASK and failovers.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.cluster as acluster
+import redis.cluster as scluster
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 LONGEST_BLOCK_S = 2.0  # no XREADGROUP/BLPOP of ours blocks longer than this
@@ -26,17 +39,81 @@ class RedisSettings:
     connect_timeout_s: float = 5.0
     max_connections: int = 16
 
+    @property
+    def is_cluster(self) -> bool:
+        return urlsplit(self.url).scheme in CLUSTER_SCHEMES
+
     def sync_client(self) -> redis.Redis:
+        """A client of the server or, for a cluster URL, of the whole cluster.
+
+        Typed as :class:`redis.Redis`: :class:`redis.RedisCluster` offers the same command and
+        pipeline methods; code that needs one node's connection asks :func:`node_client`."""
+        if self.is_cluster:
+            url, seeds = _cluster_url(self.url)
+            return cast(redis.Redis, scluster.RedisCluster.from_url(
+                url, startup_nodes=[scluster.ClusterNode(h, p) for h, p in seeds],
+                socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
+                max_connections=self.max_connections, health_check_interval=0,
+            ))
         return redis.Redis.from_url(
             self.url, socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
             max_connections=self.max_connections, health_check_interval=0,
         )
 
     def async_client(self, max_connections: int | None = None) -> aredis.Redis:
+        """Asyncio twin of :meth:`sync_client` (``max_connections`` is per node on a cluster)."""
+        if self.is_cluster:
+            url, seeds = _cluster_url(self.url)
+            return cast(aredis.Redis, acluster.RedisCluster.from_url(
+                url, startup_nodes=[acluster.ClusterNode(h, p) for h, p in seeds],
+                socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
+                max_connections=max_connections or self.max_connections, health_check_interval=0,
+            ))
         return aredis.Redis.from_url(
             self.url, socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
             max_connections=max_connections or self.max_connections, health_check_interval=0,
         )
+
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def _cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """``redis+cluster://u:p@h1:7000,h2:7001`` -> (``redis://u:p@h1:7000``, [(h1, 7000), (h2, 7001)])."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    seeds: list[tuple[str, int]] = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"cluster URL {url!r}: every seed must be host:port, got {host!r}")
+        seeds.append((name.strip("[]"), int(port)))
+    first = f"{userinfo}@{hosts.split(',')[0]}" if userinfo else hosts.split(",")[0]
+    return urlunsplit((CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, "")), seeds
+
+
+def is_cluster_client(client: Any) -> bool:
+    return isinstance(client, scluster.RedisCluster | acluster.RedisCluster)
+
+
+def node_client(client: redis.Redis, key: str | bytes) -> redis.Redis:
+    """The client of the one node that serves ``key``: the client itself unless on a cluster.
+
+    For what redis-py cannot route: a connection of our own (the batching reader's), and
+    ``CLIENT UNBLOCK``, which must reach the node where that connection blocks."""
+    if isinstance(client, scluster.RedisCluster):
+        node = client.get_node_from_key(key)
+        if node.redis_connection is None:
+            client.nodes_manager.initialize()
+            node = client.get_node_from_key(key)
+        return cast(redis.Redis, node.redis_connection)
+    return client
+
+
+def refresh_slots(client: redis.Redis) -> None:
+    """After MOVED or a lost node on a connection of our own, re-read the slot map."""
+    if isinstance(client, scluster.RedisCluster):
+        client.nodes_manager.initialize()
 
 
 class Backoff:
@@ -57,8 +134,11 @@ class Backoff:
         self._attempt = 0
 
 
+# A cluster client raises ClusterError when its retries over a failover ran out, and
+# SlotNotCoveredError while no live node serves a slot: both mean "the server is not there now".
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
+    redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
 )
 CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
 
@@ -66,11 +146,15 @@ CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, r
 # Error replies that say "Redis cannot take this write right now" rather than "this command is wrong":
 # out of memory, a read-only replica after a failover, a failing disk (MISCONF), a busy script,
 # a loading dataset. Callers back off and retry them like a dropped connection.
+# On a cluster also MOVED/ASK seen on a connection of our own (a slot moved or failed over) and
+# CLUSTERDOWN (a master lost, its replica not yet promoted).
 TRANSIENT_REPLY_CODES = ("OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
+_TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                      redis.exceptions.AskError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 
 
 def is_transient(exc: redis.ResponseError) -> bool:
-    if isinstance(exc, redis.exceptions.OutOfMemoryError | redis.exceptions.ReadOnlyError):
+    if isinstance(exc, _TRANSIENT_CLASSES):
         return True
     text = str(exc)
     return any(code in text for code in TRANSIENT_REPLY_CODES)

@@ -1,10 +1,15 @@
 """Every Redis key conveyor uses, in one place: this docstring is the schema.
 
-All keys of one pipeline share the hash tag ``{<pipeline>}`` so that they live in one
-Redis Cluster hash slot: the Lua scripts that forward an item and ack it touch several
-keys atomically, which Cluster only allows within one slot.
+All keys of one pipeline *partition* share one hash tag so that they live in one Redis
+Cluster hash slot: the Lua scripts that forward an item and ack it touch several keys
+atomically, which Cluster only allows within one slot. A pipeline has ``partitions`` (N)
+partitions, 1 by default; partition 0's tag is ``{<pipeline>}``, partition p >= 1's is
+``{<pipeline>:<p>}`` (pipeline names hold no colon, so no two tags collide). With N = 1 the
+layout is exactly the single-slot one of protocol v1; with N > 1 every partition holds the
+whole table below, a request stays in the partition it was submitted to from its first
+stage to its answer, and the partitions' slots spread over the cluster's masters.
 
-``P`` below is ``<prefix>:{<pipeline>}`` (prefix defaults to ``conveyor``); ``i`` is a
+``P`` below is ``<prefix>:{<tag>}`` (prefix defaults to ``conveyor``); ``i`` is a
 stage's position in the pipeline, counted from 0.
 
 =================================  ======  ===================  ==============================
@@ -18,7 +23,14 @@ key                                type    TTL                  written by
 ``<reply key>`` (default           list    ``reply_ttl_ms``,    same worker, one RPUSH per
 ``P:reply:<gateway id>``)                  renewed per push     batch and reply key
 ``P:spec``                         string  none                 workers at start (msgpack of
-                                                                the stages' names and knobs)
+                                                                the stages' names and knobs,
+                                                                and N if N > 1), in every
+                                                                partition
+``P:max_backlog``                  string  none                 workers at start: the first
+                                                                stage's max_backlog (decimal
+                                                                or "none"), read by
+                                                                submit.lua for admission (a
+                                                                bound per partition)
 ``P:hb:<i>``                       zset    none (members        stage i workers, every
                                            pruned by score)     ``heartbeat_s`` (score: ms)
 ``P:stats:<i>``                    stream  none (MAXLEN ~)      stage i workers, one entry per
@@ -48,15 +60,29 @@ class Keys:
 
     pipeline: str
     prefix: str = DEFAULT_PREFIX
+    partition: int = 0
 
     def __post_init__(self) -> None:
         for part in (self.pipeline, self.prefix):
             if not part or any(c in part for c in "{}: \t\r\n"):
                 raise ValueError(f"invalid pipeline name or prefix {part!r}: no braces, colons or spaces")
+        if isinstance(self.partition, bool) or not isinstance(self.partition, int) or self.partition < 0:
+            raise ValueError(f"partition must be an integer >= 0, got {self.partition!r}")
 
     @property
+    def tag(self) -> str:
+        """The hash tag's content: the slot of every key of this partition is CRC16(tag) mod 16384."""
+        return self.pipeline if self.partition == 0 else f"{self.pipeline}:{self.partition}"
+
+    @cached_property
     def base(self) -> str:
-        return f"{self.prefix}:{{{self.pipeline}}}"
+        return f"{self.prefix}:{{{self.tag}}}"
+
+    def partitions(self, n: int) -> list[Keys]:
+        """The keys of partitions 0..n-1 of this pipeline."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"partitions must be an integer >= 1, got {n!r}")
+        return [Keys(self.pipeline, self.prefix, p) for p in range(n)]
 
     def stream(self, stage: int) -> str:
         return f"{self.base}:stream:{stage}"
@@ -86,6 +112,11 @@ class Keys:
     @property
     def spec(self) -> str:
         return f"{self.base}:spec"
+
+    @property
+    def max_backlog(self) -> str:
+        """The first stage's admission limit, read by ``submit.lua`` in the same call as its XADDs."""
+        return f"{self.base}:max_backlog"
 
     def heartbeats(self, stage: int) -> str:
         return f"{self.base}:hb:{stage}"

@@ -5,9 +5,13 @@ Workers publish it at registration so that a process that never imports stage co
 knows the stages' names, positions and limits. Value: a msgpack array with one map per stage,
 in pipeline order::
 
-    {"index": int, "name": str, "batch_size": int, "batch_wait_s": float, "max_backlog": int | nil}
+    {"index": int, "name": str, "batch_size": int, "batch_wait_s": float, "max_backlog": int | nil,
+     "partitions": int}
 
-Readers ignore keys they do not know, so a newer worker may add some.
+``partitions`` (the pipeline's partition count, the same in every stage map) is written only
+when it is above 1, so a one-partition pipeline's spec is byte for byte the v1 one; absent
+means 1. ``max_backlog`` bounds each partition's first stream. Readers ignore keys they do not
+know, so a newer worker may add some.
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ class StageInfo:
     batch_size: int = 1
     batch_wait_s: float = 0.0
     max_backlog: int | None = None
+    partitions: int = 1
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
-    return codec.encode([asdict(s) for s in stages])
+    maps = [asdict(s) for s in stages]
+    for item in maps:
+        if item["partitions"] == 1:
+            del item["partitions"]
+    return codec.encode(maps)
 
 
 def decode_spec(raw: bytes) -> list[StageInfo]:
@@ -56,6 +65,7 @@ def _stage(position: int, item: Any) -> StageInfo:
             index=int(item["index"]), name=str(item["name"]),
             batch_size=int(item.get("batch_size") or 1), batch_wait_s=float(item.get("batch_wait_s") or 0.0),
             max_backlog=None if max_backlog is None else int(max_backlog),
+            partitions=max(1, int(item.get("partitions") or 1)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc

@@ -1,19 +1,41 @@
--- submit.lua: a gateway's turn of submissions, in one round trip.
+-- submit.lua: a producer's turn of submissions, admitted against max_backlog, in one round trip.
 --
--- KEYS[1] the first stage's stream; KEYS[2..] result keys the gateway has consumed (UNLINKed,
--- so answered requests do not hold memory until their TTL).
--- ARGV[1] n entries, then n x (request id, data, reply key, deadline ms).
--- Returns the stream's length after the additions (the gateway's backlog estimate).
+-- KEYS[1] the first stage's stream
+-- KEYS[2] the pipeline's admission key (P:max_backlog: the first stage's max_backlog as a decimal
+--         integer, written by workers at registration; "none" or absent: no limit stored in Redis)
+-- KEYS[3..] result keys the producer has consumed (UNLINKed, so answered requests do not hold
+--           memory until their TTL; may be none)
+-- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)
+-- then n x (request id, data, reply key, deadline ms)
+--
+-- Admission: the stream holds the undelivered plus the pending entries (workers XDEL what they
+-- ack), so XLEN is the first stage's backlog. The first min(n, limit - XLEN) entries are added,
+-- in order; the rest are not. Because the check and the XADDs run in one script, the bound holds
+-- for every producer at once, whatever their number.
+-- Returns the number of entries added; if entries were offered and none was added, an error
+-- reply starting with OVERLOADED instead (what a foreign producer submitting one entry sees).
 
 local n = tonumber(ARGV[1])
-local a = 2
-for _ = 1, n do
+local admit = n
+local limit = redis.call('GET', KEYS[2])
+limit = tonumber(limit or '')
+local own = tonumber(ARGV[2])
+if own ~= nil and (limit == nil or own < limit) then limit = own end
+local backlog = 0
+if limit ~= nil and n > 0 then
+  backlog = redis.call('XLEN', KEYS[1])
+  admit = math.max(0, math.min(n, limit - backlog))
+end
+
+local a = 3
+for _ = 1, admit do
   redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
              'deadline_ms', ARGV[a + 3], 'v', '1')
   a = a + 4
 end
-if #KEYS > 1 then
-  local i = 2
+
+if #KEYS > 2 then
+  local i = 3
   while i <= #KEYS do
     local batch = {}
     for j = i, math.min(#KEYS, i + 999) do batch[#batch + 1] = KEYS[j] end
@@ -21,4 +43,9 @@ if #KEYS > 1 then
     i = i + #batch
   end
 end
-return redis.call('XLEN', KEYS[1])
+
+if admit == 0 and n > 0 then
+  return redis.error_reply('OVERLOADED first stage backlog is ' .. backlog .. ' (max_backlog=' .. limit ..
+                           '); retry later')
+end
+return admit

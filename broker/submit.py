@@ -1,9 +1,10 @@
 """Runs ``submit.lua``: the only write path of a gateway, the twin of :mod:`broker.commit`.
 
-One call adds a whole turn of requests to the first stage's stream and unlinks the result keys
-the gateway has consumed, in one round trip. The command is packed here from bytes
-(:func:`broker.resp.pack_command`), not through redis-py's encoder: on the gateway's hot path
-that packing was the largest single cost.
+One call admits a whole turn of requests against the first stage's ``max_backlog`` (read in
+Redis, from the key workers write at registration), adds the admitted ones to the first
+stage's stream and unlinks the result keys the gateway has consumed, in one round trip. The
+command is packed here from bytes (:func:`broker.resp.pack_command`), not through redis-py's
+encoder: on the gateway's hot path that packing was the largest single cost.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
+from broker.connection import is_cluster_client
 from broker.keys import Keys
 from broker.resp import pack_command
 
@@ -24,33 +26,51 @@ SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
 
 Submission = tuple[bytes, bytes, bytes]  # request id, encoded data, deadline (Unix ms, ASCII)
 
+OVERLOADED = "OVERLOADED"  # the script's error reply when it admitted none of the entries offered
+
+
+def is_overloaded(exc: redis.ResponseError) -> bool:
+    """The submit script refused every entry: the first stage's backlog is at its limit."""
+    return str(exc).startswith(OVERLOADED)
+
 
 class Submitter:
     """Packs and runs ``submit.lua`` for one gateway (one reply key) of one pipeline."""
 
-    def __init__(self, client: aredis.Redis, keys: Keys, reply_key: bytes) -> None:
+    def __init__(self, client: aredis.Redis, keys: Keys, reply_key: bytes, max_backlog: int | None = None) -> None:
         self._client = client
         self._stream = keys.stream(0).encode()
+        self._limit_key = keys.max_backlog.encode()
         self._reply_key = reply_key
+        self._own_limit = b"" if max_backlog is None else b"%d" % max_backlog
 
     async def load(self) -> None:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
         await self._client.script_load(SUBMIT_LUA)
 
-    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> bytes:
-        args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (1 + len(unlink)), self._stream, *unlink, b"%d" % len(batch)]
+    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
+        args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
+                b"%d" % len(batch), self._own_limit]
         for request_id, data, deadline in batch:
             args += (request_id, data, self._reply_key, deadline)
-        return pack_command(args)
+        return args
+
+    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> bytes:
+        return pack_command(self._args(batch, unlink))
 
     async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> int:
-        """Submit ``batch``, unlink ``unlink``; returns the stream's length after the additions."""
-        packed = self.pack(batch, unlink)
+        """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
+        were admitted. Raises ``redis.ResponseError`` (see :func:`is_overloaded`) if none was."""
         try:
-            return int(await self._execute_packed(packed))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            return int(await self._run(batch, unlink))
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             await self.load()
-            return int(await self._execute_packed(packed))
+            return int(await self._run(batch, unlink))
+
+    async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> Any:
+        if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
+            return await self._client.execute_command("EVALSHA", *self._args(batch, unlink)[1:])
+        return await self._execute_packed(self.pack(batch, unlink))
 
     async def _execute_packed(self, packed: bytes) -> Any:
         pool = self._client.connection_pool

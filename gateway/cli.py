@@ -17,10 +17,12 @@ import click
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
-from gateway.client import Gateway, GatewaySettings
-from gateway.http import HttpSettings
-from gateway.http import run as serve_http
-from gateway.status import PipelineStatus, read_status
+from gateway.client import GatewaySettings
+from gateway.http import HttpSettings, PortInUse, check_port_free
+from gateway.http_settings import LOOPS
+from gateway.partitioned import read_all_partitions
+from gateway.serve import GatewayJob, LoopUnavailable, serve, serve_processes
+from gateway.status import PipelineStatus
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
 _HTTP_DEFAULTS = HttpSettings()
@@ -28,53 +30,70 @@ _HTTP_DEFAULTS = HttpSettings()
 
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST")
-@click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT")
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX")
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+              show_envvar=True)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
+              show_envvar=True)
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
 @click.option("--timeout-s", type=float, default=30.0, show_default=True, envvar="CONVEYOR_TIMEOUT_S",
-              help="Default deadline of a request (a header may set its own).")
-@click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG",
+              show_envvar=True, help="Default deadline of a request (a header may set its own).")
+@click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG", show_envvar=True,
               help="Include stage tracebacks in error responses.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_body_bytes,
-              show_default=True, envvar="CONVEYOR_MAX_BODY_BYTES", help="Larger request bodies get 413.")
+              show_default=True, envvar="CONVEYOR_MAX_BODY_BYTES", show_envvar=True,
+              help="Larger request bodies get 413.")
 @click.option("--header-timeout-s", type=click.FloatRange(min=0, min_open=True),
               default=_HTTP_DEFAULTS.header_timeout_s, show_default=True, envvar="CONVEYOR_HEADER_TIMEOUT_S",
-              help="A request head must arrive within this (slow clients get 408).")
+              show_envvar=True, help="A request head must arrive within this (slow clients get 408).")
 @click.option("--body-timeout-s", type=click.FloatRange(min=0, min_open=True),
               default=_HTTP_DEFAULTS.body_timeout_s, show_default=True, envvar="CONVEYOR_BODY_TIMEOUT_S",
-              help="A request body must arrive within this once its head is in (else 408).")
+              show_envvar=True, help="A request body must arrive within this once its head is in (else 408).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_connections,
-              show_default=True, envvar="CONVEYOR_MAX_CONNECTIONS",
-              help="Open connections beyond this are answered 503 at once.")
+              show_default=True, envvar="CONVEYOR_MAX_CONNECTIONS", show_envvar=True,
+              help="Open connections beyond this (per process) are answered 503 at once.")
+@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=_HTTP_DEFAULTS.drain_timeout_s,
+              show_default=True, envvar="CONVEYOR_DRAIN_TIMEOUT_S", show_envvar=True,
+              help="On SIGTERM/SIGINT, how long requests already admitted may finish.")
+@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+              envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
+              help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
+@click.option("--loop", type=click.Choice(LOOPS), default="asyncio", show_default=True, envvar="CONVEYOR_LOOP",
+              show_envvar=True, help="Event loop; uvloop needs the [uvloop] extra.")
 @click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
-              envvar=FORMAT_ENV, help="Log lines as key=value pairs or JSON objects.")
+              envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
 def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeout_s: float, debug: bool,
             max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, max_connections: int,
-            log_format: str) -> None:
-    """Serve pipeline NAME over HTTP: POST /v1/predict, GET /healthz, /readyz, /metrics."""
+            drain_timeout_s: float, processes: int, loop: str, log_format: str) -> None:
+    """Serve pipeline NAME (env var: CONVEYOR_PIPELINE) over HTTP: POST /v1/predict, GET /healthz,
+    /readyz, /metrics. SIGTERM or SIGINT drains: no new connections, admitted requests finish."""
     configure_logging(log_format.lower())
-    settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix)
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
-                        max_connections=max_connections)
-
-    async def main() -> None:
-        async with Gateway(redis_url, name, settings) as backend:
-            await serve_http(backend, http)
-
-    asyncio.run(main())
+                        max_connections=max_connections, drain_timeout_s=drain_timeout_s)
+    job = GatewayJob(name, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
+                     log_format.lower())
+    try:
+        if processes > 1:
+            raise SystemExit(serve_processes(job, processes))
+        check_port_free(host, port)
+        serve(job)
+    except (PortInUse, LoopUnavailable) as exc:
+        click.echo(f"conveyor gateway: {exc.strerror if isinstance(exc, PortInUse) else exc}", err=True)
+        raise SystemExit(1) from None
 
 
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True)
-@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX")
-@click.option("--json", "as_json", is_flag=True,
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+              show_envvar=True)
+@click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
+@click.option("--json", "as_json", is_flag=True, envvar="CONVEYOR_STATUS_JSON", show_envvar=True,
               help="Print JSON for scripts (with --watch: one compact object per line).")
-@click.option("--watch", is_flag=True, help="Refresh every --interval-s until Ctrl-C (exit 0).")
+@click.option("--watch", is_flag=True, envvar="CONVEYOR_STATUS_WATCH", show_envvar=True,
+              help="Refresh every --interval-s until Ctrl-C (exit 0).")
 @click.option("--interval-s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
-              help="Seconds between refreshes with --watch.")
+              envvar="CONVEYOR_STATUS_INTERVAL_S", show_envvar=True, help="Seconds between refreshes with --watch.")
 def status(name: str, redis_url: str, prefix: str, as_json: bool, watch: bool, interval_s: float) -> None:
     """Per stage of pipeline NAME: backlog, pending, live workers, throughput and batch-duration
     percentiles over the last minute, dead letters, and every consumer with its heartbeat.
@@ -110,7 +129,7 @@ async def _read_once(keys: Keys, redis_url: str) -> PipelineStatus:
 
 async def _read_bounded(client: Any, keys: Keys) -> PipelineStatus:
     try:
-        return await asyncio.wait_for(read_status(client, keys), STATUS_TIMEOUT_S)
+        return await asyncio.wait_for(read_all_partitions(client, keys), STATUS_TIMEOUT_S)
     except asyncio.TimeoutError:
         return PipelineStatus(False, [], f"no answer from redis within {STATUS_TIMEOUT_S:g}s")
 
@@ -151,14 +170,18 @@ async def _watch(name: str, keys: Keys, redis_url: str, interval_s: float, as_js
 
 def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
     """What ``--json`` prints: the status's fields, without ``batches`` (a reader-relative list
-    that a one-shot reader never fills), plus ``pipeline``, ``ready`` and ``time_ms``."""
+    that a one-shot reader never fills), plus ``pipeline``, ``ready`` and ``time_ms``. ``error``
+    is null when there is none, as in ``/readyz``."""
     stages = []
     for stage in result.stages:
         data = asdict(stage)
         data.pop("batches", None)
         stages.append(data)
-    return {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
-            "reachable": result.reachable, "error": result.error, "stages": stages}
+    out = {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
+           "reachable": result.reachable, "error": result.error or None, "stages": stages}
+    if result.partitions > 1:
+        out["partitions"] = [status_json(name, part)["stages"] for part in result.by_partition]
+    return out
 
 
 def format_status(name: str, result: PipelineStatus) -> str:
@@ -178,10 +201,23 @@ def format_status(name: str, result: PipelineStatus) -> str:
             beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
             lines.append(f"{'':>3}  - {c.name} {'live' if c.live else 'NOT LIVE'} {beat} "
                          f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s")
+    lines += _partition_lines(result)
     short = [f"{s.name}: {s.stats_window_s:.1f}s" for s in result.stages if s.stats_window_s < 59.5]
     lines.append("items/s, batches, p50/p99 (batch duration): over the last minute"
                  + (f" (stats stream trimmed, covers only {', '.join(short)})" if short else ""))
     return "\n".join(lines)
+
+
+def _partition_lines(result: PipelineStatus) -> list[str]:
+    """With partitions: the rows above are totals; one short row per stage and partition."""
+    if result.partitions <= 1:
+        return []
+    lines = [f"partitions: {result.partitions} (rows above: totals; live = fewest over partitions)"]
+    for p, part in enumerate(result.by_partition):
+        for s in part.stages:
+            lines.append(f"  p{p:<3} {s.name:<16} backlog={s.backlog} pending={s.pending} live={s.live_workers} "
+                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}")
+    return lines
 
 
 def _ms(seconds: float | None) -> str:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -25,12 +26,17 @@ from broker import codec, protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.server_info import acheck_server
-from broker.spec import decode_spec
-from broker.submit import Submission, Submitter
-from gateway.errors import Overloaded, StageError
+from broker.submit import Submission, Submitter, is_overloaded
+from gateway.errors import Overloaded, StageError, UnknownPipeline
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
+
+# Consumed result keys are unlinked in groups: they ride on a submission's script call once this
+# many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
+# own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
+UNLINK_BATCH = 64
+UNLINK_ALONE = 256
 
 
 
@@ -38,10 +44,13 @@ log = logging.getLogger("conveyor.gateway")
 class GatewaySettings:
     timeout_s: float = 30.0
     max_in_flight: int = 100_000  # this gateway's own cap, whatever the backlog
-    max_backlog: int | None = None  # None: the first stage's max_backlog from the pipeline spec
+    # A limit of this gateway's own on the first stage's backlog, on top of the stage's max_backlog
+    # (both are enforced in Redis by the submit script; the stricter wins). None: the stage's only.
+    max_backlog: int | None = None
     max_connections: int = 4
     reply_block_s: float = 1.0
     prefix: str = DEFAULT_PREFIX
+    register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
 
 
 @dataclass(slots=True)
@@ -51,9 +60,12 @@ class _Pending:
 
 
 class Gateway:
-    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None) -> None:
+    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
+                 partition: int = 0) -> None:
+        """``partition``: which partition of a partitioned pipeline this gateway submits to
+        (:class:`gateway.partitioned.PartitionedGateway` runs one per partition)."""
         self.settings = settings or GatewaySettings()
-        self.keys = Keys(pipeline, self.settings.prefix)
+        self.keys = Keys(pipeline, self.settings.prefix, partition)
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
@@ -62,16 +74,15 @@ class Gateway:
         self._unlink: list[bytes] = []
         self._wake = asyncio.Event()
         self._counter = 0
-        self._backlog = 0
-        self._recheck_backlog = False
         # Requests sent again after a failed submission may run twice: their result keys are left
         # to expire instead of being unlinked, so that the late copy's SET NX loses (one answer).
         self._sent_twice: set[bytes] = set()
-        self._max_backlog: int | None = self.settings.max_backlog
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
         self._closing = False
-        self._next_spec_check = 0.0
+        self._registered = False
+        self._registration: asyncio.Future[bool | None] | None = None
+        self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -80,10 +91,9 @@ class Gateway:
         self._reply_client = self.redis.async_client(1)
         try:
             await acheck_server(self._client)
-            self._submit = Submitter(self._client, self.keys, self._reply_key)
+            self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
             await self._submit.load()
-            if self._max_backlog is None:
-                await self._load_spec()
+            await self._log_registration()
         except BaseException:
             await self._client.aclose()
             await self._reply_client.aclose()
@@ -131,10 +141,24 @@ class Gateway:
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
+        return await self.submit(x, timeout_s)
+
+    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
+        callback instead of creating a task per request). Overloaded/CodecError raise here."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if not self._registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._submit_when_registered(data, timeout))
+        return self._enqueue(data, timeout)
+
+    async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
+        await self._await_registration(timeout)
+        return await self._enqueue(data, timeout)
+
+    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1
@@ -145,19 +169,14 @@ class Gateway:
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
         self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
-        return await future
+        return future
 
     def _admit(self) -> None:
+        """This gateway's own cap. The first stage's max_backlog is enforced in Redis, by the
+        submit script, for every producer at once: see ``_refuse``."""
         if len(self._pending) >= self.settings.max_in_flight:
             raise Overloaded(f"gateway has {len(self._pending)} requests in flight "
                              f"(max_in_flight={self.settings.max_in_flight})")
-        limit = self._max_backlog
-        if limit is not None and self._backlog + len(self._outbox) >= limit:
-            # The estimate is the stream's length at our last submission: have the flusher re-read
-            # it, or a gateway that refuses everything never sees the backlog drain.
-            self._recheck_backlog = True
-            self._wake.set()
-            raise Overloaded(f"first stage backlog is {self._backlog} (max_backlog={limit}); retry later")
 
     def _expire(self, request_id: bytes, timeout: float) -> None:
         pending = self._pending.pop(request_id, None)
@@ -194,12 +213,12 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or self._unlink or self._recheck_backlog:
-                self._recheck_backlog = False
+            while self._outbox or len(self._unlink) >= UNLINK_ALONE:
                 batch, self._outbox = self._outbox, []
-                unlink, self._unlink = self._unlink, []
+                unlink: list[bytes] = []
+                if len(self._unlink) >= UNLINK_ALONE:
+                    unlink, self._unlink = self._unlink, []
                 try:
-                    await self._refresh_spec()
                     await self._send(batch, unlink)
                     backoff.reset()
                 except CONNECTION_ERRORS as exc:
@@ -209,26 +228,38 @@ class Gateway:
                     self._sent_twice.update(s[0] for s in live)  # the failed call may have run
                     self._unlink[:0] = unlink
                     await asyncio.sleep(backoff.next_delay_s())
-                except redis.ResponseError as exc:  # the script never ran: nothing was added
+                except redis.ResponseError as exc:  # refused: nothing was added
                     self._refuse(batch, exc)
-                    self._unlink[:0] = unlink
-                    await asyncio.sleep(backoff.next_delay_s())
+                    if not is_overloaded(exc):  # the script may not have run: unlink next turn
+                        self._unlink[:0] = unlink
+                        await asyncio.sleep(backoff.next_delay_s())
 
     def _refuse(self, batch: list[Submission], exc: redis.ResponseError) -> None:
-        """Redis refused a turn of submissions (out of memory, read-only replica, ...): fail
-        those requests at once with a clear error rather than letting them time out."""
+        """Redis refused a turn of submissions: fail those requests at once with a clear error
+        rather than letting them time out. ``OVERLOADED`` is the submit script's admission
+        (the first stage's backlog is at max_backlog); OOM, READONLY, ... are Redis's own."""
+        if is_overloaded(exc):
+            self._fail(batch, lambda: Overloaded(str(exc)))
+            return
         log.error("redis refused submissions count=%d error=%s", len(batch), exc)
+        kind = Overloaded if is_transient(exc) else ConnectionError
+        self._fail(batch, lambda: kind(f"redis refused the request: {exc}"))
+
+    def _fail(self, batch: list[Submission], error: Callable[[], Exception]) -> None:
+        """Fail these requests at once, each with an exception of its own."""
         for request_id, _, _ in batch:
             pending = self._pending.pop(request_id, None)
             if pending is None or pending.future.done():
                 continue
             pending.timer.cancel()
-            error: Exception = (Overloaded(f"redis refused the request: {exc}") if is_transient(exc)
-                                else ConnectionError(f"redis refused the request: {exc}"))
-            pending.future.set_exception(error)
+            pending.future.set_exception(error())
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
-        self._backlog = await self._submit(batch, unlink)
+        admitted = await self._submit(batch, unlink)
+        if admitted < len(batch):  # a partial admission: the script took the head of the turn
+            message = (f"first stage backlog is at its max_backlog: {len(batch) - admitted} of {len(batch)} "
+                       "requests refused; retry later")
+            self._fail(batch[admitted:], lambda: Overloaded(message))
 
     async def _reader(self) -> None:
         backoff = Backoff()
@@ -250,7 +281,8 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
-                self._wake.set()  # let the flusher unlink the consumed result keys now
+                if len(self._unlink) >= UNLINK_ALONE:
+                    self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:
         try:
@@ -272,25 +304,81 @@ class Gateway:
                 if raw is not None:
                     self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
 
+    # -- registration: a mistyped pipeline name must not look like a slow pipeline ---------
+
+    async def pipeline_registered(self) -> bool:
+        """Whether a worker has registered this pipeline (its spec key) in this Redis; once true,
+        it stays true for this gateway (no more round trips)."""
+        if not self._registered:
+            self._registered = bool(await self._client.get(self.keys.spec))  # GET: in the gateway's ACL
+        return self._registered
+
+    async def _log_registration(self) -> None:
+        if not await self.pipeline_registered():
+            log.warning("pipeline %r is not registered in this Redis (no key %s): no worker has started for it "
+                        "yet, or the name is wrong; requests wait up to %gs for one, then fail with "
+                        "UnknownPipeline", self.keys.pipeline, self.keys.spec, self.settings.register_wait_s)
+
+    async def _await_registration(self, timeout_s: float) -> None:
+        """Before submitting for a pipeline not seen registered: wait (at most ``register_wait_s``,
+        shared by every request meanwhile) for a worker to register it, else raise UnknownPipeline
+        without writing anything, so a typo leaves no stream behind. If Redis cannot be asked,
+        submit as usual (the flusher waits for Redis)."""
+        if self._registration is None or self._registration.done():
+            self._registration = asyncio.ensure_future(self._poll_registration())
+        try:
+            registered = await asyncio.wait_for(asyncio.shield(self._registration), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.keys.pipeline!r} is not "
+                               "registered in this Redis (yet)") from None
+        if registered is False:
+            known = self._known
+            hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
+            raise UnknownPipeline(self.keys.pipeline, (
+                f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in this "
+                f"Redis within {self.settings.register_wait_s:g}s: check the name, the prefix and the Redis URL, "
+                f"or start its workers{hint}"))
+
+    async def _poll_registration(self) -> bool | None:
+        """True once registered; False if still not after ``register_wait_s``; None if Redis never
+        answered. Redis has no blocking wait for a key to appear (keyspace notifications need
+        server configuration), so this polls, 10 times a second, only while unregistered."""
+        deadline = time.monotonic() + self.settings.register_wait_s
+        answered = False
+        while True:
+            try:
+                if await self.pipeline_registered():
+                    return True
+                answered = True
+            except CONNECTION_ERRORS:
+                pass
+            if time.monotonic() >= deadline:
+                if answered:  # once, for every request that waited: the hint for a typo
+                    self._known = await self._known_pipelines()
+                return False if answered else None
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    async def _known_pipelines(self, limit: int = 10) -> list[str]:
+        """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
+        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
+        docs/security.md has no SCAN: then there is no hint)."""
+        pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
+        names: list[str] = []
+        cursor = 0
+        try:
+            for _ in range(20):
+                cursor, found = await self._client.scan(cursor, match=pattern, count=1000)
+                names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
+                          for k in found]
+                if cursor == 0 or len(names) >= limit:
+                    break
+        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
+            return []
+        return sorted(set(names))[:limit]
+
     # -- status ---------------------------------------------------------------------------
-
-    async def _refresh_spec(self) -> None:
-        """A gateway may start before any worker wrote the spec: look again now and then."""
-        if self._max_backlog is None and time.monotonic() >= self._next_spec_check:
-            self._next_spec_check = time.monotonic() + 5.0
-            await self._load_spec()
-
-    async def _load_spec(self) -> None:
-        raw = await self._client.get(self.keys.spec)
-        if raw:
-            stages = decode_spec(protocol.as_bytes(raw))
-            if stages and stages[0].max_backlog is not None:
-                self._max_backlog = stages[0].max_backlog
 
     async def pipeline_status(self) -> PipelineStatus:
         if not self.healthy:
             return PipelineStatus(False, [], "a gateway background task died (see its log)")
-        status = await read_status(self._client, self.keys, self._status_marks)
-        if self.settings.max_backlog is None and status.stages:
-            self._max_backlog = status.stages[0].max_backlog
-        return status
+        return await read_status(self._client, self.keys, self._status_marks)

@@ -11,8 +11,9 @@ One GET of the spec (which stages exist), then one pipelined round trip for ever
   consumer group still lists (a killed worker stays a consumer until the janitor removes it);
 - ``XLEN`` of the dead-letter stream;
 - the loading zset: workers whose ``setup()`` is still running (refreshed like heartbeats);
-- ``XRANGE`` of the stats stream over the last minute (entry ID = time, ``n`` = batch size,
-  ``ms`` = duration): throughput and batch-duration percentiles.
+- ``XRANGE`` of the stats stream over the last minute: throughput and batch-duration
+  percentiles. Entry ID = time; ``n`` = batch sizes, ``ms`` = durations, space-separated, one
+  value per batch (workers write an entry about every 100 ms, not one per batch).
 
 ``marks`` (one dict per reader, kept between calls) makes ``StageStatus.batches`` hold the
 batches *since the previous call* of that reader, once each: the gateway's histograms use it.
@@ -74,6 +75,9 @@ class PipelineStatus:
     reachable: bool
     stages: list[StageStatus] = field(default_factory=list)
     error: str = ""
+    partitions: int = 1  # the pipeline's partition count, from its spec
+    # With partitions > 1 (see gateway.partitioned): ``stages`` are the totals, these the parts.
+    by_partition: list[PipelineStatus] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -87,7 +91,8 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
     try:
         raw_spec = await client.get(keys.spec)
         if not raw_spec:
-            return PipelineStatus(True, [], "no worker has registered this pipeline yet")
+            return PipelineStatus(True, [], f"pipeline {keys.pipeline!r} is not registered: no worker has started"
+                                             f" for it in this Redis (no key {keys.spec}); check the name")
         spec = decode_spec(as_bytes(raw_spec))
         now = now_ms()
         window_start = now - window_ms
@@ -108,7 +113,7 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
         return PipelineStatus(True, [], str(exc))
     n = _COMMANDS_PER_STAGE
     stages = [_stage(stage, results[n * k:n * k + n], marks, now, window_start) for k, stage in enumerate(spec)]
-    return PipelineStatus(True, stages)
+    return PipelineStatus(True, stages, partitions=spec[0].partitions if spec else 1)
 
 
 def _range_start(marks: dict[int, bytes] | None, stage: int, window_start: int) -> bytes:
@@ -160,21 +165,16 @@ def _consumer(info: dict[str, Any], heartbeats: dict[str, int], now: int) -> Con
 def _window_stats(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], window_start: int,
                   now: int) -> None:
     recent = [(_id_key(eid)[0], fields) for eid, fields in stats if _id_key(eid) >= (window_start, 0)]
-    sizes: list[int] = []
-    durations: list[float] = []
-    for _, fields in recent:
-        try:
-            sizes.append(int(fields[b"n"]))
-            durations.append(float(fields[b"ms"]) / 1000)
-        except (KeyError, ValueError):
-            continue  # not written by a worker: ignore it rather than fail the whole status
+    batches = [batch for _, fields in recent for batch in _batches(fields)]
+    sizes = [size for size, _ in batches]
+    durations = [seconds for _, seconds in batches]
     window_ms = now - window_start
     if len(recent) >= STATS_MAXLEN:
         # The stream holds only its last ~STATS_MAXLEN batches: the window really starts at
         # the oldest one left, or the throughput would be understated.
         window_ms = max(1, now - recent[0][0])
     status.stats_window_s = window_ms / 1000
-    status.batches_last_minute = len(sizes)
+    status.batches_last_minute = len(batches)
     status.items_last_minute = sum(sizes)
     status.throughput_per_s = status.items_last_minute / status.stats_window_s if window_ms > 0 else 0.0
     if durations:
@@ -193,15 +193,21 @@ def _since_mark(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]
         marks[i] = bytes(stats[-1][0]) if stats else b"%d-0" % window_start
         return
     fresh = [(eid, fields) for eid, fields in stats if _id_key(eid) > _id_key(mark)]
-    batches: list[tuple[int, float]] = []
-    for _, fields in fresh:
-        try:
-            batches.append((int(fields[b"n"]), float(fields[b"ms"]) / 1000))
-        except (KeyError, ValueError):
-            continue
-    status.batches = batches
+    status.batches = [batch for _, fields in fresh for batch in _batches(fields)]
     if fresh:
         marks[i] = bytes(fresh[-1][0])
+
+
+def _batches(fields: dict[bytes, bytes]) -> list[tuple[int, float]]:
+    """(size, seconds) of each batch one stats entry records; [] for an entry no worker wrote
+    (ignored rather than failing the whole status)."""
+    try:
+        sizes, durations = fields[b"n"].split(), fields[b"ms"].split()
+        if len(sizes) != len(durations):
+            return []
+        return [(int(n), float(ms) / 1000) for n, ms in zip(sizes, durations, strict=True)]
+    except (KeyError, ValueError, AttributeError):
+        return []
 
 
 def _percentile(sorted_values: list[float], p: float) -> float:

@@ -60,3 +60,6 @@ def private_redis() -> Iterator[EmbeddedRedis]:
         yield server
     finally:
         server.stop()
+
+
+from tests.conftest_cluster import cluster_url, failover_cluster, redis_cluster  # noqa: E402,F401

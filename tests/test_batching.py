@@ -16,7 +16,10 @@ import pytest
 import redis
 
 from broker.keys import GROUP
+from workers import Pipeline, Stage
+from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, FixedWait, StreamReader
+from workers.pipeline import PipelineError
 
 STREAM = "conveyor:{t-batching}:stream:0"
 
@@ -175,3 +178,66 @@ def test_reader_reads_its_own_pending_history(reader: StreamReader, redis_client
     redis_client.xdel(STREAM, first)
     history = reader.read(10, start="0")
     assert history[0] == (first, None)  # deleted while pending: reported, not dropped
+
+
+# -- the adaptive policy ---------------------------------------------------------------------------
+
+
+def test_adaptive_lone_item_goes_at_once(reader: StreamReader, redis_client: redis.Redis) -> None:
+    """A lone request must not pay the window: with arrivals far apart, waiting cannot pay."""
+    policy = AdaptiveWait(batch_wait_s=0.5)
+    policy.observe_read(1, time.monotonic() - 0.05)  # one item 50 ms ago: about 20 items/s
+    add(redis_client, 1)
+    started = time.monotonic()
+    batch = BatchCollector(reader, 32, policy, idle_block_ms=1000).collect()
+    assert ids(batch) == [b"r0"]
+    assert time.monotonic() - started < 0.25, "a lone item waited for company that was not coming"
+
+
+def test_adaptive_waits_only_while_it_pays() -> None:
+    policy = AdaptiveWait(batch_wait_s=0.002, overhead_s=0.0005)
+    assert policy.wait_s(0.0, 1, 64, 0.0) == 0.0  # nothing observed yet: go
+    policy.rate_per_s = 100_000.0  # an item every 10 us
+    assert policy.wait_s(0.0, 1, 64, 0.0) == pytest.approx(2e-5)  # one item in hand: a gap is cheap
+    assert policy.wait_s(0.0, 60, 64, 0.0) == 0.0  # 60 items x 10 us > the 0.5 ms a batch costs
+    assert policy.wait_s(0.0, 64, 64, 0.0) == 0.0  # full
+    assert policy.wait_s(0.0, 1, 64, 0.002) == 0.0  # batch_wait_s is the upper bound
+    policy.rate_per_s = 1_000.0
+    assert policy.wait_s(0.0, 1, 64, 0.0) == 0.0  # 1 ms apart: the next item is not worth 1 ms
+
+
+def test_adaptive_learns_the_arrival_rate_and_the_batch_cost() -> None:
+    policy = AdaptiveWait(batch_wait_s=0.002, alpha=1.0)
+    policy.observe_read(10, 100.0)
+    policy.observe_read(50, 100.01)
+    assert policy.rate_per_s == pytest.approx(5000.0)
+    policy.observe_batch(50, predict_s=0.001, commit_s=0.0003)
+    assert policy.overhead_s == pytest.approx(0.0006)
+
+
+def test_singleton_read_size_follows_work_and_live_workers() -> None:
+    size = SingletonReadSize(alpha=1.0)
+    assert size.count() == 1  # nothing measured: one at a time
+    size.observe_batch(10, predict_s=0.0001, commit_s=0.0003)  # 10 us per item
+    assert size.count() == 64
+    size.live_workers = 2
+    assert size.count() == 32  # a share, so the other worker is not starved
+    size.observe_batch(2, predict_s=0.002, commit_s=0.0003)  # 1 ms per item: ~2 ms of work
+    assert size.count() == 2
+
+
+def test_collector_reads_the_count_it_is_given(reader: StreamReader, redis_client: redis.Redis) -> None:
+    add(redis_client, 10)
+    collector = BatchCollector(reader, 1, FixedWait(0.0), idle_block_ms=100)
+    assert ids(collector.collect(4)) == [b"r0", b"r1", b"r2", b"r3"]
+    assert len(collector.collect()) == 1
+
+
+def test_batch_policy_is_validated() -> None:
+    class Doubler(Stage):
+        batch_size = 8
+
+    assert Pipeline("p").add(Doubler).stages[0].batch_policy == "adaptive"
+    assert Pipeline("p").add(Doubler, batch_policy="deadline").stages[0].batch_policy == "deadline"
+    with pytest.raises(PipelineError, match="batch_policy must be one of 'adaptive', 'deadline', got 'fixed'"):
+        Pipeline("p").add(Doubler, batch_policy="fixed")

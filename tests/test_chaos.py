@@ -6,8 +6,9 @@ Two ``conveyor worker`` processes (``--workers 2`` each, one per stage) run
 Redis. One gateway keeps 256 requests in flight while a chaos thread SIGKILLs a random worker
 child every 0.5 s (the supervisors restart them) and three times drops every client connection
 (``CLIENT KILL TYPE normal SKIPME yes``): the workers' and the gateway's. Only workers up for a
-second or more are killed: three deaths in a row before 'ready' make a supervisor give up on its
-stage by design (a stage that cannot start), which is not what this test is about.
+second or more and already connected to Redis are killed: three deaths in a row before 'ready'
+make a supervisor give up on its stage by design (a stage that cannot start), which is not what
+this test is about, and on a loaded machine a worker's imports alone can take over a second.
 
 What is checked: every request answered (none lost: no TimeoutError, no error), each answer
 equal to f(its input) (none misrouted), no request id pushed twice to the gateway's reply list
@@ -84,6 +85,13 @@ class Outcome:
     duration_s: float = 0.0
 
 
+def connected(proc: psutil.Process) -> bool:
+    """Whether the worker holds a socket (its Redis connections, opened once its imports are
+    done; 'ready' follows within milliseconds for these trivial stages)."""
+    net_connections = getattr(proc, "net_connections", None) or proc.connections
+    return bool(net_connections(kind="all"))
+
+
 @dataclass
 class Chaos:
     """SIGKILLs a random worker child every KILL_EVERY_S; drops all client connections when
@@ -103,7 +111,7 @@ class Chaos:
         for proc in self.workers.procs:
             for child in proc.children():
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    if now - child.create_time() >= MIN_AGE_S:
+                    if now - child.create_time() >= MIN_AGE_S and connected(child):
                         found.append(child)
         return found
 

@@ -83,6 +83,8 @@ class FakeBackend:
             raise RuntimeError("gateway bug")
         if op == "array":
             return np.arange(6, dtype=np.float32).reshape(2, 3)
+        if op == "nan":
+            return np.array([1.0, np.nan])
         if op == "block":
             self.entered.set()
             try:
@@ -747,3 +749,92 @@ def test_sigterm_starts_a_drain() -> None:
         with pytest.raises(OSError):
             await Client.open(port)
     run(main())
+
+
+# -- drain, stop signals, JSON numbers (issue 12) ------------------------------------------------
+
+
+def test_drain_answers_new_requests_on_kept_alive_connections_503_close() -> None:
+    async def main() -> None:
+        backend = FakeBackend()
+        server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=5.0))
+        await server.start()
+        busy = await Client.open(server.port)
+        await busy.send(predict_json({"op": "block"}))
+        await asyncio.wait_for(backend.entered.wait(), WAIT_S)
+        kept = await Client.open(server.port)
+        await kept.send(http_request("GET", "/healthz"))
+        assert (await kept.response()).status == 200
+        closing = asyncio.create_task(server.close())
+        await asyncio.sleep(0)  # let the drain begin
+        await kept.send(predict_json(7))  # a new request on a kept-alive connection: not admitted
+        resp = await kept.response()
+        assert resp.status == 503 and resp.headers["connection"] == "close"
+        assert resp.json()["error"]["type"] == "Overloaded"
+        assert await kept.closed()
+        assert [x for x, _ in backend.calls] == [{"op": "block"}]  # the refused one never reached it
+        backend.release.set()  # the admitted one still finishes
+        assert (await busy.response()).json() == {"result": "released"}
+        await asyncio.wait_for(closing, WAIT_S)
+        for client in (busy, kept):
+            await client.close()
+    run(main())
+
+
+def test_sigint_and_sigterm_together_are_one_stop() -> None:
+    """Ctrl-C reaches the whole group while a parent forwards SIGTERM: no cancellation."""
+    async def main() -> None:
+        backend = FakeBackend()
+        server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=5.0))
+        await server.start()
+        server.install_signal_handlers()
+        try:
+            client = await Client.open(server.port)
+            await client.send(predict_json({"op": "block"}))
+            await asyncio.wait_for(backend.entered.wait(), WAIT_S)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert server.draining and not backend.cancelled.is_set()
+            backend.release.set()
+            assert (await client.response()).json() == {"result": "released"}
+            await asyncio.wait_for(server.serve_forever(), WAIT_S)
+            await client.close()
+        finally:
+            server.remove_signal_handlers()
+    run(main())
+
+
+@pytest.mark.parametrize("body", [b"NaN", b"[1, Infinity]", b'{"x": -Infinity}'])
+def test_non_finite_json_numbers_are_400(body: bytes) -> None:
+    async def main() -> None:
+        async with serving() as server:
+            resp = await one(server.port, http_request("POST", "/v1/predict", body,
+                                                       {"content-type": "application/json"}))
+            assert resp.status == 400 and "is not JSON" in resp.json()["error"]["message"]
+    run(main())
+
+
+@http_test()
+async def test_nan_result_is_a_clear_500_in_json_and_fine_in_msgpack(server: HttpServer, backend: FakeBackend) -> None:
+    resp = await one(server.port, http_request("POST", "/v1/predict", encode(float("nan")),
+                                               {"content-type": "application/msgpack"}))
+    assert resp.status == 200 and np.isnan(decode(resp.body)["result"])
+    # asked as JSON, a NaN result cannot be sent: the error names it instead of sending invalid JSON
+    resp = await one(server.port, predict_json({"op": "nan"}))
+    assert resp.status == 500
+    error = resp.json()["error"]
+    assert error["type"] == "UnencodableResult" and "NaN or Infinity" in error["message"]
+
+
+@http_test()
+async def test_half_closed_client_gets_its_answers_then_the_connection_closes(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(predict_json("a") + predict_json("b"))
+    client.writer.write_eof()
+    assert (await client.response()).json() == {"result": "a"}
+    assert (await client.response()).json() == {"result": "b"}
+    assert await client.closed()  # at once, not after the keep-alive timeout
+    await client.close()

@@ -121,6 +121,9 @@ def cli_status(*args: str) -> Any:
 def test_status_json_and_text_after_traffic(server: EmbeddedRedis, workers: dict[str, Proc]) -> None:
     inputs = list(range(60))
     assert send(server.url, inputs) == [x * 2 + 3 for x in inputs]
+    # Workers hand their batch stats to Redis about every 100 ms (or when idle), not per batch.
+    wait_for(lambda: all(s.items_last_minute >= len(inputs) for s in read_once(server.url).stages), 5.0,
+             "the workers' batch stats")
 
     result = cli_status(NAME, "--redis", server.url, "--json")
     assert result.exit_code == 0, result.output

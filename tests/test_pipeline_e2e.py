@@ -281,8 +281,8 @@ def test_commit_twice_first_result_wins(redis_client: redis.Redis) -> None:
     committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls(60_000, 60_000))
 
     first, second = ok_record(b"r1", "first"), ok_record(b"r1", "second")
-    assert committer(Commit(acks=[entry], results=[(result_key, first, reply)], batch_size=1)) == 1
-    assert committer(Commit(acks=[entry], results=[(result_key, second, reply)], batch_size=1)) == 0
+    assert committer(Commit(acks=[entry], results=[(result_key, first, reply)])) == 1
+    assert committer(Commit(acks=[entry], results=[(result_key, second, reply)])) == 0
     assert redis_client.get(result_key) == first
     assert 0 < redis_client.pttl(result_key) <= 60_000
     # one reply element, holding the first record only

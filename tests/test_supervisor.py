@@ -184,7 +184,8 @@ def run_log() -> Iterator[Path]:
 def test_conveyor_run_serves_and_stops_without_leftovers(sig: signal.Signals, run_log: Path) -> None:
     port = free_port()
     with run_log.open("wb") as err:
-        popen = subprocess.Popen(conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port)),
+        popen = subprocess.Popen(conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port),
+                                               "--redis-dir", str(run_log.parent / "redis")),
                                  cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=err, start_new_session=True)
     lines = Lines(popen.stdout)

@@ -164,24 +164,24 @@ def test_bad_pipeline_names_are_rejected(name: str) -> None:
 
 def test_fixed_wait_waits_the_window_when_items_arrive_close_together() -> None:
     wait = FixedWait(0.05)
-    assert wait.budget_s(idle_s=0.0, have=1, batch_size=32) == 0.05
-    assert wait.budget_s(idle_s=0.049, have=31, batch_size=32) == 0.05
+    assert wait.wait_s(idle_s=0.0, have=1, batch_size=32, waited_s=0.0) == 0.05
+    assert wait.wait_s(idle_s=0.049, have=31, batch_size=32, waited_s=0.0) == 0.05
 
 
 def test_fixed_wait_does_not_wait_for_a_full_batch() -> None:
     wait = FixedWait(0.05)
-    assert wait.budget_s(idle_s=0.0, have=32, batch_size=32) == 0.0
-    assert wait.budget_s(idle_s=0.0, have=40, batch_size=32) == 0.0
+    assert wait.wait_s(idle_s=0.0, have=32, batch_size=32, waited_s=0.0) == 0.0
+    assert wait.wait_s(idle_s=0.0, have=40, batch_size=32, waited_s=0.0) == 0.0
 
 
 def test_fixed_wait_takes_what_is_queued_after_a_long_idle() -> None:
     wait = FixedWait(0.05)
-    assert wait.budget_s(idle_s=0.05, have=1, batch_size=32) == 0.0
-    assert wait.budget_s(idle_s=10.0, have=1, batch_size=32) == 0.0
+    assert wait.wait_s(idle_s=0.05, have=1, batch_size=32, waited_s=0.0) == 0.0
+    assert wait.wait_s(idle_s=10.0, have=1, batch_size=32, waited_s=0.0) == 0.0
 
 
 def test_fixed_wait_zero_never_waits() -> None:
-    assert FixedWait(0.0).budget_s(idle_s=0.0, have=1, batch_size=32) == 0.0
+    assert FixedWait(0.0).wait_s(idle_s=0.0, have=1, batch_size=32, waited_s=0.0) == 0.0
 
 
 # -- run_batch / run_single --------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Batch assembly under a deadline, on top of ``XREADGROUP COUNT/BLOCK``.
+"""Batch assembly, on top of ``XREADGROUP COUNT/BLOCK``, under a wait policy.
+
+Two policies (``Stage.batch_policy``): ``"adaptive"`` (:mod:`workers.adaptive`, the default)
+dispatches as soon as waiting can no longer pay, ``batch_wait_s`` being only its upper bound;
+``"deadline"`` (:class:`FixedWait`) always waits for ``batch_size`` items or the deadline.
 
 Redis only checks BLOCK timeouts every 1/hz (about 100 ms by default), so a batch window of
 a few milliseconds cannot be left to BLOCK: the reader sends a blocking XREADGROUP, waits on
@@ -22,23 +26,29 @@ Entry = tuple[bytes, dict[bytes, bytes] | None]
 
 
 class WaitPolicy(Protocol):
-    """How long to keep filling a batch once its first item is in hand."""
+    """How long to keep filling a batch once its first item is in hand. Asked again after every
+    read: ``idle_s`` is how long the first read waited, ``waited_s`` the time since it returned."""
 
-    def budget_s(self, idle_s: float, have: int, batch_size: int) -> float: ...
+    def wait_s(self, idle_s: float, have: int, batch_size: int, waited_s: float) -> float: ...
+
+    def observe_read(self, count: int, now: float) -> None: ...
 
 
 @dataclass(frozen=True)
 class FixedWait:
-    """Seed 000's rule: wait up to ``batch_wait_s`` from the batch's first item, except after a
-    long idle (the first item took longer than ``batch_wait_s`` to come), when the worker
-    takes what is already queued and goes."""
+    """The ``deadline`` policy, seed 000's rule: wait up to ``batch_wait_s`` from the batch's
+    first item, except after a long idle (the first item took longer than ``batch_wait_s`` to
+    come), when the worker takes what is already queued and goes."""
 
     batch_wait_s: float
 
-    def budget_s(self, idle_s: float, have: int, batch_size: int) -> float:
+    def wait_s(self, idle_s: float, have: int, batch_size: int, waited_s: float) -> float:
         if have >= batch_size or idle_s >= self.batch_wait_s:
             return 0.0
-        return self.batch_wait_s
+        return self.batch_wait_s - waited_s
+
+    def observe_read(self, count: int, now: float) -> None:
+        """The deadline policy does not learn."""
 
 
 def _parse(response: Any) -> list[Entry]:
@@ -123,26 +133,31 @@ class StreamReader:
 class BatchCollector:
     """Collects up to ``batch_size`` new entries, waiting as the policy allows."""
 
-    def __init__(self, reader: StreamReader, batch_size: int, policy: WaitPolicy, idle_block_ms: int) -> None:
+    def __init__(self, reader: StreamReader, batch_size: int, policy: WaitPolicy, idle_block_ms: int | None) -> None:
+        """``idle_block_ms`` None: the first read does not block (a caller that waits elsewhere)."""
         self._reader = reader
         self._batch_size = batch_size
         self._policy = policy
         self._idle_block_ms = idle_block_ms
 
-    def collect(self) -> list[Entry]:
+    def collect(self, count: int | None = None, idle_block_ms: int | None = None) -> list[Entry]:
+        """Up to ``count`` (default ``batch_size``) entries: what is queued at once, then more
+        for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing."""
+        size = count or self._batch_size
         started = time.monotonic()
-        entries = self._reader.read(self._batch_size, block_ms=self._idle_block_ms)
+        entries = self._reader.read(size, block_ms=idle_block_ms or self._idle_block_ms)
         if not entries:
             return entries
         first_at = time.monotonic()
-        budget = self._policy.budget_s(first_at - started, len(entries), self._batch_size)
-        deadline = first_at + budget
-        while len(entries) < self._batch_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        self._policy.observe_read(len(entries), first_at)
+        while len(entries) < size:
+            now = time.monotonic()
+            wait = self._policy.wait_s(first_at - started, len(entries), size, now - first_at)
+            if wait <= 0:
                 break
-            more = self._reader.read_until(self._batch_size - len(entries), remaining)
+            more = self._reader.read_until(size - len(entries), wait)
             if not more:
                 break
+            self._policy.observe_read(len(more), time.monotonic())
             entries += more
         return entries

@@ -9,13 +9,18 @@ read, as Flask and pytest compose their plugins.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import FrameType
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 
@@ -23,12 +28,14 @@ from broker.connection import DEFAULT_REDIS_URL
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.child import ChildSettings
-from workers.embedded import EmbeddedRedis
+from workers.embedded import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.pinning import PinningError
+from workers.procs import detached_preexec
 from workers.supervisor import Supervisor, SupervisorSettings
 from workers.worker import WorkerSettings
 
 COMMAND_GROUP = "conveyor.commands"
+log = logging.getLogger("conveyor.run")
 _WORKER_DEFAULTS = WorkerSettings()
 
 
@@ -45,7 +52,8 @@ def _options(func: Any) -> Any:
                      help="How long an unread reply list lives (a dead gateway's list expires)."),
         click.option("--max-payload-bytes", type=click.IntRange(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
                      default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
-                     help="Larger stream entries are dead-lettered."),
+                     help="A stage result larger than this (encoded) is answered ResultTooLarge; a larger "
+                          "incoming entry is dead-lettered."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -78,9 +86,27 @@ def _load(app: str, prefix: str | None) -> Any:
         raise click.UsageError(str(exc)) from exc
 
 
-def _supervise(supervisor: Supervisor) -> int:
+class _EarlyStop:
+    """Stop requests that arrive while ``run`` starts Redis and the gateway: remembered, and
+    handed to the supervisor, which then stops everything in order (a handler only sets a flag;
+    raising from it could land in a finalizer and be lost)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
+    for _ in range(early.count if early is not None else 0):
+        supervisor.request_stop()
     try:
         return supervisor.run()
     except PinningError as exc:
@@ -118,35 +144,104 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
 @click.argument("app", envvar="CONVEYOR_APP")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help="Use this Redis instead of starting an embedded one.")
+@click.option("--redis-dir", type=click.Path(file_okay=False, path_type=Path), envvar="CONVEYOR_REDIS_DIR",
+              show_envvar=True, default=None,
+              help="Directory of the embedded Redis's socket  [default: /tmp/conveyor-<pipeline>]")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
-@click.option("--port", type=int, default=8000, show_default=True, envvar="CONVEYOR_PORT", show_envvar=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
+              show_envvar=True)
+@click.option("--grace-s", type=click.FloatRange(min=0), default=30.0, show_default=True, envvar="CONVEYOR_GRACE_S",
+              show_envvar=True,
+              help="On SIGTERM or Ctrl-C, how long admitted requests may take to finish (then workers "
+                   "get as long to finish their batch).")
 @_options
-def run(app: str, redis_url: str | None, host: str, port: int, prefix: str | None, **opts: Any) -> None:
-    """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway."""
+def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port: int, grace_s: float,
+        prefix: str | None, **opts: Any) -> None:
+    """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway.
+
+    SIGTERM or Ctrl-C stops it in order: the gateway stops accepting and answers every request
+    it admitted, then the workers finish their batch, then the embedded Redis stops and its
+    directory is removed. A second Ctrl-C cuts the gateway's wait short.
+    """
     child = _child_settings(redis_url or "", prefix, opts)
     pipeline = _load(app, prefix)
-    embedded = EmbeddedRedis() if redis_url is None else None
+    _check_port_free(host, port)
+    embedded = None
+    if redis_url is None:
+        embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(pipeline.name), detach=True)
     gateway: subprocess.Popen[bytes] | None = None
     code = 1
+    early = _EarlyStop()
+    early.install()
     try:
-        url = embedded.start() if embedded is not None else redis_url
-        if url is None:
-            raise click.UsageError("no Redis: pass --redis or let conveyor start an embedded one")
-        click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {url}")
+        url = _start_redis(embedded) if embedded is not None else str(redis_url)
+        click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {_safe_url(url)}")
+        if embedded is not None:
+            click.echo(f"conveyor: from another shell:  export CONVEYOR_REDIS_URL={url}")
         click.echo(f"conveyor: HTTP on http://{host}:{port}/v1/predict  (Ctrl-C to stop)")
+        # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
+        # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix, "--log-format", child.log_format],
-            env=dict(os.environ, CONVEYOR_REDIS_URL=url))
+             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s)],
+            env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
-        code = _supervise(Supervisor(app, stages, child, companions=[gateway]))
+        settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s)
+        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway]), early)
     finally:
         if gateway is not None:
-            _stop_process(gateway)
-        if embedded is not None:
+            _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
+        if embedded is not None and embedded.running:
+            log.info("stopping: the embedded Redis")
             embedded.stop()
+            log.info("stopped")
+        elif embedded is not None:
+            embedded.stop()  # a failed start cleans up after itself: this only makes sure
     sys.exit(code)
+
+
+def _start_redis(embedded: EmbeddedRedis) -> str:
+    try:
+        return embedded.start()
+    except RedisDirError as exc:
+        raise click.ClickException(f"{exc} with --redis-dir (or CONVEYOR_REDIS_DIR)") from exc
+    except EmbeddedRedisError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for printing."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail in one line, before anything starts, if the gateway could not listen on host:port.
+
+    The gateway runs in a child process (workers never import gateway code): a bind test here
+    spares the user a traceback from that child after Redis and the workers have started.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds
+            probe.bind(address)
+    except socket.gaierror as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}; choose another address with "
+                                   "--host (or CONVEYOR_HOST)") from exc
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = "address already in use (another process listens there)"
+        else:
+            why = exc.strerror or str(exc)
+        raise click.ClickException(f"cannot listen on {host}:{port}: {why}; choose another port with --port "
+                                   "(or CONVEYOR_PORT), or another address with --host") from exc
 
 
 def _stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:

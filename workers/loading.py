@@ -3,9 +3,9 @@
 A beacon thread refreshes the worker's member of ``P:loading:<i>`` every ``heartbeat_s``
 and removes it when setup ends, ready or not; ``conveyor status`` counts members refreshed
 recently as loading workers, so a stage that is still loading is told apart from one with no
-worker at all. The spec is written too (only if absent), so that ``status`` knows the stages
-before any worker is ready. Best effort: without Redis the worker loads anyway, and readiness
-never depends on this (it is the heartbeat, written only after setup).
+worker at all (the worker registers the spec before setup, so ``status`` knows the stages).
+Best effort: without Redis the worker loads anyway, and readiness never depends on this (it is
+the heartbeat, written only after setup).
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ _PRUNE_MS = 3_600_000  # members of processes that died while loading go after a
 
 
 class LoadingBeacon:
-    def __init__(self, settings: RedisSettings, keys: Keys, stage: int, consumer: str, spec: bytes,
-                 interval_s: float) -> None:
+    def __init__(self, settings: RedisSettings, keys: Keys, stage: int, consumer: str, interval_s: float) -> None:
         self._settings = settings
         self._key = keys.loading(stage)
-        self._spec_key = keys.spec
         self._consumer = consumer
-        self._spec = spec
         self._interval_s = interval_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="loading", daemon=True)
@@ -44,18 +41,14 @@ class LoadingBeacon:
 
     def _beat(self) -> None:
         client = self._settings.sync_client()
-        first = True
         try:
             while True:
                 with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
                     now = protocol.now_ms()
                     pipe = client.pipeline(transaction=False)
-                    if first:
-                        pipe.set(self._spec_key, self._spec, nx=True)
                     pipe.zadd(self._key, {self._consumer: now})
                     pipe.zremrangebyscore(self._key, 0, now - _PRUNE_MS)
                     pipe.execute()
-                    first = False
                 if self._done.wait(self._interval_s):
                     break
             with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):

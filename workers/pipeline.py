@@ -16,9 +16,11 @@ from typing import Any
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.spec import StageInfo
 
+BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching.py
+
 # Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
-    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s",
+    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
     "max_run_s", "max_backlog", "max_deliveries", "claim_idle_s",
 )
 
@@ -39,6 +41,7 @@ class StageSpec:
     threads: int | None = None
     batch_size: int = 1
     batch_wait_s: float = 0.0
+    batch_policy: str = "adaptive"
     max_run_s: float | None = None
     max_backlog: int | None = None
     max_deliveries: int = 5
@@ -55,6 +58,9 @@ class StageSpec:
         _check_int(self.name, "workers", self.workers, 1)
         _check_int(self.name, "batch_size", self.batch_size, 1)
         _check_number(self.name, "batch_wait_s", self.batch_wait_s, allow_zero=True)
+        if self.batch_policy not in BATCH_POLICIES:
+            raise PipelineError(f"stage {self.name}: batch_policy must be one of "
+                                f"{', '.join(map(repr, BATCH_POLICIES))}, got {self.batch_policy!r}")
         if self.threads is not None:
             _check_int(self.name, "threads", self.threads, 1)
         if self.cpus is not None:
@@ -100,16 +106,22 @@ def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
 class Pipeline:
     """An ordered list of stages; ``add`` returns the pipeline so calls chain."""
 
-    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1) -> None:
+        """``partitions``: how many hash slots the pipeline spreads over on a Redis Cluster (each
+        partition a full copy of the key layout; see :mod:`broker.keys`). Pipeline-wide, not per
+        stage, because a stage forwards into the next stage's stream in the same atomic script."""
         self.keys = Keys(name, prefix)  # validates the name
         self.name = name
         self.prefix = prefix
         self.stages: list[StageSpec] = []
+        self.partition_keys = self.keys.partitions(partitions)  # validates the count
+        self.partitions = partitions
 
     def use_prefix(self, prefix: str) -> None:
         """Move the pipeline's keys under another prefix (tenants sharing one Redis)."""
         self.keys = Keys(self.name, prefix)
         self.prefix = prefix
+        self.partition_keys = self.keys.partitions(self.partitions)
 
     def add(self, cls: type, **options: Any) -> Pipeline:
         """Append a stage. Known knobs override the class attributes; the rest go to ``cls(...)``."""
@@ -143,7 +155,8 @@ class Pipeline:
 
     def describe(self) -> list[StageInfo]:
         """What workers publish under the spec key, so gateways and `status` know the stages."""
-        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog) for s in self.stages]
+        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions)
+                for s in self.stages]
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"

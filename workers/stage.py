@@ -13,6 +13,8 @@ class Stage:
     With ``batch_size`` absent or 1, ``predict(x)`` takes one input and returns one output.
     With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a sequence of the same
     length, in order; conveyor waits at most ``batch_wait_s`` after a batch's first item.
+    ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
+    "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
     Extra keyword arguments of ``add`` arrive in ``__init__`` as plain data.
     """
 
@@ -22,6 +24,7 @@ class Stage:
     threads: ClassVar[int | None] = None
     batch_size: ClassVar[int | None] = None
     batch_wait_s: ClassVar[float | None] = None
+    batch_policy: ClassVar[str | None] = None  # "adaptive" (default) or "deadline"
     max_run_s: ClassVar[float | None] = None
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None

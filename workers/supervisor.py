@@ -6,6 +6,14 @@ reports or dies (EOF), never polling. A child that dies before it is ready, seve
 in a row, means the stage cannot start here (bad setup, missing model): the supervisor
 stops everything and exits non-zero so compose or Kubernetes replaces the container rather
 than leaving a zombie that looks alive. A child killed after it was ready is replaced.
+
+Stopping (SIGTERM, or SIGINT: Ctrl-C) goes in an order, so that no admitted request is lost:
+first the companions (``conveyor run``'s gateway) get SIGTERM and drain, answering every
+request they admitted, while the workers keep running to produce those answers; then the
+workers get SIGTERM, and each finishes and commits the batch in hand and exits. A second
+stop request (an impatient second Ctrl-C) makes the companions give up their drain at once.
+Workers run in sessions of their own (:mod:`workers.procs`), so a Ctrl-C in the terminal
+reaches only this process, which then stops them in that order.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from types import FrameType
 from workers.child import ChildSettings
 from workers.pinning import allowed_cpus, assign_cpus, thread_env
 from workers.pipeline import StageSpec
+from workers.procs import detached_preexec
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -37,7 +46,9 @@ class SupervisorSettings:
     restart_base_s: float = 0.2
     restart_cap_s: float = 10.0
     stable_after_s: float = 10.0  # a worker up this long resets its restart backoff
-    grace_s: float = 10.0
+    grace_s: float = 10.0  # on stop, how long workers may take to finish their batch
+    drain_s: float = 30.0  # on stop, how long companions (the gateway) may take to drain, first
+    hurry_s: float = 5.0  # after a companion's drain was cut short, how long before SIGKILL
 
 
 @dataclass
@@ -69,9 +80,12 @@ class Supervisor:
         self.settings = settings or SupervisorSettings()
         self.cpu_offset = cpu_offset
         self.stopping = False
+        self.hurry = False  # a second stop request: cut the companions' drain short
         self.slots: list[Slot] = []
 
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
+        """Signal handler: the first call starts the ordered stop, a second one hurries it."""
+        self.hurry = self.stopping
         self.stopping = True
 
     def _make_slots(self) -> None:
@@ -95,12 +109,17 @@ class Supervisor:
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         old_fd = signal.set_wakeup_fd(wake_w)
+        # A Python-level SIGCHLD handler (doing nothing) makes every child's exit write to the
+        # wake-up fd: a companion's end wakes the selector at once, without polling.
+        old_chld = signal.signal(signal.SIGCHLD, _ignore)
         self._selector.register(wake_r, selectors.EVENT_READ, None)
         code = 0
         try:
             code = self._watch()
+            self._drain_companions()
         finally:
             self._stop_all()
+            signal.signal(signal.SIGCHLD, old_chld)
             signal.set_wakeup_fd(old_fd)
             self._selector.close()
             os.close(wake_r)
@@ -109,16 +128,7 @@ class Supervisor:
 
     def _watch(self) -> int:
         while not self.stopping:
-            now = time.monotonic()
-            for slot in self.slots:
-                if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
-                    self._spawn(slot)
-                self._check_runtime(slot, now)
-            for key, _ in self._selector.select(timeout=self._next_timeout()):
-                if key.data is None:
-                    _drain(key.fd)
-                else:
-                    self._on_pipe(key.data)
+            self._step(self._next_timeout())
             gone = [p for p in self.companions if p.poll() is not None]
             if gone:  # checked at least every second: the selector never sleeps longer
                 log.error("process %s exited with code %s: stopping", gone[0].args, gone[0].returncode)
@@ -129,6 +139,56 @@ class Supervisor:
                           failed[0].spec.name, failed[0].start_failures)
                 return 1
         return 0
+
+    def _step(self, timeout_s: float) -> None:
+        """One turn: (re)start due workers, enforce max_run_s, wait for a report, a death or
+        a signal (at most ``timeout_s``)."""
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
+                self._spawn(slot)
+            self._check_runtime(slot, now)
+        for key, _ in self._selector.select(timeout=max(0.0, timeout_s)):
+            if key.data is None:
+                _drain(key.fd)
+            else:
+                self._on_pipe(key.data)
+
+    def _drain_companions(self) -> None:
+        """Stop the companions first, while the workers still run to answer what they admitted.
+
+        SIGTERM, then up to ``drain_s`` (the gateway's own drain answers every admitted
+        request, a result or a deadline error); past it, or on a second stop request, a second
+        SIGTERM (the gateway then cancels what is left) and ``hurry_s`` later SIGKILL.
+        """
+        live = [p for p in self.companions if p.poll() is None]
+        if not live:
+            return
+        started = time.monotonic()
+        log.info("stopping: the gateway stops accepting and drains (up to %gs)", self.settings.drain_s)
+        for proc in live:
+            proc.send_signal(signal.SIGTERM)
+        deadline = started + self.settings.drain_s
+        hurried = False
+        while any(p.poll() is None for p in live):
+            now = time.monotonic()
+            if not hurried and (self.hurry or now >= deadline):
+                hurried = True
+                why = "second stop request" if self.hurry else f"drain took over {self.settings.drain_s:g}s"
+                log.warning("stopping: %s: cutting the gateway's drain short", why)
+                for proc in live:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+                deadline = now + self.settings.hurry_s
+            elif hurried and now >= deadline:
+                for proc in live:
+                    if proc.poll() is None:
+                        log.error("stopping: pid %d still running: killing it", proc.pid)
+                        proc.kill()
+                        proc.wait()
+                break
+            self._step(min(deadline - now, self._next_timeout()))
+        log.info("stopping: gateway stopped after %.1fs", time.monotonic() - started)
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
@@ -153,7 +213,10 @@ class Supervisor:
         if slot.killed_for_timeout:
             cmd += ["--previous-exit", "timeout"]
         try:
-            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE)
+            # A session of its own: a Ctrl-C in the terminal reaches only us, and we stop it in
+            # order (see the module docstring); it still dies with us (workers.procs).
+            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE,
+                                         start_new_session=True, preexec_fn=detached_preexec())
         finally:
             os.close(write_fd)
         self._send_settings(slot.proc)
@@ -233,6 +296,10 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         live = [s for s in self.slots if s.proc is not None]
+        if live:
+            log.info("stopping: the %d workers finish their batch, commit and exit (up to %gs)",
+                     len(live), self.settings.grace_s)
+        started = time.monotonic()
         for slot in live:
             if slot.proc is not None and slot.proc.poll() is None:
                 slot.proc.send_signal(signal.SIGTERM)
@@ -250,6 +317,12 @@ class Supervisor:
                 os.close(slot.pipe)
                 slot.pipe = None
             slot.proc = None
+        if live:
+            log.info("stopping: workers stopped after %.1fs", time.monotonic() - started)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """SIGCHLD handler: its only job is to exist (see ``run``)."""
 
 
 def _drain(fd: int) -> None:

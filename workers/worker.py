@@ -21,20 +21,24 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker import codec, protocol
-from broker.commit import Commit, Committer, Ttls
+from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
-from broker.keys import GROUP
+from broker.keys import GROUP, Keys
 from broker.server_info import check_server
 from broker.spec import encode_spec
-from workers.batching import BatchCollector, Entry, FixedWait, StreamReader
+from workers.adaptive import AdaptiveWait, SingletonReadSize
+from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
 from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.loading import LoadingBeacon
+from workers.partitions import Lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
+
+LIVE_AFTER_MS = 5_000  # a heartbeat older than this is not a live worker (as in gateway/status.py)
 
 
 @dataclass(frozen=True)
@@ -79,31 +83,28 @@ class Worker:
         self._heartbeat_done = threading.Event()
         self._held: list[bytes] = []
         self._held_since = 0.0
+        self._held_stream = ""
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        stage = self.spec.cls(**self.spec.kwargs)
-        with LoadingBeacon(self.redis_settings, self.keys, self.spec.index, self.consumer,
-                           encode_spec(self.pipeline.describe()), self.settings.heartbeat_s):
-            stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._client = self.redis_settings.sync_client()
         # No silent retries: a commit whose reply was lost would run twice (forwarding its items
         # twice). A failed call surfaces instead, and the loop re-reads this consumer's pending
         # entries, which tells exactly what was committed and what was not.
         self._client.set_retry(Retry(NoBackoff(), 0))
-        self._stream = self.keys.stream(self.spec.index)
         self._next = self.pipeline.next_of(self.spec)
-        self._committer = Committer(self._client, self.keys, self.spec.index, self.spec.name,
-                                    self._next is not None,
-                                    Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
         self._limits = protocol.Limits(self.settings.max_payload_bytes)
-        reader = StreamReader(self._client, self._stream, self.consumer)
-        wait = FixedWait(self.spec.batch_wait_s)
-        self._collector = BatchCollector(reader, self.spec.batch_size, wait, self.settings.idle_block_ms)
-        self._reader = reader
-        self._stage = stage
+        self._policy = self._wait_policy()
+        self._read_size = SingletonReadSize()
+        self._lanes = [self._lane(keys) for keys in self.pipeline.partition_keys]
+        self._use(self._lanes[0])
+        # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
+        stage = self.spec.cls(**self.spec.kwargs)
+        with LoadingBeacon(self.redis_settings, self.keys, self.spec.index, self.consumer, self.settings.heartbeat_s):
+            stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
+        self._stage = stage
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         self.ready = True
@@ -113,17 +114,55 @@ class Worker:
             self._loop()
         finally:
             self._heartbeat_done.set()
-            reader.close()
+            for lane in self._lanes:
+                lane.reader.close()
             self._client.close()
+
+    def _lane(self, keys: Keys) -> Lane:
+        """One partition's stream (the only one unless the pipeline is partitioned)."""
+        stream = keys.stream(self.spec.index)
+        committer = Committer(self._client, keys, self.spec.index, self.spec.name, self._next is not None,
+                              Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms))
+        reader = stream_reader(self._client, stream, self.consumer)
+        # With several partitions no collector blocks: wait_any blocks on all of their streams at once.
+        idle_block_ms = self.settings.idle_block_ms if self.pipeline.partitions == 1 else None
+        collector = BatchCollector(reader, self.spec.batch_size, self._policy, idle_block_ms)
+        return Lane(keys, stream, reader, collector, committer, BatchStats())
+
+    def _use(self, lane: Lane) -> None:
+        """Make ``lane`` the partition that the batch and recovery code below works on."""
+        self.keys, self._stream, self._stats = lane.keys, lane.stream, lane.stats
+        self._reader, self._collector, self._committer = lane.reader, lane.collector, lane.committer
+
+    def _wait_policy(self) -> WaitPolicy:
+        if not self.spec.batched:
+            return FixedWait(0.0)  # a singleton stage never waits: it takes what is queued
+        if self.spec.batch_policy == "deadline":
+            return FixedWait(self.spec.batch_wait_s)
+        return AdaptiveWait(self.spec.batch_wait_s)
+
+    def _read_count(self) -> int:
+        """Entries to read at once: a batch, or for a singleton stage a share of what is queued."""
+        return self.spec.batch_size if self.spec.batched else self._read_size.count()
 
     def _register(self) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
-        try:
-            self._client.xgroup_create(self._stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._client.set(self.keys.spec, encode_spec(self.pipeline.describe()))
+        spec = encode_spec(self.pipeline.describe())
+        limit = self.pipeline.stages[0].max_backlog
+        for lane in self._lanes:
+            try:
+                self._client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(lane.keys.spec, spec)
+            # Admission (submit.lua) reads the first stage's limit from this key, in the same call
+            # as its XADDs: every gateway and foreign producer is bounded from this moment on.
+            # With partitions the limit bounds each partition's first stream. "none", not DEL:
+            # the documented minimal ACLs hold.
+            pipe.set(lane.keys.max_backlog, "none" if limit is None else limit)
+            pipe.execute()
 
     def _loop(self) -> None:
         recover = True  # first drain what this consumer left pending in a previous life
@@ -132,13 +171,16 @@ class Worker:
         while not self.stopping:
             try:
                 if recover:
-                    self._drain_own_pending(own_retry=not first_drain)
+                    for lane in self._lanes:
+                        self._use(lane)
+                        self._drain_own_pending(own_retry=not first_drain)
                     self.status.send(b"D")
                     recover = first_drain = False
                 self._housekeeping()
-                entries = self._collector.collect()
-                if entries:
-                    self._process(entries, deliveries=None)
+                if len(self._lanes) == 1:
+                    self._serve_one()
+                else:
+                    self._serve_all()
                 backoff.reset()
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
@@ -155,15 +197,50 @@ class Worker:
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
                 self._with_redis(self._register)
 
+    def _serve_one(self) -> None:
+        """One batch of the only partition."""
+        # With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most.
+        idle_ms = int(self._stats.period_s * 1000) if self._stats.sizes else None
+        entries = self._collector.collect(self._read_count(), idle_ms)
+        if entries:
+            self._process(entries, deliveries=None)
+        else:
+            self._committer.flush_stats(self._stats, time.monotonic())
+
+    def _serve_all(self) -> None:
+        """One sweep over every partition (a batch from each that has entries, committed in its
+        own partition, without blocking), then, if all were empty, one wait on all of them."""
+        served = False
+        for lane in self._lanes:
+            self._use(lane)
+            entries = lane.collector.collect(self._read_count(), None)  # never blocks (see _lane)
+            if entries:
+                self._process(entries, deliveries=None)
+                served = True
+            else:
+                self._committer.flush_stats(self._stats, time.monotonic())
+        if served:
+            return
+        wait_s = self.settings.idle_block_ms / 1000
+        if any(lane.stats.sizes for lane in self._lanes):
+            wait_s = min(wait_s, self._stats.period_s)
+        for lane, entries in wait_any(self._lanes, self._read_count(), wait_s):
+            self._use(lane)
+            self._process(entries, deliveries=None)
+
     def _housekeeping(self) -> None:
-        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing."""
+        """Claim entries of dead consumers, and remove long-dead consumers that hold nothing,
+        in every partition."""
         now = time.monotonic()
         if now >= self._next_claim:
-            self._claim_stale()
+            for lane in self._lanes:
+                self._use(lane)
+                self._claim_stale()
             self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         if now >= self._next_reap:
-            reap_dead_consumers(self._client, self.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
-                                keep=(self.consumer,))
+            for lane in self._lanes:
+                reap_dead_consumers(self._client, lane.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
+                                    keep=(self.consumer,))
             self._next_reap = time.monotonic() + REAP_INTERVAL_S
 
     def request_stop(self) -> None:
@@ -245,20 +322,22 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         client = self.redis_settings.sync_client()
-        hb_key = self.keys.heartbeats(self.spec.index)
+        hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
         # Beat at once, then every heartbeat_s: `status`/readyz must see a worker as live as soon
         # as it is ready, not heartbeat_s later.
         while True:
             try:
                 now = protocol.now_ms()
                 pipe = client.pipeline(transaction=False)
-                pipe.zadd(hb_key, {self.consumer: now})
-                pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
-                held, since = self._held, self._held_since
+                pipe.zcount(hb_keys[0], now - LIVE_AFTER_MS, "+inf")
+                for hb_key in hb_keys:  # one per partition: each partition's janitor and status read its own
+                    pipe.zadd(hb_key, {self.consumer: now})
+                    pipe.zremrangebyscore(hb_key, 0, now - 3_600_000)
+                held, since, stream = self._held, self._held_since, self._held_stream
                 if held and time.monotonic() - since > self.spec.claim_idle_s / 3:
                     # Renew the lease: a long batch must not be claimed by another worker.
-                    pipe.xclaim(self._stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
-                pipe.execute()
+                    pipe.xclaim(stream, GROUP, self.consumer, 0, list[Any](held), justid=True)
+                self._read_size.live_workers = max(1, int(pipe.execute()[0]))
             except CONNECTION_ERRORS:
                 pass
             except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
@@ -273,6 +352,7 @@ class Worker:
     def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
         commit = Commit(acks=[e[0] for e in entries])
         work = self._admit(entries, deliveries, commit)
+        self._held_stream = self._stream
         self._held, self._held_since = commit.acks, time.monotonic()
         started = time.perf_counter()
         if work:
@@ -281,13 +361,32 @@ class Worker:
             self.status.send(b"I")
             for (item, _), outcome in zip(work, outcomes, strict=True):
                 self._route(item, outcome, commit)
-        commit.batch_size = len(work)
-        commit.duration_ms = (time.perf_counter() - started) * 1000
+        ran = time.perf_counter()
+        self._record_stats(len(work), (ran - started) * 1000)
+        now = time.monotonic()
+        if self._stats.due(now):
+            commit.stats = self._stats.take(now)
         self._committer(commit)
+        committed = time.perf_counter()
+        self._policy_observe(len(work), ran - started, committed - ran)
         self._held = []
         if self._own_rereads:
             for entry_id in commit.acks:
                 self._own_rereads.pop(entry_id, None)
+
+    def _record_stats(self, size: int, duration_ms: float) -> None:
+        """One stats value per predict call: a singleton stage's read of k entries is k calls."""
+        if self.spec.batched or size <= 1:
+            self._stats.add(size, duration_ms)
+            return
+        for _ in range(size):
+            self._stats.add(1, duration_ms / size)
+
+    def _policy_observe(self, size: int, predict_s: float, commit_s: float) -> None:
+        """Feed the measured batch cost to whatever learns from it (adaptive wait, read size)."""
+        if isinstance(self._policy, AdaptiveWait):
+            self._policy.observe_batch(size, predict_s, commit_s)
+        self._read_size.observe_batch(size, predict_s, commit_s)
 
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
@@ -339,15 +438,28 @@ class Worker:
         if not ok:
             self._error(item, value.type, value.message, value.traceback, commit)
         elif self._next is None:
-            commit.publish(self.keys.result_key(item.request_id), protocol.ok_record(item.request_id, value),
-                           item.reply)
+            record = protocol.ok_record(item.request_id, value, self.spec.name)
+            if not self._too_large(item, len(record), commit):
+                commit.publish(self.keys.result_key(item.request_id), record, item.reply)
         else:
             try:
                 data = codec.encode(value)
             except codec.CodecError as exc:
-                self._error(item, protocol.E_UNENCODABLE, str(exc), "", commit)
+                self._error(item, protocol.E_UNENCODABLE, f"result of stage {self.spec.name!r} cannot be encoded: "
+                            f"{exc}", "", commit)
                 return
-            commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+            if not self._too_large(item, len(data), commit):
+                commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+
+    def _too_large(self, item: protocol.Item, size: int, commit: Commit) -> bool:
+        """A result over max_payload_bytes is this stage's error, said as such (not a dead letter
+        of the next stage, nor a huge value in Redis)."""
+        limit = self.settings.max_payload_bytes
+        if size <= limit:
+            return False
+        self._error(item, protocol.E_TOO_LARGE, f"result of stage {self.spec.name!r} too large: {size} bytes > "
+                    f"max_payload_bytes={limit}", "", commit)
+        return True
 
 
 def _id_key(entry_id: bytes) -> tuple[int, int]:

@@ -1,0 +1,56 @@
+"""The HTTP front's knobs, as one dataclass passed explicitly (no environment read here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LOOPS", "HttpSettings"]
+
+LOOPS = ("asyncio", "uvloop")
+
+
+@dataclass
+class HttpSettings:
+    """Knobs of the HTTP front. Every timeout is there to free a connection a client abandons.
+
+    - ``header_timeout_s``: a request head must arrive within this from its first byte (from
+      the accept for a connection's first request): a slowloris client is cut off with 408.
+    - ``body_timeout_s``: the whole body must arrive within this once the head is in.
+    - ``keepalive_timeout_s``: how long an idle keep-alive connection waits for its next request.
+    - ``send_timeout_s``: how long a response may stay stuck in our send buffer (a client that
+      stops reading) before the connection is dropped.
+    - ``max_connections``: open connections beyond this are answered 503 and closed at once.
+    - ``drain_timeout_s``: on `HttpServer.close` (SIGTERM), how long admitted requests may finish.
+    - ``status_timeout_s``: bound on the Redis round trip of ``/readyz``.
+    - ``debug``: include stage tracebacks in 422 bodies (they may reveal code and data).
+    - ``reuse_port``: bind with SO_REUSEPORT, so that several gateway processes share the port
+      (``conveyor gateway --processes N``); the kernel spreads new connections over them.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    max_connections: int = 1024
+    debug: bool = False
+    drain_timeout_s: float = 30.0
+    status_timeout_s: float = 5.0
+    backlog: int = 1024
+    reuse_port: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
+                     "status_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        for name in ("max_body_bytes", "max_header_bytes", "max_connections", "backlog"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")

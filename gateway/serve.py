@@ -1,0 +1,186 @@
+"""Run ``conveyor gateway``: one process, or N processes sharing the port with SO_REUSEPORT.
+
+Why processes: the HTTP front is CPU-bound Python; one process uses at most one core. With
+``--processes N`` the kernel spreads new connections over N listening sockets bound to the
+same address (SO_REUSEPORT), each in its own process with its own Redis connections. The
+parent only supervises: it forwards SIGTERM/SIGINT as SIGTERM to every child (each drains as
+one gateway does), and when one child dies on its own it stops the others and exits non-zero,
+so that the service manager (compose, systemd) restarts the whole set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway.client import GatewaySettings
+from gateway.http import HttpServer, HttpSettings, PortInUse, check_port_free
+from gateway.http import run as serve_http
+from gateway.partitioned import PartitionedGateway
+
+__all__ = ["GatewayJob", "LoopUnavailable", "run_loop", "serve", "serve_processes"]
+
+log = logging.getLogger("gateway.serve")
+
+_START_TIMEOUT_S = 60.0  # children import numpy, redis, ...: slow on a loaded machine
+_STOP_GRACE_S = 10.0  # beyond the drain timeout, before a child that will not exit is killed
+
+
+class LoopUnavailable(RuntimeError):
+    """``--loop uvloop`` without uvloop installed."""
+
+
+@dataclass(frozen=True)
+class GatewayJob:
+    """Everything one gateway process needs (picklable: it crosses a process spawn, not Redis)."""
+
+    name: str
+    redis_url: str
+    gateway: GatewaySettings
+    http: HttpSettings
+    loop: str = "asyncio"
+    log_format: str = "kv"
+
+
+def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
+    """Run ``coro`` on the asyncio loop or, when asked and installed, on uvloop."""
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            coro.close()
+            raise LoopUnavailable("--loop uvloop needs uvloop: pip install 'conveyor[uvloop]'") from None
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
+
+
+def serve(job: GatewayJob, started: Any = None) -> None:
+    """One gateway process: serve until SIGTERM/SIGINT, drain, close the Redis connections."""
+
+    async def main() -> None:
+        async with PartitionedGateway(job.redis_url, job.name, job.gateway) as backend:
+            await serve_http(backend, job.http, started=started)
+
+    run_loop(main(), job.loop)
+
+
+def _child(job: GatewayJob, index: int, ready: Any) -> None:
+    """Entry point of one child of `serve_processes`."""
+    from broker.logs import configure_logging
+
+    configure_logging(job.log_format)
+
+    def started(server: HttpServer) -> None:
+        ready.put(os.getpid())
+
+    try:
+        serve(job, started)
+    except PortInUse as exc:
+        print(f"conveyor gateway: {exc.strerror}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    """Bind (not listen) a SO_REUSEPORT socket: it resolves port 0 to one port for every child
+    and keeps the port ours until they listen."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class _Stop:
+    """Signal flags of the parent (handlers only set flags)."""
+
+    def __init__(self) -> None:
+        self.requested = 0
+
+    def handler(self, signum: int, frame: object) -> None:
+        self.requested = signum
+
+
+def serve_processes(job: GatewayJob, processes: int) -> int:
+    """Run ``processes`` gateway processes on one port; returns the exit code for the CLI."""
+    check_port_free(job.http.host, job.http.port)
+    reserve = _reserve(job.http.host, job.http.port)
+    port = int(reserve.getsockname()[1])
+    child_job = replace(job, http=replace(job.http, port=port, reuse_port=True))
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    children = [ctx.Process(target=_child, args=(child_job, i, ready), name=f"gateway-{i}", daemon=False)
+                for i in range(processes)]
+    try:
+        for child in children:
+            child.start()
+        _await_ready(children, ready, processes, stop)
+        reserve.close()
+        if not stop.requested:
+            log.info("gateway: %d processes listening on %s:%d", processes, job.http.host, port)
+        return _supervise(children, stop, job.http.drain_timeout_s)
+    finally:
+        reserve.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _await_ready(children: list[Any], ready: Any, processes: int, stop: _Stop) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    count = 0
+    while count < processes and not stop.requested and time.monotonic() < deadline:
+        if any(c.exitcode is not None for c in children):
+            return  # _supervise sees it and stops the rest
+        try:
+            ready.get(timeout=0.2)
+            count += 1
+        except Exception:  # queue.Empty: keep waiting, bounded by the deadline
+            continue
+
+
+def _supervise(children: list[Any], stop: _Stop, drain_timeout_s: float) -> int:
+    """Wait for the children; on a stop request forward SIGTERM once, then wait for the drains."""
+    forwarded = False
+    stop_deadline = 0.0
+    code = 0
+    while any(c.is_alive() for c in children):
+        if stop.requested and not forwarded:
+            log.info("gateway: received %s: stopping %d processes", signal.Signals(stop.requested).name,
+                     sum(c.is_alive() for c in children))
+            _signal_all(children, signal.SIGTERM)
+            forwarded, stop_deadline = True, time.monotonic() + drain_timeout_s + _STOP_GRACE_S
+        elif not forwarded and any(c.exitcode is not None for c in children):
+            dead = [c for c in children if c.exitcode is not None]
+            log.error("gateway: process %s exited (code %s): stopping the others", dead[0].name, dead[0].exitcode)
+            code = 1
+            _signal_all(children, signal.SIGTERM)
+            forwarded, stop_deadline = True, time.monotonic() + drain_timeout_s + _STOP_GRACE_S
+        if forwarded and time.monotonic() > stop_deadline:
+            log.error("gateway: processes still running after the drain: killing them")
+            _signal_all(children, signal.SIGKILL)
+            code = 1
+        multiprocessing.connection.wait([c.sentinel for c in children if c.is_alive()], timeout=0.2)
+    if any(c.exitcode for c in children):
+        code = 1
+    log.info("gateway: all processes stopped")
+    return code
+
+
+def _signal_all(children: list[Any], sig: int) -> None:
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, sig)

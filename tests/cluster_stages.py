@@ -1,0 +1,31 @@
+"""Pipelines of the cluster tests: seed 000's two stages over several partitions.
+
+``t-parts1``'s three partition tags hash to slots that ``redis-cli --cluster create`` gives to
+three different masters of a 3-master cluster (checked by the tests), so a worker must serve
+streams on several nodes at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.stages import Scale, Shift
+from workers import Pipeline, Stage
+
+partitioned = Pipeline("t-parts1", partitions=3).add(Scale, workers=2).add(Shift)
+
+
+class Slow(Stage):
+    """Adds one, slowly (a batch of up to 4 takes 40 ms per item), so that a host killed under
+    load leaves entries pending for the other host's workers to claim."""
+
+    batch_size = 4
+    delay_s = 0.04
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        time.sleep(self.delay_s * len(xs))
+        return [x + 1 for x in xs]
+
+
+hosts = Pipeline("t-hosts").add(Slow, claim_idle_s=1.0).add(Shift)

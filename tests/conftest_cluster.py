@@ -1,0 +1,47 @@
+"""Cluster fixtures (imported by ``tests/conftest.py``): a real 3-master Redis Cluster.
+
+``redis_cluster`` is shared by the session (forming a cluster costs about a second);
+``failover_cluster`` has a replica per master and is the test's own, since the test kills a
+master. Without redis-cli the cluster tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster import LocalCluster, find_redis_cli
+
+
+def _require_cli() -> None:
+    if find_redis_cli() is None:
+        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    _require_cli()
+    cluster = LocalCluster(masters=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: LocalCluster) -> str:
+    """``redis+cluster://`` URL of the session cluster, emptied first."""
+    redis_cluster.flushall()
+    return redis_cluster.url
+
+
+@pytest.fixture
+def failover_cluster() -> Iterator[LocalCluster]:
+    """3 masters with one replica each, the test's own (it may kill nodes)."""
+    _require_cli()
+    cluster = LocalCluster(masters=3, replicas=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,186 @@
+"""conveyor on a real 3-master Redis Cluster (``redis+cluster://`` URL): seed 000 end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import redis
+from redis.cluster import key_slot
+
+from broker.connection import RedisSettings, _cluster_url
+from broker.keys import GROUP, Keys
+from gateway.client import Gateway
+from gateway.partitioned import PartitionedGateway
+from gateway.status import PipelineStatus
+from tests.cluster import ClusterError, LocalCluster
+from tests.helpers import running_workers
+from tests.test_pipeline_e2e import assert_drained
+
+APP = "tests.stages"
+T = 30.0
+
+
+def test_cluster_url_convention() -> None:
+    assert RedisSettings("redis+cluster://127.0.0.1:7000").is_cluster
+    assert not RedisSettings("redis://127.0.0.1:7000/0").is_cluster
+    assert _cluster_url("rediss+cluster://u:pw@a:1,b:2") == ("rediss://u:pw@a:1", [("a", 1), ("b", 2)])
+    with pytest.raises(ValueError, match="host:port"):
+        _cluster_url("redis+cluster://a")
+
+
+def test_scale_shift_seed_000_on_cluster(cluster_url: str) -> None:
+    with running_workers(cluster_url, f"{APP}:scale_shift", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-scale-shift", T, workers={"Scale": 2})
+
+        async def main() -> None:
+            async with Gateway(cluster_url, "t-scale-shift") as gw:
+                assert await gw.predict(3) == 9
+                values = list(range(200))
+                assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+                assert await gw.predict(2.5) == 8.0
+                assert gw.in_flight == 0
+
+        asyncio.run(asyncio.wait_for(main(), T))
+        client = RedisSettings(cluster_url).sync_client()
+        try:
+            assert_drained(client, "t-scale-shift", 2)
+        finally:
+            client.close()
+
+
+# -- partitions -------------------------------------------------------------------------------
+
+
+class ScriptMonitor:
+    """Records the KEYS of every EVAL/EVALSHA each master runs (MONITOR, one thread per node)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.calls: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self._cluster = cluster
+        self._threads = [threading.Thread(target=self._watch, args=(cluster.node(p),), daemon=True)
+                         for p in cluster.ports]
+
+    def __enter__(self) -> ScriptMonitor:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for port in self._cluster.ports:  # one more command on each node wakes its monitor thread
+            with self._cluster.node(port) as client:
+                client.ping()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _watch(self, client: redis.Redis) -> None:
+        client.connection_pool.connection_kwargs["socket_timeout"] = 30
+        with client.monitor() as monitor:
+            while not self._stop.is_set():
+                command = monitor.next_command()["command"]
+                words = command.split(" ")
+                if words[0].upper() in ("EVAL", "EVALSHA"):
+                    self.calls.append([w.encode() for w in words[3:3 + int(words[2])]])
+
+
+def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCluster, cluster_url: str) -> None:
+    keys = Keys("t-parts1").partitions(3)
+    masters = {redis_cluster.master_of(k.spec) for k in keys}
+    assert len(masters) == 3, "the test pipeline's partitions should sit on three masters"
+    n = 600
+    with ScriptMonitor(redis_cluster) as monitor, \
+            running_workers(cluster_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+        async def main() -> PipelineStatus:
+            async with PartitionedGateway(cluster_url, "t-parts1") as gw:
+                assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
+                values = list(range(n))
+                assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(30)))
+                assert keyed == [v * 2 + 3 for v in range(30)]
+                assert gw.in_flight == 0
+                return await gw.pipeline_status()
+
+        status = asyncio.run(asyncio.wait_for(main(), T))
+    assert status.partitions == 3 and len(status.by_partition) == 3
+    per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
+    # Each request ran through the last stage exactly once (a duplicate would count twice).
+    assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
+    assert min(per_partition) >= n // 3  # round robin: every partition served its share
+    client = RedisSettings(cluster_url).sync_client()
+    try:
+        for k in keys:
+            for i in range(2):
+                assert client.xlen(k.stream(i)) == 0 and client.xpending(k.stream(i), GROUP)["pending"] == 0
+                assert client.xlen(k.dead(i)) == 0
+    finally:
+        client.close()
+    assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
+    for call_keys in monitor.calls:
+        assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
+
+
+# -- failover ---------------------------------------------------------------------------------
+
+
+def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster) -> None:
+    """A master dies under load; its replica takes over. Every request gets exactly one outcome:
+    its right answer, or (only those in flight on the dead master) a timeout; after the
+    failover every request is answered again, by the same worker processes.
+
+    Why some may time out: Redis replication is asynchronous, so entries and acks the dead
+    master accepted in its last moments may never have reached the replica (docs/deployment.md).
+    """
+    url = failover_cluster.url
+    victim = failover_cluster.master_of(Keys("t-parts1").spec)  # partition 0's master
+    outcomes: dict[int, object] = {}
+    with running_workers(url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+        async def one(gw: PartitionedGateway, v: int) -> None:
+            try:
+                outcomes[v] = await gw.predict(v, timeout_s=6.0)
+            except TimeoutError as exc:
+                outcomes[v] = exc
+
+        async def main() -> None:
+            async with PartitionedGateway(url, "t-parts1") as gw:
+                counter = 0
+                killed_at = None
+                started = asyncio.get_running_loop().time()
+                while True:
+                    now = asyncio.get_running_loop().time()
+                    if killed_at is None and now - started > 1.5:
+                        failover_cluster.kill(victim)
+                        killed_at = now
+                    if killed_at is not None and now - killed_at > 5.0 and await _healthy(failover_cluster):
+                        break
+                    assert now - started < T, "the replica was not promoted in time"
+                    wave = range(counter, counter + 30)
+                    counter += 30
+                    await asyncio.gather(*(one(gw, v) for v in wave))
+                # After the failover: every request answered, in every partition.
+                after = range(counter, counter + 300)
+                await asyncio.gather(*(one(gw, v) for v in after))
+                failed = {v: repr(outcomes[v]) for v in after if outcomes[v] != 2 * v + 3}
+                assert not failed, f"{len(failed)} requests failed after the failover: {list(failed.items())[:3]}"
+
+        asyncio.run(asyncio.wait_for(main(), 2 * T))
+        workers.check_alive()
+    wrong = {v: o for v, o in outcomes.items() if not isinstance(o, TimeoutError) and o != 2 * v + 3}
+    assert not wrong
+    timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
+    print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
+    assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
+
+
+async def _healthy(cluster: LocalCluster) -> bool:
+    try:
+        await asyncio.to_thread(cluster.wait_healthy, 0.1)
+    except ClusterError:
+        return False
+    return True

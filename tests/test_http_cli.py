@@ -1,0 +1,111 @@
+"""``conveyor gateway`` as a command: a taken port, ``--processes N``, env vars in --help, status JSON.
+
+Real processes (``python -m gateway``) against the session's real Redis; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import psutil
+import pytest
+
+from gateway.cli import gateway, status, status_json
+from gateway.http import PortInUse, check_port_free
+from gateway.status import PipelineStatus
+from tests.ops_stages import free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 30.0  # process start-up imports numpy and redis: slow on a loaded 2-core machine
+
+
+def _gateway(*args: str, stderr: int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CONVEYOR_LOG_FORMAT": "kv"}
+    return subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+
+
+def _healthz(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), 2.0) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return sock.recv(4096)
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if _healthz(port).startswith(b"HTTP/1.1 200"):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"no gateway on port {port} within {WAIT_S}s")
+
+
+def test_taken_port_is_one_line_naming_the_option() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUse):
+            check_port_free("127.0.0.1", port)
+        proc = _gateway("t-port", "--port", str(port), "--redis", "redis://127.0.0.1:1/0")
+        _, err = proc.communicate(timeout=WAIT_S)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 1
+    assert len(lines) == 1, lines
+    assert f"127.0.0.1:{port} is already in use" in lines[0]
+    assert "--port (CONVEYOR_PORT)" in lines[0] and "Traceback" not in lines[0]
+
+
+def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as err:
+        proc = _gateway("t-procs", "--processes", "2", "--port", str(port), "--redis", redis_url, stderr=err.fileno())
+    try:
+        _wait_listening(port)
+        deadline = time.monotonic() + WAIT_S
+        listeners: set[int] = set()
+        while len(listeners) < 2 and time.monotonic() < deadline:  # the second may still be starting
+            listeners = {child.pid for child in psutil.Process(proc.pid).children()
+                         if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                for c in child.net_connections("tcp"))}
+            time.sleep(0.1)
+        assert len(listeners) == 2, log.read_text()
+        for _ in range(10):  # every connection is answered, whichever process the kernel picks
+            assert _healthz(port).startswith(b"HTTP/1.1 200")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    text = log.read_text()
+    assert text.count("drain: done") == 2, text
+    assert "all processes stopped" in text
+    assert not any(p.is_running() for p in psutil.Process().children() if p.pid in listeners)
+
+
+@pytest.mark.parametrize("command", [gateway, status])
+def test_every_option_shows_its_environment_variable(command: click.Command) -> None:
+    options = [p for p in command.params if isinstance(p, click.Option) and p.name != "help"]
+    assert options
+    for option in options:
+        assert option.envvar and option.show_envvar, option.name
+
+
+def test_status_json_and_readyz_say_null_for_no_error() -> None:
+    from gateway.http_routes import status_body
+
+    fine = PipelineStatus(True, [])
+    assert status_json("p", fine)["error"] is None and status_body(fine)["error"] is None
+    broken = PipelineStatus(False, [], "redis unreachable")
+    assert status_json("p", broken)["error"] == status_body(broken)["error"] == "redis unreachable"

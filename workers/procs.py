@@ -1,0 +1,44 @@
+"""Children that leave Ctrl-C to their parent, yet never outlive it.
+
+``conveyor run`` and ``conveyor worker`` stop their children in an order (gateway, then
+workers, then Redis) so that requests already admitted are answered. A Ctrl-C in a terminal
+sends SIGINT to the whole foreground process group at once: children in that group would
+all stop together, the Redis server first among equals, and the gateway's drain would wait
+for answers nobody produces. So children start in a session of their own (out of the
+terminal's reach) and their parent signals them itself, in order.
+
+The price of a session of their own is that a group kill of the parent no longer reaches
+them; on Linux each child asks the kernel for SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``), so even a SIGKILLed ``conveyor run`` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+from collections.abc import Callable
+
+__all__ = ["detached_preexec"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def detached_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux), or None.
+
+    libc is loaded here, in the parent, so that the function run between fork and exec only
+    makes one system call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return preexec
