@@ -7,10 +7,12 @@ On one deterministic corpus (examples/embeddings/corpus.py), side by side in one
 - direct: tokenizer + model in this process (torch on both cores) at batch sizes 32..128 in arrival
   order, the best one kept; two pinned one-thread processes, each on half of the corpus; the corpus
   sorted by length in batches of 64 (what length-aware batching aims at); the single-text latency
-  with one thread (what one embed worker does at 1 in flight);
+  with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread;
 - conveyor: ``tokenize -> embed`` over an embedded Redis (1 tokenize worker, 2 embed workers of one
   thread, pinned), plain, with length-aware batching (``bucketed``) and with int8 (``--int8``), closed loops of
-  N clients: sentences/s, p50/p99/p999, the embed stage's mean batch size, the embed workers' RSS.
+  N clients: sentences/s, p50/p99/p999, the embed stage's mean batch size, the embed workers' RSS, and CPU
+  time per text of everything (Redis, gateway and clients, workers). On a shared machine wall-clock rates
+  move with other jobs; CPU time per text barely does, so the ``cpu`` line compares efficiency.
 
 The three pipelines' workers run at once (idle ones block in Redis) so that the variants can be
 interleaved level by level, ``--rounds`` times: the machine is shared, so compare within a round.
@@ -72,6 +74,27 @@ def _run_direct(tokenizer: Any, embedder: Any, texts: list[str], batch: int, by_
     for i in range(0, len(texts), batch):
         embedder(tokenizer(texts[i:i + batch]))
     return len(texts) / (time.perf_counter() - t0)
+
+
+def cpu_ms_per_text(tokenizer: Any, embedder: Any, texts: list[str], batch: int, by_length: bool = False) -> float:
+    """CPU time (this process, one thread) per text: unlike wall time, barely moved by other jobs."""
+    t0 = time.process_time()
+    rate = _run_direct(tokenizer, embedder, texts, batch, by_length)
+    del rate
+    return (time.process_time() - t0) * 1e3 / len(texts)
+
+
+def cpu_s_tree() -> float:
+    """CPU seconds of this process (gateway, clients) and every descendant (Redis, supervisors, workers)."""
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
 
 
 def single_latency_ms(tokenizer: Any, embedder: Any, texts: list[str]) -> float:
@@ -168,14 +191,16 @@ async def level(url: str, pipeline: str, texts: list[str], in_flight: int) -> di
     try:
         async with Gateway(url, pipeline) as gw:
             await read_status(redis_client, Keys(pipeline), marks)
+            cpu0 = cpu_s_tree()
             rate, lat = await closed_loop(gw, texts, in_flight)
+            cpu_ms = (cpu_s_tree() - cpu0) * 1e3 / len(texts)
             status = await read_status(redis_client, Keys(pipeline), marks)
     finally:
         await redis_client.aclose()
     batches = status.stages[1].batches if len(status.stages) > 1 else []
     mean_batch = sum(n for n, _ in batches) / len(batches) if batches else float("nan")
     return {"rate": rate, "p50": percentile(lat, 0.5) * 1e3, "p99": percentile(lat, 0.99) * 1e3,
-            "p999": percentile(lat, 0.999) * 1e3, "batch": mean_batch}
+            "p999": percentile(lat, 0.999) * 1e3, "batch": mean_batch, "cpu_ms": cpu_ms}
 
 
 def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str]) -> dict[str, list[dict[str, Any]]]:
@@ -198,7 +223,8 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
                         row.update(variant=v, round=r, in_flight=n, texts=count, rss=embed_rss_mib(procs_of[v]))
                         results[v].append(row)
                         print(f"{v:>9} {r:>5} {n:>9} {count:>6} {row['rate']:>8.1f} {row['p50']:>8.1f} "
-                              f"{row['p99']:>8.1f} {row['p999']:>8.1f} {row['batch']:>6.1f} {row['rss']:>8.0f}",
+                              f"{row['p99']:>8.1f} {row['p999']:>8.1f} {row['batch']:>6.1f} {row['rss']:>8.0f} "
+                              f"{row['cpu_ms']:>7.2f}",
                               flush=True)
         finally:
             for s in reversed(stacks):
@@ -227,6 +253,8 @@ def direct(texts: list[str], with_int8: bool) -> dict[str, float]:
 
     torch.set_num_threads(1)
     out["single_ms_1thread"] = single_latency_ms(tokenizer, embedder, texts[:200])
+    out["cpu_ms_arrival"] = cpu_ms_per_text(tokenizer, embedder, texts, 64)
+    out["cpu_ms_sorted"] = cpu_ms_per_text(tokenizer, embedder, texts, 64, by_length=True)
     out["two_processes"] = two_processes(len(texts), best)
     out["direct"] = max(out["one_process"], out["two_processes"])
     return out
@@ -255,13 +283,19 @@ def main() -> None:
         print(f"int8 vs fp32 cosine over {len(texts)} texts: mean {mean_cos:.5f} min {min_cos:.5f}")
     variants = ["conveyor", "bucketed"] + (["int8"] if args.int8 else [])
     print(f"{'variant':>9} {'round':>5} {'in flight':>9} {'texts':>6} {'s/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'p999 ms':>8} {'batch':>6} {'RSS MiB':>8}")
+          f"{'p999 ms':>8} {'batch':>6} {'RSS MiB':>8} {'CPU ms':>7}")
     results = conveyor(texts, levels, args.rounds, variants)
 
     def best(v: str) -> float:
         return max((statistics.median(r["rate"] for r in results[v] if r["in_flight"] == n) for n in levels),
                    default=float("nan"))
 
+    def cpu_of(v: str) -> float:  # CPU ms per text at the level with the most in flight
+        return statistics.median(r["cpu_ms"] for r in results[v] if r["in_flight"] == max(levels))
+
+    print(f"cpu ms/text (lower is better; 2 quiet cores give 2000/x texts/s): direct={d['cpu_ms_arrival']:.2f} "
+          f"direct-sorted={d['cpu_ms_sorted']:.2f} conveyor={cpu_of('conveyor'):.2f} bucketed={cpu_of('bucketed'):.2f} "
+          f"ratio={d['cpu_ms_arrival'] / cpu_of('conveyor'):.3f}")
     conv, buck = best("conveyor"), best("bucketed")
     print(f"embeddings: direct={d['direct']:.1f} conveyor={conv:.1f} bucketed={buck:.1f} "
           f"ratio={conv / d['direct']:.3f}")
