@@ -34,7 +34,7 @@ key                                type    TTL                  written by
 ``P:hb:<i>``                       zset    none (members        stage i workers, every
                                            pruned by score)     ``heartbeat_s`` (score: ms)
 ``P:stats:<i>``                    stream  none (MAXLEN ~)      stage i workers, one entry per
-                                                                batch (size, duration)
+                                                                ~100 ms: batch sizes, durations
 ``P:loading:<i>``                  zset    none (members        stage i workers while their
                                            pruned by score)     ``setup()`` runs, every
                                                                 ``heartbeat_s``; removed once
