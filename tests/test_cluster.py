@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import zlib
+from dataclasses import replace
 
 import pytest
 import redis
@@ -11,8 +13,10 @@ from redis.cluster import key_slot
 
 from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
+from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway.client import Gateway
-from gateway.partitioned import PartitionedGateway
+from gateway.metrics import Metrics
+from gateway.partitioned import PartitionedGateway, partition_of
 from gateway.status import PipelineStatus
 from tests.cluster import ClusterError, LocalCluster
 from tests.helpers import running_workers
@@ -28,6 +32,20 @@ def test_cluster_url_convention() -> None:
     assert _cluster_url("rediss+cluster://u:pw@a:1,b:2") == ("rediss://u:pw@a:1", [("a", 1), ("b", 2)])
     with pytest.raises(ValueError, match="host:port"):
         _cluster_url("redis+cluster://a")
+
+
+def test_partition_layout_is_the_v1_layout_for_one_partition() -> None:
+    one, *rest = Keys("p").partitions(3)
+    assert one == Keys("p") and one.base == "conveyor:{p}"
+    assert [k.base for k in rest] == ["conveyor:{p:1}", "conveyor:{p:2}"]
+    assert rest[0].stream(0) == "conveyor:{p:1}:stream:0" and rest[1].reply("g") == "conveyor:{p:2}:reply:g"
+    stages = [StageInfo(0, "A", 8, 0.002, 100)]
+    assert b"partitions" not in encode_spec(stages)  # a one-partition spec is the v1 spec, byte for byte
+    assert decode_spec(encode_spec(stages))[0].partitions == 1
+    assert decode_spec(encode_spec([replace(stages[0], partitions=6)]))[0].partitions == 6
+    assert [partition_of(k, 4) for k in ("a", b"a")] == [zlib.crc32(b"a") % 4] * 2
+    with pytest.raises(ValueError):
+        Keys("p").partitions(0)
 
 
 def test_scale_shift_seed_000_on_cluster(cluster_url: str) -> None:
@@ -107,6 +125,9 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
 
         status = asyncio.run(asyncio.wait_for(main(), T))
     assert status.partitions == 3 and len(status.by_partition) == 3
+    metrics = Metrics(_NoBackend())
+    metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
+    assert 'conveyor_partition_live_workers{index="1",partition="2",stage="Shift"} 1.0' in metrics.render().decode()
     per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
     # Each request ran through the last stage exactly once (a duplicate would count twice).
     assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
@@ -176,6 +197,13 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
     timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
     print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
     assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
+
+
+class _NoBackend:
+    in_flight = 0
+
+    async def pipeline_status(self) -> PipelineStatus:
+        return PipelineStatus(False)
 
 
 async def _healthy(cluster: LocalCluster) -> bool:
