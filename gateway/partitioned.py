@@ -125,10 +125,10 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     first = await read_status(client, keys, None if marks is None else marks.setdefault(0, {}))
     if first.partitions <= 1:
         return first
-    others = await asyncio.gather(*(
-        read_status(client, k, None if marks is None else marks.setdefault(k.partition, {}))
-        for k in keys.partitions(first.partitions)[1:]))
-    return merge_status([first, *others])
+    parts = [first]
+    for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
+        parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
+    return merge_status(parts)
 
 
 def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:

@@ -14,12 +14,13 @@ from redis.cluster import key_slot
 from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
+from gateway.cli import format_status, status_json
 from gateway.client import Gateway
 from gateway.metrics import Metrics
-from gateway.partitioned import PartitionedGateway, partition_of
+from gateway.partitioned import PartitionedGateway, partition_of, read_all_partitions
 from gateway.status import PipelineStatus
 from tests.cluster import ClusterError, LocalCluster
-from tests.helpers import running_workers
+from tests.helpers import running_workers, wait_for
 from tests.test_pipeline_e2e import assert_drained
 
 APP = "tests.stages"
@@ -46,6 +47,20 @@ def test_partition_layout_is_the_v1_layout_for_one_partition() -> None:
     assert [partition_of(k, 4) for k in ("a", b"a")] == [zlib.crc32(b"a") % 4] * 2
     with pytest.raises(ValueError):
         Keys("p").partitions(0)
+
+
+def test_every_key_of_a_partition_shares_its_slot() -> None:
+    """What the scripts are given (commit.lua: streams, dead, stats, result and reply keys; submit.lua:
+    stream, max_backlog, result keys; the janitor: stream and heartbeats) is one slot per partition;
+    the MONITOR test below checks the calls themselves."""
+    slots = set()
+    for keys in Keys("p").partitions(4):
+        names = [keys.stream(0), keys.stream(1), keys.dead(0), keys.stats(0), keys.heartbeats(0), keys.spec,
+                 keys.max_backlog, keys.reply("gw"), keys.result_key(b"req-1")]
+        partition_slots = {key_slot(k.encode() if isinstance(k, str) else k) for k in names}
+        assert len(partition_slots) == 1, keys
+        slots |= partition_slots
+    assert len(slots) == 4  # and the partitions are four slots
 
 
 def test_scale_shift_seed_000_on_cluster(cluster_url: str) -> None:
@@ -113,7 +128,7 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
             running_workers(cluster_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
-        async def main() -> PipelineStatus:
+        async def main() -> None:
             async with PartitionedGateway(cluster_url, "t-parts1") as gw:
                 assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
                 values = list(range(n))
@@ -121,10 +136,14 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
                 keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(30)))
                 assert keyed == [v * 2 + 3 for v in range(30)]
                 assert gw.in_flight == 0
-                return await gw.pipeline_status()
 
-        status = asyncio.run(asyncio.wait_for(main(), T))
+        asyncio.run(asyncio.wait_for(main(), T))
+        # Workers hand in batch stats every ~0.1 s or when idle: wait until the last ones are in.
+        status = wait_for(lambda: _settled(cluster_url, "t-parts1", n + 30), 10, "the batch stats of every request")
     assert status.partitions == 3 and len(status.by_partition) == 3
+    text = format_status("t-parts1", status)  # `conveyor status`: totals, then one row per partition
+    assert "partitions: 3" in text and "p2" in text and "Shift" in text
+    assert len(status_json("t-parts1", status)["partitions"]) == 3
     metrics = Metrics(_NoBackend())
     metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
     assert 'conveyor_partition_live_workers{index="1",partition="2",stage="Shift"} 1.0' in metrics.render().decode()
@@ -143,6 +162,24 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
     for call_keys in monitor.calls:
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
+
+
+def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
+    """Partitions need no cluster: on one Redis the same workers wait on all streams of one server."""
+    with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+        async def main() -> None:
+            async with PartitionedGateway(redis_url, "t-parts1") as gw:
+                for v in range(6):  # one at a time: each wakes an idle worker's wait on all partitions
+                    assert await gw.predict(v) == v * 2 + 3
+                values = list(range(90))
+                assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+
+        asyncio.run(asyncio.wait_for(main(), T))
+        status = wait_for(lambda: _settled(redis_url, "t-parts1", 96), 10, "the batch stats of every request",
+                          lambda: repr(_read_partitioned(redis_url, "t-parts1")))
+    assert [part.stages[1].items_last_minute for part in status.by_partition] == [32, 32, 32]
 
 
 # -- failover ---------------------------------------------------------------------------------
@@ -178,7 +215,7 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
                     if killed_at is None and now - started > 1.5:
                         failover_cluster.kill(victim)
                         killed_at = now
-                    if killed_at is not None and now - killed_at > 5.0 and await _healthy(failover_cluster):
+                    if killed_at is not None and now - killed_at > 3.0 and await _healthy(failover_cluster):
                         break
                     assert now - started < T, "the replica was not promoted in time"
                     wave = range(counter, counter + 30)
@@ -197,6 +234,23 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
     timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
     print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
     assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
+
+
+def _read_partitioned(url: str, pipeline: str) -> PipelineStatus:
+    async def read() -> PipelineStatus:
+        client = RedisSettings(url).async_client(1)
+        try:
+            return await read_all_partitions(client, Keys(pipeline))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def _settled(url: str, pipeline: str, items: int) -> PipelineStatus | None:
+    """The pipeline's status once its last stage has reported ``items`` items (else None)."""
+    status = _read_partitioned(url, pipeline)
+    return status if status.stages and status.stages[-1].items_last_minute >= items else None
 
 
 class _NoBackend:
