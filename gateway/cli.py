@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL, RedisSettings
+from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from gateway.client import GatewaySettings
@@ -31,7 +31,7 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True)
+              show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True)
@@ -86,7 +86,7 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True)
+              show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
 @click.option("--json", "as_json", is_flag=True, envvar="CONVEYOR_STATUS_JSON", show_envvar=True,
               help="Print JSON for scripts (with --watch: one compact object per line).")
