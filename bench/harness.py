@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -39,10 +39,16 @@ def embedded_redis() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def workers(app: str, stages: list[str], redis_url: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+def workers(app: str, stages: Sequence[str | tuple[str, int]],
+            redis_url: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``conveyor worker APP --stage NAME`` per stage; ``(NAME, n)`` adds ``--workers n``."""
     env = dict(os.environ, CONVEYOR_REDIS_URL=redis_url, CONVEYOR_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", app, "--stage", s],
-                              env=env, cwd=ROOT) for s in stages]
+    procs = []
+    for stage in stages:
+        name, count = (stage, None) if isinstance(stage, str) else stage
+        extra = [] if count is None else ["--workers", str(count)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", app, "--stage", name, *extra],
+                                      env=env, cwd=ROOT))
     try:
         yield procs
     finally:

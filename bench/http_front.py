@@ -30,6 +30,30 @@ import redis
 APP = "bench.pipelines:scale_shift"
 NAME = "bench-scale-shift"
 STAGES = ("Scale", "Shift")
+# ``--backend echo``: the front alone, over an in-process backend that answers at once (no Redis, no
+# workers), so that the CPU per request is the HTTP front's own. Runs against old and new code alike.
+ECHO_RUNNER = """
+import asyncio, sys
+from gateway.http import HttpSettings, run
+
+class Echo:
+    in_flight = 0
+    async def predict(self, x, timeout_s=None):
+        return x
+    def submit(self, x, timeout_s=None):
+        f = asyncio.get_running_loop().create_future()
+        f.set_result(x)
+        return f
+    async def pipeline_status(self):
+        raise ConnectionError("echo backend")
+
+coro = run(Echo(), HttpSettings(port=int(sys.argv[1])))
+if sys.argv[2] == "uvloop":
+    import uvloop
+    uvloop.run(coro)
+else:
+    asyncio.run(coro)
+"""
 WRK_LUA = 'wrk.method = "POST"\nwrk.body = "3"\nwrk.headers["Content-Type"] = "application/json"\n'
 
 
@@ -39,12 +63,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_http(port: int, timeout_s: float = 30.0) -> None:
+def _wait_http(port: int, path: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), 0.5) as s:
-                s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
                 if s.recv(64).startswith(b"HTTP/1.1 200"):
                     return
         except OSError:
@@ -84,8 +108,8 @@ def _start_redis(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> str:
             time.sleep(0.1)
 
 
-def _start_gateway(front: str, env: dict[str, str], old_src: Path | None,
-                   tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_gateway(front: str, env: dict[str, str], old_src: Path | None, tmp: Path,
+                   echo: bool) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
     cmd = [sys.executable, "-m", "gateway", NAME, "--port", str(port), "--log-format", "kv"]
     genv = {**env, "CONVEYOR_PORT": str(port)}
@@ -93,6 +117,10 @@ def _start_gateway(front: str, env: dict[str, str], old_src: Path | None,
     if front == "old":
         genv["PYTHONPATH"] = str(old_src)
         cwd = old_src
+    if echo:
+        cmd = [sys.executable, "-c", ECHO_RUNNER, str(port), "asyncio" if front == "old" else front]
+    elif front == "old":
+        pass
     elif front.endswith("x2"):
         cmd += ["--loop", front[:-2], "--processes", "2"]
     else:
@@ -151,6 +179,8 @@ def main() -> None:
     parser.add_argument("--conns", default="1,16,256")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration-s", type=int, default=5)
+    parser.add_argument("--backend", choices=("pipeline", "echo"), default="pipeline",
+                        help="pipeline: Redis + 2 workers; echo: the front alone, answered in-process")
     parser.add_argument("--fronts", default="old,asyncio,uvloop",
                         help="comma-separated: old, asyncio, uvloop, asynciox2, uvloopx2 (x2: --processes 2)")
     args = parser.parse_args()
@@ -159,18 +189,19 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="conveyor-http-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        env = {**os.environ, "CONVEYOR_REDIS_URL": _start_redis(tmp, procs)}
-        for stage in STAGES:
+        echo = args.backend == "echo"
+        env = {**os.environ, "CONVEYOR_REDIS_URL": "" if echo else _start_redis(tmp, procs)}
+        for stage in () if echo else STAGES:
             procs.append(subprocess.Popen(["conveyor", "worker", APP, "--stage", stage], env=env,
                                           stdout=subprocess.DEVNULL, stderr=(tmp / f"{stage}.log").open("w")))
         fronts = [f for f in args.fronts.split(",") if f != "old" or args.old_src]
         gateways: dict[str, tuple[int, psutil.Process]] = {}
         for front in fronts:
-            proc, port = _start_gateway(front, env, args.old_src, tmp)
+            proc, port = _start_gateway(front, env, args.old_src, tmp, echo)
             procs.append(proc)
             gateways[front] = (port, psutil.Process(proc.pid))
         for port, _ in gateways.values():
-            _wait_http(port)
+            _wait_http(port, "/healthz" if echo else "/readyz")
         script = tmp / "post.lua"
         script.write_text(WRK_LUA)
         conns = [int(c) for c in args.conns.split(",")]

@@ -37,7 +37,11 @@ class Shift(Stage):
 
 
 seed001 = Pipeline("bench-seed001").add(Square)
+seed001_deadline = Pipeline("bench-seed001-deadline").add(Square, batch_policy="deadline")
 scale_shift = Pipeline("bench-scale-shift").add(Scale).add(Shift)
+scale_shift_deadline = Pipeline("bench-scale-shift-deadline").add(Scale, batch_policy="deadline").add(
+    Shift, batch_policy="deadline")
+scale_shift_2w = Pipeline("bench-scale-shift-2w").add(Scale).add(Shift, workers=2)
 
 
 class Echo(Stage):

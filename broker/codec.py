@@ -25,6 +25,7 @@ the price is that tuples go through the hook too.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -39,6 +40,10 @@ _EXT_SCALAR = 2
 _KINDS = frozenset("biufcmM")
 _DTYPE_STR = re.compile(r"[<>|][biufcmM]\d{1,2}(\[\w{1,8}\])?")  # e.g. "<f4", "|b1", ">M8[ns]"
 _MAX_DEPTH = 511  # msgpack's own packer nesting limit
+SPLICE_MIN_BYTES = 64 * 1024  # arrays from this size skip packb's buffer (see _Splicer)
+_HEAD_MAX_BYTES = 1024  # an array's dtype, shape (<= 64 dims) and order take a few hundred bytes at most
+_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+_BIN_WIDTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 _CARRIES = (
     "conveyor's codec carries None, bool, int, float, str, bytes, list/tuple, dict "
     "and numpy arrays/scalars of bool or numeric dtype"
@@ -64,14 +69,82 @@ def _numeric(dtype: np.dtype[Any]) -> bool:
     return dtype.kind in _KINDS and dtype.fields is None and dtype.subdtype is None
 
 
-def _pack_array(a: npt.NDArray[Any]) -> msgpack.ExtType:
-    """Raw buffer in the array's own memory order, so Fortran arrays need no transpose copy."""
+def _layout(a: npt.NDArray[Any]) -> tuple[str, memoryview]:
+    """The raw buffer in the array's own memory order, so Fortran arrays need no transpose copy."""
     if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
         order, flat = "F", a.T.reshape(-1)
     else:
-        order, flat = "C", a.reshape(-1)  # copies only when a is not C-contiguous
-    raw = flat.view(np.uint8).data  # a memoryview: packed without an extra tobytes() copy
-    return msgpack.ExtType(_EXT_ARRAY, msgpack.packb([a.dtype.str, list(a.shape), order, raw]))
+        order, flat = "C", a.reshape(-1)  # may still be a strided view, e.g. of a[:, ::2]
+    return order, np.ascontiguousarray(flat).view(np.uint8).data  # copies only when not contiguous
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 2**16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def _ext_header(code: int, n: int) -> bytes:
+    if n in _FIXEXT:
+        return bytes((_FIXEXT[n], code))
+    if n < 2**8:
+        return b"\xc7" + n.to_bytes(1, "big") + bytes((code,))
+    if n < 2**16:
+        return b"\xc8" + n.to_bytes(2, "big") + bytes((code,))
+    return b"\xc9" + n.to_bytes(4, "big") + bytes((code,))
+
+
+def _array_head(a: npt.NDArray[Any], order: str, nbytes: int) -> bytes:
+    """Everything of ExtType 1's data before the raw bytes: the msgpack of
+    ``[dtype.str, shape, order, <bin header>``, byte for byte what ``packb`` writes for the list."""
+    fields: bytes = msgpack.packb(a.dtype.str) + msgpack.packb(list(a.shape)) + msgpack.packb(order)
+    return b"\x94" + fields + _bin_header(nbytes)
+
+
+def _pack_array(a: npt.NDArray[Any]) -> msgpack.ExtType:
+    """One join of header and raw buffer (packb's growing buffer copied large arrays several times)."""
+    order, raw = _layout(a)
+    return msgpack.ExtType(_EXT_ARRAY, b"".join((_array_head(a, order, raw.nbytes), raw)))
+
+
+class _Splicer:
+    """Keeps large arrays out of ``packb``: each becomes a 16-byte stand-in while the rest is packed,
+    then one join puts the real ExtType in its place. So an array's bytes are copied once, straight
+    from its buffer into the result, wherever it sits in the value (a result record, a list, ...)."""
+
+    __slots__ = ("chunks", "token")
+
+    def __init__(self) -> None:
+        self.token = b""
+        self.chunks: list[tuple[bytes, memoryview]] = []
+
+    def default(self, obj: object) -> Any:
+        if (isinstance(obj, np.ndarray) and obj.nbytes >= SPLICE_MIN_BYTES and not isinstance(obj, np.ma.MaskedArray)
+                and _numeric(obj.dtype)):
+            if not self.token:
+                self.token = os.urandom(8)
+            order, raw = _layout(obj)
+            head = _array_head(obj, order, raw.nbytes)
+            self.chunks.append((_ext_header(_EXT_ARRAY, len(head) + raw.nbytes) + head, raw))
+            return msgpack.ExtType(_EXT_ARRAY, self.token + len(self.chunks).to_bytes(8, "big"))
+        return _default(obj)
+
+    def splice(self, packed: bytes) -> bytes | None:
+        """The final bytes, or None if the stand-ins cannot be told apart from the value's own bytes."""
+        if packed.count(self.token) != len(self.chunks):
+            return None  # the value itself holds our random token: astronomically unlikely, but be exact
+        view, pos = memoryview(packed), 0
+        parts: list[bytes | memoryview] = []
+        for i, (head, raw) in enumerate(self.chunks, 1):
+            at = packed.find(b"\xd8\x01" + self.token + i.to_bytes(8, "big"), pos)
+            if at < 0:
+                return None
+            parts += [view[pos:at], head, raw]
+            pos = at + 18
+        parts.append(view[pos:])
+        return b"".join(parts)
 
 
 def _problem(obj: object) -> str | None:
@@ -134,7 +207,12 @@ def _explain(obj: object, path: str, depth: int) -> str | None:
 def encode(obj: object) -> bytes:
     """Serialize obj; raise CodecError (with the path of the culprit) if any part is not carried."""
     try:
-        data: bytes = msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+        splicer = _Splicer()
+        data: bytes = msgpack.packb(obj, default=splicer.default, use_bin_type=True, strict_types=True)
+        if splicer.chunks:
+            spliced = splicer.splice(data)
+            data = spliced if spliced is not None else msgpack.packb(obj, default=_default, use_bin_type=True,
+                                                                     strict_types=True)
         return data
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(_explain(obj, "$", 0) or f"cannot encode value: {exc}") from exc
@@ -150,17 +228,37 @@ def _dtype(name: object) -> np.dtype[Any]:
     return dtype
 
 
-def _unpack_array(data: bytes) -> npt.NDArray[Any]:
-    """Validate everything before allocating: the payload may come from a foreign producer."""
-    fields = msgpack.unpackb(data, raw=False)
-    if not (isinstance(fields, list) and len(fields) == 4):
+def _bin_at(data: bytes, offset: int) -> memoryview:
+    """The raw bytes of the bin value at ``offset``, which must end exactly where ``data`` ends."""
+    mark = data[offset] if offset < len(data) else -1
+    width = _BIN_WIDTH.get(mark, 0)
+    if not width:
         raise CodecError("malformed array payload")
-    name, shape, order, raw = fields
+    start = offset + 1 + width
+    if start + int.from_bytes(data[offset + 1:start], "big") != len(data):
+        raise CodecError("malformed array payload (raw bytes truncated or followed by more)")
+    return memoryview(data)[start:]
+
+
+def _unpack_array(data: bytes) -> npt.NDArray[Any]:
+    """Validate everything before allocating: the payload may come from a foreign producer.
+
+    Only the small head (dtype, shape, order) goes through msgpack; the raw bytes are read in
+    place and copied once, into the array (unpacking them as a bin would copy them once more)."""
+    head = msgpack.Unpacker(raw=False, max_buffer_size=_HEAD_MAX_BYTES)
+    head.feed(data[:_HEAD_MAX_BYTES])
+    try:
+        if head.read_array_header() != 4:
+            raise CodecError("malformed array payload")
+        name, shape, order = head.unpack(), head.unpack(), head.unpack()
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise CodecError(f"malformed array payload: {exc}") from exc
     dtype = _dtype(name)
     if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
         raise CodecError(f"bad array shape in payload: {shape!r}")
-    if order not in ("C", "F") or not isinstance(raw, bytes):
+    if order not in ("C", "F"):
         raise CodecError("malformed array payload")
+    raw = _bin_at(data, head.tell())
     count = math.prod(shape)
     if (need := count * dtype.itemsize) != len(raw):
         raise CodecError(f"array payload has {len(raw)} bytes, shape {shape} of {name} needs {need}")

@@ -27,8 +27,8 @@ key                                type    TTL                  written by
                                                                 and N if N > 1), in every
                                                                 partition
 ``P:max_backlog``                  string  none                 workers at start: the first
-                                                                stage's max_backlog (decimal;
-                                                                absent: none), read by
+                                                                stage's max_backlog (decimal
+                                                                or "none"), read by
                                                                 submit.lua for admission (a
                                                                 bound per partition)
 ``P:hb:<i>``                       zset    none (members        stage i workers, every

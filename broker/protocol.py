@@ -34,6 +34,7 @@ _VERSION = str(PROTOCOL_VERSION).encode()
 E_DEADLINE = "DeadlineExceeded"
 E_UNENCODABLE = "UnencodableResult"
 E_DEAD_LETTER = "DeadLettered"
+E_TOO_LARGE = "ResultTooLarge"  # a stage's result over max_payload_bytes once encoded
 
 
 @dataclass(slots=True)
@@ -134,12 +135,14 @@ def entry_fields(request_id: bytes, data: bytes, reply: bytes | None, deadline_m
     return fields
 
 
-def ok_record(request_id: bytes, value: Any) -> bytes:
-    """Encode a success record; a value the codec refuses becomes an error record instead."""
+def ok_record(request_id: bytes, value: Any, stage: str = "") -> bytes:
+    """Encode a success record; a value the codec refuses becomes an error record instead,
+    naming ``stage``, the stage that returned it."""
     try:
         return encode({"id": request_id.decode(), "ok": True, "value": value})
     except CodecError as exc:
-        return error_record(request_id, E_UNENCODABLE, str(exc), "", "")
+        return error_record(request_id, E_UNENCODABLE, f"result of stage {stage!r} cannot be encoded: {exc}", stage,
+                            "")
 
 
 def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str) -> bytes:

@@ -2,7 +2,7 @@
 --
 -- KEYS[1] the first stage's stream
 -- KEYS[2] the pipeline's admission key (P:max_backlog: the first stage's max_backlog as a decimal
---         integer, written by workers at registration; absent: no limit stored in Redis)
+--         integer, written by workers at registration; "none" or absent: no limit stored in Redis)
 -- KEYS[3..] result keys the producer has consumed (UNLINKed, so answered requests do not hold
 --           memory until their TTL; may be none)
 -- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)

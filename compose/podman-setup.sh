@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Idempotent podman set-up for the project's build/CI machines (see docs/deployment.md, "Podman").
+# Idempotent podman set-up for running conveyor's compose file with podman-compose on a Debian/Ubuntu
+# host that has no Docker engine (see docs/deployment.md, "Podman").
 #
-# These VMs cannot run Docker's engine, but podman works with four settings:
-#   1. runc with cgroupfs (crun refuses the VM's hybrid cgroups),
-#   2. lowered container ulimits (the VM withholds CAP_SYS_RESOURCE, so raising nofile/nproc fails),
-#   3. host networking (containers reach each other on 127.0.0.1; tests may only talk to loopback),
+# On restricted hosts (VMs, CI runners) podman works with four settings, which this script makes:
+#   1. runc with cgroupfs (crun refuses hybrid cgroup set-ups),
+#   2. lowered container ulimits (where CAP_SYS_RESOURCE is withheld, raising nofile/nproc fails),
+#   3. host networking (containers reach each other on 127.0.0.1: compose/podman-override.yml),
 #   4. the host's CA bundle mounted into builds (passed by the caller of `podman-compose build`).
-# No image registry is reachable, so the FROM image `python:3.11-slim` is built locally once per machine
+# For hosts that reach no image registry, the FROM image `python:3.11-slim` is built locally once
 # with debootstrap (Debian bookworm + python3, venv, pip) and tagged under the official name.
 #
 # Needs root and apt. Safe to run again: every step is skipped when already done.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,14 +27,16 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
-from gateway.errors import Overloaded, StageError
+from gateway.errors import Overloaded, StageError, UnknownPipeline
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 
-# Consumed result keys ride on the next submission's script call; only this many waiting with no
-# submission to ride on get a call of their own (they expire at result_ttl_ms regardless).
-UNLINK_BATCH = 256
+# Consumed result keys are unlinked in groups: they ride on a submission's script call once this
+# many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
+# own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
+UNLINK_BATCH = 64
+UNLINK_ALONE = 256
 
 
 
@@ -47,6 +50,7 @@ class GatewaySettings:
     max_connections: int = 4
     reply_block_s: float = 1.0
     prefix: str = DEFAULT_PREFIX
+    register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
 
 
 @dataclass(slots=True)
@@ -76,6 +80,9 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
         self._closing = False
+        self._registered = False
+        self._registration: asyncio.Future[bool | None] | None = None
+        self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -86,6 +93,7 @@ class Gateway:
             await acheck_server(self._client)
             self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
             await self._submit.load()
+            await self._log_registration()
         except BaseException:
             await self._client.aclose()
             await self._reply_client.aclose()
@@ -133,10 +141,24 @@ class Gateway:
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
+        return await self.submit(x, timeout_s)
+
+    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
+        callback instead of creating a task per request). Overloaded/CodecError raise here."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if not self._registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._submit_when_registered(data, timeout))
+        return self._enqueue(data, timeout)
+
+    async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
+        await self._await_registration(timeout)
+        return await self._enqueue(data, timeout)
+
+    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1
@@ -147,7 +169,7 @@ class Gateway:
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
         self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
-        return await future
+        return future
 
     def _admit(self) -> None:
         """This gateway's own cap. The first stage's max_backlog is enforced in Redis, by the
@@ -191,9 +213,11 @@ class Gateway:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox or len(self._unlink) >= UNLINK_BATCH:
+            while self._outbox or len(self._unlink) >= UNLINK_ALONE:
                 batch, self._outbox = self._outbox, []
-                unlink, self._unlink = self._unlink, []
+                unlink: list[bytes] = []
+                if len(self._unlink) >= UNLINK_ALONE:
+                    unlink, self._unlink = self._unlink, []
                 try:
                     await self._send(batch, unlink)
                     backoff.reset()
@@ -257,7 +281,7 @@ class Gateway:
                 continue
             if popped is not None:
                 self._deliver(protocol.as_bytes(popped[1]))
-                if len(self._unlink) >= UNLINK_BATCH:
+                if len(self._unlink) >= UNLINK_ALONE:
                     self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:
@@ -279,6 +303,78 @@ class Gateway:
             for raw in values:
                 if raw is not None:
                     self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
+
+    # -- registration: a mistyped pipeline name must not look like a slow pipeline ---------
+
+    async def pipeline_registered(self) -> bool:
+        """Whether a worker has registered this pipeline (its spec key) in this Redis; once true,
+        it stays true for this gateway (no more round trips)."""
+        if not self._registered:
+            self._registered = bool(await self._client.get(self.keys.spec))  # GET: in the gateway's ACL
+        return self._registered
+
+    async def _log_registration(self) -> None:
+        if not await self.pipeline_registered():
+            log.warning("pipeline %r is not registered in this Redis (no key %s): no worker has started for it "
+                        "yet, or the name is wrong; requests wait up to %gs for one, then fail with "
+                        "UnknownPipeline", self.keys.pipeline, self.keys.spec, self.settings.register_wait_s)
+
+    async def _await_registration(self, timeout_s: float) -> None:
+        """Before submitting for a pipeline not seen registered: wait (at most ``register_wait_s``,
+        shared by every request meanwhile) for a worker to register it, else raise UnknownPipeline
+        without writing anything, so a typo leaves no stream behind. If Redis cannot be asked,
+        submit as usual (the flusher waits for Redis)."""
+        if self._registration is None or self._registration.done():
+            self._registration = asyncio.ensure_future(self._poll_registration())
+        try:
+            registered = await asyncio.wait_for(asyncio.shield(self._registration), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.keys.pipeline!r} is not "
+                               "registered in this Redis (yet)") from None
+        if registered is False:
+            known = self._known
+            hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
+            raise UnknownPipeline(self.keys.pipeline, (
+                f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in this "
+                f"Redis within {self.settings.register_wait_s:g}s: check the name, the prefix and the Redis URL, "
+                f"or start its workers{hint}"))
+
+    async def _poll_registration(self) -> bool | None:
+        """True once registered; False if still not after ``register_wait_s``; None if Redis never
+        answered. Redis has no blocking wait for a key to appear (keyspace notifications need
+        server configuration), so this polls, 10 times a second, only while unregistered."""
+        deadline = time.monotonic() + self.settings.register_wait_s
+        answered = False
+        while True:
+            try:
+                if await self.pipeline_registered():
+                    return True
+                answered = True
+            except CONNECTION_ERRORS:
+                pass
+            if time.monotonic() >= deadline:
+                if answered:  # once, for every request that waited: the hint for a typo
+                    self._known = await self._known_pipelines()
+                return False if answered else None
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    async def _known_pipelines(self, limit: int = 10) -> list[str]:
+        """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
+        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
+        docs/security.md has no SCAN: then there is no hint)."""
+        pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
+        names: list[str] = []
+        cursor = 0
+        try:
+            for _ in range(20):
+                cursor, found = await self._client.scan(cursor, match=pattern, count=1000)
+                names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
+                          for k in found]
+                if cursor == 0 or len(names) >= limit:
+                    break
+        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
+            return []
+        return sorted(set(names))[:limit]
 
     # -- status ---------------------------------------------------------------------------
 

@@ -16,3 +16,12 @@ class StageError(Exception):
 
 class Overloaded(Exception):
     """The first stage's backlog (or this gateway's in-flight count) is at its limit."""
+
+
+class UnknownPipeline(Exception):
+    """No worker has registered this pipeline in this Redis (a mistyped name, another prefix or
+    Redis, or workers that never started): nothing would ever answer, so nothing is sent."""
+
+    def __init__(self, pipeline: str, message: str) -> None:
+        super().__init__(message)
+        self.pipeline = pipeline

@@ -173,7 +173,7 @@ class HttpServer:
         self._draining = True
         if self._server is not None:
             self._server.close()
-        busy = sum(1 for c in self._connections if c.task is not None)
+        busy = sum(1 for c in self._connections if c.busy)
         log.info("drain: listening socket closed; %d connections open, %d with a request in progress; "
                  "waiting up to %gs", len(self._connections), busy, self.settings.drain_timeout_s if drain else 0)
         for conn in list(self._connections):
@@ -195,9 +195,9 @@ class HttpServer:
         conns = list(self._connections)
         for conn in conns:
             conn.cancel()
-        tasks = [c.task for c in conns if c.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+        futures = [c.current[2].future for c in conns if c.current is not None]
+        if futures:
+            await asyncio.wait(futures, timeout=5.0)
         self._connections.clear()
         self._no_connections.set()
 

@@ -34,7 +34,16 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from gateway.http_routes import HttpError, Reply, Request, bad_request, overloaded, request_timeout, too_large
+from gateway.http_routes import (
+    HttpError,
+    Pending,
+    Reply,
+    Request,
+    bad_request,
+    overloaded,
+    request_timeout,
+    too_large,
+)
 
 if TYPE_CHECKING:
     from gateway.http import HttpServer
@@ -90,13 +99,16 @@ class HttpProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[Request | HttpError] = deque()
-        self.task: asyncio.Task[None] | None = None
+        self.current: tuple[Request, str, Pending] | None = None  # the request whose reply is awaited
+        self.started = 0.0
+        self.feeding = False  # inside parser.feed_data: requests are answered once it returns
+        self.eof = False  # the client half-closed its side
+        self.write_paused = False
         self.phase = _IDLE
         self.first = True
         self.closed = False
         self.lingering = False
         self.reading_paused = False
-        self.writable: asyncio.Future[None] | None = None  # set while the transport asks us to stop writing
         self.read_deadline = math.inf
         self.write_deadline = math.inf
         self.timer: asyncio.TimerHandle | None = None
@@ -129,25 +141,32 @@ class HttpProtocol(asyncio.Protocol):
         if self.phase == _DEAD:
             self._discard(len(data))
             return
+        self.feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
+            self.feeding = False
             cause = exc.__context__
             self._fail(cause if isinstance(cause, HttpError) else bad_request(str(exc)))
             return
         except httptools.HttpParserUpgrade:
+            self.feeding = False
             self._fail(bad_request("protocol upgrades are not supported"))
             return
         except httptools.HttpParserError as exc:
+            self.feeding = False
             self._fail(bad_request(str(exc)))
             return
+        self.feeding = False
         if self.phase == _HEAD:
             self._check_partial_head(data)
         if len(self.queue) >= _MAX_QUEUED:
             self._pause_reading()
+        self._advance()
 
     def eof_received(self) -> bool | None:
-        if self.lingering or (not self.queue and self.task is None):
+        self.eof = True
+        if self.lingering or not self.queue:
             self._close()
             return None
         return True  # half-closed by the client: answer what it already sent, then close
@@ -157,22 +176,19 @@ class HttpProtocol(asyncio.Protocol):
         self.server.release(self)
         if self.timer is not None:
             self.timer.cancel()
-        if self.writable is not None and not self.writable.done():
-            self.writable.set_result(None)
 
     def pause_writing(self) -> None:
         """Our send buffer is full (the client reads slowly or not at all)."""
-        self.writable = self.loop.create_future()
+        self.write_paused = True
         self.write_deadline = self.loop.time() + self.settings.send_timeout_s
         self._arm(self.write_deadline)
         self._pause_reading()
 
     def resume_writing(self) -> None:
         self.write_deadline = math.inf
-        if self.writable is not None and not self.writable.done():
-            self.writable.set_result(None)
-        self.writable = None
+        self.write_paused = False
         self._maybe_resume_reading()
+        self._advance()
 
     # -- httptools callbacks --------------------------------------------------------------------
 
@@ -203,7 +219,7 @@ class HttpProtocol(asyncio.Protocol):
         length = headers.get(b"content-length")
         if length is not None and int(length) > self.settings.max_body_bytes:  # llhttp checked the digits
             raise too_large(self.settings.max_body_bytes)
-        if headers.get(b"expect", b"").lower() == b"100-continue" and not self.queue and self.task is None:
+        if headers.get(b"expect", b"").lower() == b"100-continue" and not self.queue:
             self._write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
@@ -223,54 +239,80 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- answering, in order --------------------------------------------------------------------
 
+    @property
+    def busy(self) -> bool:
+        """A request is queued or being answered."""
+        return bool(self.queue)
+
     def _enqueue(self, item: Request | HttpError) -> None:
         self.queue.append(item)
-        if self.task is None:
-            self.task = self.loop.create_task(self._answer_queue())
+        if not self.feeding:
+            self._advance()
 
-    async def _answer_queue(self) -> None:
-        """Answer queued requests in order until none is left (or the connection ends)."""
-        try:
-            while self.queue and not self.closed:
-                if self.writable is not None:
-                    await self.writable
-                    continue
-                if not await self._answer(self.queue[0]):
-                    self.queue.clear()
-                    self._close_gracefully()
-                    return
-                self.queue.popleft()
-                self._maybe_resume_reading()
-        except asyncio.CancelledError:
-            self._abort()
-            return  # not re-raised: this is the top of the connection's task (cancelled by a drain timeout)
-        except Exception:
-            log.exception("connection handler failed")
-            self._abort()
+    def _advance(self) -> None:
+        """Answer queued requests in order, at once while replies are ready (no task per request)."""
+        while self.queue and self.current is None and not self.closed and not self.write_paused:
+            item = self.queue[0]
+            if isinstance(item, HttpError):
+                self.metrics.observe_request("other", item.outcome)
+                self._write(frame(item.reply(), close=True))
+                self._end()
+                return
+            if self.server.draining:  # not admitted: the drain began before its turn
+                reply = overloaded("the gateway is shutting down: retry on a new connection", close=True).reply()
+                self.metrics.observe_request(self.router.label(item.path), reply.outcome)
+                self._write(frame(reply, close=True))
+                self._end()
+                return
+            self.started = self.loop.time()
+            label, answer = self.router.start(item)
+            if isinstance(answer, Pending):
+                self.current = (item, label, answer)
+                answer.future.add_done_callback(self._on_done)
+                return
+            if not self._respond(item, label, answer):
+                return
+        if not self.queue and not self.closed and not self.lingering:
+            if self.eof:
+                self._close()  # the client half-closed: nothing more will come
+            elif self.phase == _IDLE:
+                self._after_idle()
+
+    def _on_done(self, future: asyncio.Future[object]) -> None:
+        if self.current is None:
             return
-        finally:
-            self.task = None
-        if self.phase == _IDLE and not self.closed:
-            self._after_idle()
+        item, label, pending = self.current
+        self.current = None
+        if self.closed:
+            return
+        try:
+            reply = pending.finish(pending.future)
+        except asyncio.CancelledError:
+            self._abort()  # cancelled by a drain timeout or a second stop
+            return
+        except Exception as exc:
+            log.exception("request handler failed")
+            reply = self.router.internal_error(exc)
+        if self._respond(item, label, reply):
+            self._advance()
 
-    async def _answer(self, item: Request | HttpError) -> bool:
-        """Answer one queued item; True if the connection can carry another."""
-        if isinstance(item, HttpError):
-            self.metrics.observe_request("other", item.outcome)
-            self._write(frame(item.reply(), close=True))
-            return False
-        if self.server.draining:  # not admitted: the drain began before its turn
-            reply = overloaded("the gateway is shutting down: retry on a new connection", close=True).reply()
-            self.metrics.observe_request(self.router.label(item.path), reply.outcome)
-            self._write(frame(reply, close=True))
-            return False
-        started = self.loop.time()
-        route, reply = await self.router.dispatch(item)
+    def _respond(self, item: Request, label: str, reply: Reply) -> bool:
+        """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
         self._write(frame(reply, head_only=item.method == b"HEAD", close=not keep))
-        duration = self.loop.time() - started if route == "predict" else None
-        self.metrics.observe_request(route, reply.outcome, duration)
-        return keep
+        duration = self.loop.time() - self.started if label == "predict" else None
+        self.metrics.observe_request(label, reply.outcome, duration)
+        if not keep:
+            self._end()
+            return False
+        self.queue.popleft()
+        self._maybe_resume_reading()
+        return True
+
+    def _end(self) -> None:
+        """Our last response is written: nothing more is read or answered on this connection."""
+        self.queue.clear()
+        self._close_gracefully()
 
     def _after_idle(self) -> None:
         """Nothing queued, nothing being read: wait for the next request (keep-alive), bounded."""
@@ -281,7 +323,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def drain(self) -> None:
         """The server stops: an idle connection gets a short grace, then is closed."""
-        if self.phase == _IDLE and not self.queue and self.task is None:
+        if self.phase == _IDLE and not self.queue:
             self._after_idle()
 
     # -- limits and timeouts --------------------------------------------------------------------
@@ -326,7 +368,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.lingering:
             self._close()
         elif self.phase == _IDLE:
-            if not self.queue and self.task is None:
+            if not self.queue:
                 self._close()  # idle keep-alive (or silent) connection: closed quietly
         elif self.phase != _DEAD:
             self._fail(request_timeout())
@@ -375,10 +417,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def cancel(self) -> None:
         """Drop the connection now (drain timeout, an impatient second stop)."""
-        if self.task is not None:
-            self.task.cancel()
-        else:
-            self._abort()
+        if self.current is not None:
+            self.current[2].future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
+        self._abort()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -391,7 +432,7 @@ class HttpProtocol(asyncio.Protocol):
                 self.transport.pause_reading()
 
     def _maybe_resume_reading(self) -> None:
-        if self.reading_paused and self.writable is None and len(self.queue) < _MAX_QUEUED // 2:
+        if self.reading_paused and not self.write_paused and len(self.queue) < _MAX_QUEUED // 2:
             self._resume_reading()
 
     def _resume_reading(self) -> None:

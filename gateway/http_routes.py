@@ -26,6 +26,7 @@ or body not received in time, then closed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -41,7 +42,7 @@ from gateway.http_settings import HttpSettings
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics, PipelineStatusLike, StatusSource
 
-__all__ = ["Backend", "HttpError", "Reply", "Request", "Router"]
+__all__ = ["Backend", "HttpError", "Pending", "Reply", "Request", "Router"]
 
 log = logging.getLogger("gateway.http")
 
@@ -184,6 +185,18 @@ def status_body(status: PipelineStatusLike) -> dict[str, Any]:
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
+@dataclass
+class Pending:
+    """A reply still to come: ``finish(future)`` makes it once ``future`` is done."""
+
+    future: asyncio.Future[Any]
+    finish: Callable[[asyncio.Future[Any]], Reply]
+
+
+def _reply_of(future: asyncio.Future[Any]) -> Reply:
+    return future.result()
+
+
 class Router:
     """Maps a `Request` to a `Reply`: routes, the backend's exceptions as status codes, metrics labels.
 
@@ -196,38 +209,42 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._draining = draining
-        self.routes: dict[bytes, tuple[frozenset[bytes], str, Handler]] = {
-            b"/v1/predict": (frozenset({b"POST"}), "predict", self._predict),
-            b"/healthz": (frozenset({b"GET", b"HEAD"}), "healthz", self._healthz),
-            b"/readyz": (frozenset({b"GET", b"HEAD"}), "readyz", self._readyz),
-            b"/metrics": (frozenset({b"GET", b"HEAD"}), "metrics", self._metrics),
+        get = frozenset({b"GET", b"HEAD"})
+        self.routes: dict[bytes, tuple[frozenset[bytes], str]] = {
+            b"/v1/predict": (frozenset({b"POST"}), "predict"),
+            b"/healthz": (get, "healthz"),
+            b"/readyz": (get, "readyz"),
+            b"/metrics": (get, "metrics"),
         }
+        self._async_routes: dict[str, Handler] = {"readyz": self._readyz, "metrics": self._metrics}
 
     def label(self, path: bytes | None) -> str:
         """The metrics label of a route (``other`` for unknown paths or no request)."""
         route = self.routes.get(path) if path is not None else None
         return route[1] if route else "other"
 
-    async def dispatch(self, request: Request) -> tuple[str, Reply]:
-        """Route one request; returns (route label for metrics, reply)."""
+    def start(self, request: Request) -> tuple[str, Reply | Pending]:
+        """Route one request: (route label for metrics, the reply or a `Pending` one).
+
+        Why not a coroutine: a predict is a future of the backend (`Gateway.submit`) plus a
+        callback, so that a request costs no task of its own; only the rare async routes
+        (``/readyz``, ``/metrics``) run as tasks.
+        """
         route = self.routes.get(request.path)
         if route is None:
             path = request.path.decode("latin-1")
             return "other", HttpError(404, "NotFound", f"no route {path!r}", outcome="not_found").reply()
-        methods, label, handler = route
+        methods, label = route
         if request.method not in methods:
             method, path = request.method.decode("latin-1"), request.path.decode("latin-1")
             allow = b", ".join(sorted(methods))
             return label, HttpError(405, "MethodNotAllowed", f"{method} not allowed on {path}",
                                     outcome="method_not_allowed", headers=[(b"allow", allow)]).reply()
-        try:
-            return label, await handler(request)
-        except HttpError as exc:
-            return label, exc.reply()
-
-    async def _healthz(self, request: Request) -> Reply:
-        """Liveness: answering at all is the whole check (no Redis, no backend)."""
-        return ok({"status": "ok"})
+        if label == "predict":
+            return label, self._start_predict(request)
+        if label == "healthz":
+            return label, ok({"status": "ok"})  # liveness: answering at all is the whole check
+        return label, Pending(asyncio.ensure_future(self._async_routes[label](request)), _reply_of)
 
     async def _readyz(self, request: Request) -> Reply:
         """Readiness: Redis reachable and a live worker per stage; the status also feeds metrics."""
@@ -246,40 +263,56 @@ class Router:
     async def _metrics(self, request: Request) -> Reply:
         return Reply(200, await self.metrics.scrape(), METRICS_CONTENT_TYPE.encode())
 
-    async def _predict(self, request: Request) -> Reply:
-        codec = _request_codec(request)
+    def _start_predict(self, request: Request) -> Reply | Pending:
+        try:
+            codec = _request_codec(request)
+        except HttpError as exc:
+            return exc.reply()
         try:
             x = _decode_body(codec, request.body)
             bound_s = timeout_s(request.headers, time.time())
             if bound_s is not None and bound_s <= 0:
                 raise HttpError(504, "DeadlineExceeded", "deadline passed before submission",
                                 outcome="timeout")
-            result = await self._call_backend(x, bound_s)
+            try:
+                future = self._submit(x, bound_s)
+            except Exception as exc:
+                raise self._backend_error(exc) from exc
+        except HttpError as exc:
+            return exc.reply(codec)
+        return Pending(future, functools.partial(self._finish_predict, codec))
+
+    def _submit(self, x: Any, bound_s: float | None) -> asyncio.Future[Any]:
+        submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not
+        if submit is not None:
+            return submit(x, bound_s)
+        return asyncio.ensure_future(self.backend.predict(x, bound_s))
+
+    def _finish_predict(self, codec: Codec, future: asyncio.Future[Any]) -> Reply:
+        try:
+            try:
+                result = future.result()
+            except Exception as exc:
+                raise self._backend_error(exc) from exc
             return self._encode_result(codec, result)
         except HttpError as exc:
             return exc.reply(codec)
 
-    async def _call_backend(self, x: Any, bound_s: float | None) -> Any:
+    def _backend_error(self, exc: Exception) -> HttpError:
         """Map the backend's exceptions onto HTTP errors."""
-        try:
-            return await self.backend.predict(x, bound_s)
-        except StageError as exc:
+        if isinstance(exc, StageError):
             if exc.type == "DeadlineExceeded":  # a stage met the item past its deadline
-                raise HttpError(504, exc.type, exc.message, stage=exc.stage, outcome="timeout") from exc
+                return HttpError(504, exc.type, exc.message, stage=exc.stage, outcome="timeout")
             trace = (exc.traceback or None) if self.settings.debug else None
-            raise HttpError(422, exc.type, exc.message, stage=exc.stage, trace=trace,
-                            outcome="stage_error") from exc
-        except Overloaded as exc:
-            raise overloaded(str(exc) or "the pipeline is overloaded, retry later") from exc
-        except (TimeoutError, asyncio.TimeoutError) as exc:
-            raise HttpError(504, "DeadlineExceeded", str(exc) or "no result before the deadline",
-                            outcome="timeout") from exc
-        except CodecError as exc:  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
-            raise HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}",
-                            outcome="bad_request") from exc
-        except Exception as exc:
-            log.exception("predict failed inside the gateway")
-            raise self._internal(exc) from exc
+            return HttpError(422, exc.type, exc.message, stage=exc.stage, trace=trace, outcome="stage_error")
+        if isinstance(exc, Overloaded):
+            return overloaded(str(exc) or "the pipeline is overloaded, retry later")
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return HttpError(504, "DeadlineExceeded", str(exc) or "no result before the deadline", outcome="timeout")
+        if isinstance(exc, CodecError):  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
+            return HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}", outcome="bad_request")
+        log.error("predict failed inside the gateway", exc_info=exc)
+        return self._internal(exc)
 
     def _encode_result(self, codec: Codec, result: Any) -> Reply:
         try:
@@ -287,6 +320,10 @@ class Router:
         except (TypeError, ValueError, RecursionError) as exc:  # CodecError is a ValueError
             raise HttpError(500, "UnencodableResult", f"result cannot be sent as {codec.name}: {exc}",
                             outcome="error") from exc
+
+    def internal_error(self, exc: BaseException) -> Reply:
+        """The reply to a request whose handler failed unexpectedly (a gateway bug)."""
+        return self._internal(exc).reply()
 
     def _internal(self, exc: BaseException) -> HttpError:
         trace = "".join(tb.format_exception(exc)) if self.settings.debug else None

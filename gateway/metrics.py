@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -106,6 +106,8 @@ class Metrics:
         self.status_timeout_s = status_timeout_s
         self.registry = CollectorRegistry(auto_describe=True)
         self._open_connections = 0
+        self._request_counters: dict[tuple[str, str], Any] = {}  # labels() costs a lock and a tuple per call
+        self._latency_children: dict[str, Any] = {}
         ns, reg = namespace, self.registry
         self.requests = Counter(f"{ns}_gateway_requests", "HTTP requests answered, by route and outcome.",
                                 ["route", "outcome"], registry=reg)
@@ -162,9 +164,15 @@ class Metrics:
 
     def observe_request(self, route: str, outcome: str, duration_s: float | None = None) -> None:
         """Count one answered request; predict requests also pass their end-to-end duration."""
-        self.requests.labels(route, outcome).inc()
+        counter = self._request_counters.get((route, outcome))
+        if counter is None:
+            counter = self._request_counters[(route, outcome)] = self.requests.labels(route, outcome)
+        counter.inc()
         if duration_s is not None:
-            self.latency.labels(outcome).observe(duration_s)
+            child = self._latency_children.get(outcome)
+            if child is None:
+                child = self._latency_children[outcome] = self.latency.labels(outcome)
+            child.observe(duration_s)
 
     def connection_opened(self) -> None:
         self._open_connections += 1

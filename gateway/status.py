@@ -89,7 +89,8 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
     try:
         raw_spec = await client.get(keys.spec)
         if not raw_spec:
-            return PipelineStatus(True, [], "no worker has registered this pipeline yet")
+            return PipelineStatus(True, [], f"pipeline {keys.pipeline!r} is not registered: no worker has started"
+                                             f" for it in this Redis (no key {keys.spec}); check the name")
         spec = decode_spec(as_bytes(raw_spec))
         now = now_ms()
         window_start = now - window_ms

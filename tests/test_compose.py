@@ -264,7 +264,9 @@ def test_compose_file_follows_the_deployment_rules() -> None:
         service = services[name]
         assert "container_name" not in service, f"{name}: container_name would block --scale"
         assert service["build"] == {"context": ".", "dockerfile": "compose/Dockerfile"}
-        assert service["depends_on"] == {"redis": {"condition": "service_healthy"}}
+        # The gateway also waits for the stages, so that compose stops it (and its drain) first.
+        stages = {} if name != "gateway" else {s: {"condition": "service_started"} for s in STAGES}
+        assert service["depends_on"] == {"redis": {"condition": "service_healthy"}, **stages}
         env = environment(service)
         assert env["CONVEYOR_REDIS_URL"] == "redis://redis:6379/0"
         assert env["CONVEYOR_LOG_FORMAT"] in {"json", "kv"}

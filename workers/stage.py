@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 
@@ -28,6 +29,12 @@ class Stage:
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None
+    # Length-aware batching (workers/grouping.py): define ``batch_key(self, x)`` returning a
+    # sortable cost of one decoded item (e.g. its token count); each batch read is then sorted by
+    # it and run as groups of at most ``group_size`` similar items (default batch_size // 4).
+    # ``Pipeline.add(cls, batch_key=None)`` turns it off for one pipeline.
+    batch_key: Callable[[Any], Any] | None = None
+    group_size: int | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         for key, value in kwargs.items():

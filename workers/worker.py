@@ -28,6 +28,7 @@ from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
+from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.partitions import Lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
@@ -156,11 +157,9 @@ class Worker:
             pipe.set(lane.keys.spec, spec)
             # Admission (submit.lua) reads the first stage's limit from this key, in the same call
             # as its XADDs: every gateway and foreign producer is bounded from this moment on.
-            # With partitions the limit bounds each partition's first stream.
-            if limit is None:
-                pipe.delete(lane.keys.max_backlog)
-            else:
-                pipe.set(lane.keys.max_backlog, limit)
+            # With partitions the limit bounds each partition's first stream. "none", not DEL:
+            # the documented minimal ACLs hold.
+            pipe.set(lane.keys.max_backlog, "none" if limit is None else limit)
             pipe.execute()
 
     def _loop(self) -> None:
@@ -390,7 +389,7 @@ class Worker:
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         stage: Stage = self._stage
         if self.spec.batched:
-            return run_batch(stage.predict, inputs)
+            return run_grouped(stage, inputs, self.spec.batch_size, run_batch)  # length-aware, if asked
         return run_single(stage.predict, inputs)
 
     def _admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None,
@@ -437,15 +436,28 @@ class Worker:
         if not ok:
             self._error(item, value.type, value.message, value.traceback, commit)
         elif self._next is None:
-            commit.publish(self.keys.result_key(item.request_id), protocol.ok_record(item.request_id, value),
-                           item.reply)
+            record = protocol.ok_record(item.request_id, value, self.spec.name)
+            if not self._too_large(item, len(record), commit):
+                commit.publish(self.keys.result_key(item.request_id), record, item.reply)
         else:
             try:
                 data = codec.encode(value)
             except codec.CodecError as exc:
-                self._error(item, protocol.E_UNENCODABLE, str(exc), "", commit)
+                self._error(item, protocol.E_UNENCODABLE, f"result of stage {self.spec.name!r} cannot be encoded: "
+                            f"{exc}", "", commit)
                 return
-            commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+            if not self._too_large(item, len(data), commit):
+                commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+
+    def _too_large(self, item: protocol.Item, size: int, commit: Commit) -> bool:
+        """A result over max_payload_bytes is this stage's error, said as such (not a dead letter
+        of the next stage, nor a huge value in Redis)."""
+        limit = self.settings.max_payload_bytes
+        if size <= limit:
+            return False
+        self._error(item, protocol.E_TOO_LARGE, f"result of stage {self.spec.name!r} too large: {size} bytes > "
+                    f"max_payload_bytes={limit}", "", commit)
+        return True
 
 
 def _id_key(entry_id: bytes) -> tuple[int, int]:

