@@ -99,9 +99,18 @@ class PartitionedGateway:
     def healthy(self) -> bool:
         return all(g.healthy for g in self.gateways)
 
+    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition exactly that;
+        with several, :meth:`predict`'s round robin (which may retry another partition) as a task."""
+        if len(self.gateways) == 1:
+            return self.gateways[0].submit(x, timeout_s)
+        return asyncio.ensure_future(self.predict(x, timeout_s))
+
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
         """Like :meth:`Gateway.predict`; ``key``: requests with one key go to one partition."""
         n = len(self.gateways)
+        if n == 1:
+            return await self.gateways[0].predict(x, timeout_s)
         if key is not None:
             return await self.gateways[partition_of(key, n)].predict(x, timeout_s)
         for attempt in range(n):
