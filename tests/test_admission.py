@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from broker.keys import Keys
+from broker.spec import StageInfo, encode_spec
 from gateway import Gateway, GatewaySettings, Overloaded
 from tests.helpers import running_workers, wait_for
 from workers import Pipeline, Stage
@@ -125,7 +126,10 @@ def test_max_backlog_holds_from_the_first_request_for_every_producer(redis_url: 
 
 def test_gateway_limit_and_partial_admission(redis_url: str, redis_client: redis.Redis) -> None:
     """A gateway's own max_backlog applies in the script too (the stricter wins), and one turn of
-    submissions is admitted in part: its head in, the rest Overloaded. No worker: nothing drains."""
+    submissions is admitted in part: its head in, the rest Overloaded. No worker: nothing drains
+    (the pipeline is registered as a worker would, so the gateway does not wait for one)."""
+    redis_client.set(KEYS.spec, encode_spec([StageInfo(0, "Inc")]))
+
     async def main() -> list[Any]:
         async with Gateway(redis_url, NAME, GatewaySettings(timeout_s=2.0, max_backlog=5)) as gw:
             async def one(x: int) -> Any:
