@@ -165,21 +165,30 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
 
 
 def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
-    """Partitions need no cluster: on one Redis the same workers wait on all streams of one server."""
-    with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
-        workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+    """Partitions need no cluster: on one Redis the same workers wait on all streams of one server.
+    The gateway starts before any worker: partition 0 only, then all three once the spec is there."""
 
-        async def main() -> None:
-            async with PartitionedGateway(redis_url, "t-parts1") as gw:
+    async def main() -> int:
+        async with PartitionedGateway(redis_url, "t-parts1") as gw:
+            assert len(gw.gateways) == 1  # no spec yet: partition 0, which every worker serves
+            with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+                await asyncio.to_thread(workers.wait_ready, "t-parts1", T, {"Scale": 2})
+                early = 0
+                while len(gw.gateways) < 3:  # the gateway looks for the spec again every 2 s
+                    assert await gw.predict(early) == early * 2 + 3
+                    early += 1
+                    assert early < 1000, "the gateway never picked up the partition count"
+                    await asyncio.sleep(0.01)
                 for v in range(6):  # one at a time: each wakes an idle worker's wait on all partitions
                     assert await gw.predict(v) == v * 2 + 3
                 values = list(range(90))
                 assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+                return early
 
-        asyncio.run(asyncio.wait_for(main(), T))
-        status = wait_for(lambda: _settled(redis_url, "t-parts1", 96), 10, "the batch stats of every request",
-                          lambda: repr(_read_partitioned(redis_url, "t-parts1")))
-    assert [part.stages[1].items_last_minute for part in status.by_partition] == [32, 32, 32]
+    early = asyncio.run(asyncio.wait_for(main(), 2 * T))
+    status = wait_for(lambda: _settled(redis_url, "t-parts1", early + 96), 10, "the batch stats of every request",
+                      lambda: repr(_read_partitioned(redis_url, "t-parts1")))
+    assert [part.stages[1].items_last_minute for part in status.by_partition] == [early + 32, 32, 32]
 
 
 # -- failover ---------------------------------------------------------------------------------
