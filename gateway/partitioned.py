@@ -57,8 +57,11 @@ async def read_partition_count(client: Any, keys: Keys) -> int | None:
 
 
 class PartitionedGateway:
-    """Same interface as :class:`Gateway` (``predict``, ``in_flight``, ``healthy``,
-    ``pipeline_status``), plus ``key=`` on ``predict``."""
+    """Same interface as :class:`Gateway` (``predict``, ``submit``, ``in_flight``, ``healthy``,
+    ``pipeline_status``), plus ``key=`` on ``predict`` and ``submit`` (over HTTP: the header
+    ``X-Conveyor-Partition-Key``)."""
+
+    takes_partition_key = True  # the HTTP front passes X-Conveyor-Partition-Key on
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None) -> None:
@@ -139,12 +142,14 @@ class PartitionedGateway:
     def healthy(self) -> bool:
         return all(g.healthy for g in self.gateways)
 
-    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
-        """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition exactly that;
-        with several, :meth:`predict`'s round robin (which may retry another partition) as a task."""
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> asyncio.Future[Any]:
+        """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition, or a key,
+        exactly that on the one partition; else :meth:`predict`'s round robin (which may retry
+        another partition) as a task."""
         self._check_count()
-        if len(self.gateways) == 1:
-            return self.gateways[0].submit(x, timeout_s)
+        n = len(self.gateways)
+        if n == 1 or key is not None:
+            return self.gateways[0 if key is None else partition_of(key, n)].submit(x, timeout_s)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:

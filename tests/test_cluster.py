@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -21,6 +22,7 @@ from gateway.partitioned import PartitionedGateway, partition_of, read_all_parti
 from gateway.status import PipelineStatus
 from tests.cluster import ClusterError, LocalCluster
 from tests.helpers import running_workers, wait_for
+from tests.test_http import FakeBackend, one, predict_json, serving
 from tests.test_pipeline_e2e import assert_drained
 
 APP = "tests.stages"
@@ -133,7 +135,8 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
                 assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
                 values = list(range(n))
                 assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
-                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(30)))
+                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(20)),
+                                             *(gw.submit(v, key=b"user-7") for v in range(20, 30)))  # HTTP's path
                 assert keyed == [v * 2 + 3 for v in range(30)]
                 assert gw.in_flight == 0
 
@@ -148,6 +151,8 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
     assert 'conveyor_partition_live_workers{index="1",partition="2",stage="Shift"} 1.0' in metrics.render().decode()
     per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
+    keyed_partition = partition_of("user-7", 3)  # the 30 keyed requests all went there
+    assert per_partition[keyed_partition] >= 30 + n // 3
     # Each request ran through the last stage exactly once (a duplicate would count twice).
     assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
     assert min(per_partition) >= n // 3  # round robin: every partition served its share
@@ -275,3 +280,30 @@ async def _healthy(cluster: LocalCluster) -> bool:
     except ClusterError:
         return False
     return True
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyedBackend(FakeBackend):
+    """test_http's fake backend, taking a partition key as PartitionedGateway does."""
+
+    takes_partition_key: ClassVar[bool] = True
+    keys: list[bytes | str | None] = field(default_factory=list)
+
+    def submit(self, x: Any, timeout_s: float | None = None, key: bytes | str | None = None) -> asyncio.Future[Any]:
+        self.keys.append(key)
+        return asyncio.ensure_future(self.predict(x, timeout_s))
+
+
+def test_http_partition_key_header_reaches_the_gateway() -> None:
+    async def main() -> KeyedBackend:
+        backend = KeyedBackend()
+        async with serving(backend) as server:
+            keyed = await one(server.port, predict_json(5, **{"X-Conveyor-Partition-Key": "user-7"}))
+            plain = await one(server.port, predict_json(6))
+        assert (keyed.status, keyed.json(), plain.status, plain.json()) == (200, {"result": 5}, 200, {"result": 6})
+        return backend
+
+    assert asyncio.run(asyncio.wait_for(main(), T)).keys == [b"user-7", None]
