@@ -212,9 +212,10 @@ def _partition_lines(result: PipelineStatus) -> list[str]:
         return []
     lines = [f"partitions: {result.partitions} (rows above: totals; live = fewest over partitions)"]
     for p, part in enumerate(result.by_partition):
+        where = f" on {part.node}" if part.node else ""
         for s in part.stages:
             lines.append(f"  p{p:<3} {s.name:<16} backlog={s.backlog} pending={s.pending} live={s.live_workers} "
-                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}")
+                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}{where}")
     return lines
 
 

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from broker import protocol
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
 from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
 from gateway.client import Gateway, GatewaySettings
@@ -184,6 +184,9 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     parts = [first]
     for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
         parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
+    if is_cluster_client(client):  # where each partition lives: spread or not, at a glance
+        for k, part in zip(keys.partitions(first.partitions), parts, strict=True):
+            part.node = str(client.get_node_from_key(k.spec).name)
     return merge_status(parts)
 
 

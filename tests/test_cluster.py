@@ -146,6 +146,8 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     assert status.partitions == 3 and len(status.by_partition) == 3
     text = format_status("t-parts1", status)  # `conveyor status`: totals, then one row per partition
     assert "partitions: 3" in text and "p2" in text and "Shift" in text
+    nodes = {part.node for part in status.by_partition}  # and the master each partition lives on
+    assert nodes == {f"127.0.0.1:{port}" for port in masters} and all(node in text for node in nodes)
     assert len(status_json("t-parts1", status)["partitions"]) == 3
     metrics = Metrics(_NoBackend())
     metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
