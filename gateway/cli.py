@@ -180,7 +180,8 @@ def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
     out = {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
            "reachable": result.reachable, "error": result.error or None, "stages": stages}
     if result.partitions > 1:
-        out["partitions"] = [status_json(name, part)["stages"] for part in result.by_partition]
+        out["partitions"] = [{"partition": p, "node": part.node or None, "stages": status_json(name, part)["stages"]}
+                             for p, part in enumerate(result.by_partition)]
     return out
 
 
