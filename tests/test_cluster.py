@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -204,7 +205,8 @@ def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
 def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster) -> None:
     """A master dies under load; its replica takes over. Every request gets exactly one outcome:
     its right answer, or (only those in flight on the dead master) a timeout; after the
-    failover every request is answered again, by the same worker processes.
+    failover every request is answered again, by the same worker processes. Meanwhile the two
+    partitions whose masters live keep being served (workers set the dead one aside).
 
     Why some may time out: Redis replication is asynchronous, so entries and acks the dead
     master accepted in its last moments may never have reached the replica (docs/deployment.md).
@@ -212,31 +214,42 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
     url = failover_cluster.url
     victim = failover_cluster.master_of(Keys("t-parts1").spec)  # partition 0's master
     outcomes: dict[int, object] = {}
+    done_at: dict[int, tuple[int, float]] = {}  # request -> (partition, when answered)
+    key_of = {partition_of(f"k{i}", 3): f"k{i}" for i in range(50)}  # a key for each partition
+    killed_at = 0.0
     with running_workers(url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
         async def one(gw: PartitionedGateway, v: int) -> None:
             try:
-                outcomes[v] = await gw.predict(v, timeout_s=6.0)
+                outcomes[v] = await gw.predict(v, timeout_s=6.0, key=key_of[v % 3])
+                done_at[v] = (v % 3, time.monotonic())
             except TimeoutError as exc:
                 outcomes[v] = exc
 
+        async def live_probe(gw: PartitionedGateway) -> None:
+            """One request after another to partition 2 (v % 3 == 2), whose master stays up."""
+            for v in range(1_000_000_001, 1_000_100_000, 3):
+                await one(gw, v)
+
         async def main() -> None:
+            nonlocal killed_at
             async with PartitionedGateway(url, "t-parts1") as gw:
                 counter = 0
-                killed_at = None
-                started = asyncio.get_running_loop().time()
+                started = time.monotonic()
+                probe = asyncio.create_task(live_probe(gw))
                 while True:
-                    now = asyncio.get_running_loop().time()
-                    if killed_at is None and now - started > 1.5:
+                    now = time.monotonic()
+                    if not killed_at and now - started > 1.5:
                         failover_cluster.kill(victim)
                         killed_at = now
-                    if killed_at is not None and now - killed_at > 3.0 and await _healthy(failover_cluster):
+                    if killed_at and now - killed_at > 3.0 and await _healthy(failover_cluster):
                         break
                     assert now - started < T, "the replica was not promoted in time"
                     wave = range(counter, counter + 30)
                     counter += 30
                     await asyncio.gather(*(one(gw, v) for v in wave))
+                probe.cancel()
                 # After the failover: every request answered, in every partition.
                 after = range(counter, counter + 300)
                 await asyncio.gather(*(one(gw, v) for v in after))
@@ -247,6 +260,10 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
         workers.check_alive()
     wrong = {v: o for v, o in outcomes.items() if not isinstance(o, TimeoutError) and o != 2 * v + 3}
     assert not wrong
+    # The dead master's partition answered again only after the failover; the others meanwhile.
+    dead_back = min(t for p, t in done_at.values() if p == 0 and t > killed_at)
+    served_meanwhile = [t for p, t in done_at.values() if p != 0 and killed_at + 0.2 < t < dead_back - 0.2]
+    assert served_meanwhile, f"no partition answered in the {dead_back - killed_at:.1f}s of the failover"
     timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
     print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
     assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
