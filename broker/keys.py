@@ -35,6 +35,10 @@ key                                type    TTL                  written by
                                            pruned by score)     ``heartbeat_s`` (score: ms)
 ``P:stats:<i>``                    stream  none (MAXLEN ~)      stage i workers, one entry per
                                                                 batch (size, duration)
+``P:loading:<i>``                  zset    none (members        stage i workers while their
+                                           pruned by score)     ``setup()`` runs, every
+                                                                ``heartbeat_s``; removed once
+                                                                ready (score: ms)
 =================================  ======  ===================  ==============================
 
 The consumer group of every stage stream is named ``workers``.
@@ -119,3 +123,6 @@ class Keys:
 
     def stats(self, stage: int) -> str:
         return f"{self.base}:stats:{stage}"
+
+    def loading(self, stage: int) -> str:
+        return f"{self.base}:loading:{stage}"

@@ -10,6 +10,7 @@ One GET of the spec (which stages exist), then one pipelined round trip for ever
 - the heartbeat zset: live workers are members whose score (Unix ms) is recent, whatever the
   consumer group still lists (a killed worker stays a consumer until the janitor removes it);
 - ``XLEN`` of the dead-letter stream;
+- the loading zset: workers whose ``setup()`` is still running (refreshed like heartbeats);
 - ``XRANGE`` of the stats stream over the last minute: throughput and batch-duration
   percentiles. Entry ID = time; ``n`` = batch sizes, ``ms`` = durations, space-separated, one
   value per batch (workers write an entry about every 100 ms, not one per batch).
@@ -35,7 +36,7 @@ from broker.spec import SpecError, StageInfo, decode_spec
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat is older than this is not live
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
 STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
-_COMMANDS_PER_STAGE = 6
+_COMMANDS_PER_STAGE = 7
 
 
 @dataclass
@@ -55,6 +56,7 @@ class StageStatus:
     pending: int = 0  # delivered, not yet acked
     consumers: int = 0
     live_workers: int = 0
+    loading_workers: int = 0  # started, setup() (e.g. a model load) still running: not live yet
     dead_letters: int = 0
     max_backlog: int | None = None
     batches: list[tuple[int, float]] = field(default_factory=list)  # (size, seconds) since last read
@@ -104,6 +106,7 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
             pipe.zrange(keys.heartbeats(i), 0, -1, withscores=True)
             pipe.xlen(keys.dead(i))
             pipe.xrange(keys.stats(i), min=_range_start(marks, i, window_start), max="+")
+            pipe.zrange(keys.loading(i), 0, -1, withscores=True)
         results = await pipe.execute(raise_on_error=False)
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc!r}")
@@ -129,8 +132,9 @@ def _ok(value: Any, default: Any) -> Any:
 
 def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None, now: int,
            window_start: int) -> StageStatus:
-    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [])
-    groups, consumers, length, beats, dead, stats = (_ok(r, d) for r, d in zip(results, defaults, strict=True))
+    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [])
+    groups, consumers, length, beats, dead, stats, loading = (
+        _ok(r, d) for r, d in zip(results, defaults, strict=True))
     status = StageStatus(stage.index, stage.name, dead_letters=int(dead), max_backlog=stage.max_backlog)
     lag: Any = None
     for group in groups:
@@ -143,6 +147,7 @@ def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None,
     status.backlog = int(lag) if lag is not None else max(0, int(length) - status.pending)
     heartbeats = {_text(member): int(score) for member, score in beats}
     status.live_workers = sum(1 for score in heartbeats.values() if score >= now - LIVE_AFTER_MS)
+    status.loading_workers = sum(1 for _member, score in loading if int(score) >= now - LIVE_AFTER_MS)
     status.consumer_details = [_consumer(c, heartbeats, now) for c in consumers]
     _window_stats(status, stats, window_start, now)
     if marks is not None:

@@ -107,6 +107,9 @@ def _status(port: int, path: str) -> int:
 
 @pytest.fixture(scope="module")
 def direct() -> tuple[Tokenizer, Embedder]:
+    import torch
+
+    torch.set_num_threads(1)  # as a worker runs it; more threads on 2 busy shared cores only spin
     tokenizer, embedder = Tokenizer(), Embedder()
     tokenizer.load()
     embedder.load()

@@ -44,7 +44,7 @@ def _cost(key: Callable[[Any], Any], x: Any) -> tuple[bool, Any]:
 
 def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: int) -> list[list[int]]:
     """Indices of ``inputs`` sorted by cost, in consecutive groups of at most ``group_size``,
-    sized as evenly as possible (64 items in groups of up to 24 -> 22, 21, 21)."""
+    sized as evenly as possible (64 items in groups of up to 24 -> 21, 21, 22)."""
     costs = [_cost(key, x) for x in inputs]
     try:
         order = sorted(range(len(inputs)), key=costs.__getitem__)

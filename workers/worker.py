@@ -32,6 +32,7 @@ from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
 from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
+from workers.loading import LoadingBeacon
 from workers.partitions import Lane, on_lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
@@ -104,7 +105,8 @@ class Worker:
         # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
         stage = self.spec.cls(**self.spec.kwargs)
-        stage.setup()
+        with LoadingBeacon(self.redis_settings, self.keys, self.spec.index, self.consumer, self.settings.heartbeat_s):
+            stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._stage = stage
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()

@@ -12,15 +12,15 @@ from examples.embeddings.stages import Embed, Tokenize
 from workers import Pipeline
 
 
-def make_pipeline(name: str = "embeddings", *, grouped: bool = True, int8: bool = False,
-                  embed_workers: int = 2) -> Pipeline:
+def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
+                  embed: type[Embed] = Embed) -> Pipeline:
     """The example's pipeline; ``grouped=False`` turns length-aware batching off (for comparison)."""
-    embed_options: dict[str, object] = {"workers": embed_workers, "int8": int8}
+    embed_options: dict[str, object] = {"workers": embed_workers}
     if not grouped:
         embed_options["batch_key"] = None
     return (Pipeline(name)
             .add(Tokenize, name="tokenize", workers=1)
-            .add(Embed, name="embed", **embed_options))
+            .add(embed, name="embed", **embed_options))
 
 
 pipeline = make_pipeline()

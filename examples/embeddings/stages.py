@@ -17,7 +17,7 @@ from workers import Stage
 
 class Tokenize(Stage):
     batch_size = 64
-    batch_wait_s = 0.002
+    batch_wait_s = 0.0  # take what is queued and go: items pile up while a batch runs anyway
     threads = 1
 
     def setup(self) -> None:
@@ -30,11 +30,17 @@ class Tokenize(Stage):
 
 class Embed(Stage):
     batch_size = 64
-    batch_wait_s = 0.004
+    # No window: a text costs ~10 ms, more than any wait could buy back (on one thread a batch of 8 costs
+    # about as much per text as one of 64), and under load texts queue up while a batch runs. A window
+    # would only add its length to the latency at low load.
+    batch_wait_s = 0.0
     threads = 1
     group_size = 16  # predict calls per read batch hold up to 16 texts of similar length
 
-    int8 = False  # Pipeline.add(Embed, int8=True): dynamic int8 quantization of the Linear layers
+    # Dynamic int8 quantization of the Linear layers: measured, but its vectors drift too far from
+    # fp32 (mean cosine 0.94 < 0.99, docs/embeddings.md), so the example does not offer it; the
+    # benchmark turns it on to keep measuring it.
+    int8 = False
 
     def setup(self) -> None:
         self._embed = Embedder(int8=bool(self.int8))
