@@ -118,14 +118,14 @@ class Committer:
         args = [*head, *commit.forwards, *res_args, *commit.dead, *commit.acks]
         command = [b"EVALSHA", self._sha, b"%d" % len(keys), *map(_as_arg, keys), *map(_as_arg, args)]
         try:
-            return int(self._execute(command))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            return int(self._run(command))
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             self._client.script_load(COMMIT_LUA)
-            return int(self._execute(command))
+            return int(self._run(command))
 
-    def _execute(self, command: list[bytes]) -> Any:
-        if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
-            return self._client.execute_command("EVALSHA", *command[1:])  # the cluster client wants a str name
+    def _run(self, command: list[bytes]) -> Any:
+        if is_cluster_client(self._client):  # no single pool: redis-py routes by the first key
+            return self._client.execute_command("EVALSHA", *command[1:])
         return self._execute_packed(pack_command(command))
 
     def _execute_packed(self, packed: bytes) -> Any:
