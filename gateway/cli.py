@@ -21,7 +21,7 @@ from gateway.client import GatewaySettings
 from gateway.http import HttpSettings, PortInUse, check_port_free
 from gateway.http_settings import LOOPS
 from gateway.partitioned import read_all_partitions
-from gateway.serve import GatewayJob, LoopUnavailable, serve, serve_processes
+from gateway.serve import GatewayJob, LoopUnavailable, check_loop, serve, serve_processes
 from gateway.status import PipelineStatus
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
@@ -74,6 +74,7 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
     job = GatewayJob(name, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
                      log_format.lower())
     try:
+        check_loop(loop)
         if processes > 1:
             raise SystemExit(serve_processes(job, processes))
         check_port_free(host, port)
@@ -221,4 +222,8 @@ def _partition_lines(result: PipelineStatus) -> list[str]:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.2f}"
+    """Milliseconds, 2 decimals; below 0.01 ms (a cheap singleton predict) in e-notation, not 0.00."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000
+    return f"{ms:.2f}" if ms >= 0.01 or ms == 0 else f"{ms:.1e}"

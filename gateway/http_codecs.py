@@ -10,6 +10,7 @@ result become plain lists and numbers; in msgpack they travel as conveyor's arra
 from __future__ import annotations
 
 import json
+import json.encoder
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +42,18 @@ def _json_default(obj: object) -> Any:
 
 
 _ENCODER = json.JSONEncoder(default=_json_default, separators=(",", ":"), allow_nan=False)
+# The C encoder json.dumps builds on every call, built once (None where the C accelerator is missing).
+# markers=None: no circular-reference check; a cycle ends in RecursionError, which callers handle.
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE = (_C_MAKE_ENCODER(None, _json_default, json.encoder.encode_basestring_ascii, None, ":", ",",
+                             False, False, False)
+             if _C_MAKE_ENCODER is not None else None)
 
 
 def json_encode(obj: Any) -> bytes:
     try:
+        if _C_ENCODE is not None:
+            return "".join(_C_ENCODE(obj, 0)).encode()
         return _ENCODER.encode(obj).encode()
     except ValueError as exc:
         if "Out of range float" not in str(exc):

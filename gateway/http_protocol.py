@@ -141,23 +141,20 @@ class HttpProtocol(asyncio.Protocol):
         if self.phase == _DEAD:
             self._discard(len(data))
             return
+        error: HttpError | None = None
         self.feeding = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            self.feeding = False
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, HttpError) else bad_request(str(exc)))
-            return
         except httptools.HttpParserUpgrade:
+            error = bad_request("protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
+            cause = exc.__context__
+            error = cause if isinstance(cause, HttpError) else bad_request(str(exc))
+        finally:
             self.feeding = False
-            self._fail(bad_request("protocol upgrades are not supported"))
+        if error is not None:
+            self._fail(error)
             return
-        except httptools.HttpParserError as exc:
-            self.feeding = False
-            self._fail(bad_request(str(exc)))
-            return
-        self.feeding = False
         if self.phase == _HEAD:
             self._check_partial_head(data)
         if len(self.queue) >= _MAX_QUEUED:
@@ -254,7 +251,7 @@ class HttpProtocol(asyncio.Protocol):
         while self.queue and self.current is None and not self.closed and not self.write_paused:
             item = self.queue[0]
             if isinstance(item, HttpError):
-                self.metrics.observe_request("other", item.outcome)
+                self.metrics.observe_request(item.route, item.outcome)
                 self._write(frame(item.reply(), close=True))
                 self._end()
                 return
@@ -377,6 +374,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def _fail(self, error: HttpError) -> None:
         """Stop reading requests; answer ``error`` after what is already queued, then close."""
+        if self.phase != _IDLE and self.url:  # a request was under way: count it under its route
+            error.route = self.router.label(self.url.split(b"?", 1)[0])
         self.phase = _DEAD
         self.read_deadline = math.inf
         self._enqueue(error)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from broker.codec import CodecError
-from gateway.errors import Overloaded, StageError
+from gateway.errors import Overloaded, StageError, UnknownPipeline
 from gateway.http_codecs import JSON, Codec, UnsupportedMediaType, codec_for, json_encode
 from gateway.http_settings import HttpSettings
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -92,6 +92,7 @@ class HttpError(Exception):
         super().__init__(message)
         self.status, self.type, self.message, self.outcome = status, type_, message, outcome
         self.stage, self.trace, self.close, self.headers = stage, trace, close, list(headers)
+        self.route = "other"  # the metrics label, when the error ends a request whose path was read
 
     def reply(self, codec: Codec = JSON) -> Reply:
         error: dict[str, Any] = {"type": self.type, "message": self.message, "stage": self.stage}
@@ -270,7 +271,9 @@ class Router:
             return exc.reply()
         try:
             x = _decode_body(codec, request.body)
-            bound_s = timeout_s(request.headers, time.time())
+            headers = request.headers
+            has_bound = TIMEOUT_HEADER in headers or DEADLINE_HEADER in headers
+            bound_s = timeout_s(headers, time.time()) if has_bound else None
             if bound_s is not None and bound_s <= 0:
                 raise HttpError(504, "DeadlineExceeded", "deadline passed before submission",
                                 outcome="timeout")
@@ -309,6 +312,8 @@ class Router:
             return overloaded(str(exc) or "the pipeline is overloaded, retry later")
         if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             return HttpError(504, "DeadlineExceeded", str(exc) or "no result before the deadline", outcome="timeout")
+        if isinstance(exc, UnknownPipeline):  # no worker ever registered this name: say so, not a 500 with a trace
+            return HttpError(503, "UnknownPipeline", str(exc), outcome="unknown_pipeline")
         if isinstance(exc, CodecError):  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
             return HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}", outcome="bad_request")
         log.error("predict failed inside the gateway", exc_info=exc)

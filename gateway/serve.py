@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -29,7 +30,7 @@ from gateway.http import HttpServer, HttpSettings, PortInUse, check_port_free
 from gateway.http import run as serve_http
 from gateway.partitioned import PartitionedGateway
 
-__all__ = ["GatewayJob", "LoopUnavailable", "run_loop", "serve", "serve_processes"]
+__all__ = ["GatewayJob", "LoopUnavailable", "check_loop", "run_loop", "serve", "serve_processes"]
 
 log = logging.getLogger("gateway.serve")
 
@@ -53,14 +54,22 @@ class GatewayJob:
     log_format: str = "kv"
 
 
+def check_loop(loop: str) -> None:
+    """Raise `LoopUnavailable` (one line for the CLI) if ``loop`` cannot be used here."""
+    if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise LoopUnavailable("--loop uvloop needs uvloop: pip install 'conveyor[uvloop]'")
+
+
 def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
     """Run ``coro`` on the asyncio loop or, when asked and installed, on uvloop."""
     if loop == "uvloop":
         try:
-            import uvloop
-        except ImportError:
+            check_loop(loop)
+        except LoopUnavailable:
             coro.close()
-            raise LoopUnavailable("--loop uvloop needs uvloop: pip install 'conveyor[uvloop]'") from None
+            raise
+        import uvloop
+
         uvloop.run(coro)
     else:
         asyncio.run(coro)

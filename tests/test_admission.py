@@ -127,8 +127,9 @@ def test_max_backlog_holds_from_the_first_request_for_every_producer(redis_url: 
 def test_gateway_limit_and_partial_admission(redis_url: str, redis_client: redis.Redis) -> None:
     """A gateway's own max_backlog applies in the script too (the stricter wins), and one turn of
     submissions is admitted in part: its head in, the rest Overloaded. No worker: nothing drains
-    (the pipeline is registered as a worker would, so the gateway does not wait for one)."""
-    redis_client.set(KEYS.spec, encode_spec([StageInfo(0, "Inc")]))
+    (the pipeline is registered by hand, as a worker would, with no limit of its own)."""
+    redis_client.set(KEYS.spec, encode_spec([StageInfo(0, "SlowStart")]))
+    redis_client.set(KEYS.max_backlog, "none")
 
     async def main() -> list[Any]:
         async with Gateway(redis_url, NAME, GatewaySettings(timeout_s=2.0, max_backlog=5)) as gw:

@@ -197,12 +197,12 @@ def test_adaptive_lone_item_goes_at_once(reader: StreamReader, redis_client: red
 def test_adaptive_waits_only_while_it_pays() -> None:
     policy = AdaptiveWait(batch_wait_s=0.002, overhead_s=0.0005)
     assert policy.wait_s(0.0, 1, 64, 0.0) == 0.0  # nothing observed yet: go
-    policy.rate_per_s = 100_000.0  # an item every 10 us
+    policy.gap_s = 1e-5  # an item every 10 us
     assert policy.wait_s(0.0, 1, 64, 0.0) == pytest.approx(2e-5)  # one item in hand: a gap is cheap
     assert policy.wait_s(0.0, 60, 64, 0.0) == 0.0  # 60 items x 10 us > the 0.5 ms a batch costs
     assert policy.wait_s(0.0, 64, 64, 0.0) == 0.0  # full
     assert policy.wait_s(0.0, 1, 64, 0.002) == 0.0  # batch_wait_s is the upper bound
-    policy.rate_per_s = 1_000.0
+    policy.gap_s = 1e-3
     assert policy.wait_s(0.0, 1, 64, 0.0) == 0.0  # 1 ms apart: the next item is not worth 1 ms
 
 
@@ -210,9 +210,11 @@ def test_adaptive_learns_the_arrival_rate_and_the_batch_cost() -> None:
     policy = AdaptiveWait(batch_wait_s=0.002, alpha=1.0)
     policy.observe_read(10, 100.0)
     policy.observe_read(50, 100.01)
-    assert policy.rate_per_s == pytest.approx(5000.0)
-    policy.observe_batch(50, predict_s=0.001, commit_s=0.0003)
-    assert policy.overhead_s == pytest.approx(0.0006)
+    assert policy.gap_s == pytest.approx(0.0002)  # 50 items in 10 ms
+    policy.observe_batch(50, predict_s=0.001, commit_s=0.0001)
+    assert policy.overhead_s == pytest.approx(0.0002)  # a cheap commit: the estimate drops at once
+    policy.observe_batch(50, predict_s=0.001, commit_s=0.05)
+    assert policy.overhead_s == pytest.approx(0.00021)  # a slow one (a busy CPU): it rises 5 % only
 
 
 def test_singleton_read_size_follows_work_and_live_workers() -> None:

@@ -54,20 +54,24 @@ def test_predict_on_an_unregistered_pipeline_names_it_soon_and_writes_nothing(
     assert _keys_of(redis_client, TYPO) == []  # no stream (or anything) left that would never expire
 
 
-def test_readyz_says_the_pipeline_is_not_registered(redis_url: str) -> None:
-    async def main() -> tuple[int, dict[str, object]]:
-        async with Gateway(redis_url, TYPO) as gw:
+def test_http_says_the_pipeline_is_not_registered(redis_url: str) -> None:
+    async def main() -> list[tuple[int, dict[str, object]]]:
+        async with Gateway(redis_url, TYPO, GatewaySettings(register_wait_s=0.3)) as gw:
             server = HttpServer(gw, HttpSettings(port=0))
             await server.start()
             try:
-                status, body = await asyncio.to_thread(http_call, server.port, "GET", "/readyz")
+                replies = [await asyncio.to_thread(http_call, server.port, "GET", "/readyz"),
+                           await asyncio.to_thread(http_call, server.port, "POST", "/v1/predict", b"1")]
             finally:
                 await server.close()
-            return status, json.loads(body)
+            return [(status, json.loads(body)) for status, body in replies]
 
-    status, body = asyncio.run(main())
-    assert status == 503
-    assert TYPO in str(body["error"]) and "not registered" in str(body["error"])
+    (ready_status, ready), (predict_status, predict) = asyncio.run(main())
+    assert ready_status == 503
+    assert TYPO in str(ready["error"]) and "not registered" in str(ready["error"])
+    assert predict_status == 503, predict
+    error = predict["error"]
+    assert isinstance(error, dict) and error["type"] == "UnknownPipeline" and TYPO in error["message"]
 
 
 def test_a_request_waits_for_workers_that_register_meanwhile(redis_url: str) -> None:

@@ -838,3 +838,16 @@ async def test_half_closed_client_gets_its_answers_then_the_connection_closes(
     assert (await client.response()).json() == {"result": "b"}
     assert await client.closed()  # at once, not after the keep-alive timeout
     await client.close()
+
+
+@http_test(max_body_bytes=16)
+async def test_refused_requests_are_counted_under_their_route(server: HttpServer, backend: FakeBackend) -> None:
+    await one(server.port, http_request("POST", "/v1/predict", b"[" + b"1," * 20 + b"1]",
+                                        {"content-type": "application/json"}))
+    client = await Client.open(server.port)
+    await client.send(b"GARBAGE\r\n\r\n")
+    assert (await client.response()).status == 400
+    await client.close()
+    text = server.metrics.render().decode()
+    assert 'conveyor_gateway_requests_total{outcome="too_large",route="predict"} 1.0' in text
+    assert 'conveyor_gateway_requests_total{outcome="bad_request",route="other"} 1.0' in text

@@ -378,7 +378,7 @@ def test_backlog_limit_fails_fast_keeps_memory_bounded_and_recovers(redis_url: s
             async with Gateway(redis_url, "c-backlog", GatewaySettings(timeout_s=T)) as gw:
                 waves = [await wave(gw, peak)]
                 await until(lambda: redis_client.xlen(stream) == 0, T, "the backlog to drain")
-                # A refusal makes the gateway re-read the backlog: a round trip later, requests are
+                # Admission is judged in Redis at each submission: once drained, requests are
                 # admitted again (bounds are loose: the suite runs on 2 busy cores).
                 refusals, started = 0, time.monotonic()
                 while True:

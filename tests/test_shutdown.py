@@ -16,15 +16,18 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import REPO_ROOT, alive, conveyor_argv, conveyor_env, descendants, http_call, kill_group, wait_for
 from tests.stop_stages import expected
+from workers.embedded import EmbeddedRedis
 
 T = 30.0
 CLIENTS = 50
@@ -182,4 +185,31 @@ def test_conveyor_run_prints_a_redis_url_to_paste(tmp_path: Path) -> None:
                 kill_group(popen)
             if popen.stdout is not None:
                 popen.stdout.close()
+    assert not redis_dir.exists()
+
+
+def test_a_detached_redis_is_out_of_ctrl_c_reach_yet_dies_with_its_owner(tmp_path: Path) -> None:
+    """``conveyor run``'s Redis ignores the terminal's Ctrl-C (its own session), but a SIGKILLed
+    owner leaves no server behind (PR_SET_PDEATHSIG), and the next run reuses the stale directory."""
+    redis_dir = tmp_path / "r"
+    code = ("import sys, time\nfrom workers.embedded import EmbeddedRedis\n"
+            f"server = EmbeddedRedis(directory=__import__('pathlib').Path({str(redis_dir)!r}), detach=True)\n"
+            "server.start()\nprint(server.pid, flush=True)\ntime.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=conveyor_env(), stdout=subprocess.PIPE)
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        server = psutil.Process(pid)
+        assert os.getsid(pid) != os.getsid(owner.pid)  # a terminal's SIGINT to the owner's group misses it
+        owner.kill()
+        owner.wait(timeout=T)
+        wait_for(lambda: not alive([server]), T, "the orphaned redis-server to exit")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if owner.stdout is not None:
+            owner.stdout.close()
+    assert redis_dir.is_dir()  # left behind: nobody ran the owner's clean-up
+    with EmbeddedRedis(directory=redis_dir, detach=True) as again:
+        assert again.url == f"unix://{redis_dir}/redis.sock"
     assert not redis_dir.exists()

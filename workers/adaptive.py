@@ -30,26 +30,30 @@ class AdaptiveWait:
 
     batch_wait_s: float
     alpha: float = 0.2
-    rate_per_s: float | None = None  # items arriving to this worker per second
+    gap_s: float | None = None  # mean time between items arriving to this worker
     overhead_s: float = 0.0005  # fixed cost of one batch: read + commit round trips
     _last_read_at: float | None = field(default=None, repr=False)
 
     def observe_read(self, count: int, now: float) -> None:
-        """``count`` entries came back from a read at ``now``: they arrived since the previous one."""
-        if self._last_read_at is not None and now > self._last_read_at:
-            self.rate_per_s = ewma(self.rate_per_s, count / (now - self._last_read_at), self.alpha)
+        """``count`` entries came back from a read at ``now``: they arrived since the previous one.
+        The gap is averaged, not the rate: an average of count/dt is dominated by the shortest dt
+        (a noisy machine made a lone request look like a burst, and wait)."""
+        if self._last_read_at is not None and now > self._last_read_at and count > 0:
+            self.gap_s = ewma(self.gap_s, (now - self._last_read_at) / count, self.alpha)
         self._last_read_at = now
 
     def observe_batch(self, size: int, predict_s: float, commit_s: float) -> None:
-        # A read costs about what a commit does (one round trip): count it twice.
-        self.overhead_s = ewma(self.overhead_s, 2 * commit_s, self.alpha)
+        """A read costs about what a commit does (one round trip): count it twice. The estimate
+        follows the cheapest recent commits, rising at most 5 % per batch: a commit that waited for
+        a busy CPU says nothing about what batching saves, and must not make lone requests wait."""
+        self.overhead_s = min(2 * commit_s, self.overhead_s * 1.05)
 
     def wait_s(self, idle_s: float, have: int, batch_size: int, waited_s: float) -> float:
         """How long to wait for more entries now (0: dispatch what is in hand)."""
         remaining = self.batch_wait_s - waited_s
-        if have >= batch_size or remaining <= 0 or not self.rate_per_s:
+        gap_s = self.gap_s
+        if have >= batch_size or remaining <= 0 or gap_s is None:
             return 0.0
-        gap_s = 1.0 / self.rate_per_s
         if have * gap_s >= self.overhead_s:
             return 0.0  # the items in hand would lose more waiting than a separate batch costs
         return min(remaining, 2 * gap_s)  # twice the expected gap: arrivals are not a metronome

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loadgen", choices=("auto", "wrk", "builtin"), default="auto",
                    help="HTTP load generator: wrk if on PATH (auto), else the built-in asyncio client")
     p.add_argument("--payloads", action="store_true", help="the payload benchmark (numpy float32 arrays)")
-    p.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB", help="array sizes for --payloads")
+    p.add_argument("--sizes", default=None, help="array sizes for --payloads (default 1KiB,64KiB,1MiB,16MiB)")
     p.add_argument("--in-flight", type=int, default=4, help="requests in flight for --payloads")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `conveyor gateway` (repeat), e.g. --gateway-arg=--processes=2")
@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.duration_s = 1, 1.0
         args.connections = "1,16"
-        args.sizes = "1KiB,1MiB"
+        args.sizes = args.sizes or "1KiB,1MiB"
+    args.sizes = args.sizes or "1KiB,64KiB,1MiB,16MiB"
     return args
 
 

@@ -61,8 +61,9 @@ async def closed_loop(call: Call, in_flight: int, duration_s: float, timeout_s: 
 
 
 async def gateway_api(redis_url: str, pipeline: str, x: Any, in_flight: int, duration_s: float,
-                      warmup_s: float = 0.0) -> LoadResult:
-    """conveyor's Python API: one `Gateway` in this process, ``in_flight`` coroutines on it."""
+                      warmup_s: float = 0.0, started: Callable[[], None] | None = None) -> LoadResult:
+    """conveyor's Python API: one `Gateway` in this process, ``in_flight`` coroutines on it;
+    ``started`` is called when the measured part begins, after the warm-up."""
     want = expected(x)
     async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=60.0)) as gw:
 
@@ -71,6 +72,8 @@ async def gateway_api(redis_url: str, pipeline: str, x: Any, in_flight: int, dur
 
         if warmup_s > 0:
             await closed_loop(call, min(in_flight, 64), warmup_s)
+        if started is not None:
+            started()
         return await closed_loop(call, in_flight, duration_s)
 
 

@@ -37,8 +37,21 @@ def summarise(runs: Sequence[dict[str, Any]], key: str = "connections") -> list[
         labels = sorted({label for r in group for label in r.get("cpu", {})})
         row["cpu"] = {label: _median(r["cpu"][label] for r in group if label in r.get("cpu", {}))
                       for label in labels}
+        row["cpu_ms_per_request"] = _median(_cpu_ms(r) for r in group)
+        commands = sorted({c for r in group for c in r.get("redis_usec", {})})
+        row["redis_ms_per_request"] = {c: _median(_per_request(r["redis_usec"].get(c, 0) / 1000, r) for r in group)
+                                       for c in commands}
         rows.append(row)
     return rows
+
+
+def _cpu_ms(run: dict[str, Any]) -> float:
+    """CPU ms all the system's processes spent per request (percent of a core x seconds x 10)."""
+    return _per_request(sum(run.get("cpu", {}).values()) * 10 * run.get("duration_s", 0.0), run)
+
+
+def _per_request(total: float, run: dict[str, Any]) -> float:
+    return total / run["requests"] if run.get("requests") else float("nan")
 
 
 def ratio(a: float | None, b: float | None) -> float:
@@ -84,15 +97,31 @@ def peers_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def cpu_table(rows: Sequence[dict[str, Any]], key: str = "connections") -> str:
-    """Markdown: % of one core used by each process of each system, per load (medians)."""
-    lines = [f"| {key} | system | CPU % of one core per process |", "|---:|---|---|"]
+    """Markdown: % of one core used by each process of each system, per load (medians), and the CPU
+    time all of them spent per request (which starvation on a shared machine does not inflate)."""
+    lines = [f"| {key} | system | CPU % of one core per process | CPU ms per request, all processes |",
+             "|---:|---|---|---:|"]
     for row in rows:
         cpu = ", ".join(f"{label} {value:.0f}" for label, value in row["cpu"].items())
-        lines.append(f"| {row[key]} | {LABELS.get(row['system'], row['system'])} | {cpu} |")
+        lines.append(f"| {row[key]} | {LABELS.get(row['system'], row['system'])} | {cpu} "
+                     f"| {row.get('cpu_ms_per_request', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def redis_table(rows: Sequence[dict[str, Any]], key: str = "payload_bytes", top: int = 4) -> str:
+    """Markdown: where Redis spent its time per request (INFO commandstats), the largest first."""
+    lines = [f"| {key} | system | Redis ms per request, by command (largest {top}) |", "|---:|---|---|"]
+    for row in rows:
+        spent = sorted(row.get("redis_ms_per_request", {}).items(), key=lambda kv: -kv[1])
+        spent = [(c, ms) for c, ms in spent if not c.startswith("config")][:top]
+        if spent:
+            text = ", ".join(f"{c} {ms:.2f}" for c, ms in spent)
+            load = size_label(row[key]) if key == "payload_bytes" else row[key]
+            lines.append(f"| {load} | {LABELS.get(row['system'], row['system'])} | {text} |")
+    return "\n".join(lines)
+
+
+def size_label(n: int) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
@@ -113,7 +142,7 @@ def payload_table(rows: Sequence[dict[str, Any]]) -> str:
             cells.append("-" if r is None else f"{r['mb_s']:,.1f} ({r['rps']:,.0f}, {r['p50_ms']:.2f}{errors})")
         base = by_system.get(REDIS)
         rels = [_x(rel(by_system.get(s), base, "mb_s")) for s in systems if s != REDIS]
-        lines.append(f"| {_size(size)} | {' | '.join(cells)} | {' | '.join(rels)} |")
+        lines.append(f"| {size_label(size)} | {' | '.join(cells)} | {' | '.join(rels)} |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import platform
 import re
 import subprocess
@@ -22,10 +23,23 @@ from typing import Any
 import msgpack
 import numpy as np
 import psutil
+import redis
 
 from bench.peers import inproc
 from bench.peers.load import LoadResult, run_http
-from bench.peers.report import API, HTTP, LABELS, MOSEC, REDIS, cpu_table, payload_table, peers_table, summarise
+from bench.peers.report import (
+    API,
+    HTTP,
+    LABELS,
+    MOSEC,
+    REDIS,
+    cpu_table,
+    payload_table,
+    peers_table,
+    redis_table,
+    size_label,
+    summarise,
+)
 from bench.peers.servers import PIPELINE_NAME, ROOT, Conveyor, CpuMeter, Mosec, ServerError, http_post
 from broker import codec
 
@@ -72,9 +86,6 @@ def versions() -> dict[str, str]:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         found["conveyor"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                                            capture_output=True, text=True, timeout=5).stdout.strip()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        found["redis-server"] = subprocess.run(["redis-server", "--version"], capture_output=True, text=True,
-                                               timeout=5).stdout.split(" v=")[-1].split()[0]
     return found
 
 
@@ -99,12 +110,31 @@ class Runner:
 
     # -- one measurement ---------------------------------------------------------------------
 
-    def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[], LoadResult]) -> dict[str, Any]:
+    def _duration(self, payload_bytes: int) -> float:
+        """Longer windows for large payloads (x4 at 16 MiB), so that a window holds several requests."""
+        return self.settings.duration_s * max(1.0, math.sqrt(payload_bytes / 2**20))
+
+    def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[Callable[[], None]], LoadResult],
+                 redis_url: str | None) -> dict[str, Any]:
+        """Run ``work``, which calls its argument when its measured part begins (after any warm-up);
+        CPU per process and Redis's time per command count from then on."""
         meter = CpuMeter(groups)
-        meter.start()
-        result = work()
-        cpu = meter.stop()
-        return {**result.as_dict(), "cpu": cpu}
+        client = redis.Redis.from_url(redis_url) if redis_url else None
+
+        def start() -> None:
+            if client is not None:
+                client.config_resetstat()
+            meter.start()
+
+        try:
+            result = work(start)
+            cpu = meter.stop()
+            stats = client.info("commandstats") if client is not None else {}
+        finally:
+            if client is not None:
+                client.close()
+        usec = {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
+        return {**result.as_dict(), "cpu": cpu, "redis_usec": usec}
 
     def _http(self, system: str, conveyor: Conveyor, mosec: Mosec | None, connections: int,
               body: bytes, content_type: str) -> dict[str, Any]:
@@ -113,19 +143,29 @@ class Runner:
         else:
             host, port, path, groups = "127.0.0.1", conveyor.port, "/v1/predict", conveyor.processes()
         s = self.settings
-        return self._metered(groups, lambda: run_http(s.generator, host, port, path, body, content_type,
-                                                      connections, s.duration_s))
+
+        def work(start: Callable[[], None]) -> LoadResult:
+            start()
+            return run_http(s.generator, host, port, path, body, content_type, connections, self._duration(len(body)))
+
+        return self._metered(groups, work, conveyor.redis_url if system == HTTP else None)
 
     def _measure(self, system: str, conveyor: Conveyor, mosec: Mosec | None, load: int, x: Any) -> dict[str, Any]:
         s = self.settings
         if system == API:
             groups = conveyor.processes(gateway_in_process=True)
-            return self._metered(groups, lambda: asyncio.run(
-                inproc.gateway_api(conveyor.redis_url, PIPELINE_NAME, x, load, s.duration_s, warmup_s=0.5)))
+            return self._metered(groups, lambda start: asyncio.run(inproc.gateway_api(
+                conveyor.redis_url, PIPELINE_NAME, x, load, self._duration(getattr(x, "nbytes", 0)), warmup_s=0.5,
+                started=start)),
+                conveyor.redis_url)
         if system == REDIS:
             data = x.tobytes()
-            return self._metered({"redis": conveyor.processes()["redis"]}, lambda: asyncio.run(
-                inproc.redis_set_get(conveyor.redis_url, data, load, s.duration_s)))
+
+            def raw(start: Callable[[], None]) -> LoadResult:
+                start()
+                return asyncio.run(inproc.redis_set_get(conveyor.redis_url, data, load, self._duration(len(data))))
+
+            return self._metered({"redis": conveyor.processes()["redis"]}, raw, conveyor.redis_url)
         if system == MOSEC:
             body, ctype = (mosec_body(x), "application/msgpack") if s.mode == "payloads" else (b"3", "application/json")
         else:
@@ -168,8 +208,10 @@ class Runner:
         mosec = Mosec(s.log_dir) if MOSEC in s.systems else None
         _progress(f"bench.peers: {s.mode}, load generator: {s.generator}, logs in {s.log_dir}")
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        found = versions()
         try:
             conveyor.start()
+            found["redis-server"] = conveyor.server_version()
             if mosec is not None:
                 mosec.start()
             self._check(conveyor, mosec)
@@ -181,7 +223,7 @@ class Runner:
             conveyor.stop()
         key = "payload_bytes" if large else "connections"
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
-        return {"mode": s.mode, "started": started, "machine": machine(), "versions": versions(),
+        return {"mode": s.mode, "started": started, "machine": machine(), "versions": found,
                 "loadgen": s.generator, "settings": settings, "runs": self.runs,
                 "summary": summarise(self.runs, key)}
 
@@ -211,8 +253,9 @@ class Runner:
             row.update(round=rnd, system=system,
                        loadgen=s.generator if system in (HTTP, MOSEC) else "in-process asyncio")
             self.runs.append(row)
+            at = size_label(load) if s.mode == "payloads" else f"{load} conn"
             _progress(f"[{i}/{len(plan)} {time.perf_counter() - self._t0:.0f}s] round {rnd} "
-                      f"{LABELS[system]} @{load}: {row['rps']:,.0f} req/s, p50 {row['p50_ms']:.2f} ms, "
+                      f"{LABELS[system]} @ {at}: {row['rps']:,.0f} req/s, p50 {row['p50_ms']:.2f} ms, "
                       f"p99 {row['p99_ms']:.2f} ms, {row['errors']} errors")
 
     def render(self, document: dict[str, Any]) -> str:
@@ -222,6 +265,7 @@ class Runner:
                 f"{self.settings.rounds} interleaved rounds of {self.settings.duration_s:g} s, medians\n")
         rows = document["summary"]
         if document["mode"] == "payloads":
-            return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s\n\n"
-                    f"{payload_table(rows)}\n\n{cpu_table(rows, 'payload_bytes')}")
-        return f"{head}\n{peers_table(rows)}\n\n{cpu_table(rows)}"
+            return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s; "
+                    f"windows above 1 MiB last sqrt(size / 1 MiB) times longer\n\n"
+                    f"{payload_table(rows)}\n\n{cpu_table(rows, 'payload_bytes')}\n\n{redis_table(rows)}")
+        return f"{head}\n{peers_table(rows)}\n\n{cpu_table(rows)}\n\n{redis_table(rows, 'connections')}"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+import redis
 
 from workers.embedded import EmbeddedRedis
 
@@ -134,6 +135,13 @@ class Conveyor:
                                       "--max-connections", "8192", *self.gateway_args)
         ready_url = f"http://127.0.0.1:{self.port}/readyz"
         _wait("conveyor", lambda: http_get(ready_url) == 200, [*self.workers, self.gateway], log)
+
+    def server_version(self) -> str:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return str(client.info("server")["redis_version"])
+        finally:
+            client.close()
 
     def stop(self) -> None:
         for p in [*([self.gateway] if self.gateway else []), *self.workers]:
