@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from broker.connection import is_cluster_client
 from broker.keys import GROUP, Keys
 from broker.resp import pack_command
 
@@ -115,12 +116,17 @@ class Committer:
             *commit.stats,
         ]
         args = [*head, *commit.forwards, *res_args, *commit.dead, *commit.acks]
-        packed = pack_command([b"EVALSHA", self._sha, b"%d" % len(keys), *map(_as_arg, keys), *map(_as_arg, args)])
+        command = [b"EVALSHA", self._sha, b"%d" % len(keys), *map(_as_arg, keys), *map(_as_arg, args)]
         try:
-            return int(self._execute_packed(packed))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            return int(self._run(command))
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             self._client.script_load(COMMIT_LUA)
-            return int(self._execute_packed(packed))
+            return int(self._run(command))
+
+    def _run(self, command: list[bytes]) -> Any:
+        if is_cluster_client(self._client):  # no single pool: redis-py routes by the first key
+            return self._client.execute_command("EVALSHA", *command[1:])
+        return self._execute_packed(pack_command(command))
 
     def _execute_packed(self, packed: bytes) -> Any:
         """One round trip, no retry (the worker's rule: a lost reply must not commit twice)."""

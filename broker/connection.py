@@ -26,6 +26,8 @@ import redis.asyncio.cluster as acluster
 import redis.cluster as scluster
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or "
+                  "redis+cluster://host:port[,host:port...] for a Redis Cluster.")
 LONGEST_BLOCK_S = 2.0  # no XREADGROUP/BLPOP of ours blocks longer than this
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL, RedisSettings
+from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from gateway.client import GatewaySettings
@@ -31,7 +31,7 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True)
+              show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True)
@@ -87,7 +87,7 @@ def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeou
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True)
+              show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
 @click.option("--json", "as_json", is_flag=True, envvar="CONVEYOR_STATUS_JSON", show_envvar=True,
               help="Print JSON for scripts (with --watch: one compact object per line).")
@@ -181,7 +181,8 @@ def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
     out = {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
            "reachable": result.reachable, "error": result.error or None, "stages": stages}
     if result.partitions > 1:
-        out["partitions"] = [status_json(name, part)["stages"] for part in result.by_partition]
+        out["partitions"] = [{"partition": p, "node": part.node or None, "stages": status_json(name, part)["stages"]}
+                             for p, part in enumerate(result.by_partition)]
     return out
 
 
@@ -215,9 +216,10 @@ def _partition_lines(result: PipelineStatus) -> list[str]:
         return []
     lines = [f"partitions: {result.partitions} (rows above: totals; live = fewest over partitions)"]
     for p, part in enumerate(result.by_partition):
+        where = f" on {part.node}" if part.node else ""
         for s in part.stages:
             lines.append(f"  p{p:<3} {s.name:<16} backlog={s.backlog} pending={s.pending} live={s.live_workers} "
-                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}")
+                         f"dead={s.dead_letters} items/s={s.throughput_per_s:.2f}{where}")
     return lines
 
 

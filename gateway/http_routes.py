@@ -13,7 +13,8 @@ Routes::
     GET  /metrics      Prometheus text format (see gateway.metrics)
 
 A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
-``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins.
+``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
+pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition).
 
 Status codes of predict: 200; 400 bad body or header (NaN/Infinity in JSON included); 413
 body over ``max_body_bytes``; 415 unsupported Content-Type; 422 the stage raised; 500 the
@@ -48,6 +49,8 @@ log = logging.getLogger("gateway.http")
 
 TIMEOUT_HEADER = b"x-conveyor-timeout-s"
 DEADLINE_HEADER = b"x-conveyor-deadline-ms"
+# Partitioned pipelines: requests with one key go to one partition (gateway.partitioned.partition_of).
+PARTITION_KEY_HEADER = b"x-conveyor-partition-key"
 
 
 class Backend(StatusSource, Protocol):
@@ -278,15 +281,17 @@ class Router:
                 raise HttpError(504, "DeadlineExceeded", "deadline passed before submission",
                                 outcome="timeout")
             try:
-                future = self._submit(x, bound_s)
+                future = self._submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER))
             except Exception as exc:
                 raise self._backend_error(exc) from exc
         except HttpError as exc:
             return exc.reply(codec)
         return Pending(future, functools.partial(self._finish_predict, codec))
 
-    def _submit(self, x: Any, bound_s: float | None) -> asyncio.Future[Any]:
+    def _submit(self, x: Any, bound_s: float | None, key: bytes | None = None) -> asyncio.Future[Any]:
         submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not
+        if submit is not None and key is not None and getattr(self.backend, "takes_partition_key", False):
+            return submit(x, bound_s, key=key)
         if submit is not None:
             return submit(x, bound_s)
         return asyncio.ensure_future(self.backend.predict(x, bound_s))

@@ -139,6 +139,14 @@ class Metrics:
             "dead_letters": Gauge(f"{ns}_stage_dead_letters", "Entries in the stage's dead-letter stream.",
                                   STAGE_LABELS, registry=reg),
         }
+        # Partitioned pipelines (gateway.partitioned): the stage gauges above are totals; these the parts.
+        self._partition_gauges = {
+            attr: Gauge(f"{ns}_partition_{attr}", f"Per partition: {help_}", [*STAGE_LABELS, "partition"],
+                        registry=reg)
+            for attr, help_ in (("backlog", "entries not yet delivered to a worker."),
+                                ("pending", "entries delivered and not yet acked."),
+                                ("live_workers", "workers with a recent heartbeat in this partition."))
+        }
         self.batch_size = Histogram(f"{ns}_stage_batch_size", "Items per batch a stage ran.", STAGE_LABELS,
                                     buckets=BATCH_SIZE_BUCKETS, registry=reg)
         self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
@@ -182,7 +190,7 @@ class Metrics:
         """
         self.reachable.set(1.0 if status.reachable else 0.0)
         self.ready.set(1.0 if status.ready else 0.0)
-        for gauge in self._stage_gauges.values():
+        for gauge in (*self._stage_gauges.values(), *self._partition_gauges.values()):
             gauge.clear()
         for stage in status.stages:
             labels = (str(stage.index), stage.name)
@@ -191,12 +199,16 @@ class Metrics:
             for size, duration_s in stage.batches:
                 self.batch_size.labels(*labels).observe(size)
                 self.batch_duration.labels(*labels).observe(duration_s)
+        for partition, part in enumerate(getattr(status, "by_partition", None) or ()):
+            for stage in part.stages:
+                for attr, gauge in self._partition_gauges.items():
+                    gauge.labels(str(stage.index), stage.name, str(partition)).set(float(getattr(stage, attr)))
 
     def mark_unreachable(self) -> None:
         """The status itself could not be read: say so instead of showing stale stage numbers."""
         self.reachable.set(0.0)
         self.ready.set(0.0)
-        for gauge in self._stage_gauges.values():
+        for gauge in (*self._stage_gauges.values(), *self._partition_gauges.values()):
             gauge.clear()
 
     async def refresh(self) -> PipelineStatusLike | None:

@@ -8,8 +8,9 @@ therefore the whole design: each keeps its own flusher, reply reader (a ``BLPOP`
 partition's node) and backlog estimate.
 
 The partition count is read from the pipeline spec (written by the workers) at start, unless
-given; with no spec yet the gateway serves partition 0 only, which every worker always serves,
-so a gateway that starts first is correct, just not spread (restart it to spread).
+given; with no spec yet the gateway submits to partition 0 only (which every worker serves, so
+this is correct, just not spread) and looks for the spec again every 2 s while requests come,
+adding the other partitions once it names them.
 
 Requests go round robin over the partitions, skipping one whose backlog is over
 ``max_backlog`` (a per-partition bound: the pipeline holds up to N times ``max_backlog``), or
@@ -19,18 +20,22 @@ to the partition a caller's key hashes to (CRC32 of the key, mod N) for affinity
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import zlib
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 from broker import protocol
-from broker.connection import RedisSettings
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
 from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
 from gateway.client import Gateway, GatewaySettings
 from gateway.errors import Overloaded
 from gateway.status import PipelineStatus, StageStatus, read_status
+
+log = logging.getLogger("conveyor.gateway")
 
 
 def partition_of(key: str | bytes, partitions: int) -> int:
@@ -52,8 +57,11 @@ async def read_partition_count(client: Any, keys: Keys) -> int | None:
 
 
 class PartitionedGateway:
-    """Same interface as :class:`Gateway` (``predict``, ``in_flight``, ``healthy``,
-    ``pipeline_status``), plus ``key=`` on ``predict``."""
+    """Same interface as :class:`Gateway` (``predict``, ``submit``, ``in_flight``, ``healthy``,
+    ``pipeline_status``), plus ``key=`` on ``predict`` and ``submit`` (over HTTP: the header
+    ``X-Conveyor-Partition-Key``)."""
+
+    takes_partition_key = True  # the HTTP front passes X-Conveyor-Partition-Key on
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None) -> None:
@@ -63,24 +71,59 @@ class PartitionedGateway:
         self.partitions = partitions
         self.gateways: list[Gateway] = []
         self._next = 0
+        self._counted = partitions is not None  # the count is known (given, or read from a spec)
+        self._next_count_s = 0.0
+        self._growing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self.partitions is None:
-            client = RedisSettings(self.redis_url).async_client(1)
-            try:
-                self.partitions = await read_partition_count(client, Keys(self.pipeline, self.settings.prefix)) or 1
-            finally:
-                await client.aclose()
-        gateways = [Gateway(self.redis_url, self.pipeline, self.settings, p) for p in range(self.partitions)]
+        count = self.partitions
+        if count is None:
+            count = await self._read_count()
+            self._counted = count is not None
+        self.gateways = await self._start_gateways(range(count or 1))
+
+    async def _read_count(self) -> int | None:
+        client = RedisSettings(self.redis_url).async_client(1)
+        try:
+            return await read_partition_count(client, Keys(self.pipeline, self.settings.prefix))
+        finally:
+            await client.aclose()
+
+    async def _start_gateways(self, partitions: range) -> list[Gateway]:
+        gateways = [Gateway(self.redis_url, self.pipeline, self.settings, p) for p in partitions]
         started = await asyncio.gather(*(g.start() for g in gateways), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(g.close() for g, r in zip(gateways, started, strict=True) if r is None),
                                  return_exceptions=True)
             raise failed[0]
-        self.gateways = gateways
+        return gateways
+
+    def _check_count(self) -> None:
+        """Started before any worker wrote the spec: look for it every 2 s (in the background)
+        and, once it names more partitions, start their gateways, so the spread begins by itself."""
+        if self._counted or self._growing is not None or time.monotonic() < self._next_count_s:
+            return
+        self._next_count_s = time.monotonic() + 2.0
+        self._growing = asyncio.ensure_future(self._grow())
+
+    async def _grow(self) -> None:
+        try:
+            count = await self._read_count()
+            if count is not None:
+                if count > len(self.gateways):
+                    self.gateways += await self._start_gateways(range(len(self.gateways), count))
+                    log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
+                self._counted = True
+        except CONNECTION_OR_REPLY_ERRORS as exc:
+            log.warning("reading the partition count failed (will retry) error=%r", exc)
+        finally:
+            self._growing = None
 
     async def close(self) -> None:
+        if self._growing is not None:
+            self._growing.cancel()
+            await asyncio.gather(self._growing, return_exceptions=True)
         await asyncio.gather(*(g.close() for g in self.gateways), return_exceptions=True)
 
     async def __aenter__(self) -> PartitionedGateway:
@@ -99,9 +142,22 @@ class PartitionedGateway:
     def healthy(self) -> bool:
         return all(g.healthy for g in self.gateways)
 
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> asyncio.Future[Any]:
+        """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition, or a key,
+        exactly that on the one partition; else :meth:`predict`'s round robin (which may retry
+        another partition) as a task."""
+        self._check_count()
+        n = len(self.gateways)
+        if n == 1 or key is not None:
+            return self.gateways[0 if key is None else partition_of(key, n)].submit(x, timeout_s)
+        return asyncio.ensure_future(self.predict(x, timeout_s))
+
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
         """Like :meth:`Gateway.predict`; ``key``: requests with one key go to one partition."""
+        self._check_count()
         n = len(self.gateways)
+        if n == 1:
+            return await self.gateways[0].predict(x, timeout_s)
         if key is not None:
             return await self.gateways[partition_of(key, n)].predict(x, timeout_s)
         for attempt in range(n):
@@ -125,10 +181,13 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     first = await read_status(client, keys, None if marks is None else marks.setdefault(0, {}))
     if first.partitions <= 1:
         return first
-    others = await asyncio.gather(*(
-        read_status(client, k, None if marks is None else marks.setdefault(k.partition, {}))
-        for k in keys.partitions(first.partitions)[1:]))
-    return merge_status([first, *others])
+    parts = [first]
+    for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
+        parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
+    if is_cluster_client(client):  # where each partition lives: spread or not, at a glance
+        for k, part in zip(keys.partitions(first.partitions), parts, strict=True):
+            part.node = str(client.get_node_from_key(k.spec).name)
+    return merge_status(parts)
 
 
 def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:

@@ -28,4 +28,5 @@ class Slow(Stage):
         return [x + 1 for x in xs]
 
 
-hosts = Pipeline("t-hosts").add(Slow, claim_idle_s=1.0).add(Shift)
+# Two partitions on one Redis: reclaim must happen in whichever partition the killed host held entries.
+hosts = Pipeline("t-hosts", partitions=2).add(Slow, claim_idle_s=1.0).add(Shift)

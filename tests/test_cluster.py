@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -11,11 +15,15 @@ from redis.cluster import key_slot
 
 from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
+from broker.spec import StageInfo, decode_spec, encode_spec
+from gateway.cli import format_status, status_json
 from gateway.client import Gateway
-from gateway.partitioned import PartitionedGateway
+from gateway.metrics import Metrics
+from gateway.partitioned import PartitionedGateway, partition_of, read_all_partitions
 from gateway.status import PipelineStatus
 from tests.cluster import ClusterError, LocalCluster
-from tests.helpers import running_workers
+from tests.helpers import running_workers, wait_for
+from tests.test_http import FakeBackend, one, predict_json, serving
 from tests.test_pipeline_e2e import assert_drained
 
 APP = "tests.stages"
@@ -28,6 +36,34 @@ def test_cluster_url_convention() -> None:
     assert _cluster_url("rediss+cluster://u:pw@a:1,b:2") == ("rediss://u:pw@a:1", [("a", 1), ("b", 2)])
     with pytest.raises(ValueError, match="host:port"):
         _cluster_url("redis+cluster://a")
+
+
+def test_partition_layout_is_the_v1_layout_for_one_partition() -> None:
+    one, *rest = Keys("p").partitions(3)
+    assert one == Keys("p") and one.base == "conveyor:{p}"
+    assert [k.base for k in rest] == ["conveyor:{p:1}", "conveyor:{p:2}"]
+    assert rest[0].stream(0) == "conveyor:{p:1}:stream:0" and rest[1].reply("g") == "conveyor:{p:2}:reply:g"
+    stages = [StageInfo(0, "A", 8, 0.002, 100)]
+    assert b"partitions" not in encode_spec(stages)  # a one-partition spec is the v1 spec, byte for byte
+    assert decode_spec(encode_spec(stages))[0].partitions == 1
+    assert decode_spec(encode_spec([replace(stages[0], partitions=6)]))[0].partitions == 6
+    assert [partition_of(k, 4) for k in ("a", b"a")] == [zlib.crc32(b"a") % 4] * 2
+    with pytest.raises(ValueError):
+        Keys("p").partitions(0)
+
+
+def test_every_key_of_a_partition_shares_its_slot() -> None:
+    """What the scripts are given (commit.lua: streams, dead, stats, result and reply keys; submit.lua:
+    stream, max_backlog, result keys; the janitor: stream and heartbeats) is one slot per partition;
+    the MONITOR test below checks the calls themselves."""
+    slots = set()
+    for keys in Keys("p").partitions(4):
+        names = [keys.stream(0), keys.stream(1), keys.dead(0), keys.stats(0), keys.heartbeats(0), keys.spec,
+                 keys.max_backlog, keys.reply("gw"), keys.result_key(b"req-1")]
+        partition_slots = {key_slot(k.encode() if isinstance(k, str) else k) for k in names}
+        assert len(partition_slots) == 1, keys
+        slots |= partition_slots
+    assert len(slots) == 4  # and the partitions are four slots
 
 
 def test_scale_shift_seed_000_on_cluster(cluster_url: str) -> None:
@@ -95,19 +131,31 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
             running_workers(cluster_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
-        async def main() -> PipelineStatus:
+        async def main() -> None:
             async with PartitionedGateway(cluster_url, "t-parts1") as gw:
                 assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
                 values = list(range(n))
                 assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
-                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(30)))
+                keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(20)),
+                                             *(gw.submit(v, key=b"user-7") for v in range(20, 30)))  # HTTP's path
                 assert keyed == [v * 2 + 3 for v in range(30)]
                 assert gw.in_flight == 0
-                return await gw.pipeline_status()
 
-        status = asyncio.run(asyncio.wait_for(main(), T))
+        asyncio.run(asyncio.wait_for(main(), T))
+        # Workers hand in batch stats every ~0.1 s or when idle: wait until the last ones are in.
+        status = wait_for(lambda: _settled(cluster_url, "t-parts1", n + 30), 10, "the batch stats of every request")
     assert status.partitions == 3 and len(status.by_partition) == 3
+    text = format_status("t-parts1", status)  # `conveyor status`: totals, then one row per partition
+    assert "partitions: 3" in text and "p2" in text and "Shift" in text
+    nodes = {part.node for part in status.by_partition}  # and the master each partition lives on
+    assert nodes == {f"127.0.0.1:{port}" for port in masters} and all(node in text for node in nodes)
+    assert len(status_json("t-parts1", status)["partitions"]) == 3
+    metrics = Metrics(_NoBackend())
+    metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
+    assert 'conveyor_partition_live_workers{index="1",partition="2",stage="Shift"} 1.0' in metrics.render().decode()
     per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
+    keyed_partition = partition_of("user-7", 3)  # the 30 keyed requests all went there
+    assert per_partition[keyed_partition] >= 30 + n // 3
     # Each request ran through the last stage exactly once (a duplicate would count twice).
     assert sum(per_partition) == status.stages[1].items_last_minute == n + 30
     assert min(per_partition) >= n // 3  # round robin: every partition served its share
@@ -124,13 +172,41 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
 
 
+def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
+    """Partitions need no cluster: on one Redis the same workers wait on all streams of one server.
+    The gateway starts before any worker: partition 0 only, then all three once the spec is there."""
+
+    async def main() -> int:
+        async with PartitionedGateway(redis_url, "t-parts1") as gw:
+            assert len(gw.gateways) == 1  # no spec yet: partition 0, which every worker serves
+            with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
+                await asyncio.to_thread(workers.wait_ready, "t-parts1", T, {"Scale": 2})
+                early = 0
+                while len(gw.gateways) < 3:  # the gateway looks for the spec again every 2 s
+                    assert await gw.predict(early) == early * 2 + 3
+                    early += 1
+                    assert early < 1000, "the gateway never picked up the partition count"
+                    await asyncio.sleep(0.01)
+                for v in range(6):  # one at a time: each wakes an idle worker's wait on all partitions
+                    assert await gw.predict(v) == v * 2 + 3
+                values = list(range(90))
+                assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
+                return early
+
+    early = asyncio.run(asyncio.wait_for(main(), 2 * T))
+    status = wait_for(lambda: _settled(redis_url, "t-parts1", early + 96), 10, "the batch stats of every request",
+                      lambda: repr(_read_partitioned(redis_url, "t-parts1")))
+    assert [part.stages[1].items_last_minute for part in status.by_partition] == [early + 32, 32, 32]
+
+
 # -- failover ---------------------------------------------------------------------------------
 
 
 def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster) -> None:
     """A master dies under load; its replica takes over. Every request gets exactly one outcome:
     its right answer, or (only those in flight on the dead master) a timeout; after the
-    failover every request is answered again, by the same worker processes.
+    failover every request is answered again, by the same worker processes. Meanwhile the two
+    partitions whose masters live keep being served (workers set the dead one aside).
 
     Why some may time out: Redis replication is asynchronous, so entries and acks the dead
     master accepted in its last moments may never have reached the replica (docs/deployment.md).
@@ -138,31 +214,42 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
     url = failover_cluster.url
     victim = failover_cluster.master_of(Keys("t-parts1").spec)  # partition 0's master
     outcomes: dict[int, object] = {}
+    done_at: dict[int, tuple[int, float]] = {}  # request -> (partition, when answered)
+    key_of = {partition_of(f"k{i}", 3): f"k{i}" for i in range(50)}  # a key for each partition
+    killed_at = 0.0
     with running_workers(url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
         async def one(gw: PartitionedGateway, v: int) -> None:
             try:
-                outcomes[v] = await gw.predict(v, timeout_s=6.0)
+                outcomes[v] = await gw.predict(v, timeout_s=6.0, key=key_of[v % 3])
+                done_at[v] = (v % 3, time.monotonic())
             except TimeoutError as exc:
                 outcomes[v] = exc
 
+        async def live_probe(gw: PartitionedGateway) -> None:
+            """One request after another to partition 2 (v % 3 == 2), whose master stays up."""
+            for v in range(1_000_000_001, 1_000_100_000, 3):
+                await one(gw, v)
+
         async def main() -> None:
+            nonlocal killed_at
             async with PartitionedGateway(url, "t-parts1") as gw:
                 counter = 0
-                killed_at = None
-                started = asyncio.get_running_loop().time()
+                started = time.monotonic()
+                probe = asyncio.create_task(live_probe(gw))
                 while True:
-                    now = asyncio.get_running_loop().time()
-                    if killed_at is None and now - started > 1.5:
+                    now = time.monotonic()
+                    if not killed_at and now - started > 1.5:
                         failover_cluster.kill(victim)
                         killed_at = now
-                    if killed_at is not None and now - killed_at > 5.0 and await _healthy(failover_cluster):
+                    if killed_at and now - killed_at > 3.0 and await _healthy(failover_cluster):
                         break
                     assert now - started < T, "the replica was not promoted in time"
                     wave = range(counter, counter + 30)
                     counter += 30
                     await asyncio.gather(*(one(gw, v) for v in wave))
+                probe.cancel()
                 # After the failover: every request answered, in every partition.
                 after = range(counter, counter + 300)
                 await asyncio.gather(*(one(gw, v) for v in after))
@@ -173,9 +260,37 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
         workers.check_alive()
     wrong = {v: o for v, o in outcomes.items() if not isinstance(o, TimeoutError) and o != 2 * v + 3}
     assert not wrong
+    # The dead master's partition answered again only after the failover; the others meanwhile.
+    dead_back = min(t for p, t in done_at.values() if p == 0 and t > killed_at)
+    served_meanwhile = [t for p, t in done_at.values() if p != 0 and killed_at + 0.2 < t < dead_back - 0.2]
+    assert served_meanwhile, f"no partition answered in the {dead_back - killed_at:.1f}s of the failover"
     timeouts = [v for v, o in outcomes.items() if isinstance(o, TimeoutError)]
     print(f"failover: {len(timeouts)} of {len(outcomes)} requests timed out")
     assert len(timeouts) < len(outcomes) // 3, f"{len(timeouts)} of {len(outcomes)} timed out"
+
+
+def _read_partitioned(url: str, pipeline: str) -> PipelineStatus:
+    async def read() -> PipelineStatus:
+        client = RedisSettings(url).async_client(1)
+        try:
+            return await read_all_partitions(client, Keys(pipeline))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def _settled(url: str, pipeline: str, items: int) -> PipelineStatus | None:
+    """The pipeline's status once its last stage has reported ``items`` items (else None)."""
+    status = _read_partitioned(url, pipeline)
+    return status if status.stages and status.stages[-1].items_last_minute >= items else None
+
+
+class _NoBackend:
+    in_flight = 0
+
+    async def pipeline_status(self) -> PipelineStatus:
+        return PipelineStatus(False)
 
 
 async def _healthy(cluster: LocalCluster) -> bool:
@@ -184,3 +299,30 @@ async def _healthy(cluster: LocalCluster) -> bool:
     except ClusterError:
         return False
     return True
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyedBackend(FakeBackend):
+    """test_http's fake backend, taking a partition key as PartitionedGateway does."""
+
+    takes_partition_key: ClassVar[bool] = True
+    keys: list[bytes | str | None] = field(default_factory=list)
+
+    def submit(self, x: Any, timeout_s: float | None = None, key: bytes | str | None = None) -> asyncio.Future[Any]:
+        self.keys.append(key)
+        return asyncio.ensure_future(self.predict(x, timeout_s))
+
+
+def test_http_partition_key_header_reaches_the_gateway() -> None:
+    async def main() -> KeyedBackend:
+        backend = KeyedBackend()
+        async with serving(backend) as server:
+            keyed = await one(server.port, predict_json(5, **{"X-Conveyor-Partition-Key": "user-7"}))
+            plain = await one(server.port, predict_json(6))
+        assert (keyed.status, keyed.json(), plain.status, plain.json()) == (200, {"result": 5}, 200, {"result": 6})
+        return backend
+
+    assert asyncio.run(asyncio.wait_for(main(), T)).keys == [b"user-7", None]

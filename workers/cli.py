@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL
+from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.child import ChildSettings
@@ -119,7 +119,7 @@ def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
 @click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
               help="Worker processes (default: the stage's own setting).")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True)
+              show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S", show_envvar=True,
               help="On SIGTERM, how long workers may take to finish their batch.")
 @_options

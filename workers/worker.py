@@ -9,10 +9,12 @@ live one after ``claim_idle_s``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,7 @@ from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
 from workers.grouping import run_grouped
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.loading import LoadingBeacon
-from workers.partitions import Lane, stream_reader, wait_any
+from workers.partitions import Lane, on_lane, stream_reader, wait_any
 from workers.pipeline import Pipeline, StageSpec
 from workers.runner import run_batch, run_single
 from workers.stage import Stage
@@ -84,6 +86,7 @@ class Worker:
         self._held: list[bytes] = []
         self._held_since = 0.0
         self._held_stream = ""
+        self._drained_sent = False  # several partitions: 'D' told once every lane drained at start
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -170,12 +173,13 @@ class Worker:
         backoff = Backoff()
         while not self.stopping:
             try:
-                if recover:
-                    for lane in self._lanes:
-                        self._use(lane)
-                        self._drain_own_pending(own_retry=not first_drain)
+                if recover and len(self._lanes) == 1:
+                    self._drain_own_pending(own_retry=not first_drain)
                     self.status.send(b"D")
-                    recover = first_drain = False
+                elif recover:  # several partitions: each lane drains on its own (workers.partitions)
+                    for lane in self._lanes:
+                        lane.recover = True
+                recover = first_drain = False
                 self._housekeeping()
                 if len(self._lanes) == 1:
                     self._serve_one()
@@ -209,39 +213,63 @@ class Worker:
 
     def _serve_all(self) -> None:
         """One sweep over every partition (a batch from each that has entries, committed in its
-        own partition, without blocking), then, if all were empty, one wait on all of them."""
-        served = False
-        for lane in self._lanes:
-            self._use(lane)
-            entries = lane.collector.collect(self._read_count(), None)  # never blocks (see _lane)
-            if entries:
-                self._process(entries, deliveries=None)
-                served = True
-            else:
-                self._committer.flush_stats(self._stats, time.monotonic())
-        if served:
+        own partition, without blocking), then, if all were empty, one wait on all of them. A
+        partition whose node is unreachable is set aside; the others keep being served."""
+        served = [self._on_lane(lane, self._sweep) for lane in self._lanes]
+        if any(served):
             return
+        if not any(lane.stats.sizes for lane in self._lanes) and not self._drained_sent:
+            self._drained_sent = not any(lane.recover for lane in self._lanes)
+            if self._drained_sent:
+                self.status.send(b"D")
+        up = [lane for lane in self._lanes if not lane.recover and time.monotonic() >= lane.retry_at]
         wait_s = self.settings.idle_block_ms / 1000
         if any(lane.stats.sizes for lane in self._lanes):
             wait_s = min(wait_s, self._stats.period_s)
-        for lane, entries in wait_any(self._lanes, self._read_count(), wait_s):
-            self._use(lane)
+        if not up:  # every partition set aside: wait for the first retry, not longer
+            time.sleep(max(0.0, min(wait_s, min(lane.retry_at for lane in self._lanes) - time.monotonic())))
+            return
+        for lane, entries in wait_any(up, self._read_count(), wait_s):
+            self._on_lane(lane, functools.partial(self._process_new, entries))
+
+    def _on_lane(self, lane: Lane, action: Callable[[], bool]) -> bool:
+        self._use(lane)
+        return on_lane(lane, lambda own_retry: self._drain_own_pending(own_retry=own_retry), action)
+
+    def _process_new(self, entries: list[Entry]) -> bool:
+        self._process(entries, deliveries=None)
+        return True
+
+    def _sweep(self) -> bool:
+        entries = self._collector.collect(self._read_count(), None)  # never blocks (see _lane)
+        if entries:
             self._process(entries, deliveries=None)
+            return True
+        self._committer.flush_stats(self._stats, time.monotonic())
+        return False
 
     def _housekeeping(self) -> None:
         """Claim entries of dead consumers, and remove long-dead consumers that hold nothing,
         in every partition."""
         now = time.monotonic()
+        if len(self._lanes) > 1:
+            for lane in self._lanes:  # per lane: a partition set aside must not stop the others' upkeep
+                self._on_lane(lane, functools.partial(self._upkeep, lane, now))
+        else:
+            self._upkeep(self._lanes[0], now)
         if now >= self._next_claim:
-            for lane in self._lanes:
-                self._use(lane)
-                self._claim_stale()
             self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         if now >= self._next_reap:
-            for lane in self._lanes:
-                reap_dead_consumers(self._client, lane.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
-                                    keep=(self.consumer,))
             self._next_reap = time.monotonic() + REAP_INTERVAL_S
+
+    def _upkeep(self, lane: Lane, now: float) -> bool:
+        if now >= self._next_claim:
+            self._use(lane)
+            self._claim_stale()
+        if now >= self._next_reap:
+            reap_dead_consumers(self._client, lane.keys, self.spec.index, DEFAULT_DEAD_AFTER_MS,
+                                keep=(self.consumer,))
+        return False
 
     def request_stop(self) -> None:
         """Finish the batch in hand, commit it, and return from ``run``."""
