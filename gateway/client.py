@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -114,9 +113,12 @@ class Gateway:
 
     async def close(self) -> None:
         self._closing = True
-        for task in self._tasks:
+        tasks: list[asyncio.Future[Any]] = [*self._tasks]
+        if self._registration is not None:  # a registration poll still running
+            tasks.append(self._registration)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for pending in self._pending.values():
             pending.timer.cancel()
             if not pending.future.done():
@@ -148,15 +150,22 @@ class Gateway:
         callback instead of creating a task per request). Overloaded/CodecError raise here."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
+            raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
         if not self._registered:  # rare: until this pipeline is seen registered once
+            self._admit()
             return asyncio.ensure_future(self._submit_when_registered(data, timeout))
         return self._enqueue(data, timeout)
 
     async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
+        """The request's deadline counts from its arrival: the wait for registration spends it."""
+        started = time.monotonic()
         await self._await_registration(timeout)
-        return await self._enqueue(data, timeout)
+        remaining = timeout - (time.monotonic() - started)
+        if remaining <= 0:
+            raise TimeoutError(f"no answer within {timeout:g}s: pipeline {self.keys.pipeline!r} was registered "
+                               "only as the request's deadline passed")
+        return await self._enqueue(data, remaining)
 
     def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
         self._admit()
@@ -216,7 +225,7 @@ class Gateway:
             while self._outbox or len(self._unlink) >= UNLINK_ALONE:
                 batch, self._outbox = self._outbox, []
                 unlink: list[bytes] = []
-                if len(self._unlink) >= UNLINK_ALONE:
+                if len(self._unlink) >= (UNLINK_BATCH if batch else UNLINK_ALONE):
                     unlink, self._unlink = self._unlink, []
                 try:
                     await self._send(batch, unlink)
@@ -248,6 +257,7 @@ class Gateway:
     def _fail(self, batch: list[Submission], error: Callable[[], Exception]) -> None:
         """Fail these requests at once, each with an exception of its own."""
         for request_id, _, _ in batch:
+            self._sent_twice.discard(request_id)
             pending = self._pending.pop(request_id, None)
             if pending is None or pending.future.done():
                 continue
@@ -370,7 +380,8 @@ class Gateway:
                 cursor, found = await self._client.scan(cursor, match=pattern, count=1000)
                 names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
                           for k in found]
-                if cursor == 0 or len(names) >= limit:
+                # A cluster client scans every node and returns a cursor per node: one pass is the hint.
+                if not isinstance(cursor, int) or cursor == 0 or len(names) >= limit:
                     break
         except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
             return []

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker import protocol
 from broker.codec import CodecError
 from gateway.errors import Overloaded, StageError, UnknownPipeline
 from gateway.http_codecs import JSON, Codec, UnsupportedMediaType, codec_for, json_encode
@@ -157,7 +158,13 @@ def timeout_s(headers: dict[bytes, bytes], now_s: float) -> float | None:
     raw = headers.get(DEADLINE_HEADER)
     if raw is not None:
         timeouts.append(_positive_float(DEADLINE_HEADER, raw) / 1000.0 - now_s)
-    return min(timeouts) if timeouts else None
+    if not timeouts:
+        return None
+    bound_s = min(timeouts)
+    if bound_s > protocol.MAX_DEADLINE_AHEAD_MS / 1000:  # workers would dead-letter it: say so here
+        raise HttpError(400, "BadRequest", "the request's timeout or deadline is more than a week away",
+                        outcome="bad_request")
+    return bound_s
 
 
 def _request_codec(request: Request) -> Codec:

@@ -4,17 +4,18 @@ Each partition is a full copy of the key layout under its own hash tag (see
 :mod:`broker.keys`), so each has its own first stream, reply list and result keys, in its own
 Redis Cluster slot; a request stays in the partition it was submitted to, and its answer is
 pushed to that partition's reply list of this gateway. One :class:`Gateway` per partition is
-therefore the whole design: each keeps its own flusher, reply reader (a ``BLPOP`` on its
-partition's node) and backlog estimate.
+therefore the whole design: each keeps its own flusher and reply reader (a ``BLPOP`` on its
+partition's node); admission is in ``submit.lua``, per partition, not here.
 
 The partition count is read from the pipeline spec (written by the workers) at start, unless
 given; with no spec yet the gateway submits to partition 0 only (which every worker serves, so
 this is correct, just not spread) and looks for the spec again every 2 s while requests come,
 adding the other partitions once it names them.
 
-Requests go round robin over the partitions, skipping one whose backlog is over
-``max_backlog`` (a per-partition bound: the pipeline holds up to N times ``max_backlog``), or
-to the partition a caller's key hashes to (CRC32 of the key, mod N) for affinity.
+Requests go round robin over the partitions, retrying on the next one when a partition answers
+``Overloaded`` (``max_backlog`` is a per-partition bound: the pipeline holds up to N times
+``max_backlog``), or to the partition a caller's key hashes to (CRC32 of the key, mod N) for
+affinity.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import sys
@@ -156,7 +157,7 @@ def _await_ready(children: list[Any], ready: Any, processes: int, stop: _Stop) -
         try:
             ready.get(timeout=0.2)
             count += 1
-        except Exception:  # queue.Empty: keep waiting, bounded by the deadline
+        except queue.Empty:  # keep waiting, bounded by the deadline
             continue
 
 

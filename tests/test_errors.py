@@ -54,6 +54,28 @@ def test_predict_on_an_unregistered_pipeline_names_it_soon_and_writes_nothing(
     assert _keys_of(redis_client, TYPO) == []  # no stream (or anything) left that would never expire
 
 
+def test_the_wait_for_registration_spends_the_requests_own_deadline(redis_url: str,
+                                                                     redis_client: redis.Redis) -> None:
+    """A request's deadline counts from its arrival: waiting for a worker to register the
+    pipeline spends it (the deadline is not restarted once registered), and an absurd timeout
+    is refused at once, not dead-lettered by a worker later."""
+    name = "t-registers-late"
+
+    async def main() -> float:
+        async with Gateway(redis_url, name, GatewaySettings(register_wait_s=5.0)) as gw:
+            with pytest.raises(ValueError, match="up to a week"):
+                gw.submit(1, timeout_s=8 * 24 * 3600.0)
+            # Registered (no worker) 0.6 s into a 1 s request: it must fail at ~1 s, not ~1.6 s.
+            asyncio.get_running_loop().call_later(
+                0.6, redis_client.set, Keys(name).spec, encode_spec([StageInfo(0, "Nobody")]))
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await gw.predict(1, timeout_s=1.0)
+            return time.monotonic() - started
+
+    assert asyncio.run(main()) < 1.4
+
+
 def test_http_says_the_pipeline_is_not_registered(redis_url: str) -> None:
     async def main() -> list[tuple[int, dict[str, object]]]:
         async with Gateway(redis_url, TYPO, GatewaySettings(register_wait_s=0.3)) as gw:

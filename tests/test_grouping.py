@@ -7,6 +7,7 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import redis
 
 from gateway.client import Gateway
@@ -36,6 +37,10 @@ def test_a_key_that_raises_sorts_last_and_mixed_types_keep_arrival_order() -> No
 
     assert plan_groups([3, "bad", 1, 2], key, 2) == [[2, 3], [0, 1]]
     assert plan_groups([3, "a", 1], lambda x: x, 8) == [[0, 1, 2]]
+    # Costs whose comparison raises ValueError (numpy arrays: "truth value is ambiguous") keep
+    # arrival order too, instead of killing the worker.
+    arrays = [np.array([2, 1]), np.array([1, 2]), np.array([0, 0])]
+    assert plan_groups(arrays, lambda x: x, 8) == [[0, 1, 2]]
 
 
 class _Stage:

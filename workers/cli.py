@@ -187,7 +187,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
-        settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s)
+        # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
+        settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
         code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway]), early)
     finally:
         if gateway is not None:

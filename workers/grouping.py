@@ -48,7 +48,7 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
     costs = [_cost(key, x) for x in inputs]
     try:
         order = sorted(range(len(inputs)), key=costs.__getitem__)
-    except TypeError:  # costs that do not compare (a key returning mixed types): keep arrival order
+    except (TypeError, ValueError):  # costs that do not compare (mixed types, arrays): keep arrival order
         order = list(range(len(inputs)))
     n_groups = -(-len(order) // group_size)
     groups, start = [], 0

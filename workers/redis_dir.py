@@ -61,6 +61,8 @@ def claim_dir(path: Path) -> Path:
         raise RedisDirError(f"{path} exists and is not a directory: choose another directory")
     if info.st_uid != os.getuid():
         raise RedisDirError(f"{path} belongs to another user: choose another directory")
+    if info.st_mode & 0o077:  # ours but open to others (made by hand, or an old umask): make it private
+        path.chmod(0o700)
     if sock.exists() and _answers(sock):
         raise RedisDirError(f"a Redis already answers on {sock} (another `conveyor run` of this pipeline?):"
                                  " stop it, or choose another directory")
