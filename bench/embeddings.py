@@ -212,7 +212,9 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
         try:
             for v, procs in zip(variants, entered, strict=True):
                 procs_of[v] = procs
-                asyncio.run(wait_ready(url, VARIANTS[v][1].name, 2, timeout_s=180))
+                # Every embed worker loaded: one still in setup() takes a core from the measurement.
+                asyncio.run(wait_ready(url, VARIANTS[v][1].name, 2, timeout_s=180,
+                                       min_workers={"embed": VARIANTS[v][1].stages[1].workers}))
             for v in variants:  # warm up every worker (first batches of each shape are slow)
                 asyncio.run(level(url, VARIANTS[v][1].name, texts[:256], 64))
             for r in range(rounds):

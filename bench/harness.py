@@ -61,13 +61,18 @@ def workers(app: str, stages: Sequence[str | tuple[str, int]],
                 p.kill()
 
 
-async def wait_ready(redis_url: str, pipeline: str, n_stages: int, timeout_s: float = 30.0) -> None:
+async def wait_ready(redis_url: str, pipeline: str, n_stages: int, timeout_s: float = 30.0,
+                     min_workers: dict[str, int] | None = None) -> None:
+    """Until every stage has a live worker, and ``min_workers[name]`` live ones for the stages named
+    there: a measurement must not run beside workers still loading a model (they take a core)."""
     client = aredis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
+    wanted = min_workers or {}
     try:
         while time.monotonic() < deadline:
             status = await read_status(client, Keys(pipeline))
-            if status.ready and len(status.stages) == n_stages:
+            if (status.ready and len(status.stages) == n_stages
+                    and all(s.live_workers >= wanted.get(s.name, 1) for s in status.stages)):
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError(f"pipeline {pipeline} not ready within {timeout_s}s")
