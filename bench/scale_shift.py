@@ -33,6 +33,7 @@ from bench.counters import command_calls, per_request, sync_command_calls
 from bench.harness import ROOT, embedded_redis, machine, percentile, wait_ready, workers
 from broker.keys import Keys
 from gateway import Gateway
+from gateway.partitioned import PartitionedGateway
 from gateway.status import read_status
 
 APP = "bench.pipelines"
@@ -62,7 +63,7 @@ class Row:
     commands: list[float] = field(default_factory=list)
 
 
-async def closed_loop(gw: Gateway, in_flight: int, total: int) -> tuple[float, list[float]]:
+async def closed_loop(gw: Gateway | PartitionedGateway, in_flight: int, total: int) -> tuple[float, list[float]]:
     latencies: list[float] = []
     counter = iter(range(total))
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import psutil
 
 from bench.harness import machine, percentile, workers
 from bench.pipelines import Scale, Shift
+from bench.scale_shift import closed_loop
 from broker.keys import Keys
 from gateway.partitioned import PartitionedGateway
 from tests.cluster import LocalCluster
@@ -85,24 +85,11 @@ def cpu_seconds(server: LocalCluster) -> dict[int, float]:
 
 
 async def measure(gw: PartitionedGateway, server: LocalCluster, in_flight: int, total: int) -> Run:
-    latencies: list[float] = []
-    counter = iter(range(total))
-
-    async def client() -> None:
-        for x in counter:
-            t0 = time.perf_counter()
-            y = await gw.predict(x)
-            latencies.append(time.perf_counter() - t0)
-            if y != x * 2 + 3:
-                raise AssertionError(f"{x} -> {y}")
-
     before = cpu_seconds(server)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(in_flight)))
-    elapsed = time.perf_counter() - t0
+    rate, latencies = await closed_loop(gw, in_flight, total)
     after = cpu_seconds(server)
     latencies.sort()
-    return Run(total / elapsed, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3,
+    return Run(rate, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3,
                {port: after[port] - before[port] for port in before}, total)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import psutil
+import redis
 
 from broker.connection import RedisSettings
 from broker.keys import Keys
@@ -261,3 +262,12 @@ def http_call(port: int, method: str, path: str, body: bytes | None = None,
         return response.status, response.read()
     finally:
         conn.close()
+
+
+def ping(url: str) -> bool:
+    """Whether a Redis answers at ``url`` (2 s bound)."""
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()

@@ -22,6 +22,7 @@ from broker.server_info import (
     parse_version,
     server_info_from_info,
 )
+from tests.helpers import ping
 from workers import embedded
 from workers.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 
@@ -33,14 +34,6 @@ def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     base.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(base))
     return base
-
-
-def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_timeout=2)
-    try:
-        return bool(client.ping())
-    finally:
-        client.close()
 
 
 def _executable(path: Path, content: str) -> Path:
@@ -60,7 +53,7 @@ def test_start_stop_leaves_nothing(tmp_tempdir: Path) -> None:
     assert server.directory.parent == tmp_tempdir
     pid = server.pid
     assert pid is not None and psutil.pid_exists(pid)
-    assert _ping(url)
+    assert ping(url)
 
     directory, sock = server.directory, server.socket_path
     server.stop()
@@ -80,7 +73,7 @@ def test_context_manager_stops(tmp_tempdir: Path) -> None:
     with EmbeddedRedis() as server:
         pid = server.pid
         assert pid is not None
-        assert _ping(server.url)
+        assert ping(server.url)
     assert not psutil.pid_exists(pid)
     assert list(tmp_tempdir.iterdir()) == []
 
@@ -125,14 +118,14 @@ def test_kill_keeps_dir_then_start_again(private_redis: EmbeddedRedis) -> None:
     assert private_redis.pid is None
     assert private_redis.directory.is_dir()
     with pytest.raises(redis.ConnectionError):
-        _ping(url)
+        ping(url)
     private_redis.kill()  # idempotent
 
     assert private_redis.start() == url
-    assert _ping(url)
+    assert ping(url)
     private_redis.kill()
     assert private_redis.restart() == url
-    assert _ping(url)
+    assert ping(url)
 
 
 def test_early_exit_reports_log_and_cleans_up(tmp_tempdir: Path) -> None:

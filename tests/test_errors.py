@@ -19,7 +19,7 @@ from broker.spec import StageInfo, encode_spec
 from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http import HttpServer, HttpSettings
 from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
-from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, running_workers
+from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, ping, running_workers
 from workers.embedded import EmbeddedRedis
 
 T = 30.0
@@ -167,17 +167,9 @@ def test_a_second_conveyor_run_of_one_pipeline_says_so_in_one_line(tmp_path: Pat
         done = subprocess.run(
             conveyor_argv("run", "examples.scale_shift:pipeline", "--port", "0", "--redis-dir", str(tmp_path / "r")),
             cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, capture_output=True, timeout=T)
-        assert _ping(first.url)  # untouched
+        assert ping(first.url)  # untouched
     err = done.stderr.decode()
     lines = [line for line in err.splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in err, err
     assert "already answers" in lines[0] and "--redis-dir" in lines[0]
     assert not (tmp_path / "r").exists()  # the first server's stop removed what it made
-
-
-def _ping(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_timeout=2)
-    try:
-        return bool(client.ping())
-    finally:
-        client.close()
