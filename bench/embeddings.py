@@ -10,9 +10,14 @@ On one deterministic corpus (examples/embeddings/corpus.py), side by side in one
   with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread;
 - conveyor: ``tokenize -> embed`` over an embedded Redis (1 tokenize worker, 2 embed workers of one
   thread, pinned), plain, with length-aware batching (``bucketed``) and with int8 (``--int8``), closed loops of
-  N clients: sentences/s, p50/p99/p999, the embed stage's mean batch size, the embed workers' RSS, and CPU
-  time per text of everything (Redis, gateway and clients, workers). On a shared machine wall-clock rates
-  move with other jobs; CPU time per text barely does, so the ``cpu`` line compares efficiency.
+  N clients: sentences/s in steady state (``s/s``: the answers between the 10th and 90th percentile of
+  completion times; ``all s/s`` counts the ramp and the tail of the finite run too), p50/p99/p999,
+  the embed stage's mean batch size, the embed workers' RSS, and CPU time per text of everything
+  (Redis, gateway and clients, workers). On a shared machine wall-clock rates move with other jobs;
+  CPU time per text barely does, so the ``cpu`` line compares efficiency;
+- paired single texts: 200 texts one at a time, each through conveyor and through the model here
+  (one thread) in turn, so that "p50 at 1 in flight against the model's own single-text latency"
+  compares like with like on a shared machine.
 
 The three pipelines' workers run at once (idle ones block in Redis) so that the variants can be
 interleaved level by level, ``--rounds`` times: the machine is shared, so compare within a round.
@@ -156,19 +161,52 @@ def int8_cosines(texts: list[str]) -> tuple[float, float]:
 # -- conveyor -------------------------------------------------------------------------------------
 
 
-async def closed_loop(gw: Gateway, texts: list[str], in_flight: int) -> tuple[float, list[float]]:
+async def closed_loop(gw: Gateway, texts: list[str], in_flight: int) -> tuple[float, float, list[float]]:
+    """(steady rate, overall rate, sorted latencies) of ``in_flight`` clients over ``texts``.
+
+    The steady rate counts the answers between the 10th and the 90th percentile of completion
+    times: a served pipeline runs under sustained load, and a finite run adds a ramp (the first
+    batch fills both stages) and a tail (the last batch runs on one worker while the other idles)
+    of up to one batch time each, which the direct loop over a corpus does not have.
+    """
     latencies: list[float] = []
+    done_at: list[float] = []
     todo = iter(texts)
 
     async def client() -> None:
         for text in todo:
             t0 = time.perf_counter()
             await gw.predict(text, timeout_s=120)
-            latencies.append(time.perf_counter() - t0)
+            done_at.append(time.perf_counter())
+            latencies.append(done_at[-1] - t0)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(in_flight)))
-    return len(texts) / (time.perf_counter() - t0), sorted(latencies)
+    overall = len(texts) / (time.perf_counter() - t0)
+    lo, hi = len(done_at) // 10, len(done_at) * 9 // 10
+    steady = (hi - lo) / (done_at[hi] - done_at[lo]) if hi > lo and done_at[hi] > done_at[lo] else overall
+    return steady, overall, sorted(latencies)
+
+
+async def paired_single(url: str, pipeline: str, texts: list[str], tokenizer: Any, embedder: Any) -> dict[str, float]:
+    """The same texts one at a time, each both ways in turn: the model called here on one thread,
+    and through conveyor at 1 in flight. Pairing makes the comparison hold on a shared machine,
+    where two separate runs minutes apart see different neighbours."""
+    direct_s: list[float] = []
+    conveyor_s: list[float] = []
+    async with Gateway(url, pipeline) as gw:
+        for i, text in enumerate(texts):
+            for way in ((0, 1) if i % 2 else (1, 0)):  # alternate which goes first
+                t0 = time.perf_counter()
+                if way:
+                    await gw.predict(text, timeout_s=120)
+                    conveyor_s.append(time.perf_counter() - t0)
+                else:
+                    embedder(tokenizer([text]))
+                    direct_s.append(time.perf_counter() - t0)
+    diff = sorted((c - d) * 1e3 for d, c in zip(direct_s, conveyor_s, strict=True))
+    return {"direct_p50": statistics.median(direct_s) * 1e3, "conveyor_p50": statistics.median(conveyor_s) * 1e3,
+            "diff_p50": percentile(diff, 0.5), "diff_p90": percentile(diff, 0.9)}
 
 
 def embed_rss_mib(procs: list[subprocess.Popen[bytes]]) -> float:
@@ -192,19 +230,22 @@ async def level(url: str, pipeline: str, texts: list[str], in_flight: int) -> di
         async with Gateway(url, pipeline) as gw:
             await read_status(redis_client, Keys(pipeline), marks)
             cpu0 = cpu_s_tree()
-            rate, lat = await closed_loop(gw, texts, in_flight)
+            rate, overall, lat = await closed_loop(gw, texts, in_flight)
             cpu_ms = (cpu_s_tree() - cpu0) * 1e3 / len(texts)
             status = await read_status(redis_client, Keys(pipeline), marks)
     finally:
         await redis_client.aclose()
     batches = status.stages[1].batches if len(status.stages) > 1 else []
     mean_batch = sum(n for n, _ in batches) / len(batches) if batches else float("nan")
-    return {"rate": rate, "p50": percentile(lat, 0.5) * 1e3, "p99": percentile(lat, 0.99) * 1e3,
+    return {"rate": rate, "overall": overall, "p50": percentile(lat, 0.5) * 1e3, "p99": percentile(lat, 0.99) * 1e3,
             "p999": percentile(lat, 0.999) * 1e3, "batch": mean_batch, "cpu_ms": cpu_ms}
 
 
-def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str]) -> dict[str, list[dict[str, Any]]]:
+def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str],
+             models: tuple[Any, Any]) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, float]]]:
+    """The closed-loop rows of every variant, and one paired single-text run per round."""
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    paired: list[dict[str, float]] = []
     with embedded_redis() as url:
         procs_of = {}
         stacks = [workers(f"bench.embeddings:{VARIANTS[v][0]}", ["tokenize", "embed"], url) for v in variants]
@@ -218,26 +259,33 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
             for v in variants:  # warm up every worker (first batches of each shape are slow)
                 asyncio.run(level(url, VARIANTS[v][1].name, texts[:256], 64))
             for r in range(rounds):
+                paired.append(asyncio.run(paired_single(url, plain.name, texts[:200], *models)))
+                print("paired 1 in flight, round {}: direct p50 {direct_p50:.1f} ms, "
+                      "conveyor p50 {conveyor_p50:.1f} ms, "
+                      "conveyor - direct: median {diff_p50:.2f} ms, p90 {diff_p90:.2f} ms".format(r, **paired[-1]),
+                      flush=True)
                 for n in levels:
                     count = min(len(texts), 300) if n == 1 else len(texts)
                     for v in variants:
                         row = asyncio.run(level(url, VARIANTS[v][1].name, texts[:count], n))
                         row.update(variant=v, round=r, in_flight=n, texts=count, rss=embed_rss_mib(procs_of[v]))
                         results[v].append(row)
-                        print(f"{v:>9} {r:>5} {n:>9} {count:>6} {row['rate']:>8.1f} {row['p50']:>8.1f} "
+                        print(f"{v:>9} {r:>5} {n:>9} {count:>6} {row['rate']:>8.1f} {row['overall']:>8.1f} "
+                              f"{row['p50']:>8.1f} "
                               f"{row['p99']:>8.1f} {row['p999']:>8.1f} {row['batch']:>6.1f} {row['rss']:>8.0f} "
                               f"{row['cpu_ms']:>7.2f}",
                               flush=True)
         finally:
             for s in reversed(stacks):
                 s.__exit__(None, None, None)
-    return results
+    return results, paired
 
 
 # -- main -----------------------------------------------------------------------------------------
 
 
-def direct(texts: list[str], with_int8: bool) -> dict[str, float]:
+def direct(texts: list[str], with_int8: bool) -> tuple[dict[str, float], tuple[Any, Any]]:
+    """The direct figures, and the model (now on one thread) for the paired single-text runs."""
     tokenizer, embedder = _models(2)
     _run_direct(tokenizer, embedder, texts[:256], 64)  # warm up
     by_batch = {b: _run_direct(tokenizer, embedder, texts, b) for b in (32, 64, 128)}
@@ -259,7 +307,7 @@ def direct(texts: list[str], with_int8: bool) -> dict[str, float]:
     out["cpu_ms_sorted"] = cpu_ms_per_text(tokenizer, embedder, texts, 64, by_length=True)
     out["two_processes"] = two_processes(len(texts), best)
     out["direct"] = max(out["one_process"], out["two_processes"])
-    return out
+    return out, (tokenizer, embedder)
 
 
 def main() -> None:
@@ -277,16 +325,16 @@ def main() -> None:
     texts = make_corpus(args.texts)
     levels = [int(v) for v in args.in_flight.split(",")]
     print(f"machine: {machine()} (shared with other jobs: compare within one run)")
-    d = direct(texts, args.int8)
+    d, models = direct(texts, args.int8)
     for key, value in d.items():
         print(f"direct {key}: {value:.1f}")
     if args.int8:
         mean_cos, min_cos = int8_cosines(texts)
         print(f"int8 vs fp32 cosine over {len(texts)} texts: mean {mean_cos:.5f} min {min_cos:.5f}")
     variants = ["conveyor", "bucketed"] + (["int8"] if args.int8 else [])
-    print(f"{'variant':>9} {'round':>5} {'in flight':>9} {'texts':>6} {'s/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'p999 ms':>8} {'batch':>6} {'RSS MiB':>8} {'CPU ms':>7}")
-    results = conveyor(texts, levels, args.rounds, variants)
+    print(f"{'variant':>9} {'round':>5} {'in flight':>9} {'texts':>6} {'s/s':>8} {'all s/s':>8} {'p50 ms':>8} "
+          f"{'p99 ms':>8} {'p999 ms':>8} {'batch':>6} {'RSS MiB':>8} {'CPU ms':>7}")
+    results, paired = conveyor(texts, levels, args.rounds, variants, models)
 
     def best(v: str) -> float:
         return max((statistics.median(r["rate"] for r in results[v] if r["in_flight"] == n) for n in levels),
@@ -298,6 +346,9 @@ def main() -> None:
     print(f"cpu ms/text (lower is better; 2 quiet cores give 2000/x texts/s): direct={d['cpu_ms_arrival']:.2f} "
           f"direct-sorted={d['cpu_ms_sorted']:.2f} conveyor={cpu_of('conveyor'):.2f} bucketed={cpu_of('bucketed'):.2f} "
           f"ratio={d['cpu_ms_arrival'] / cpu_of('conveyor'):.3f}")
+    print("p50 at 1 in flight, paired on the same texts (medians over rounds): direct={:.1f} ms conveyor={:.1f} ms "
+          "conveyor-direct={:.2f} ms".format(*(statistics.median(p[k] for p in paired)
+                                                 for k in ("direct_p50", "conveyor_p50", "diff_p50"))))
     conv, buck = best("conveyor"), best("bucketed")
     print(f"embeddings: direct={d['direct']:.1f} conveyor={conv:.1f} bucketed={buck:.1f} "
           f"ratio={conv / d['direct']:.3f}")
