@@ -80,7 +80,9 @@ def _report(rows: Rows, in_flight: int) -> None:
     print("| way in | old | new | new/old req/s | new/old CPU per request |")
     print("|---|---:|---:|---:|---:|")
     for mode in ("http", "api"):
-        old, new = rows[(mode, "old")], rows[(mode, "new")]
+        old, new = rows.get((mode, "old")), rows.get((mode, "new"))
+        if not old or not new:
+            continue
         o_rps, o_cpu = median(r for r, _ in old), median(c for _, c in old)
         n_rps, n_cpu = median(r for r, _ in new), median(c for _, c in new)
         print(f"| {mode} | {o_rps:,.0f} [{o_cpu:.1f}] | {n_rps:,.0f} [{n_cpu:.1f}] | {n_rps / o_rps:.2f} | "
