@@ -108,6 +108,25 @@ def _start_redis(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> str:
             time.sleep(0.1)
 
 
+def start_workers(env: dict[str, str], tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """One ``conveyor worker`` per stage of the pipeline, logging into ``tmp``."""
+    for stage in STAGES:
+        procs.append(subprocess.Popen(["conveyor", "worker", APP, "--stage", stage], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=(tmp / f"{stage}.log").open("w")))
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], tmp: Path) -> None:
+    """Terminate what was started (last first), kill what does not stop, remove ``tmp``."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _start_gateway(front: str, env: dict[str, str], old_src: Path | None, tmp: Path,
                    echo: bool) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
@@ -191,9 +210,8 @@ def main() -> None:
     try:
         echo = args.backend == "echo"
         env = {**os.environ, "CONVEYOR_REDIS_URL": "" if echo else _start_redis(tmp, procs)}
-        for stage in () if echo else STAGES:
-            procs.append(subprocess.Popen(["conveyor", "worker", APP, "--stage", stage], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=(tmp / f"{stage}.log").open("w")))
+        if not echo:
+            start_workers(env, tmp, procs)
         fronts = [f for f in args.fronts.split(",") if f != "old" or args.old_src]
         gateways: dict[str, tuple[int, psutil.Process]] = {}
         for front in fronts:
@@ -207,14 +225,7 @@ def main() -> None:
         conns = [int(c) for c in args.conns.split(",")]
         _table(fronts, conns, _rounds(gateways, conns, args.rounds, args.duration_s, script))
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_all(procs, tmp)
 
 
 if __name__ == "__main__":

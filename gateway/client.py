@@ -26,6 +26,7 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
+from gateway.deadlines import Deadlines
 from gateway.errors import Overloaded, StageError, UnknownPipeline
 from gateway.status import PipelineStatus, read_status
 
@@ -36,7 +37,6 @@ log = logging.getLogger("conveyor.gateway")
 # own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
 UNLINK_BATCH = 64
 UNLINK_ALONE = 256
-
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,6 @@ class GatewaySettings:
     register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
 
 
-@dataclass(slots=True)
-class _Pending:
-    future: asyncio.Future[Any]
-    timer: asyncio.TimerHandle
-
-
 class Gateway:
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partition: int = 0) -> None:
@@ -68,7 +62,10 @@ class Gateway:
         self.redis = RedisSettings(redis_url)
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
-        self._pending: dict[bytes, _Pending] = {}
+        self._id_prefix = f"{self.gateway_id}-".encode()
+        # Request id -> the future its caller awaits; a request's deadline lives in _deadlines.
+        self._pending: dict[bytes, asyncio.Future[Any]] = {}
+        self._deadlines = Deadlines(self._pending, self._expire)
         self._outbox: list[Submission] = []
         self._unlink: list[bytes] = []
         self._wake = asyncio.Event()
@@ -119,10 +116,10 @@ class Gateway:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for pending in self._pending.values():
-            pending.timer.cancel()
-            if not pending.future.done():
-                pending.future.set_exception(ConnectionError("gateway closed"))
+        self._deadlines.close()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionError("gateway closed"))
         self._pending.clear()
         await self._client.aclose()
         await self._reply_client.aclose()
@@ -171,10 +168,10 @@ class Gateway:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1
-        request_id = f"{self.gateway_id}-{self._counter}".encode()
+        request_id = b"%b%d" % (self._id_prefix, self._counter)
         future: asyncio.Future[Any] = loop.create_future()
-        timer = loop.call_later(timeout, self._expire, request_id, timeout)
-        self._pending[request_id] = _Pending(future, timer)
+        self._pending[request_id] = future
+        self._deadlines.add(loop, request_id, timeout)
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
         self._outbox.append((request_id, data, b"%d" % deadline_ms))
         self._wake.set()
@@ -188,30 +185,30 @@ class Gateway:
                              f"(max_in_flight={self.settings.max_in_flight})")
 
     def _expire(self, request_id: bytes, timeout: float) -> None:
-        pending = self._pending.pop(request_id, None)
+        future = self._pending.pop(request_id, None)
         self._sent_twice.discard(request_id)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(TimeoutError(
+        if future is not None and not future.done():
+            future.set_exception(TimeoutError(
                 f"no answer within {timeout:g}s for request {request_id.decode()}"))
 
     def _resolve(self, record: dict[str, Any]) -> None:
-        request_id = str(record.get("id", "")).encode()
-        pending = self._pending.pop(request_id, None)
-        if pending is None:
+        rid = record.get("id", "")
+        request_id = rid.encode() if type(rid) is str else str(rid).encode()
+        future = self._pending.pop(request_id, None)
+        if future is None:
             return  # expired, or a duplicate answer: the first one won
-        pending.timer.cancel()
-        if request_id in self._sent_twice:
+        if self._sent_twice and request_id in self._sent_twice:
             self._sent_twice.discard(request_id)
         else:
             self._unlink.append(self.keys.result_key(request_id))
-        if pending.future.done():
+        if future.done():
             return
         if record.get("ok"):
-            pending.future.set_result(record.get("value"))
+            future.set_result(record.get("value"))
         else:
             err = record.get("error")
             err = err if isinstance(err, dict) else {}
-            pending.future.set_exception(StageError(
+            future.set_exception(StageError(
                 str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
                 str(err.get("traceback", ""))))
 
@@ -258,11 +255,10 @@ class Gateway:
         """Fail these requests at once, each with an exception of its own."""
         for request_id, _, _ in batch:
             self._sent_twice.discard(request_id)
-            pending = self._pending.pop(request_id, None)
-            if pending is None or pending.future.done():
+            future = self._pending.pop(request_id, None)
+            if future is None or future.done():
                 continue
-            pending.timer.cancel()
-            pending.future.set_exception(error())
+            future.set_exception(error())
 
     async def _send(self, batch: list[Submission], unlink: list[bytes]) -> None:
         admitted = await self._submit(batch, unlink)

@@ -4,8 +4,9 @@ Why no framework: the surface is four routes, and what matters is the connection
 framework hides: hard timeouts for slow clients, a connection cap, keep-alive plus
 pipelining, and a drain that finishes admitted predictions on SIGTERM. The work is split along
 the sans-IO line: `gateway.http_codecs` (bodies), `gateway.http_routes` (routes, status
-codes, errors: a request in, a reply out), `gateway.http_protocol` (connection I/O on an
-`asyncio.Protocol` with httptools, the C parser uvicorn uses), `gateway.http_settings`.
+codes, errors: a request in, a reply out), `gateway.http_parsing` (httptools callbacks, the C
+parser uvicorn uses), `gateway.http_framing` (a reply as one write), `gateway.http_protocol`
+(connection I/O on an `asyncio.Protocol`), `gateway.http_settings`.
 docs/http-front.md says why and what it costs.
 
 A graceful stop (`HttpServer.close`, SIGTERM or SIGINT): the listening socket is closed (new

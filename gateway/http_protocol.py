@@ -1,16 +1,16 @@
-"""Connection I/O of the HTTP front: an `asyncio.Protocol` driven by httptools (llhttp, in C).
+"""Connection I/O of the HTTP front: an `asyncio.Protocol` fed to httptools (llhttp, in C).
 
 Why a Protocol and not streams: with streams every read and write is a coroutine step, a
 ``wait_for`` timer and a drain; profiled at 256 connections, that and h11's pure-Python
 parsing were most of the gateway's CPU (docs/http-front.md). Here bytes go from
-``data_received`` into the C parser, whose callbacks assemble a `Request`; answering it is the
-only coroutine (the router's), and its reply leaves in one ``transport.write``.
+``data_received`` into the C parser, whose callbacks (`gateway.http_parsing`) assemble a
+`Request`; a predict is answered from its future's done-callback (no task), and its reply leaves
+in one ``transport.write`` (`gateway.http_framing`).
 
 What this module decides is *when* to read, answer and close:
 - pipelining: requests are queued and answered strictly in order; reading pauses while too
   many wait, or while the client does not read our answers (``pause_writing``);
-- limits: a head over ``max_header_bytes`` gets 431, a body over ``max_body_bytes`` 413
-  before it is read (by Content-Length) or as soon as it grows past it (chunked);
+- limits: the reader's 431/413/400 are answered like any error (after what is queued, then close);
 - timeouts: one lazily re-armed timer per connection checks the current deadline (head from
   the first byte, or from the accept for a first request: 408; body: 408; keep-alive idle:
   closed quietly; a response stuck in our buffer: the connection is dropped);
@@ -29,26 +29,16 @@ import contextlib
 import logging
 import math
 from collections import deque
-from http import HTTPStatus
 from typing import TYPE_CHECKING, cast
 
-import httptools
-
-from gateway.http_routes import (
-    HttpError,
-    Pending,
-    Reply,
-    Request,
-    bad_request,
-    overloaded,
-    request_timeout,
-    too_large,
-)
+from gateway.http_framing import CONTINUE, frame
+from gateway.http_parsing import RequestReader
+from gateway.http_routes import HttpError, Pending, Reply, Request, overloaded, request_timeout
 
 if TYPE_CHECKING:
     from gateway.http import HttpServer
 
-__all__ = ["HttpProtocol", "frame"]
+__all__ = ["HttpProtocol"]
 
 log = logging.getLogger("gateway.http")
 
@@ -56,39 +46,14 @@ _LINGER_S = 1.0  # after our last byte, how long we discard the client's unread 
 _LINGER_BYTES = 1024 * 1024
 _MAX_QUEUED = 32  # pipelined requests waiting for their turn before reading pauses
 _DRAIN_IDLE_S = 0.5  # on drain, how long an idle keep-alive connection may still bring a request (503)
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 # phases of the read side
 _IDLE, _HEAD, _BODY, _DEAD = 0, 1, 2, 3
 
 
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-_STATUS_LINES = {int(s): _status_line(int(s)) for s in HTTPStatus}
-
-
-def frame(reply: Reply, head_only: bool = False, close: bool = False) -> bytes:
-    """A whole response as one bytes object: status line, headers, body (one write, one syscall)."""
-    line = _STATUS_LINES.get(reply.status) or _status_line(reply.status)
-    parts = [line, b"content-type: ", reply.content_type, b"\r\ncontent-length: ", b"%d" % len(reply.body), b"\r\n"]
-    for name, value in reply.headers:
-        parts += (name, b": ", value, b"\r\n")
-    if close:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    if not head_only:
-        parts.append(reply.body)
-    return b"".join(parts)
-
-
 class HttpProtocol(asyncio.Protocol):
-    """One client connection. httptools calls the ``on_*`` methods from ``feed_data``."""
+    """One client connection; its `RequestReader` calls the hooks ``head_started``, ``head_complete``
+    and ``request_complete`` from ``feed``."""
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -96,7 +61,7 @@ class HttpProtocol(asyncio.Protocol):
         self.router = server.router
         self.metrics = server.metrics
         self.loop = server.loop
-        self.parser = httptools.HttpRequestParser(self)
+        self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[Request | HttpError] = deque()
         self.current: tuple[Request, str, Pending] | None = None  # the request whose reply is awaited
@@ -115,15 +80,6 @@ class HttpProtocol(asyncio.Protocol):
         self.timer_at = math.inf
         self.accepted_at = 0.0
         self.discarded = 0
-        self._reset_message()
-
-    def _reset_message(self) -> None:
-        self.url = b""
-        self.headers: dict[bytes, bytes] = {}
-        self.body: list[bytes] = []
-        self.body_size = 0
-        self.head_size = 0
-        self.head_tail = 0
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -141,22 +97,16 @@ class HttpProtocol(asyncio.Protocol):
         if self.phase == _DEAD:
             self._discard(len(data))
             return
-        error: HttpError | None = None
         self.feeding = True
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            error = bad_request("protocol upgrades are not supported")
-        except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
-            cause = exc.__context__
-            error = cause if isinstance(cause, HttpError) else bad_request(str(exc))
+            error = self.reader.feed(data)
         finally:
             self.feeding = False
+        if error is None and self.phase == _HEAD:
+            error = self.reader.check_partial_head(data)
         if error is not None:
             self._fail(error)
             return
-        if self.phase == _HEAD:
-            self._check_partial_head(data)
         if len(self.queue) >= _MAX_QUEUED:
             self._pause_reading()
         self._advance()
@@ -187,48 +137,20 @@ class HttpProtocol(asyncio.Protocol):
         self._maybe_resume_reading()
         self._advance()
 
-    # -- httptools callbacks --------------------------------------------------------------------
+    # -- hooks of the RequestReader -------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
+    def head_started(self) -> None:
         self.phase = _HEAD
-        self._reset_message()
         start = self.accepted_at if self.first else self.loop.time()
         self._set_read_deadline(start + self.settings.header_timeout_s)
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-        self.head_size += len(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_size += len(name) + len(value) + 4
-        if self.head_size > self.settings.max_header_bytes:
-            raise bad_request("request head too large", 431)
-        name = name.lower()
-        if name not in self.headers:
-            self.headers[name] = value
-
-    def on_headers_complete(self) -> None:
+    def head_complete(self, expect_continue: bool) -> None:
         self.phase = _BODY
         self._set_read_deadline(self.loop.time() + self.settings.body_timeout_s)
-        headers = self.headers
-        if b"host" not in headers and self.parser.get_http_version() == "1.1":
-            raise bad_request("HTTP/1.1 request without a Host header")
-        length = headers.get(b"content-length")
-        if length is not None and int(length) > self.settings.max_body_bytes:  # llhttp checked the digits
-            raise too_large(self.settings.max_body_bytes)
-        if headers.get(b"expect", b"").lower() == b"100-continue" and not self.queue:
-            self._write(_CONTINUE)
+        if expect_continue and not self.queue:
+            self._write(CONTINUE)
 
-    def on_body(self, body: bytes) -> None:
-        self.body_size += len(body)
-        if self.body_size > self.settings.max_body_bytes:
-            raise too_large(self.settings.max_body_bytes)
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        path = self.url.split(b"?", 1)[0] if b"?" in self.url else self.url
-        request = Request(self.parser.get_method(), path, self.headers, body, self.parser.should_keep_alive())
+    def request_complete(self, request: Request) -> None:
         self.phase = _IDLE
         self.first = False
         self.read_deadline = math.inf
@@ -325,14 +247,6 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- limits and timeouts --------------------------------------------------------------------
 
-    def _check_partial_head(self, data: bytes) -> None:
-        """Bound a head still incomplete after this chunk: httptools reports a header only once
-        it is complete, so the bytes after the last newline are counted here."""
-        nl = data.rfind(b"\n")
-        self.head_tail = len(data) - nl - 1 if nl >= 0 else self.head_tail + len(data)
-        if self.head_size + self.head_tail > self.settings.max_header_bytes:
-            self._fail(bad_request("request head too large", 431))
-
     def _set_read_deadline(self, when: float) -> None:
         self.read_deadline = when
         self._arm(when)
@@ -374,8 +288,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def _fail(self, error: HttpError) -> None:
         """Stop reading requests; answer ``error`` after what is already queued, then close."""
-        if self.phase != _IDLE and self.url:  # a request was under way: count it under its route
-            error.route = self.router.label(self.url.split(b"?", 1)[0])
+        if self.phase != _IDLE and self.reader.url:  # a request was under way: count it under its route
+            error.route = self.router.label(self.reader.path)
         self.phase = _DEAD
         self.read_deadline = math.inf
         self._enqueue(error)

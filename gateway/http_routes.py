@@ -33,13 +33,13 @@ import math
 import time
 import traceback as tb
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from broker import protocol
 from broker.codec import CodecError
 from gateway.errors import Overloaded, StageError, UnknownPipeline
-from gateway.http_codecs import JSON, Codec, UnsupportedMediaType, codec_for, json_encode
+from gateway.http_codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for, json_encode
 from gateway.http_settings import HttpSettings
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics, PipelineStatusLike, StatusSource
@@ -64,7 +64,7 @@ class Backend(StatusSource, Protocol):
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One parsed request: header names lowercased, the first value of each kept."""
 
@@ -75,7 +75,7 @@ class Request:
     keep_alive: bool = True  # HTTP/1.1 without "Connection: close", or 1.0 with "keep-alive"
 
 
-@dataclass
+@dataclass(slots=True)
 class Reply:
     """One response, before the connection frames it. ``close`` ends the connection after it."""
 
@@ -84,7 +84,7 @@ class Reply:
     content_type: bytes = JSON.content_type
     outcome: str = "ok"
     close: bool = False
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    headers: Sequence[tuple[bytes, bytes]] = ()  # beyond content-type and content-length
 
 
 class HttpError(Exception):
@@ -95,7 +95,7 @@ class HttpError(Exception):
                  headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         super().__init__(message)
         self.status, self.type, self.message, self.outcome = status, type_, message, outcome
-        self.stage, self.trace, self.close, self.headers = stage, trace, close, list(headers)
+        self.stage, self.trace, self.close, self.headers = stage, trace, close, tuple(headers)
         self.route = "other"  # the metrics label, when the error ends a request whose path was read
 
     def reply(self, codec: Codec = JSON) -> Reply:
@@ -106,7 +106,7 @@ class HttpError(Exception):
             body, ctype = codec.encode({"error": error}), codec.content_type
         except (TypeError, ValueError):  # cannot happen for str fields, but never fail an error reply
             body, ctype = json_encode({"error": {**error, "message": repr(self.message)}}), JSON.content_type
-        return Reply(self.status, body, ctype, self.outcome, self.close, list(self.headers))
+        return Reply(self.status, body, ctype, self.outcome, self.close, self.headers)
 
 
 def ok(payload: Any, codec: Codec = JSON, status: int = 200, outcome: str = "ok") -> Reply:
@@ -196,7 +196,7 @@ def status_body(status: PipelineStatusLike) -> dict[str, Any]:
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A reply still to come: ``finish(future)`` makes it once ``future`` is done."""
 
@@ -228,6 +228,8 @@ class Router:
             b"/metrics": (get, "metrics"),
         }
         self._async_routes: dict[str, Handler] = {"readyz": self._readyz, "metrics": self._metrics}
+        # One finisher per codec, made once: a predict then allocates no partial of its own.
+        self._finishers = {codec.name: functools.partial(self._finish_predict, codec) for codec in (JSON, MSGPACK)}
 
     def label(self, path: bytes | None) -> str:
         """The metrics label of a route (``other`` for unknown paths or no request)."""
@@ -293,7 +295,8 @@ class Router:
                 raise self._backend_error(exc) from exc
         except HttpError as exc:
             return exc.reply(codec)
-        return Pending(future, functools.partial(self._finish_predict, codec))
+        finish = self._finishers.get(codec.name) or functools.partial(self._finish_predict, codec)
+        return Pending(future, finish)
 
     def _submit(self, x: Any, bound_s: float | None, key: bytes | None = None) -> asyncio.Future[Any]:
         submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not

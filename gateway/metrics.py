@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gateway.request_metrics import RequestMetrics
 
 __all__ = [
     "CONTENT_TYPE",
@@ -106,14 +108,11 @@ class Metrics:
         self.status_timeout_s = status_timeout_s
         self.registry = CollectorRegistry(auto_describe=True)
         self._open_connections = 0
-        self._request_counters: dict[tuple[str, str], Any] = {}  # labels() costs a lock and a tuple per call
-        self._latency_children: dict[str, Any] = {}
         ns, reg = namespace, self.registry
-        self.requests = Counter(f"{ns}_gateway_requests", "HTTP requests answered, by route and outcome.",
-                                ["route", "outcome"], registry=reg)
-        self.latency = Histogram(f"{ns}_gateway_request_duration_seconds",
-                                 "End-to-end latency of predict requests (request head read to response "
-                                 "written), by outcome.", ["outcome"], buckets=LATENCY_BUCKETS, registry=reg)
+        # Requests by route and outcome, and predict latency: lock-free counts (gateway.request_metrics).
+        self.requests = RequestMetrics(ns, LATENCY_BUCKETS)
+        reg.register(self.requests)
+        self.observe_request = self.requests.observe  # bound once: one Python call per request, not two
         self.in_flight = Gauge(f"{ns}_gateway_in_flight", "Predictions submitted and not yet answered.",
                                registry=reg)
         self.in_flight.set_function(self._read_in_flight)
@@ -161,18 +160,6 @@ class Metrics:
             return float("nan")
 
     # -- request side ---------------------------------------------------------------------------
-
-    def observe_request(self, route: str, outcome: str, duration_s: float | None = None) -> None:
-        """Count one answered request; predict requests also pass their end-to-end duration."""
-        counter = self._request_counters.get((route, outcome))
-        if counter is None:
-            counter = self._request_counters[(route, outcome)] = self.requests.labels(route, outcome)
-        counter.inc()
-        if duration_s is not None:
-            child = self._latency_children.get(outcome)
-            if child is None:
-                child = self._latency_children[outcome] = self.latency.labels(outcome)
-            child.observe(duration_s)
 
     def connection_opened(self) -> None:
         self._open_connections += 1

@@ -1,0 +1,114 @@
+"""Request parsing of the HTTP front: httptools (llhttp, in C) callbacks that assemble `Request`s.
+
+Why apart from the connection (`gateway.http_protocol`): this part only turns bytes into
+requests and enforces the limits that need the bytes themselves (431 for a head over
+``max_header_bytes``, 413 for a body over ``max_body_bytes``, 400 for HTTP/1.1 without Host);
+*when* to read, answer, time out and close is the connection's. It tells the connection what
+happened through the `Connection` hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httptools
+
+from gateway.http_routes import HttpError, Request, bad_request, too_large
+from gateway.http_settings import HttpSettings
+
+__all__ = ["Connection", "RequestReader"]
+
+
+class Connection(Protocol):
+    """What the reader tells its connection (`gateway.http_protocol.HttpProtocol`)."""
+
+    def head_started(self) -> None: ...
+    def head_complete(self, expect_continue: bool) -> None: ...
+    def request_complete(self, request: Request) -> None: ...
+
+
+class RequestReader:
+    """httptools calls the ``on_*`` methods from ``feed``; one request is assembled at a time."""
+
+    def __init__(self, connection: Connection, settings: HttpSettings) -> None:
+        self.connection = connection
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_body_bytes = settings.max_body_bytes
+        self.parser = httptools.HttpRequestParser(self)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.head_size = 0
+        self.head_tail = 0
+
+    def feed(self, data: bytes) -> HttpError | None:
+        """Parse ``data``; the error to answer (then close) if the bytes are refused, else None."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            return bad_request("protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
+            cause = exc.__context__
+            return cause if isinstance(cause, HttpError) else bad_request(str(exc))
+        return None
+
+    def check_partial_head(self, data: bytes) -> HttpError | None:
+        """Bound a head still incomplete after this chunk: httptools reports a header only once
+        it is complete, so the bytes after the last newline are counted here."""
+        nl = data.rfind(b"\n")
+        self.head_tail = len(data) - nl - 1 if nl >= 0 else self.head_tail + len(data)
+        if self.head_size + self.head_tail > self.max_header_bytes:
+            return bad_request("request head too large", 431)
+        return None
+
+    @property
+    def path(self) -> bytes:
+        """The path of the request being read (b"" before its URL)."""
+        return self.url.split(b"?", 1)[0]
+
+    # -- httptools callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._reset()
+        self.connection.head_started()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self.head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > self.max_header_bytes:
+            raise bad_request("request head too large", 431)
+        name = name.lower()
+        if name not in self.headers:
+            self.headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        headers = self.headers
+        if b"host" not in headers and self.parser.get_http_version() == "1.1":
+            raise bad_request("HTTP/1.1 request without a Host header")
+        length = headers.get(b"content-length")
+        if length is not None and int(length) > self.max_body_bytes:  # llhttp checked the digits
+            raise too_large(self.max_body_bytes)
+        expect = headers.get(b"expect")
+        self.connection.head_complete(expect is not None and expect.lower() == b"100-continue")
+
+    def on_body(self, body: bytes) -> None:
+        self.body_size += len(body)
+        if self.body_size > self.max_body_bytes:
+            raise too_large(self.max_body_bytes)
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        url = self.url
+        path = url.split(b"?", 1)[0] if b"?" in url else url
+        parser = self.parser
+        self.connection.request_complete(Request(parser.get_method(), path, self.headers, body,
+                                                 parser.should_keep_alive()))
+
