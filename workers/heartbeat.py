@@ -1,13 +1,16 @@
-"""A worker's heartbeat thread: ``P:hb:<i>`` every ``heartbeat_s``, and the lease of a long batch.
+"""A worker's heartbeat thread: ``P:hb:<i>`` every ``heartbeat_s``, the lease of a long batch, its core.
 
-Each beat writes the worker's member of every partition's heartbeat set (``status``, readyz
-and the janitor read them), counts the stage's live workers for the singleton read size, and,
-while a batch has run longer than a third of ``claim_idle_s``, renews the lease on its entries
-(``XCLAIM JUSTID``) so that no other worker claims them.
+Once the worker is ready, each beat writes its member of every partition's heartbeat set
+(``status``, readyz and the janitor read them), counts the stage's live workers for the
+singleton read size, and, while a batch has run longer than a third of ``claim_idle_s``, renews
+the lease on its entries (``XCLAIM JUSTID``) so that no other worker claims them. From the
+moment the worker has claimed its core (before ``setup()``, which may outlast the claim's TTL)
+each beat also renews that claim, and the thread removes it when it stops (:mod:`broker.pins`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,8 +20,9 @@ from typing import Any
 import redis
 
 from broker import protocol
-from broker.connection import CONNECTION_ERRORS, RedisSettings
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import GROUP
+from broker.pins import PinClaims
 from workers.adaptive import SingletonReadSize
 
 log = logging.getLogger("conveyor.worker")
@@ -54,34 +58,58 @@ class Heartbeat:
         self._renew_after_s = claim_idle_s / 3
         self._read_size = read_size
         self.lease = Lease()
-        self._done = threading.Event()
+        self._pin: tuple[PinClaims, int, int] | None = None  # claims, cpu, stage
+        self._ready = False
+        self._stopped = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
-    def start(self) -> None:
+    def start(self, pin: tuple[PinClaims, int, int] | None = None) -> None:
+        """Start beating: only the core's claim (``pin``: claims, cpu, stage), if any, until ``ready``."""
+        self._pin = pin
         self._thread.start()
 
-    def stop(self) -> None:
-        """Ask the thread to end (it closes its own connection); does not wait for it."""
-        self._done.set()
+    def ready(self) -> None:
+        """Setup is done: beat at once (readyz must see the worker live now, not heartbeat_s later)."""
+        self._ready = True
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread, which releases the core's claim and closes its connection; wait a bounded time."""
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         client = self._settings.sync_client()
-        # Beat at once, then every interval: `status`/readyz must see a worker as live as soon
-        # as it is ready, not heartbeat_s later.
-        while True:
+        while not self._stopped:
             try:
                 self._beat(client)
             except CONNECTION_ERRORS:
                 pass
             except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
                 log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
-            if self._done.wait(self._interval_s):
-                break
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+        if self._pin is not None:
+            claims, cpu, stage = self._pin
+            with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
+                claims.release(client, cpu, stage, self._consumer)
         client.close()
 
     def _beat(self, client: redis.Redis) -> None:
-        now = protocol.now_ms()
         pipe = client.pipeline(transaction=False)
+        if self._pin is not None:
+            claims, cpu, stage = self._pin
+            claims.renew(pipe, cpu, stage, self._consumer)
+        if self._ready:
+            self._beat_ready(pipe)
+        elif self._pin is not None:
+            pipe.execute()
+
+    def _beat_ready(self, pipe: redis.client.Pipeline) -> None:
+        now = protocol.now_ms()
         pipe.zcount(self._hb_keys[0], now - LIVE_AFTER_MS, "+inf")
         for hb_key in self._hb_keys:
             pipe.zadd(hb_key, {self._consumer: now})
@@ -90,4 +118,5 @@ class Heartbeat:
         if held and time.monotonic() - since > self._renew_after_s:
             # Renew the lease: a long batch must not be claimed by another worker.
             pipe.xclaim(stream, GROUP, self._consumer, 0, list[Any](held), justid=True)
-        self._read_size.live_workers = max(1, int(pipe.execute()[0]))
+        offset = 2 if self._pin is not None else 0  # the claim's ZADD and PEXPIRE come first
+        self._read_size.live_workers = max(1, int(pipe.execute()[offset]))

@@ -24,6 +24,7 @@ from redis.retry import Retry
 from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
 from broker.keys import GROUP, Keys
+from broker.pins import PinClaims, PinRequest
 from broker.server_info import check_server
 from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
@@ -33,6 +34,7 @@ from workers.heartbeat import LIVE_AFTER_MS, Heartbeat
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.loading import LoadingBeacon
 from workers.partitions import Lane, on_lane, stream_reader, wait_any
+from workers.pinning import allowed_cpus, host_id, pin
 from workers.pipeline import Pipeline, StageSpec
 from workers.recovery import Recovery
 from workers.routing import Router
@@ -51,6 +53,8 @@ class WorkerSettings:
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
     max_payload_bytes: int = 16 * 1024 * 1024
+    pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.pinning)
+    pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
 
 
 class StatusPipe:
@@ -69,7 +73,10 @@ class StatusPipe:
 
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
-                 consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "") -> None:
+                 consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "",
+                 claim_cpu: int | None = None) -> None:
+        """``claim_cpu``: claim a core host-wide, preferring this one, and pin to it (else the
+        process is pinned already, or not at all)."""
         self.pipeline = pipeline
         self.spec = spec
         self.redis_settings = redis_settings
@@ -77,6 +84,7 @@ class Worker:
         self.settings = settings
         self.status = status
         self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
+        self.claim_cpu = claim_cpu
         self.ready = False
         self._next_claim = time.monotonic() + spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
@@ -101,24 +109,41 @@ class Worker:
         self._use(self._lanes[0])
         # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
+        hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
+        self._heartbeat = Heartbeat(self.redis_settings, hb_keys, self.consumer, self.spec.name,
+                                    self.settings.heartbeat_s, self.spec.claim_idle_s, self._read_size)
+        self._heartbeat.start(self._claim_core())  # renews the core's claim from now on, setup() included
+        try:
+            self._setup_and_loop()
+        finally:
+            self._heartbeat.stop()  # and releases the core's claim
+            for lane in self._lanes:
+                lane.reader.close()
+            self._client.close()
+
+    def _claim_core(self) -> tuple[PinClaims, int, int] | None:
+        """Claim a core on this host (``claim_cpu``) and pin to it; None when not claiming."""
+        if self.claim_cpu is None:
+            return None
+        claims = PinClaims(self.pipeline.keys, host_id(), self.settings.pin_ttl_ms)
+        request = PinRequest(self.consumer, self.spec.index, self.claim_cpu)
+        cpus: list[int] = []
+        self._with_redis(lambda: cpus.extend(claims.claim(self._client, allowed_cpus(), [request])))
+        cpu = cpus[0] if cpus else self.claim_cpu  # stopped before Redis answered: the hint will do
+        pin(cpu)
+        log.info("pinned stage=%s consumer=%s cpu=%d host=%s", self.spec.name, self.consumer, cpu, claims.host)
+        return claims, cpu, self.spec.index
+
+    def _setup_and_loop(self) -> None:
         stage = self.spec.cls(**self.spec.kwargs)
         with LoadingBeacon(self.redis_settings, self.keys, self.spec.index, self.consumer, self.settings.heartbeat_s):
             stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._stage = stage
-        hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
-        self._heartbeat = Heartbeat(self.redis_settings, hb_keys, self.consumer, self.spec.name,
-                                    self.settings.heartbeat_s, self.spec.claim_idle_s, self._read_size)
-        self._heartbeat.start()
+        self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
-        try:
-            self._loop()
-        finally:
-            self._heartbeat.stop()
-            for lane in self._lanes:
-                lane.reader.close()
-            self._client.close()
+        self._loop()
 
     def _lane(self, keys: Keys) -> Lane:
         """One partition's stream (the only one unless the pipeline is partitioned)."""
