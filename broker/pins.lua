@@ -64,7 +64,7 @@ while i + 2 <= #ARGV do
       if cpu == nil and is_allowed(c.cpu) and c.stage == stage then
         cpu = c.cpu
       else
-        redis.call('ZREM', key, c.member)
+        redis.call('ZADD', key, 0, c.member) -- expired: pruned by the next call (ZADD, not ZREM: the minimal ACL)
         table.remove(claims, j)
       end
     end
@@ -77,5 +77,5 @@ while i + 2 <= #ARGV do
   chosen[#chosen + 1] = cpu
   i = i + 3
 end
-if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+redis.call('PEXPIRE', key, ttl)
 return chosen

@@ -128,8 +128,12 @@ class Worker:
         claims = PinClaims(self.pipeline.keys, host_id(), self.settings.pin_ttl_ms)
         request = PinRequest(self.consumer, self.spec.index, self.claim_cpu)
         cpus: list[int] = []
-        self._with_redis(lambda: cpus.extend(claims.claim(self._client, allowed_cpus(), [request])))
-        cpu = cpus[0] if cpus else self.claim_cpu  # stopped before Redis answered: the hint will do
+        try:
+            self._with_redis(lambda: cpus.extend(claims.claim(self._client, allowed_cpus(), [request])))
+        except redis.ResponseError as exc:  # e.g. an ACL without the claim's commands: pinning must not stop us
+            log.warning("could not claim a core stage=%s error=%s: pinning to cpu %d", self.spec.name, exc,
+                        self.claim_cpu)
+        cpu = cpus[0] if cpus else self.claim_cpu  # stopped before Redis answered, or refused: the hint will do
         pin(cpu)
         log.info("pinned stage=%s consumer=%s cpu=%d host=%s", self.spec.name, self.consumer, cpu, claims.host)
         return claims, cpu, self.spec.index
