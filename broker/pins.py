@@ -48,7 +48,7 @@ class PinClaims:
         args: list[str | int] = [protocol.now_ms(), self.ttl_ms, len(allowed), *allowed]
         for request in requests:
             args += [request.consumer, request.stage, request.hint]
-        reply = client.eval(PINS_LUA, 1, self.key, *args)
+        reply = client.register_script(PINS_LUA)(keys=[self.key], args=args)  # EVALSHA, EVAL after a flush
         return [int(cpu) for cpu in reply]
 
     def renew(self, pipe: redis.client.Pipeline, cpu: int, stage: int, consumer: str) -> None:
