@@ -39,7 +39,16 @@ key                                type    TTL                  written by
                                            pruned by score)     ``setup()`` runs, every
                                                                 ``heartbeat_s``; removed once
                                                                 ready (score: ms)
+``P:pins:<host>``                  zset    ``pin_ttl``, renewed workers pinned by claim (no
+                                           with each claim;     explicit ``cpus``): member
+                                           members pruned by    ``<cpu>:<i>:<consumer>``, one
+                                           score                per worker of that host (score:
+                                                                the claim's expiry, ms, host
+                                                                clock); only in partition 0
 =================================  ======  ===================  ==============================
+
+``<host>`` is the kernel's boot id (``/proc/sys/kernel/random/boot_id``, the same in every
+container of one machine), else the host name (:func:`workers.pinning.host_id`).
 
 The consumer group of every stage stream is named ``workers``.
 """
@@ -126,3 +135,7 @@ class Keys:
 
     def loading(self, stage: int) -> str:
         return f"{self.base}:loading:{stage}"
+
+    def pins(self, host: str) -> str:
+        """The cores claimed by this pipeline's workers on ``host`` (see :mod:`broker.pins`)."""
+        return f"{self.base}:pins:{host}"

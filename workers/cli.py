@@ -29,7 +29,7 @@ from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.child import ChildSettings
 from workers.embedded import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
-from workers.pinning import PinningError
+from workers.pinning import PIN_MODES, PinningError
 from workers.procs import detached_preexec
 from workers.supervisor import Supervisor, SupervisorSettings
 from workers.worker import WorkerSettings
@@ -54,6 +54,14 @@ def _options(func: Any) -> Any:
                      default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
                      help="A stage result larger than this (encoded) is answered ResultTooLarge; a larger "
                           "incoming entry is dead-lettered."),
+        click.option("--pin", type=click.Choice(PIN_MODES), envvar="CONVEYOR_PIN", default=_WORKER_DEFAULTS.pin,
+                     show_default=True, show_envvar=True,
+                     help="Without a stage's explicit cpus: 'claim' gives the workers of one host distinct "
+                          "cores, host-wide, through Redis (several containers or `conveyor worker` processes); "
+                          "'slot' pins by slot within this process only, each process from its first core."),
+        click.option("--pin-ttl-s", type=click.FloatRange(min=2.0), envvar="CONVEYOR_PIN_TTL_S",
+                     default=_WORKER_DEFAULTS.pin_ttl_ms / 1000, show_default=True, show_envvar=True,
+                     help="How long the core of a worker that died stays claimed."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -74,7 +82,8 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
         raise click.BadParameter(str(exc), param_hint="--log-level") from exc
     worker = WorkerSettings(result_ttl_ms=int(opts["result_ttl_s"] * 1000),
                             reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
-                            max_payload_bytes=opts["max_payload_bytes"])
+                            max_payload_bytes=opts["max_payload_bytes"], pin=opts["pin"],
+                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000))
     return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
                          log_level=log_level)
 
@@ -136,7 +145,8 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
         spec = pipeline.stage(stage)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    supervisor = Supervisor(app, [(spec, workers or spec.workers)], child, SupervisorSettings(grace_s=grace_s))
+    supervisor = Supervisor(app, [(spec, workers or spec.workers)], child, SupervisorSettings(grace_s=grace_s),
+                            keys=pipeline.keys)
     sys.exit(_supervise(supervisor))
 
 
@@ -189,7 +199,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
-        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway]), early)
+        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway], keys=pipeline.keys), early)
     finally:
         if gateway is not None:
             _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed

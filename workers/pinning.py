@@ -1,8 +1,27 @@
-"""CPU pinning and thread limits, applied in the worker process before ``setup()``."""
+"""CPU pinning and thread limits, applied in the worker process before ``setup()``.
+
+Which core a worker runs on:
+
+- the stage gives ``cpus``: its slot's entry (cycled), exactly as given;
+- otherwise, by default (``pin="claim"``), a core claimed host-wide through Redis: the workers of
+  one pipeline on one physical host (every container, every ``conveyor worker`` process) take
+  distinct cores among those they may use, the fewest-claimed first, so ``--scale embed=2`` on a
+  2-core host runs on both cores. The supervisor lays out its own slots first, in one atomic call,
+  preferring the core each slot had by the slot spread below, so a lone supervisor (``conveyor
+  run``) gets exactly that spread; each worker then holds its claim (renewed by its heartbeat,
+  removed on a clean exit, expiring ``pin_ttl_ms`` after a crash) and, should it have lapsed,
+  claims again. Ties go to the slot's own core; with more workers than cores a worker takes the
+  core with the fewest workers of its stage, then the fewest in all (:mod:`broker.pins`);
+- ``pin="slot"`` (``CONVEYOR_PIN=slot``): the slot spread alone, per supervisor, as before claims
+  existed: two containers on one host both start at their first allowed core.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import socket
 from collections.abc import Sequence
 
 import psutil
@@ -11,6 +30,8 @@ THREAD_ENV_VARS = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
     "VECLIB_MAXIMUM_THREADS",
 )
+PIN_MODES = ("claim", "slot")
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 
 class PinningError(ValueError):
@@ -36,6 +57,24 @@ def assign_cpus(slot: int, explicit: Sequence[int] | None, allowed: Sequence[int
     if not allowed:
         raise ValueError("no CPU is allowed for this process")
     return int(allowed[(offset + slot) % len(allowed)])
+
+
+def claims_cpu(mode: str, explicit: Sequence[int] | None) -> bool:
+    """Whether a worker claims its core through Redis (else it pins to the core it is given)."""
+    if mode not in PIN_MODES:
+        raise PinningError(f"pin must be one of {', '.join(PIN_MODES)}, got {mode!r}")
+    return mode == "claim" and not explicit
+
+
+def host_id(boot_id_path: str = BOOT_ID_PATH) -> str:
+    """What tells physical hosts apart: the kernel's boot id (shared by every container of one
+    machine, new at each boot), else the host name; only characters safe in a key."""
+    try:
+        with open(boot_id_path) as f:
+            ident = f.read().strip()
+    except OSError:
+        ident = ""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", ident or socket.gethostname() or f"pid-{os.getpid()}")
 
 
 def pin(cpu: int) -> None:

@@ -32,8 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker.keys import Keys
+from broker.pins import PinClaims, PinRequest
 from workers.child import ChildSettings
-from workers.pinning import allowed_cpus, assign_cpus, thread_env
+from workers.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.pipeline import StageSpec
 from workers.procs import detached_preexec
 
@@ -66,12 +69,15 @@ class Slot:
     restart_at: float | None = 0.0
     history: list[int] = field(default_factory=list)  # exit codes, for tests and logs
     killed_for_timeout: bool = False
+    claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.pinning)
 
 
 class Supervisor:
     def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], child: ChildSettings,
                  settings: SupervisorSettings | None = None, cpu_offset: int = 0,
-                 companions: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+                 companions: Sequence[subprocess.Popen[bytes]] = (), keys: Keys | None = None) -> None:
+        """``keys``: the pipeline's, to lay out the slots' claimed cores in Redis before the
+        workers start (without them each worker claims its own as it starts)."""
         self.app = app
         self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
         self.stages = list(stages)
@@ -79,6 +85,7 @@ class Supervisor:
         self._child_record = child.to_json()
         self.settings = settings or SupervisorSettings()
         self.cpu_offset = cpu_offset
+        self.keys = keys
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
         self.slots: list[Slot] = []
@@ -97,8 +104,27 @@ class Supervisor:
             for n in range(count):
                 cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
                 consumer = f"{spec.name}@{host}:{n}"
-                self.slots.append(Slot(spec, n, cpu, consumer))
+                self.slots.append(Slot(spec, n, cpu, consumer, claim=claims_cpu(self.child.worker.pin, spec.cpus)))
             spread += count
+        self._lay_out_claims(allowed)
+
+    def _lay_out_claims(self, allowed: list[int]) -> None:
+        """Claim the cores of every claiming slot in one atomic call, in slot order: alone on the
+        host this is the slot spread itself; beside other workers, the free cores come first.
+        Best effort: if Redis does not answer, each worker claims its own as it starts."""
+        slots = [s for s in self.slots if s.claim and s.cpu is not None]
+        if not slots or self.keys is None:
+            return
+        claims = PinClaims(self.keys, host_id(), self.child.worker.pin_ttl_ms)
+        requests = [PinRequest(s.consumer, s.spec.index, s.cpu) for s in slots if s.cpu is not None]
+        client = RedisSettings(self.child.redis_url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
+        try:
+            for slot, cpu in zip(slots, claims.claim(client, allowed, requests), strict=True):
+                slot.cpu = cpu
+        except CONNECTION_OR_REPLY_ERRORS as exc:
+            log.warning("could not claim cores ahead of the workers (each claims its own): %r", exc)
+        finally:
+            client.close()
 
     # -- main loop ---------------------------------------------------------------------
 
@@ -210,6 +236,8 @@ class Supervisor:
                "--consumer", slot.consumer, "--status-fd", str(write_fd)]
         if slot.cpu is not None:
             cmd += ["--cpu", str(slot.cpu)]
+        if slot.claim:
+            cmd += ["--claim-cpu"]
         if slot.killed_for_timeout:
             cmd += ["--previous-exit", "timeout"]
         try:

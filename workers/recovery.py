@@ -1,0 +1,104 @@
+"""Entries delivered before: what this consumer left pending, and what dead consumers left.
+
+A worker first drains its own pending list (entries it held when it died, or when it lost
+Redis), then now and then claims entries that other consumers have held for ``claim_idle_s``
+(``XAUTOCLAIM``). Such entries run one at a time once delivered more than once: if one of them
+crashed or hung a worker, it alone pays for it again, and past ``max_deliveries`` it goes to
+the dead-letter stream (:mod:`workers.routing`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+
+from broker import protocol
+from broker.keys import GROUP
+from workers.batching import Entry, StreamReader
+from workers.pipeline import StageSpec
+
+log = logging.getLogger("conveyor.worker")
+
+Process = Callable[[list[Entry], dict[bytes, int]], None]  # run and commit entries, with delivery counts
+
+
+class Recovery:
+    def __init__(self, client: redis.Redis, spec: StageSpec, consumer: str, process: Process,
+                 stopping: Callable[[], bool]) -> None:
+        self._client = client
+        self._spec = spec
+        self._consumer = consumer
+        self._process = process
+        self._stopping = stopping
+        self._own_rereads: dict[bytes, int] = {}  # re-reads of our pending list after losing Redis
+
+    def drain_own_pending(self, reader: StreamReader, stream: str, own_retry: bool = False) -> None:
+        """Finish what this consumer held when it died. Entries delivered before run one at a
+        time: if one of them crashed or hung the worker, it alone pays for it again.
+
+        ``own_retry``: this same process re-reads after losing Redis, not after a crash. Each
+        re-read counts as a delivery in Redis; it is subtracted, so flapping Redis never sends
+        innocent entries to the dead-letter stream."""
+        while not self._stopping():
+            entries = reader.read(self._spec.batch_size, start="0")
+            if not entries:
+                return
+            if own_retry:
+                for entry_id, _ in entries:
+                    self._own_rereads[entry_id] = self._own_rereads.get(entry_id, 0) + 1
+            self._redelivered(stream, entries)
+
+    def claim_stale(self, reader: StreamReader, stream: str) -> None:
+        """Take over the entries other consumers have held for over ``claim_idle_s``."""
+        min_idle_ms = int(self._spec.claim_idle_s * 1000)
+        cursor = "0-0"
+        unnamed = False
+        while not self._stopping():
+            reply = self._client.xautoclaim(stream, GROUP, self._consumer, min_idle_ms, cursor,
+                                            count=self._spec.batch_size)
+            cursor, claimed = reply[0], reply[1]
+            deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
+            # Redis 6.2 answers a bare nil (no id) for an entry deleted while pending, yet claims it:
+            # it is ours now, and reading our own history below names it.
+            entries: list[Entry] = [(eid, fields or None) for eid, fields in claimed if eid is not None]
+            unnamed = unnamed or len(entries) < len(claimed)
+            entries += [(eid, None) for eid in deleted]
+            if entries:
+                log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(entries))
+                self._redelivered(stream, entries)
+            if cursor in (b"0-0", "0-0"):
+                break
+        if unnamed:
+            self.drain_own_pending(reader, stream)
+
+    def committed(self, acks: list[bytes]) -> None:
+        """Entries acked: their re-read counts are no longer needed."""
+        if self._own_rereads:
+            for entry_id in acks:
+                self._own_rereads.pop(entry_id, None)
+
+    def _redelivered(self, stream: str, entries: list[Entry]) -> None:
+        deliveries = self._delivery_counts(stream, entries)
+        fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
+        if fresh:
+            self._process(fresh, deliveries)
+        for entry in entries:
+            if deliveries.get(entry[0], 1) > 1:
+                self._process([entry], deliveries)
+
+    def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
+        ids = sorted((e[0] for e in entries), key=_id_key)
+        rows = self._client.xpending_range(stream, GROUP, ids[0], ids[-1], len(ids) * 2,
+                                           consumername=self._consumer)
+        counts: dict[bytes, int] = {}
+        for row in rows:
+            entry_id = protocol.as_bytes(row["message_id"])  # type: ignore[arg-type]
+            counts[entry_id] = int(row["times_delivered"]) - self._own_rereads.get(entry_id, 0)
+        return counts
+
+
+def _id_key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,99 @@
+"""What each entry of a batch becomes in the batch's commit (:class:`broker.commit.Commit`).
+
+Before user code: validated and decoded, or dead-lettered (malformed, undecodable, delivered
+too often) or answered at once (deadline passed). After it: an error record (the stage's code
+raised, the result is too large or cannot be encoded), the result (last stage), or the value
+forwarded to the next stage's stream. Pure bookkeeping: nothing here talks to Redis, the
+worker's one commit call per batch does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from broker import codec, protocol
+from broker.commit import Commit
+from broker.keys import Keys
+from workers.batching import Entry
+from workers.pipeline import StageSpec
+
+log = logging.getLogger("conveyor.worker")
+
+Work = list[tuple[protocol.Item, Any]]  # admitted items with their decoded inputs
+
+
+class Router:
+    def __init__(self, spec: StageSpec, last_stage: bool, max_payload_bytes: int, previous_exit: str = "") -> None:
+        self.spec = spec
+        self.last_stage = last_stage
+        self.max_payload_bytes = max_payload_bytes
+        self.limits = protocol.Limits(max_payload_bytes)
+        self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
+
+    def admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None, commit: Commit, keys: Keys) -> Work:
+        """Validate, decode and drop what must not reach user code; answer those at once."""
+        at = protocol.now_ms()
+        work: Work = []
+        for entry_id, fields in entries:
+            item = protocol.parse_entry(entry_id, fields, keys, self.limits, at)
+            if isinstance(item, protocol.Rejected):
+                self._reject(item, item.reason, commit, keys)
+                continue
+            count = deliveries.get(entry_id, 1) if deliveries else 1
+            if count > self.spec.max_deliveries:
+                self._reject(item, self._redelivery_reason(count), commit, keys)
+            elif item.expired(at):
+                self._error(item, protocol.E_DEADLINE, "deadline passed before the stage ran", commit, keys)
+            else:
+                try:
+                    work.append((item, codec.decode(item.data)))
+                except codec.CodecError as exc:
+                    self._reject(item, f"undecodable payload: {exc}", commit, keys)
+        return work
+
+    def route(self, item: protocol.Item, outcome: tuple[bool, Any], commit: Commit, keys: Keys) -> None:
+        """The outcome of user code on ``item``: an error, the result, or the next stage's input."""
+        ok, value = outcome
+        if not ok:
+            self._error(item, value.type, value.message, commit, keys, value.traceback)
+        elif self.last_stage:
+            record = protocol.ok_record(item.request_id, value, self.spec.name)
+            if not self._too_large(item, len(record), commit, keys):
+                commit.publish(keys.result_key(item.request_id), record, item.reply)
+        else:
+            try:
+                data = codec.encode(value)
+            except codec.CodecError as exc:
+                self._error(item, protocol.E_UNENCODABLE, f"result of stage {self.spec.name!r} cannot be encoded: "
+                            f"{exc}", commit, keys)
+                return
+            if not self._too_large(item, len(data), commit, keys):
+                commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+
+    def _redelivery_reason(self, count: int) -> str:
+        limit = f"delivered {count} times (max_deliveries={self.spec.max_deliveries})"
+        if self.previous_exit == "timeout":
+            return f"timeout: predict ran past max_run_s={self.spec.max_run_s}s; {limit}"
+        return f"{limit}: its worker crashed or was killed while processing it"
+
+    def _reject(self, item: protocol.Item | protocol.Rejected, reason: str, commit: Commit, keys: Keys) -> None:
+        log.warning("dead-letter stage=%s request=%r reason=%s", self.spec.name, item.request_id, reason)
+        commit.dead_letter(item.entry_id, item.request_id, reason, item.data[:1024])
+        if item.request_id is not None:
+            record = protocol.error_record(item.request_id, protocol.E_DEAD_LETTER, reason, self.spec.name, "")
+            commit.publish(keys.result_key(item.request_id), record, item.reply)
+
+    def _error(self, item: protocol.Item, type_: str, message: str, commit: Commit, keys: Keys, tb: str = "") -> None:
+        record = protocol.error_record(item.request_id, type_, message, self.spec.name, tb)
+        commit.publish(keys.result_key(item.request_id), record, item.reply)
+
+    def _too_large(self, item: protocol.Item, size: int, commit: Commit, keys: Keys) -> bool:
+        """A result over max_payload_bytes is this stage's error, said as such (not a dead letter
+        of the next stage, nor a huge value in Redis)."""
+        limit = self.max_payload_bytes
+        if size <= limit:
+            return False
+        self._error(item, protocol.E_TOO_LARGE, f"result of stage {self.spec.name!r} too large: {size} bytes > "
+                    f"max_payload_bytes={limit}", commit, keys)
+        return True
