@@ -58,8 +58,8 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
               help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
-@click.option("--loop", type=click.Choice(LOOPS), default="asyncio", show_default=True, envvar="CONVEYOR_LOOP",
-              show_envvar=True, help="Event loop; uvloop needs the [uvloop] extra.")
+@click.option("--loop", type=click.Choice(LOOPS), default="auto", show_default=True, envvar="CONVEYOR_LOOP",
+              show_envvar=True, help="Event loop; auto takes uvloop where installed, else asyncio.")
 @click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
               envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
 def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeout_s: float, debug: bool,

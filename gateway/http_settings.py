@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 __all__ = ["LOOPS", "HttpSettings"]
 
-LOOPS = ("asyncio", "uvloop")
+LOOPS = ("auto", "asyncio", "uvloop")  # auto: uvloop where installed (as uvicorn does), else asyncio
 
 
 @dataclass

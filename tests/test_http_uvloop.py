@@ -38,3 +38,16 @@ def test_on_uvloop(test: Callable[[], None]) -> None:
 
 async def _which_loop(loops: list[str]) -> None:
     loops.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+
+
+def test_auto_is_uvloop_where_installed_and_runs_on_it() -> None:
+    """``--loop auto`` (the default) resolves to uvloop here, and run_loop really runs on it."""
+    from gateway.serve import resolve_loop, run_loop
+
+    assert resolve_loop("auto") == "uvloop"
+    assert resolve_loop("asyncio") == "asyncio"
+    loops: list[str] = []
+    run_loop(_which_loop(loops), "auto")
+    assert loops == ["uvloop"]
+    run_loop(_which_loop(loops), "asyncio")
+    assert loops == ["uvloop", "asyncio"]
