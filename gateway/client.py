@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import redis
 
@@ -28,9 +28,13 @@ from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.deadlines import Deadlines
 from gateway.errors import Overloaded, StageError, UnknownPipeline
+from gateway.slot import Slot
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
+
+# What a pending request's caller waits on: a future (the Python API), or a `Slot` (the HTTP front).
+Waiter = asyncio.Future[Any] | Slot
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
 # many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
@@ -63,8 +67,8 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
         self._id_prefix = f"{self.gateway_id}-".encode()
-        # Request id -> the future its caller awaits; a request's deadline lives in _deadlines.
-        self._pending: dict[bytes, asyncio.Future[Any]] = {}
+        # Request id -> the future (or Slot) its caller waits on; a request's deadline lives in _deadlines.
+        self._pending: dict[bytes, Waiter] = {}
         self._deadlines = Deadlines(self._pending, self._expire)
         self._outbox: list[Submission] = []
         self._unlink: list[bytes] = []
@@ -142,9 +146,22 @@ class Gateway:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
         return await self.submit(x, timeout_s)
 
-    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+    submits_direct = True  # the HTTP front may ask for a Slot (``direct=True``)
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, *,
+               direct: Literal[False] = False) -> asyncio.Future[Any]: ...
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool) -> Waiter: ...
+
+    def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool = False) -> Waiter:
         """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
-        callback instead of creating a task per request). Overloaded/CodecError raise here."""
+        callback instead of creating a task per request). Overloaded/CodecError raise here.
+
+        ``direct``: a `Slot` instead of a future, whose one callback runs as the answer arrives
+        (no event-loop handle per answer); a request waiting for the pipeline's registration
+        still gets a future."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
@@ -152,7 +169,7 @@ class Gateway:
         if not self._registered:  # rare: until this pipeline is seen registered once
             self._admit()
             return asyncio.ensure_future(self._submit_when_registered(data, timeout))
-        return self._enqueue(data, timeout)
+        return self._enqueue(data, timeout, direct)
 
     async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""
@@ -164,12 +181,12 @@ class Gateway:
                                "only as the request's deadline passed")
         return await self._enqueue(data, remaining)
 
-    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
+    def _enqueue(self, data: bytes, timeout: float, direct: bool = False) -> Any:
         self._admit()
         loop = asyncio.get_running_loop()
         self._counter += 1
         request_id = b"%b%d" % (self._id_prefix, self._counter)
-        future: asyncio.Future[Any] = loop.create_future()
+        future: Waiter = Slot(loop) if direct else loop.create_future()
         self._pending[request_id] = future
         self._deadlines.add(loop, request_id, timeout)
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
