@@ -190,7 +190,7 @@ class Gateway:
         self._pending[request_id] = future
         self._deadlines.add(loop, request_id, timeout)
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
-        self._outbox.append((request_id, data, b"%d" % deadline_ms))
+        self._outbox.append(self._submit.entry(request_id, data, b"%d" % deadline_ms))
         self._wake.set()
         return future
 
@@ -270,7 +270,7 @@ class Gateway:
 
     def _fail(self, batch: list[Submission], error: Callable[[], Exception]) -> None:
         """Fail these requests at once, each with an exception of its own."""
-        for request_id, _, _ in batch:
+        for request_id, *_ in batch:
             self._sent_twice.discard(request_id)
             future = self._pending.pop(request_id, None)
             if future is None or future.done():
