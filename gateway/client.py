@@ -303,9 +303,15 @@ class Gateway:
                 await asyncio.sleep(backoff.next_delay_s())
                 continue
             if popped is not None:
-                self._deliver(protocol.as_bytes(popped[1]))
-                if len(self._unlink) >= UNLINK_ALONE:
-                    self._wake.set()  # no submission to ride on: unlink the consumed keys now
+                # Resolved on the loop's next turn, one handle per element (a batch's answers): the
+                # next BLPOP goes out first, not after the HTTP front has written every reply (a
+                # Slot answers its request in the resolver's stack).
+                asyncio.get_running_loop().call_soon(self._deliver_popped, protocol.as_bytes(popped[1]))
+
+    def _deliver_popped(self, element: bytes) -> None:
+        self._deliver(element)
+        if len(self._unlink) >= UNLINK_ALONE:
+            self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:
         try:
