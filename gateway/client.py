@@ -22,8 +22,16 @@ from typing import Any, Literal, overload
 import redis
 
 from broker import codec, protocol
-from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
+from broker.connection import (
+    CONNECTION_ERRORS,
+    CONNECTION_OR_REPLY_ERRORS,
+    Backoff,
+    RedisSettings,
+    is_cluster_client,
+    is_transient,
+)
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.deadlines import Deadlines
@@ -89,6 +97,7 @@ class Gateway:
     async def start(self) -> None:
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
+        self._reply_conn: Any = None  # the reply client's one connection, held by the reader (_pop_reply)
         try:
             await acheck_server(self._client)
             self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
@@ -293,7 +302,7 @@ class Gateway:
                 if recovering:
                     await self._recover()
                     recovering = False
-                popped = await self._reply_client.blpop([self._reply_key], timeout=block)
+                popped = await self._pop_reply(block)
                 backoff.reset()
             except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
                 if self._closing:
@@ -307,6 +316,25 @@ class Gateway:
                 # next BLPOP goes out first, not after the HTTP front has written every reply (a
                 # Slot answers its request in the resolver's stack).
                 asyncio.get_running_loop().call_soon(self._deliver_popped, protocol.as_bytes(popped[1]))
+
+    async def _pop_reply(self, block: float) -> Any:
+        """One BLPOP on the reply client's one connection, held across pops: redis-py's pool
+        checkout per command (a lock, a readiness check, metrics hooks) is skipped, as for the
+        Submitter's turns. After an error the connection goes back to the pool (for _recover)."""
+        if is_cluster_client(self._reply_client):  # no single pool: redis-py routes the key
+            return await self._reply_client.blpop([self._reply_key], timeout=block)
+        conn = self._reply_conn
+        if conn is None:
+            conn = self._reply_conn = await self._reply_client.connection_pool.get_connection()
+        try:
+            await conn.send_packed_command(pack_command([b"BLPOP", self._reply_key, b"%r" % block]),
+                                           check_health=False)
+            return await conn.read_response()
+        except BaseException:
+            self._reply_conn = None
+            await conn.disconnect()
+            await self._reply_client.connection_pool.release(conn)
+            raise
 
     def _deliver_popped(self, element: bytes) -> None:
         self._deliver(element)
