@@ -36,13 +36,10 @@ from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.deadlines import Deadlines
 from gateway.errors import Overloaded, StageError, UnknownPipeline
-from gateway.slot import Slot
+from gateway.slot import Slot, Waiter
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
-
-# What a pending request's caller waits on: a future (the Python API), or a `Slot` (the HTTP front).
-Waiter = asyncio.Future[Any] | Slot
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
 # many wait (one UNLINK for all of them, not one per request at low load), and get a call of their

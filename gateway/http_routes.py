@@ -43,7 +43,7 @@ from gateway.http_codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, code
 from gateway.http_settings import HttpSettings
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics, PipelineStatusLike, StatusSource
-from gateway.slot import Slot
+from gateway.slot import Waiter
 
 __all__ = ["Backend", "HttpError", "Pending", "Reply", "Request", "Router"]
 
@@ -197,10 +197,6 @@ def status_body(status: PipelineStatusLike) -> dict[str, Any]:
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
-# What a predict waits on: the backend's future, or a `gateway.slot.Slot` (called back with no loop handle).
-Waiter = asyncio.Future[Any] | Slot
-
-
 @dataclass(slots=True)
 class Pending:
     """A reply still to come: ``finish(future)`` makes it once ``future`` is done."""
@@ -309,10 +305,9 @@ class Router:
         submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not
         if submit is None:
             return asyncio.ensure_future(self.backend.predict(x, bound_s))
-        kwargs: dict[str, Any] = {"direct": True} if self._direct else {}
         if key is not None and getattr(self.backend, "takes_partition_key", False):
-            kwargs["key"] = key
-        return submit(x, bound_s, **kwargs)
+            return submit(x, bound_s, key=key, direct=True) if self._direct else submit(x, bound_s, key=key)
+        return submit(x, bound_s, direct=True) if self._direct else submit(x, bound_s)
 
     def _finish_predict(self, codec: Codec, future: Waiter) -> Reply:
         try:

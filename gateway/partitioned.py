@@ -32,8 +32,9 @@ from broker import protocol
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
 from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
-from gateway.client import Gateway, GatewaySettings, Waiter
+from gateway.client import Gateway, GatewaySettings
 from gateway.errors import Overloaded
+from gateway.slot import Waiter
 from gateway.status import PipelineStatus, StageStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")

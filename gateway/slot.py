@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Slot"]
+__all__ = ["Slot", "Waiter"]
 
 _PENDING, _DONE, _CANCELLED = 0, 1, 2
 
@@ -93,3 +93,7 @@ class Slot:
             fn(self)
         except Exception as exc:
             self._loop.call_exception_handler({"message": "exception in a Slot's done-callback", "exception": exc})
+
+
+# What a pending request's consumer waits on: a future (the Python API), or a `Slot` (the HTTP front).
+Waiter = asyncio.Future[Any] | Slot
