@@ -19,12 +19,15 @@ import redis.asyncio as aredis
 
 from broker.connection import is_cluster_client
 from broker.keys import Keys
-from broker.resp import pack_command
+from broker.resp import LARGE_ARG_BYTES, pack_command
 
 SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
 SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
 
-Submission = tuple[bytes, bytes, bytes]  # request id, encoded data, deadline (Unix ms, ASCII)
+# request id, encoded data, deadline (Unix ms, ASCII), and the RESP of the four ARGV of its entry
+# (``Submitter.entry``: packed once as it is queued, not per turn; b"" for a large payload, packed
+# at the turn's join so that its bytes are copied once).
+Submission = tuple[bytes, bytes, bytes, bytes]
 
 OVERLOADED = "OVERLOADED"  # the script's error reply when it admitted none of the entries offered
 
@@ -43,20 +46,40 @@ class Submitter:
         self._limit_key = keys.max_backlog.encode()
         self._reply_key = reply_key
         self._own_limit = b"" if max_backlog is None else b"%d" % max_backlog
+        reply = b"$%d\r\n%b\r\n" % (len(reply_key), reply_key.replace(b"%", b"%%"))
+        self._entry_format = b"$%d\r\n%b\r\n$%d\r\n%b\r\n" + reply + b"$%d\r\n%b\r\n"
+        self._conn: Any = None  # the connection turns go out on, held from the first turn on
 
     async def load(self) -> None:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
         await self._client.script_load(SUBMIT_LUA)
 
-    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
-        args = [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
+    def entry(self, request_id: bytes, data: bytes, deadline: bytes) -> Submission:
+        """One request, ready for a turn: its four ARGV (id, data, reply key, deadline) packed now."""
+        if len(data) >= LARGE_ARG_BYTES:
+            return request_id, data, deadline, b""
+        return request_id, data, deadline, self._entry_format % (len(request_id), request_id, len(data), data,
+                                                                 len(deadline), deadline)
+
+    def _head(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
+        return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
                 b"%d" % len(batch), self._own_limit]
-        for request_id, data, deadline in batch:
+
+    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
+        args = self._head(batch, unlink)
+        for request_id, data, deadline, _ in batch:
             args += (request_id, data, self._reply_key, deadline)
         return args
 
     def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> bytes:
-        return pack_command(self._args(batch, unlink))
+        """The turn's command: its head packed here, each entry as packed by :meth:`entry`."""
+        if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
+            return pack_command(self._args(batch, unlink))
+        head = self._head(batch, unlink)
+        parts = [b"*%d\r\n" % (len(head) + 4 * len(batch))]
+        parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in head]
+        parts += [s[3] for s in batch]
+        return b"".join(parts)
 
     async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> int:
         """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
@@ -73,13 +96,18 @@ class Submitter:
         return await self._execute_packed(self.pack(batch, unlink))
 
     async def _execute_packed(self, packed: bytes) -> Any:
-        pool = self._client.connection_pool
-        conn = await pool.get_connection()
+        """On one connection, taken from the pool once and held: turns come one at a time (the
+        gateway's flusher), and redis-py's checkout per turn (a lock, a readiness check, metrics
+        hooks, then the same on release) cost more than packing the turn. The pool's close
+        disconnects it; after an error it is disconnected and reconnects on the next turn."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await self._client.connection_pool.get_connection()
         try:
             await conn.send_packed_command(packed, check_health=False)
             return await conn.read_response()
+        except redis.ResponseError:  # an error reply (OVERLOADED, NOSCRIPT, OOM...), read in full
+            raise
         except BaseException:
             await conn.disconnect()
             raise
-        finally:
-            await pool.release(conn)

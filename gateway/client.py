@@ -17,17 +17,26 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import redis
 
 from broker import codec, protocol
-from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
+from broker.connection import (
+    CONNECTION_ERRORS,
+    CONNECTION_OR_REPLY_ERRORS,
+    Backoff,
+    RedisSettings,
+    is_cluster_client,
+    is_transient,
+)
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.deadlines import Deadlines
 from gateway.errors import Overloaded, StageError, UnknownPipeline
+from gateway.slot import Slot, Waiter
 from gateway.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
@@ -63,8 +72,8 @@ class Gateway:
         self.gateway_id = uuid.uuid4().hex[:16]
         self._reply_key = self.keys.reply(self.gateway_id).encode()
         self._id_prefix = f"{self.gateway_id}-".encode()
-        # Request id -> the future its caller awaits; a request's deadline lives in _deadlines.
-        self._pending: dict[bytes, asyncio.Future[Any]] = {}
+        # Request id -> the future (or Slot) its caller waits on; a request's deadline lives in _deadlines.
+        self._pending: dict[bytes, Waiter] = {}
         self._deadlines = Deadlines(self._pending, self._expire)
         self._outbox: list[Submission] = []
         self._unlink: list[bytes] = []
@@ -83,8 +92,10 @@ class Gateway:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()  # the gateway's clients and tasks live on this loop
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
+        self._reply_conn: Any = None  # the reply client's one connection, held by the reader (_pop_reply)
         try:
             await acheck_server(self._client)
             self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
@@ -142,9 +153,22 @@ class Gateway:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
         return await self.submit(x, timeout_s)
 
-    def submit(self, x: Any, timeout_s: float | None = None) -> asyncio.Future[Any]:
+    submits_direct = True  # the HTTP front may ask for a Slot (``direct=True``)
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, *,
+               direct: Literal[False] = False) -> asyncio.Future[Any]: ...
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool) -> Waiter: ...
+
+    def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool = False) -> Waiter:
         """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
-        callback instead of creating a task per request). Overloaded/CodecError raise here."""
+        callback instead of creating a task per request). Overloaded/CodecError raise here.
+
+        ``direct``: a `Slot` instead of a future, whose one callback runs as the answer arrives
+        (no event-loop handle per answer); a request waiting for the pipeline's registration
+        still gets a future."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
@@ -152,7 +176,7 @@ class Gateway:
         if not self._registered:  # rare: until this pipeline is seen registered once
             self._admit()
             return asyncio.ensure_future(self._submit_when_registered(data, timeout))
-        return self._enqueue(data, timeout)
+        return self._enqueue(data, timeout, direct)
 
     async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""
@@ -164,16 +188,16 @@ class Gateway:
                                "only as the request's deadline passed")
         return await self._enqueue(data, remaining)
 
-    def _enqueue(self, data: bytes, timeout: float) -> asyncio.Future[Any]:
+    def _enqueue(self, data: bytes, timeout: float, direct: bool = False) -> Any:
         self._admit()
-        loop = asyncio.get_running_loop()
+        loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
         self._counter += 1
         request_id = b"%b%d" % (self._id_prefix, self._counter)
-        future: asyncio.Future[Any] = loop.create_future()
+        future: Waiter = Slot(loop) if direct else loop.create_future()
         self._pending[request_id] = future
         self._deadlines.add(loop, request_id, timeout)
         deadline_ms = protocol.now_ms() + int(timeout * 1000)
-        self._outbox.append((request_id, data, b"%d" % deadline_ms))
+        self._outbox.append(self._submit.entry(request_id, data, b"%d" % deadline_ms))
         self._wake.set()
         return future
 
@@ -253,7 +277,7 @@ class Gateway:
 
     def _fail(self, batch: list[Submission], error: Callable[[], Exception]) -> None:
         """Fail these requests at once, each with an exception of its own."""
-        for request_id, _, _ in batch:
+        for request_id, *_ in batch:
             self._sent_twice.discard(request_id)
             future = self._pending.pop(request_id, None)
             if future is None or future.done():
@@ -276,7 +300,7 @@ class Gateway:
                 if recovering:
                     await self._recover()
                     recovering = False
-                popped = await self._reply_client.blpop([self._reply_key], timeout=block)
+                popped = await self._pop_reply(block)
                 backoff.reset()
             except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
                 if self._closing:
@@ -286,9 +310,34 @@ class Gateway:
                 await asyncio.sleep(backoff.next_delay_s())
                 continue
             if popped is not None:
-                self._deliver(protocol.as_bytes(popped[1]))
-                if len(self._unlink) >= UNLINK_ALONE:
-                    self._wake.set()  # no submission to ride on: unlink the consumed keys now
+                # Resolved on the loop's next turn, one handle per element (a batch's answers): the
+                # next BLPOP goes out first, not after the HTTP front has written every reply (a
+                # Slot answers its request in the resolver's stack).
+                self._loop.call_soon(self._deliver_popped, protocol.as_bytes(popped[1]))
+
+    async def _pop_reply(self, block: float) -> Any:
+        """One BLPOP on the reply client's one connection, held across pops: redis-py's pool
+        checkout per command (a lock, a readiness check, metrics hooks) is skipped, as for the
+        Submitter's turns. After an error the connection goes back to the pool (for _recover)."""
+        if is_cluster_client(self._reply_client):  # no single pool: redis-py routes the key
+            return await self._reply_client.blpop([self._reply_key], timeout=block)
+        conn = self._reply_conn
+        if conn is None:
+            conn = self._reply_conn = await self._reply_client.connection_pool.get_connection()
+        try:
+            await conn.send_packed_command(pack_command([b"BLPOP", self._reply_key, b"%r" % block]),
+                                           check_health=False)
+            return await conn.read_response()
+        except BaseException:
+            self._reply_conn = None
+            await conn.disconnect()
+            await self._reply_client.connection_pool.release(conn)
+            raise
+
+    def _deliver_popped(self, element: bytes) -> None:
+        self._deliver(element)
+        if len(self._unlink) >= UNLINK_ALONE:
+            self._wake.set()  # no submission to ride on: unlink the consumed keys now
 
     def _deliver(self, element: bytes) -> None:
         try:

@@ -196,7 +196,8 @@ class HttpServer:
         conns = list(self._connections)
         for conn in conns:
             conn.cancel()
-        futures = [c.current[2].future for c in conns if c.current is not None]
+        # A Slot is done once cancelled; only a future (a fake backend's task) may need a moment.
+        futures = [f for c in conns if c.current is not None and isinstance(f := c.current[2].future, asyncio.Future)]
         if futures:
             await asyncio.wait(futures, timeout=5.0)
         self._connections.clear()

@@ -4,8 +4,9 @@ Why a Protocol and not streams: with streams every read and write is a coroutine
 ``wait_for`` timer and a drain; profiled at 256 connections, that and h11's pure-Python
 parsing were most of the gateway's CPU (docs/http-front.md). Here bytes go from
 ``data_received`` into the C parser, whose callbacks (`gateway.http_parsing`) assemble a
-`Request`; a predict is answered from its future's done-callback (no task), and its reply leaves
-in one ``transport.write`` (`gateway.http_framing`).
+`Request`; a predict is answered from its `Slot`'s callback, which the gateway's reply reader
+calls as the answer arrives (no task, no event-loop handle), and its reply leaves in one
+``transport.write`` (`gateway.http_framing`).
 
 What this module decides is *when* to read, answer and close:
 - pipelining: requests are queued and answered strictly in order; reading pauses while too
@@ -197,7 +198,9 @@ class HttpProtocol(asyncio.Protocol):
             elif self.phase == _IDLE:
                 self._after_idle()
 
-    def _on_done(self, future: asyncio.Future[object]) -> None:
+    def _on_done(self, future: object) -> None:
+        """The current request's answer is ready: called by a `Slot` as the reply reader resolves
+        it (in the reader's stack), or by a future's done-callback."""
         if self.current is None:
             return
         item, label, pending = self.current

@@ -43,6 +43,7 @@ from gateway.http_codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, code
 from gateway.http_settings import HttpSettings
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import Metrics, PipelineStatusLike, StatusSource
+from gateway.slot import Waiter
 
 __all__ = ["Backend", "HttpError", "Pending", "Reply", "Request", "Router"]
 
@@ -200,11 +201,11 @@ Handler = Callable[[Request], Awaitable[Reply]]
 class Pending:
     """A reply still to come: ``finish(future)`` makes it once ``future`` is done."""
 
-    future: asyncio.Future[Any]
-    finish: Callable[[asyncio.Future[Any]], Reply]
+    future: Waiter
+    finish: Callable[[Waiter], Reply]
 
 
-def _reply_of(future: asyncio.Future[Any]) -> Reply:
+def _reply_of(future: Waiter) -> Reply:
     return future.result()
 
 
@@ -220,6 +221,7 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._draining = draining
+        self._direct = bool(getattr(backend, "submits_direct", False))
         get = frozenset({b"GET", b"HEAD"})
         self.routes: dict[bytes, tuple[frozenset[bytes], str]] = {
             b"/v1/predict": (frozenset({b"POST"}), "predict"),
@@ -298,15 +300,16 @@ class Router:
         finish = self._finishers.get(codec.name) or functools.partial(self._finish_predict, codec)
         return Pending(future, finish)
 
-    def _submit(self, x: Any, bound_s: float | None, key: bytes | None = None) -> asyncio.Future[Any]:
+    def _submit(self, x: Any, bound_s: float | None, key: bytes | None = None) -> Waiter:
+        """The backend's future (or `Slot`, if it makes them: answered without a loop handle) of ``x``."""
         submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not
-        if submit is not None and key is not None and getattr(self.backend, "takes_partition_key", False):
-            return submit(x, bound_s, key=key)
-        if submit is not None:
-            return submit(x, bound_s)
-        return asyncio.ensure_future(self.backend.predict(x, bound_s))
+        if submit is None:
+            return asyncio.ensure_future(self.backend.predict(x, bound_s))
+        if key is not None and getattr(self.backend, "takes_partition_key", False):
+            return submit(x, bound_s, key=key, direct=True) if self._direct else submit(x, bound_s, key=key)
+        return submit(x, bound_s, direct=True) if self._direct else submit(x, bound_s)
 
-    def _finish_predict(self, codec: Codec, future: asyncio.Future[Any]) -> Reply:
+    def _finish_predict(self, codec: Codec, future: Waiter) -> Reply:
         try:
             try:
                 result = future.result()

@@ -26,7 +26,7 @@ import time
 import zlib
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 from broker import protocol
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
@@ -34,6 +34,7 @@ from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
 from gateway.client import Gateway, GatewaySettings
 from gateway.errors import Overloaded
+from gateway.slot import Waiter
 from gateway.status import PipelineStatus, StageStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
@@ -143,14 +144,25 @@ class PartitionedGateway:
     def healthy(self) -> bool:
         return all(g.healthy for g in self.gateways)
 
-    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> asyncio.Future[Any]:
+    submits_direct = True
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+               direct: Literal[False] = False) -> asyncio.Future[Any]: ...
+
+    @overload
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+               direct: bool) -> Waiter: ...
+
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+               direct: bool = False) -> Waiter:
         """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition, or a key,
-        exactly that on the one partition; else :meth:`predict`'s round robin (which may retry
-        another partition) as a task."""
+        exactly that on the one partition (``direct``: a `Slot`, as there); else :meth:`predict`'s
+        round robin (which may retry another partition) as a task."""
         self._check_count()
         n = len(self.gateways)
         if n == 1 or key is not None:
-            return self.gateways[0 if key is None else partition_of(key, n)].submit(x, timeout_s)
+            return self.gateways[0 if key is None else partition_of(key, n)].submit(x, timeout_s, direct=direct)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
