@@ -329,8 +329,7 @@ class Worker:
             self.status.send(b"B")
             outcomes = self._run([x for _, x in work])
             self.status.send(b"I")
-            for (item, _), outcome in zip(work, outcomes, strict=True):
-                self._router.route(item, outcome, commit, self.keys)
+            self._router.route_all(work, outcomes, commit, self.keys)
         ran = time.perf_counter()
         self._record_stats(len(work), (ran - started) * 1000)
         now = time.monotonic()
