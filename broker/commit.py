@@ -91,6 +91,7 @@ class Committer:
         self._ttls = ttls
         self._stats_key = keys.stats(stage)
         self._cluster = is_cluster_client(client)
+        self._conn: Any = None  # made at the first commit (see _execute_packed)
         # The command's constant pieces, on the wire already: one batch only adds its own.
         self._constant_head: list[bytes | str | int] = [GROUP, ttls.result_ttl_ms, ttls.reply_ttl_ms, stage_name]
         self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))
@@ -145,17 +146,25 @@ class Committer:
             return int(run())
 
     def _execute_packed(self, packed: bytes) -> Any:
-        """One round trip, no retry (the worker's rule: a lost reply must not commit twice)."""
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
+        """One round trip, no retry (the worker's rule: a lost reply must not commit twice), on a
+        connection of the committer's own: the pool's checkout and release cost more per batch
+        than packing it. Made outside the pool, as the stream reader's (workers.batching), and
+        dropped on any error, to be made again by the next commit."""
+        conn = self._conn
+        if conn is None:
+            pool = self._client.connection_pool
+            conn = self._conn = pool.connection_class(**pool.connection_kwargs)
         try:
             conn.send_packed_command([packed], check_health=False)  # a list: the sync client iterates it
             return conn.read_response()
         except BaseException:
-            conn.disconnect()
+            self.close()
             raise
-        finally:
-            pool.release(conn)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._conn = None
 
 
 def _as_arg(value: bytes | str | int | float) -> bytes:

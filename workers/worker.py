@@ -123,6 +123,7 @@ class Worker:
             self._heartbeat.stop()  # and releases the core's claim
             for lane in self._lanes:
                 lane.reader.close()
+                lane.committer.close()
             self._client.close()
 
     def _claim_core(self) -> tuple[PinClaims, int, int] | None:
