@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from typing import Any
 
 import msgpack
@@ -204,9 +205,40 @@ def _explain(obj: object, path: str, depth: int) -> str | None:
     return None
 
 
+class _LargeArray(Exception):  # a signal to take the splicing path, not an error
+    """Raised by the reused packer's hook at an array worth splicing (see ``encode``)."""
+
+
+def _fast_default(obj: object) -> Any:
+    if (isinstance(obj, np.ndarray) and obj.nbytes >= SPLICE_MIN_BYTES and not isinstance(obj, np.ma.MaskedArray)
+            and _numeric(obj.dtype)):
+        raise _LargeArray
+    return _default(obj)
+
+
+_local = threading.local()
+_KEEP_PACKER_BYTES = 1024 * 1024  # a packer that grew past this for one value is dropped, not kept
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer, reused: ``packb`` built a new one (and a splicer) for every value."""
+    try:
+        packer: msgpack.Packer = _local.packer
+    except AttributeError:
+        packer = _local.packer = msgpack.Packer(default=_fast_default, use_bin_type=True, strict_types=True)
+    return packer
+
+
 def encode(obj: object) -> bytes:
     """Serialize obj; raise CodecError (with the path of the culprit) if any part is not carried."""
     try:
+        try:
+            packed: bytes = _packer().pack(obj)  # resets its buffer on errors too
+            if len(packed) > _KEEP_PACKER_BYTES:
+                del _local.packer  # its grown buffer would stay allocated for good
+            return packed
+        except _LargeArray:
+            pass  # large arrays go into the result without packb's buffer: the splicing path
         splicer = _Splicer()
         data: bytes = msgpack.packb(obj, default=splicer.default, use_bin_type=True, strict_types=True)
         if splicer.chunks:

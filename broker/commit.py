@@ -7,6 +7,7 @@ The command is packed by :func:`broker.resp.pack_command` and sent on a pooled c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -15,7 +16,7 @@ import redis
 
 from broker.connection import is_cluster_client
 from broker.keys import GROUP, Keys
-from broker.resp import pack_command
+from broker.resp import pack_args
 
 COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
 
@@ -88,8 +89,14 @@ class Committer:
         ]
         self._stage_name = stage_name
         self._ttls = ttls
-        self._client = client
         self._stats_key = keys.stats(stage)
+        self._cluster = is_cluster_client(client)
+        self._conn: Any = None  # made at the first commit (see _execute_packed)
+        # The command's constant pieces, on the wire already: one batch only adds its own.
+        self._constant_head: list[bytes | str | int] = [GROUP, ttls.result_ttl_ms, ttls.reply_ttl_ms, stage_name]
+        self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))
+        self._packed_head = b"".join(pack_args([_as_arg(v) for v in self._constant_head], []))
+        self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
 
     def flush_stats(self, stats: BatchStats, now: float) -> None:
         """An idle worker's buffered stats: one XADD of their own (busy ones ride on commits)."""
@@ -98,48 +105,66 @@ class Committer:
             self._client.xadd(self._stats_key, {"n": sizes, "ms": durations}, maxlen=1000, approximate=True)
 
     def __call__(self, commit: Commit) -> int:
-        keys: list[str | bytes] = list(self._static_keys)
-        index: dict[bytes, int] = {}
+        """Runs the batch's ``commit.lua``; the number of results it wrote."""
+        result_keys: list[bytes] = []
+        index: dict[bytes, bytes] = {}
+        first = len(self._static_keys) + 1  # Lua is 1-based
 
-        def key_index(key: bytes) -> int:
+        def key_index(key: bytes) -> bytes:
             if key not in index:
-                keys.append(key)
-                index[key] = len(keys)  # Lua is 1-based
+                index[key] = b"%d" % (first + len(result_keys))
+                result_keys.append(key)
             return index[key]
 
-        res_args: list[bytes | int] = []
+        res_args: list[bytes] = []
         for result_key, record, reply in commit.results:
-            res_args += [key_index(result_key), record, key_index(reply) if reply else 0]
-        head: list[bytes | int | float | str] = [
-            GROUP, self._ttls.result_ttl_ms, self._ttls.reply_ttl_ms, self._stage_name,
-            len(commit.acks), len(commit.forwards) // 4, len(commit.results), len(commit.dead) // 4,
-            *commit.stats,
-        ]
-        args = [*head, *commit.forwards, *res_args, *commit.dead, *commit.acks]
-        command = [b"EVALSHA", self._sha, b"%d" % len(keys), *map(_as_arg, keys), *map(_as_arg, args)]
+            res_args += (key_index(result_key), record, key_index(reply) if reply else b"0")
+        counts = [b"%d" % len(commit.acks), b"%d" % (len(commit.forwards) // 4), b"%d" % len(commit.results),
+                  b"%d" % (len(commit.dead) // 4), *commit.stats]
+        n_keys = len(self._static_keys) + len(result_keys)
+        if self._cluster:  # no single pool: redis-py routes by the first key
+            args: list[bytes | str | int] = [*self._constant_head, *counts, *commit.forwards, *res_args,
+                                             *commit.dead, *commit.acks]
+            command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *map(_as_arg, args)]
+            return self._with_script(lambda: self._client.execute_command("EVALSHA", self._sha, *command))
+        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(commit.forwards) + len(res_args) \
+            + len(commit.dead) + len(commit.acks)
+        parts = [b"*%d\r\n" % n_args, self._packed_evalsha, b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys),
+                 self._packed_static_keys]
+        pack_args(result_keys, parts)
+        parts.append(self._packed_head)
+        for group in (counts, commit.forwards, res_args, commit.dead, commit.acks):
+            pack_args(group, parts)
+        packed = b"".join(parts)
+        return self._with_script(lambda: self._execute_packed(packed))
+
+    def _with_script(self, run: Callable[[], Any]) -> int:
         try:
-            return int(self._run(command))
+            return int(run())
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             self._client.script_load(COMMIT_LUA)
-            return int(self._run(command))
-
-    def _run(self, command: list[bytes]) -> Any:
-        if is_cluster_client(self._client):  # no single pool: redis-py routes by the first key
-            return self._client.execute_command("EVALSHA", *command[1:])
-        return self._execute_packed(pack_command(command))
+            return int(run())
 
     def _execute_packed(self, packed: bytes) -> Any:
-        """One round trip, no retry (the worker's rule: a lost reply must not commit twice)."""
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
+        """One round trip, no retry (the worker's rule: a lost reply must not commit twice), on a
+        connection of the committer's own: the pool's checkout and release cost more per batch
+        than packing it. Made outside the pool, as the stream reader's (workers.batching), and
+        dropped on any error, to be made again by the next commit."""
+        conn = self._conn
+        if conn is None:
+            pool = self._client.connection_pool
+            conn = self._conn = pool.connection_class(**pool.connection_kwargs)
         try:
             conn.send_packed_command([packed], check_health=False)  # a list: the sync client iterates it
             return conn.read_response()
         except BaseException:
-            conn.disconnect()
+            self.close()
             raise
-        finally:
-            pool.release(conn)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._conn = None
 
 
 def _as_arg(value: bytes | str | int | float) -> bytes:

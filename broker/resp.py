@@ -18,13 +18,17 @@ LARGE_ARG_BYTES = 64 * 1024
 
 
 def pack_command(args: Sequence[bytes]) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
+    return b"".join(pack_args(args, [b"*%d\r\n" % len(args)]))
+
+
+def pack_args(args: Sequence[bytes], parts: list[bytes]) -> list[bytes]:
+    """Append the wire form of ``args`` (bulk strings, no array header) to ``parts``; return it."""
     if max(map(len, args), default=0) < LARGE_ARG_BYTES:
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in args]
-        return b"".join(parts)
+        return parts
     for arg in args:
         if len(arg) < LARGE_ARG_BYTES:
             parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
         else:
             parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
-    return b"".join(parts)
+    return parts

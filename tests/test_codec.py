@@ -343,3 +343,22 @@ def test_concatenated_items_with_arrays() -> None:
     out = decode(array_header(3) + b"".join(encode(i) for i in items))
     same_array(items[0], out[0])  # type: ignore[arg-type]
     assert out[1:] == items[1:] and type(out[1]) is np.float32
+
+
+def test_reused_packer_is_clean_after_a_refused_value() -> None:
+    """encode reuses one Packer per thread: a value refused half-way must leave nothing in its buffer."""
+    with pytest.raises(CodecError):
+        encode({"a": [1, 2, object()]})
+    with pytest.raises(CodecError):
+        encode([np.arange(3), 2**70])
+    assert encode(7) == msgpack.packb(7)
+    assert encode({"a": [1, 2]}) == msgpack.packb({"a": [1, 2]}, use_bin_type=True)
+
+
+def test_large_value_then_small_one() -> None:
+    """A value past the packer's keep size, then a large spliced array, then a small value: all exact."""
+    blob = b"x" * (3 * 1024 * 1024)
+    assert decode(encode([blob])) == [blob]
+    big = np.arange(200_000, dtype="<f8")
+    assert np.array_equal(decode(encode({"big": big, "n": 1}))["big"], big)
+    assert encode(7) == msgpack.packb(7)

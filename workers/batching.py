@@ -62,8 +62,10 @@ def _parse(response: Any) -> list[Entry]:
             if fields is None:
                 entries.append((entry_id, None))
             else:
+                if len(fields) % 2:
+                    raise ValueError(f"stream entry {entry_id!r} with an odd number of field items")
                 it = iter(fields)
-                entries.append((entry_id, dict(zip(it, it, strict=True))))
+                entries.append((entry_id, dict(zip(it, it, strict=False))))  # an even count, checked above
     return entries
 
 

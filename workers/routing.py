@@ -35,22 +35,46 @@ class Router:
         """Validate, decode and drop what must not reach user code; answer those at once."""
         at = protocol.now_ms()
         work: Work = []
+        parse, limits, decode = protocol.parse_entry, self.limits, codec.decode
+        max_deliveries = self.spec.max_deliveries
         for entry_id, fields in entries:
-            item = protocol.parse_entry(entry_id, fields, keys, self.limits, at)
+            item = parse(entry_id, fields, keys, limits, at)
             if isinstance(item, protocol.Rejected):
                 self._reject(item, item.reason, commit, keys)
                 continue
             count = deliveries.get(entry_id, 1) if deliveries else 1
-            if count > self.spec.max_deliveries:
+            if count > max_deliveries:
                 self._reject(item, self._redelivery_reason(count), commit, keys)
-            elif item.expired(at):
+            elif item.deadline_ms is not None and at >= item.deadline_ms:  # item.expired(at), inlined
                 self._error(item, protocol.E_DEADLINE, "deadline passed before the stage ran", commit, keys)
             else:
                 try:
-                    work.append((item, codec.decode(item.data)))
+                    work.append((item, decode(item.data)))
                 except codec.CodecError as exc:
                     self._reject(item, f"undecodable payload: {exc}", commit, keys)
         return work
+
+    def route_all(self, work: Work, outcomes: list[tuple[bool, Any]], commit: Commit, keys: Keys) -> None:
+        """``route`` for each item of ``work`` and its outcome; a forwarded result's common case
+        (encoded, small enough) without a call per item."""
+        if self.last_stage:
+            for (item, _), outcome in zip(work, outcomes, strict=True):
+                self.route(item, outcome, commit, keys)
+            return
+        encode, limit, forwards = codec.encode, self.max_payload_bytes, commit.forwards
+        for (item, _), outcome in zip(work, outcomes, strict=True):
+            ok, value = outcome
+            if ok:
+                try:
+                    data = encode(value)
+                except codec.CodecError:
+                    data = None
+                if data is not None and len(data) <= limit:
+                    deadline = item.deadline_ms
+                    forwards += (item.request_id, data, item.reply or b"",
+                                 b"" if deadline is None else b"%d" % deadline)
+                    continue
+            self.route(item, outcome, commit, keys)  # errors, said as route says them
 
     def route(self, item: protocol.Item, outcome: tuple[bool, Any], commit: Commit, keys: Keys) -> None:
         """The outcome of user code on ``item``: an error, the result, or the next stage's input."""

@@ -91,6 +91,10 @@ class Worker:
         self.keys = pipeline.keys
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
         self._drained_sent = False  # several partitions: 'D' told once every lane drained at start
+        # 'B' and 'I' around each predict let the supervisor enforce max_run_s; without a limit it
+        # only needs one 'I' (a batch done: not a crash loop), so the pair is not a wake-up per batch.
+        self._watched = bool(spec.max_run_s)
+        self._told_idle = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class Worker:
             self._heartbeat.stop()  # and releases the core's claim
             for lane in self._lanes:
                 lane.reader.close()
+                lane.committer.close()
             self._client.close()
 
     def _claim_core(self) -> tuple[PinClaims, int, int] | None:
@@ -326,11 +331,13 @@ class Worker:
         self._heartbeat.lease.hold(self._stream, commit.acks)
         started = time.perf_counter()
         if work:
-            self.status.send(b"B")
+            if self._watched:
+                self.status.send(b"B")
             outcomes = self._run([x for _, x in work])
-            self.status.send(b"I")
-            for (item, _), outcome in zip(work, outcomes, strict=True):
-                self._router.route(item, outcome, commit, self.keys)
+            if self._watched or not self._told_idle:
+                self.status.send(b"I")
+                self._told_idle = True
+            self._router.route_all(work, outcomes, commit, self.keys)
         ran = time.perf_counter()
         self._record_stats(len(work), (ran - started) * 1000)
         now = time.monotonic()
