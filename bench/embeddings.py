@@ -136,8 +136,12 @@ def two_processes(n: int, batch: int) -> float:
             if p.stdout is None or p.stdout.readline().strip() != "ready":
                 raise RuntimeError("a direct child failed to start")
         t0 = time.perf_counter()
+        for p in procs:  # both start before either is waited for (communicate() would run them in turn)
+            if p.stdin is not None:
+                p.stdin.write("go\n")
+                p.stdin.flush()
         for p in procs:
-            p.communicate("go\n", timeout=600)
+            p.communicate(timeout=600)
         return 2 * half / (time.perf_counter() - t0)
     finally:
         for p in procs:
