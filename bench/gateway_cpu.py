@@ -42,33 +42,13 @@ from bench.http_front import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-API_RUNNER = """
-import asyncio, json, sys, time
-from gateway import Gateway, GatewaySettings
-
-async def main(url, in_flight, duration_s):
-    async with Gateway(url, "bench-scale-shift", GatewaySettings(timeout_s=60.0)) as gw:
-        count = 0
-        async def client(stop_at):
-            nonlocal count
-            while time.perf_counter() < stop_at:
-                if await gw.predict(3) == 9:
-                    count += 1
-        await asyncio.gather(*(client(time.perf_counter() + 1.0) for _ in range(in_flight)))  # warm-up
-        count = 0
-        t0, c0 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(client(t0 + duration_s) for _ in range(in_flight)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        print(json.dumps({"rps": count / wall, "cpu_us": cpu / max(count, 1) * 1e6}))
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
-"""
+API_DRIVER = ROOT / "bench" / "api_driver.py"  # run by path against the checkout under test
 
 Rows = dict[tuple[str, str], list[tuple[float, float]]]
 
 
 def _api(src: Path, url: str, in_flight: int, duration_s: int) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", API_RUNNER, url, str(in_flight), str(duration_s)], cwd=src,
+    out = subprocess.run([sys.executable, str(API_DRIVER), url, str(in_flight), str(duration_s)], cwd=src,
                          env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True, check=True,
                          timeout=duration_s + 60).stdout
     result = json.loads(out.strip().splitlines()[-1])

@@ -31,30 +31,7 @@ from bench.harness import wait_ready
 from bench.http_front import APP, NAME, STAGES, _cpu_s, _start_redis, stop_all
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = """
-import asyncio, json, sys, time
-from gateway import Gateway, GatewaySettings
-
-async def main(url, in_flight, duration_s):
-    async with Gateway(url, "bench-scale-shift", GatewaySettings(timeout_s=60.0)) as gw:
-        count = 0
-        async def client(stop_at):
-            nonlocal count
-            while time.perf_counter() < stop_at:
-                if await gw.predict(3) == 9:
-                    count += 1
-        await asyncio.gather(*(client(time.perf_counter() + 1.0) for _ in range(in_flight)))  # warm-up
-        print("go", flush=True)
-        sys.stdin.readline()  # the parent has read the workers' CPU
-        count = 0
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(t0 + duration_s) for _ in range(in_flight)))
-        wall = time.perf_counter() - t0
-        print(json.dumps({"rps": count / wall, "count": count}), flush=True)
-        sys.stdin.readline()  # read again before the gateway's shutdown traffic
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
-"""
+API_DRIVER = ROOT / "bench" / "api_driver.py"
 
 Rows = dict[str, list[tuple[float, float]]]
 
@@ -65,8 +42,8 @@ def _workers_cpu_s(procs: list[psutil.Process]) -> float:
 
 def _run(url: str, workers: list[psutil.Process], in_flight: int, duration_s: int) -> tuple[float, float]:
     """req/s and worker CPU us per request of one closed-loop window."""
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, url, str(in_flight), str(duration_s)], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
+    driver = subprocess.Popen([sys.executable, str(API_DRIVER), url, str(in_flight), str(duration_s), "--handshake"],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         if driver.stdin is None or driver.stdout is None:
