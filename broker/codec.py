@@ -233,12 +233,17 @@ def encode(obj: object) -> bytes:
     """Serialize obj; raise CodecError (with the path of the culprit) if any part is not carried."""
     try:
         try:
-            packed: bytes = _packer().pack(obj)  # resets its buffer on errors too
+            packed: bytes = _packer().pack(obj)
             if len(packed) > _KEEP_PACKER_BYTES:
                 del _local.packer  # its grown buffer would stay allocated for good
             return packed
-        except _LargeArray:
-            pass  # large arrays go into the result without packb's buffer: the splicing path
+        except BaseException as exc:
+            # A failed pack resets the packer's length but keeps the buffer it grew (a large
+            # bytes value before the culprit): drop it; a new packer is cheap next to this path.
+            _local.__dict__.pop("packer", None)
+            if not isinstance(exc, _LargeArray):
+                raise
+        # large arrays go into the result without packb's buffer: the splicing path
         splicer = _Splicer()
         data: bytes = msgpack.packb(obj, default=splicer.default, use_bin_type=True, strict_types=True)
         if splicer.chunks:

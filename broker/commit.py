@@ -7,6 +7,7 @@ The command is packed by :func:`broker.resp.pack_command` and sent on a pooled c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -14,7 +15,7 @@ from typing import Any
 
 import redis
 
-from broker.connection import is_cluster_client
+from broker.connection import IDLE_CHECK_S, is_cluster_client
 from broker.keys import GROUP, Keys
 from broker.resp import pack_args
 
@@ -92,6 +93,7 @@ class Committer:
         self._stats_key = keys.stats(stage)
         self._cluster = is_cluster_client(client)
         self._conn: Any = None  # made at the first commit (see _execute_packed)
+        self._used_at = 0.0  # monotonic time of its last answered commit
         # The command's constant pieces, on the wire already: one batch only adds its own.
         self._constant_head: list[bytes | str | int] = [GROUP, ttls.result_ttl_ms, ttls.reply_ttl_ms, stage_name]
         self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))
@@ -154,17 +156,32 @@ class Committer:
         if conn is None:
             pool = self._client.connection_pool
             conn = self._conn = pool.connection_class(**pool.connection_kwargs)
+        elif time.monotonic() - self._used_at > IDLE_CHECK_S and _closed_by_server(conn):
+            # Redis (its `timeout`, a restart) or a proxy closed it while idle: nothing is sent yet,
+            # so reconnecting is safe, where failing would make the batch run predict again.
+            conn.disconnect()
         try:
             conn.send_packed_command([packed], check_health=False)  # a list: the sync client iterates it
-            return conn.read_response()
+            reply = conn.read_response()
         except BaseException:
             self.close()
             raise
+        self._used_at = time.monotonic()
+        return reply
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.disconnect()
         self._conn = None
+
+
+def _closed_by_server(conn: Any) -> bool:
+    """Whether an idle connection has something to read (with nothing asked: EOF or an error from
+    the server) or is already closed: it must not carry the next command."""
+    try:
+        return conn._sock is not None and bool(conn.can_read(timeout=0))
+    except (redis.exceptions.ConnectionError, OSError):
+        return True
 
 
 def _as_arg(value: bytes | str | int | float) -> bytes:

@@ -10,6 +10,7 @@ encoder: on the gateway's hot path that packing was the largest single cost.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from broker.connection import is_cluster_client
+from broker.connection import IDLE_CHECK_S, is_cluster_client
 from broker.keys import Keys
 from broker.resp import LARGE_ARG_BYTES, pack_command
 
@@ -49,6 +50,7 @@ class Submitter:
         reply = b"$%d\r\n%b\r\n" % (len(reply_key), reply_key.replace(b"%", b"%%"))
         self._entry_format = b"$%d\r\n%b\r\n$%d\r\n%b\r\n" + reply + b"$%d\r\n%b\r\n"
         self._conn: Any = None  # the connection turns go out on, held from the first turn on
+        self._used_at = 0.0  # monotonic time of its last answered turn
 
     async def load(self) -> None:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
@@ -103,11 +105,19 @@ class Submitter:
         conn = self._conn
         if conn is None:
             conn = self._conn = await self._client.connection_pool.get_connection()
+        elif time.monotonic() - self._used_at > IDLE_CHECK_S:
+            # Redis (its `timeout`, a restart) or a proxy may have closed it while idle; nothing is
+            # sent yet, so a reconnect here is safe. What the pool's checkout does, when it can matter.
+            await self._client.connection_pool.ensure_connection(conn)
         try:
             await conn.send_packed_command(packed, check_health=False)
-            return await conn.read_response()
-        except redis.ResponseError:  # an error reply (OVERLOADED, NOSCRIPT, OOM...), read in full
+            reply = await conn.read_response()
+        except redis.ResponseError as exc:  # an error reply, read in full
+            if not (is_overloaded(exc) or isinstance(exc, redis.exceptions.NoScriptError)):
+                await conn.disconnect()  # READONLY after a failover, OOM...: the next turn reconnects
             raise
         except BaseException:
             await conn.disconnect()
             raise
+        self._used_at = time.monotonic()
+        return reply

@@ -128,7 +128,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._deadlines.close()
-        for future in self._pending.values():
+        for future in list(self._pending.values()):  # a Slot's callback may submit again, mid-loop
             if not future.done():
                 future.set_exception(ConnectionError("gateway closed"))
         self._pending.clear()

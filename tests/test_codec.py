@@ -355,6 +355,20 @@ def test_reused_packer_is_clean_after_a_refused_value() -> None:
     assert encode({"a": [1, 2]}) == msgpack.packb({"a": [1, 2]}, use_bin_type=True)
 
 
+def test_no_grown_packer_is_kept_after_a_refused_or_spliced_value() -> None:
+    """A refused value (or one that takes the splicing path) after a large bytes value must not leave
+    the thread's reused packer holding the buffer it grew: it is dropped and made anew."""
+    from broker import codec
+
+    blob = b"x" * (4 * 1024 * 1024)
+    with pytest.raises(CodecError):
+        encode([blob, object()])
+    assert "packer" not in vars(codec._local)
+    encode([blob, np.zeros(1_000_000)])  # large array: the splicing path
+    assert "packer" not in vars(codec._local)
+    assert encode(7) == msgpack.packb(7)
+
+
 def test_large_value_then_small_one() -> None:
     """A value past the packer's keep size, then a large spliced array, then a small value: all exact."""
     blob = b"x" * (3 * 1024 * 1024)
