@@ -35,7 +35,8 @@ from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.deadlines import Deadlines
-from gateway.errors import Overloaded, StageError, UnknownPipeline
+from gateway.errors import Overloaded, StageError
+from gateway.registration import Registration
 from gateway.slot import Slot, Waiter
 from gateway.status import PipelineStatus, read_status
 
@@ -85,9 +86,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._status_marks: dict[int, bytes] = {}
         self._closing = False
-        self._registered = False
-        self._registration: asyncio.Future[bool | None] | None = None
-        self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
+        self._registration = Registration(self.keys, self.settings.register_wait_s)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -96,11 +95,12 @@ class Gateway:
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
         self._reply_conn: Any = None  # the reply client's one connection, held by the reader (_pop_reply)
+        self._registration.bind(self._client)
         try:
             await acheck_server(self._client)
             self._submit = Submitter(self._client, self.keys, self._reply_key, self.settings.max_backlog)
             await self._submit.load()
-            await self._log_registration()
+            await self._registration.log_if_missing()
         except BaseException:
             await self._client.aclose()
             await self._reply_client.aclose()
@@ -121,9 +121,7 @@ class Gateway:
 
     async def close(self) -> None:
         self._closing = True
-        tasks: list[asyncio.Future[Any]] = [*self._tasks]
-        if self._registration is not None:  # a registration poll still running
-            tasks.append(self._registration)
+        tasks: list[asyncio.Future[Any]] = [*self._tasks, *self._registration.polls()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -173,7 +171,7 @@ class Gateway:
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
             raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
-        if not self._registered:  # rare: until this pipeline is seen registered once
+        if not self._registration.registered:  # rare: until this pipeline is seen registered once
             self._admit()
             return asyncio.ensure_future(self._submit_when_registered(data, timeout))
         return self._enqueue(data, timeout, direct)
@@ -181,7 +179,7 @@ class Gateway:
     async def _submit_when_registered(self, data: bytes, timeout: float) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""
         started = time.monotonic()
-        await self._await_registration(timeout)
+        await self._registration.wait(timeout)
         remaining = timeout - (time.monotonic() - started)
         if remaining <= 0:
             raise TimeoutError(f"no answer within {timeout:g}s: pipeline {self.keys.pipeline!r} was registered "
@@ -359,78 +357,12 @@ class Gateway:
                 if raw is not None:
                     self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
 
-    # -- registration: a mistyped pipeline name must not look like a slow pipeline ---------
+    # -- registration (gateway/registration.py) --------------------------------------------
 
     async def pipeline_registered(self) -> bool:
         """Whether a worker has registered this pipeline (its spec key) in this Redis; once true,
         it stays true for this gateway (no more round trips)."""
-        if not self._registered:
-            self._registered = bool(await self._client.get(self.keys.spec))  # GET: in the gateway's ACL
-        return self._registered
-
-    async def _log_registration(self) -> None:
-        if not await self.pipeline_registered():
-            log.warning("pipeline %r is not registered in this Redis (no key %s): no worker has started for it "
-                        "yet, or the name is wrong; requests wait up to %gs for one, then fail with "
-                        "UnknownPipeline", self.keys.pipeline, self.keys.spec, self.settings.register_wait_s)
-
-    async def _await_registration(self, timeout_s: float) -> None:
-        """Before submitting for a pipeline not seen registered: wait (at most ``register_wait_s``,
-        shared by every request meanwhile) for a worker to register it, else raise UnknownPipeline
-        without writing anything, so a typo leaves no stream behind. If Redis cannot be asked,
-        submit as usual (the flusher waits for Redis)."""
-        if self._registration is None or self._registration.done():
-            self._registration = asyncio.ensure_future(self._poll_registration())
-        try:
-            registered = await asyncio.wait_for(asyncio.shield(self._registration), timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.keys.pipeline!r} is not "
-                               "registered in this Redis (yet)") from None
-        if registered is False:
-            known = self._known
-            hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
-            raise UnknownPipeline(self.keys.pipeline, (
-                f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in this "
-                f"Redis within {self.settings.register_wait_s:g}s: check the name, the prefix and the Redis URL, "
-                f"or start its workers{hint}"))
-
-    async def _poll_registration(self) -> bool | None:
-        """True once registered; False if still not after ``register_wait_s``; None if Redis never
-        answered. Redis has no blocking wait for a key to appear (keyspace notifications need
-        server configuration), so this polls, 10 times a second, only while unregistered."""
-        deadline = time.monotonic() + self.settings.register_wait_s
-        answered = False
-        while True:
-            try:
-                if await self.pipeline_registered():
-                    return True
-                answered = True
-            except CONNECTION_ERRORS:
-                pass
-            if time.monotonic() >= deadline:
-                if answered:  # once, for every request that waited: the hint for a typo
-                    self._known = await self._known_pipelines()
-                return False if answered else None
-            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-    async def _known_pipelines(self, limit: int = 10) -> list[str]:
-        """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
-        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
-        docs/security.md has no SCAN: then there is no hint)."""
-        pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
-        names: list[str] = []
-        cursor = 0
-        try:
-            for _ in range(20):
-                cursor, found = await self._client.scan(cursor, match=pattern, count=1000)
-                names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
-                          for k in found]
-                # A cluster client scans every node and returns a cursor per node: one pass is the hint.
-                if not isinstance(cursor, int) or cursor == 0 or len(names) >= limit:
-                    break
-        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
-            return []
-        return sorted(set(names))[:limit]
+        return await self._registration.check()
 
     # -- status ---------------------------------------------------------------------------
 

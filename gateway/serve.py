@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.client import GatewaySettings
 from gateway.http import HttpServer, HttpSettings, PortInUse, check_port_free
@@ -33,6 +33,7 @@ from gateway.partitioned import PartitionedGateway
 
 __all__ = ["GatewayJob", "LoopUnavailable", "check_loop", "resolve_loop", "run_loop", "serve", "serve_processes"]
 
+T = TypeVar("T")
 log = logging.getLogger("gateway.serve")
 
 _START_TIMEOUT_S = 60.0  # children import numpy, redis, ...: slow on a loaded machine
@@ -69,8 +70,8 @@ def resolve_loop(loop: str) -> str:
     return loop
 
 
-def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
-    """Run ``coro`` on the asyncio loop or on uvloop (``auto``: uvloop where installed)."""
+def run_loop(coro: Coroutine[Any, Any, T], loop: str) -> T:
+    """Run ``coro`` on the asyncio loop or on uvloop (``auto``: uvloop where installed); its result."""
     loop = resolve_loop(loop)
     log.info("event loop: %s", loop)
     if loop == "uvloop":
@@ -81,9 +82,8 @@ def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
             raise
         import uvloop
 
-        uvloop.run(coro)
-    else:
-        asyncio.run(coro)
+        return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 def serve(job: GatewayJob, started: Any = None) -> None:

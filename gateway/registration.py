@@ -1,0 +1,115 @@
+"""Whether a gateway's pipeline is registered: a mistyped pipeline name must not look like a slow pipeline.
+
+A worker registers its pipeline by writing ``P:spec`` at start. Until a gateway has seen that key,
+its requests wait (at most ``register_wait_s``, shared by all of them) for a worker to register the
+pipeline, and then fail with :class:`UnknownPipeline` without writing anything, so that a typo
+leaves no stream behind; the error names the pipelines that are registered there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis
+
+from broker import protocol
+from broker.connection import CONNECTION_ERRORS
+from broker.keys import Keys
+from gateway.errors import UnknownPipeline
+
+log = logging.getLogger("conveyor.gateway")
+
+
+class Registration:
+    """One gateway's view of its pipeline's registration; ``bind`` gives it the gateway's client."""
+
+    def __init__(self, keys: Keys, wait_s: float) -> None:
+        self._client: redis.asyncio.Redis | None = None
+        self.keys = keys
+        self.wait_s = wait_s
+        self.registered = False  # once true, it stays true (no more round trips)
+        self._poll: asyncio.Future[bool | None] | None = None
+        self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
+
+    def bind(self, client: redis.asyncio.Redis) -> None:
+        self._client = client
+
+    def polls(self) -> list[asyncio.Future[bool | None]]:
+        """The poll still running, if any (for the gateway's close to cancel)."""
+        return [] if self._poll is None else [self._poll]
+
+    def _redis(self) -> redis.asyncio.Redis:
+        if self._client is None:
+            raise RuntimeError("the gateway is not started")
+        return self._client
+
+    async def check(self) -> bool:
+        """Whether a worker has registered this pipeline (its spec key) in this Redis."""
+        if not self.registered:
+            self.registered = bool(await self._redis().get(self.keys.spec))  # GET: in the gateway's ACL
+        return self.registered
+
+    async def log_if_missing(self) -> None:
+        if not await self.check():
+            log.warning("pipeline %r is not registered in this Redis (no key %s): no worker has started for it "
+                        "yet, or the name is wrong; requests wait up to %gs for one, then fail with "
+                        "UnknownPipeline", self.keys.pipeline, self.keys.spec, self.wait_s)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Before submitting for a pipeline not seen registered: wait (at most ``wait_s``, shared
+        by every request meanwhile) for a worker to register it, else raise UnknownPipeline. If
+        Redis cannot be asked, return: the request is submitted as usual (the flusher waits for Redis)."""
+        if self._poll is None or self._poll.done():
+            self._poll = asyncio.ensure_future(self._poll_until_registered())
+        try:
+            registered = await asyncio.wait_for(asyncio.shield(self._poll), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.keys.pipeline!r} is not "
+                               "registered in this Redis (yet)") from None
+        if registered is False:
+            known = self._known
+            hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
+            raise UnknownPipeline(self.keys.pipeline, (
+                f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in this "
+                f"Redis within {self.wait_s:g}s: check the name, the prefix and the Redis URL, "
+                f"or start its workers{hint}"))
+
+    async def _poll_until_registered(self) -> bool | None:
+        """True once registered; False if still not after ``wait_s``; None if Redis never
+        answered. Redis has no blocking wait for a key to appear (keyspace notifications need
+        server configuration), so this polls, 10 times a second, only while unregistered."""
+        deadline = time.monotonic() + self.wait_s
+        answered = False
+        while True:
+            try:
+                if await self.check():
+                    return True
+                answered = True
+            except CONNECTION_ERRORS:
+                pass
+            if time.monotonic() >= deadline:
+                if answered:  # once, for every request that waited: the hint for a typo
+                    self._known = await self._known_pipelines()
+                return False if answered else None
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    async def _known_pipelines(self, limit: int = 10) -> list[str]:
+        """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
+        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
+        docs/security.md has no SCAN: then there is no hint)."""
+        pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
+        names: list[str] = []
+        cursor = 0
+        try:
+            for _ in range(20):
+                cursor, found = await self._redis().scan(cursor, match=pattern, count=1000)
+                names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
+                          for k in found]
+                # A cluster client scans every node and returns a cursor per node: one pass is the hint.
+                if not isinstance(cursor, int) or cursor == 0 or len(names) >= limit:
+                    break
+        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
+            return []
+        return sorted(set(names))[:limit]
