@@ -155,3 +155,18 @@ def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedde
     vector = np.asarray(json.loads(body)["result"], dtype=np.float32)
     assert vector.shape == (DIM,)
     assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > 0.9999
+
+
+def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:
+    """The example tokenizes with the Rust tokenizer under transformers' fast one: the ids must be
+    exactly what transformers' own call gives (special tokens, truncation at 256, odd input)."""
+    import transformers
+
+    from examples.embeddings.model import MAX_TOKENS, model_path
+
+    reference = transformers.AutoTokenizer.from_pretrained(model_path())
+    texts = [*make_corpus(300), "", " ".join(["word"] * 10_000), "héllo wörld ☃ 🙂", "  spaces  ", "\n\t", "a" * 5000]
+    want = reference(texts, truncation=True, max_length=MAX_TOKENS)["input_ids"]
+    got = direct[0](texts)
+    assert [list(g) for g in got] == want
+    assert all(g.dtype == np.int32 for g in got)
