@@ -1,13 +1,14 @@
 """Sentence embeddings (all-MiniLM-L6-v2) on this machine: the model called directly vs conveyor.
 
-    python -m bench.embeddings [--texts 2048] [--in-flight 1,8,64,256] [--rounds 2] [--int8]
+    python -m bench.embeddings [--texts 2048] [--in-flight 1,8,64,256] [--rounds 2] [--int8] [--single-only]
 
 On one deterministic corpus (examples/embeddings/corpus.py), side by side in one run:
 
 - direct: tokenizer + model in this process (torch on both cores) at batch sizes 32..128 in arrival
   order, the best one kept; two pinned one-thread processes, each on half of the corpus; the corpus
   sorted by length in batches of 64 (what length-aware batching aims at); the single-text latency
-  with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread;
+  with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread
+  (bench/embeddings_direct.py);
 - conveyor: ``tokenize -> embed`` over an embedded Redis (1 tokenize worker, 2 embed workers of one
   thread, pinned), plain, with length-aware batching (``bucketed``) and with int8 (``--int8``), closed loops of
   N clients: sentences/s in steady state (``s/s``: the answers between the 10th and 90th percentile of
@@ -15,13 +16,17 @@ On one deterministic corpus (examples/embeddings/corpus.py), side by side in one
   the embed stage's mean batch size, the embed workers' RSS, and CPU time per text of everything
   (Redis, gateway and clients, workers). On a shared machine wall-clock rates move with other jobs;
   CPU time per text barely does, so the ``cpu`` line compares efficiency;
-- paired single texts: 200 texts one at a time, each through conveyor and through the model here
-  (one thread) in turn, so that "p50 at 1 in flight against the model's own single-text latency"
-  compares like with like on a shared machine.
+- paired single texts: 200 texts one at a time through conveyor and through the model here (one
+  thread), in blocks of 10 that alternate, so that "p50 at 1 in flight against the model's own
+  single-text latency" compares like with like on a shared machine (``--single-only`` runs just
+  this); and once more text by text, where every conveyor request finds its processes idle.
 
 The three pipelines' workers run at once (idle ones block in Redis) so that the variants can be
 interleaved level by level, ``--rounds`` times: the machine is shared, so compare within a round.
-The last line: ``embeddings: direct=<s/s> conveyor=<s/s> bucketed=<s/s> ratio=<conveyor/direct>``.
+The direct ceiling is measured again in every round, beside that round's conveyor rows, and the ratio
+is the median of the rounds' ratios: on a shared machine the two sides must see the same minutes.
+The last line: ``embeddings: direct=<s/s> conveyor=<s/s> bucketed=<s/s> ratio=<conveyor/direct>``
+(medians over the rounds; ``ratio`` is the median of the rounds' own ratios).
 """
 
 from __future__ import annotations
@@ -30,18 +35,19 @@ import argparse
 import asyncio
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 
 import psutil
 
-from bench.harness import ROOT, embedded_redis, machine, percentile, wait_ready, workers
+from bench.embeddings_direct import direct, direct_round, int8_cosines, load_models
+from bench.harness import embedded_redis, machine, percentile, wait_ready, workers
 from broker.connection import RedisSettings
 from broker.keys import Keys
 from examples.embeddings import Embed, make_pipeline
 from examples.embeddings.corpus import make_corpus
 from gateway import Gateway
+from gateway.serve import resolve_loop, run_loop
 from gateway.status import read_status
 
 
@@ -54,39 +60,6 @@ plain = make_pipeline("bench-emb-plain", grouped=False)
 bucketed = make_pipeline("bench-emb-bucketed")
 int8 = make_pipeline("bench-emb-int8", embed=Int8Embed)
 VARIANTS = {"conveyor": ("plain", plain), "bucketed": ("bucketed", bucketed), "int8": ("int8", int8)}
-
-
-# -- direct ---------------------------------------------------------------------------------------
-
-
-def _models(threads: int, int8: bool = False) -> tuple[Any, Any]:
-    import torch
-
-    from examples.embeddings.model import Embedder, Tokenizer
-
-    torch.set_num_threads(threads)
-    tokenizer, embedder = Tokenizer(), Embedder(int8=int8)
-    tokenizer.load()
-    embedder.load()
-    return tokenizer, embedder
-
-
-def _run_direct(tokenizer: Any, embedder: Any, texts: list[str], batch: int, by_length: bool = False) -> float:
-    """Sentences/s of tokenize + embed over ``texts`` in batches of ``batch``."""
-    if by_length:
-        texts = sorted(texts, key=lambda t: len(tokenizer([t])[0]))
-    t0 = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        embedder(tokenizer(texts[i:i + batch]))
-    return len(texts) / (time.perf_counter() - t0)
-
-
-def cpu_ms_per_text(tokenizer: Any, embedder: Any, texts: list[str], batch: int, by_length: bool = False) -> float:
-    """CPU time (this process, one thread) per text: unlike wall time, barely moved by other jobs."""
-    t0 = time.process_time()
-    rate = _run_direct(tokenizer, embedder, texts, batch, by_length)
-    del rate
-    return (time.process_time() - t0) * 1e3 / len(texts)
 
 
 def cpu_s_tree() -> float:
@@ -102,67 +75,9 @@ def cpu_s_tree() -> float:
     return total
 
 
-def single_latency_ms(tokenizer: Any, embedder: Any, texts: list[str]) -> float:
-    lat = []
-    for text in texts:
-        t0 = time.perf_counter()
-        embedder(tokenizer([text]))
-        lat.append(time.perf_counter() - t0)
-    return statistics.median(lat) * 1e3
-
-
-def direct_child(cpu: int, start: int, end: int, n: int, batch: int) -> None:
-    """One of the two pinned one-thread processes: load, say ready, wait for 'go', run, report."""
-    psutil.Process().cpu_affinity([cpu])
-    tokenizer, embedder = _models(1)
-    texts = make_corpus(n)[start:end]
-    embedder(tokenizer(texts[:batch]))  # warm up
-    print("ready", flush=True)
-    sys.stdin.readline()
-    t0 = time.perf_counter()
-    _run_direct(tokenizer, embedder, texts, batch)
-    print(f"done {time.perf_counter() - t0:.6f}", flush=True)
-
-
-def two_processes(n: int, batch: int) -> float:
-    cpus = sorted(psutil.Process().cpu_affinity() or [0])[:2] * 2
-    half = n // 2
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.embeddings", "--direct-child",
-                               f"{cpus[k]},{k * half},{(k + 1) * half},{n},{batch}"],
-                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for k in range(2)]
-    try:
-        for p in procs:
-            if p.stdout is None or p.stdout.readline().strip() != "ready":
-                raise RuntimeError("a direct child failed to start")
-        t0 = time.perf_counter()
-        for p in procs:  # both start before either is waited for (communicate() would run them in turn)
-            if p.stdin is not None:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-        for p in procs:
-            p.communicate(timeout=600)
-        return 2 * half / (time.perf_counter() - t0)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
-def int8_cosines(texts: list[str]) -> tuple[float, float]:
-    """Mean and minimum cosine of int8 vs fp32 vectors over ``texts``."""
-    import numpy as np
-
-    tokenizer, fp32 = _models(2)
-    _, q8 = _models(2, int8=True)
-    cos = []
-    for i in range(0, len(texts), 64):
-        ids = tokenizer(texts[i:i + 64])
-        cos.extend(np.sum(fp32(ids) * q8(ids), axis=1).tolist())
-    return float(np.mean(cos)), float(np.min(cos))
-
-
 # -- conveyor -------------------------------------------------------------------------------------
+
+PAIR_BLOCK = 10  # texts per block of the paired single-text runs
 
 
 async def closed_loop(gw: Gateway, texts: list[str], in_flight: int) -> tuple[float, float, list[float]]:
@@ -192,25 +107,45 @@ async def closed_loop(gw: Gateway, texts: list[str], in_flight: int) -> tuple[fl
     return steady, overall, sorted(latencies)
 
 
-async def paired_single(url: str, pipeline: str, texts: list[str], tokenizer: Any, embedder: Any) -> dict[str, float]:
-    """The same texts one at a time, each both ways in turn: the model called here on one thread,
-    and through conveyor at 1 in flight. Pairing makes the comparison hold on a shared machine,
-    where two separate runs minutes apart see different neighbours."""
-    direct_s: list[float] = []
-    conveyor_s: list[float] = []
+async def paired_single(url: str, pipeline: str, texts: list[str], tokenizer: Any, embedder: Any,
+                        block: int) -> dict[str, float]:
+    """The same texts one at a time both ways: through conveyor and through the model called here
+    on one thread, in blocks of ``block`` texts, alternating which way goes first. Pairing makes the
+    comparison hold on a shared machine, where two runs minutes apart see different neighbours.
+
+    Within a block each way runs back to back, as one client at 1 in flight does. With
+    ``block=1`` every conveyor request instead follows a direct call, so each finds conveyor's
+    processes idle for a whole model run (~25 ms here): on this VM a process woken after that long
+    answers ~0.1-0.4 ms later than a warm one (docs/benchmarks.md), which that figure shows too."""
+    direct_s = [0.0] * len(texts)
+    conveyor_s = [0.0] * len(texts)
     async with Gateway(url, pipeline) as gw:
-        for i, text in enumerate(texts):
-            for way in ((0, 1) if i % 2 else (1, 0)):  # alternate which goes first
-                t0 = time.perf_counter()
-                if way:
-                    await gw.predict(text, timeout_s=120)
-                    conveyor_s.append(time.perf_counter() - t0)
-                else:
-                    embedder(tokenizer([text]))
-                    direct_s.append(time.perf_counter() - t0)
+        for b, start in enumerate(range(0, len(texts), block)):
+            todo = range(start, min(start + block, len(texts)))
+            for way in ((0, 1) if b % 2 else (1, 0)):  # alternate which goes first
+                for i in todo:
+                    t0 = time.perf_counter()
+                    if way:
+                        await gw.predict(texts[i], timeout_s=120)
+                        conveyor_s[i] = time.perf_counter() - t0
+                    else:
+                        embedder(tokenizer([texts[i]]))
+                        direct_s[i] = time.perf_counter() - t0
     diff = sorted((c - d) * 1e3 for d, c in zip(direct_s, conveyor_s, strict=True))
     return {"direct_p50": statistics.median(direct_s) * 1e3, "conveyor_p50": statistics.median(conveyor_s) * 1e3,
             "diff_p50": percentile(diff, 0.5), "diff_p90": percentile(diff, 0.9)}
+
+
+def single_rounds(url: str, pipeline: str, texts: list[str], models: tuple[Any, Any], loop: str) -> dict[str, Any]:
+    """One round of both pairings: blocks of PAIR_BLOCK texts (1 in flight), and text by text."""
+    out: dict[str, Any] = {}
+    for name, block in (("block", PAIR_BLOCK), ("text", 1)):
+        out[name] = run_loop(paired_single(url, pipeline, texts, *models, block), loop)
+        print("1 in flight, paired {} ({}): direct p50 {direct_p50:.1f} ms, conveyor p50 {conveyor_p50:.1f} ms, "
+              "conveyor - direct: median {diff_p50:.2f} ms, p90 {diff_p90:.2f} ms".format(
+                  f"in blocks of {block}" if block > 1 else "text by text",
+                  "back to back" if block > 1 else "conveyor idle before each", **out[name]), flush=True)
+    return out
 
 
 def embed_rss_mib(procs: list[subprocess.Popen[bytes]]) -> float:
@@ -245,11 +180,15 @@ async def level(url: str, pipeline: str, texts: list[str], in_flight: int) -> di
             "p999": percentile(lat, 0.999) * 1e3, "batch": mean_batch, "cpu_ms": cpu_ms}
 
 
-def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str],
-             models: tuple[Any, Any]) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, float]]]:
-    """The closed-loop rows of every variant, and one paired single-text run per round."""
-    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    paired: list[dict[str, float]] = []
+Rows = dict[str, list[dict[str, Any]]]
+
+
+def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str], models: tuple[Any, Any],
+             loop: str, direct_batch: int | None = None) -> tuple[Rows, list[dict[str, Any]]]:
+    """The closed-loop rows of every variant, one paired single-text run per round, and (with
+    ``direct_batch``) the direct ceiling of each round, in the paired entries as ``direct``."""
+    results: Rows = {v: [] for v in variants}
+    paired: list[dict[str, Any]] = []
     with embedded_redis() as url:
         procs_of = {}
         stacks = [workers(f"bench.embeddings:{VARIANTS[v][0]}", ["tokenize", "embed"], url) for v in variants]
@@ -261,17 +200,15 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
                 asyncio.run(wait_ready(url, VARIANTS[v][1].name, 2, timeout_s=180,
                                        min_workers={"embed": VARIANTS[v][1].stages[1].workers}))
             for v in variants:  # warm up every worker (first batches of each shape are slow)
-                asyncio.run(level(url, VARIANTS[v][1].name, texts[:256], 64))
+                run_loop(level(url, VARIANTS[v][1].name, texts[:256], 64), loop)
             for r in range(rounds):
-                paired.append(asyncio.run(paired_single(url, plain.name, texts[:200], *models)))
-                print("paired 1 in flight, round {}: direct p50 {direct_p50:.1f} ms, "
-                      "conveyor p50 {conveyor_p50:.1f} ms, "
-                      "conveyor - direct: median {diff_p50:.2f} ms, p90 {diff_p90:.2f} ms".format(r, **paired[-1]),
-                      flush=True)
+                paired.append(single_rounds(url, plain.name, texts[:200], models, loop))
+                if direct_batch is not None:
+                    paired[-1]["direct"] = direct_round(models, texts, direct_batch)
                 for n in levels:
                     count = min(len(texts), 300) if n == 1 else len(texts)
                     for v in variants:
-                        row = asyncio.run(level(url, VARIANTS[v][1].name, texts[:count], n))
+                        row = run_loop(level(url, VARIANTS[v][1].name, texts[:count], n), loop)
                         row.update(variant=v, round=r, in_flight=n, texts=count, rss=embed_rss_mib(procs_of[v]))
                         results[v].append(row)
                         print(f"{v:>9} {r:>5} {n:>9} {count:>6} {row['rate']:>8.1f} {row['overall']:>8.1f} "
@@ -288,30 +225,18 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
 # -- main -----------------------------------------------------------------------------------------
 
 
-def direct(texts: list[str], with_int8: bool) -> tuple[dict[str, float], tuple[Any, Any]]:
-    """The direct figures, and the model (now on one thread) for the paired single-text runs."""
-    tokenizer, embedder = _models(2)
-    _run_direct(tokenizer, embedder, texts[:256], 64)  # warm up
-    by_batch = {b: _run_direct(tokenizer, embedder, texts, b) for b in (32, 64, 128)}
-    best = max(by_batch, key=by_batch.__getitem__)
-    out = {f"arrival_bs{b}": r for b, r in by_batch.items()}
-    out["best_batch"] = best
-    out["one_process"] = by_batch[best]
-    out["sorted_bs64"] = _run_direct(tokenizer, embedder, texts, 64, by_length=True)
-    if with_int8:
-        _, q8 = _models(2, int8=True)
-        _run_direct(tokenizer, q8, texts[:256], 64)
-        out["int8_one_process"] = _run_direct(tokenizer, q8, texts, best)
-        out["fp32_again"] = _run_direct(tokenizer, embedder, texts, best)
-    import torch
+def print_paired(paired: list[dict[str, Any]]) -> None:
+    """The paired single-text medians over the rounds, both ways of pairing."""
+    for way, what in (("block", "1 in flight"), ("text", "text by text, conveyor idle before each")):
+        print(f"p50 {what}, paired on the same texts (medians over rounds): " + "direct={:.1f} ms conveyor={:.1f} ms "
+              "conveyor-direct={:.2f} ms".format(*(statistics.median(p[way][k] for p in paired)
+                                                     for k in ("direct_p50", "conveyor_p50", "diff_p50"))))
 
-    torch.set_num_threads(1)
-    out["single_ms_1thread"] = single_latency_ms(tokenizer, embedder, texts[:200])
-    out["cpu_ms_arrival"] = cpu_ms_per_text(tokenizer, embedder, texts, 64)
-    out["cpu_ms_sorted"] = cpu_ms_per_text(tokenizer, embedder, texts, 64, by_length=True)
-    out["two_processes"] = two_processes(len(texts), best)
-    out["direct"] = max(out["one_process"], out["two_processes"])
-    return out, (tokenizer, embedder)
+
+def single_only(texts: list[str], rounds: int, loop: str) -> None:
+    """``--single-only``: the plain pipeline and the model on one thread here, paired runs only."""
+    _, paired = conveyor(texts, [], rounds, ["conveyor"], load_models(1), loop)
+    print_paired(paired)
 
 
 def main() -> None:
@@ -320,15 +245,17 @@ def main() -> None:
     parser.add_argument("--in-flight", default="1,8,64,256")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--int8", action="store_true", help="also measure int8 (speed and cosine vs fp32)")
-    parser.add_argument("--direct-child", help=argparse.SUPPRESS)
+    parser.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                        help="the benchmark's own gateway's event loop (auto: uvloop where installed, as conveyor run)")
+    parser.add_argument("--single-only", action="store_true",
+                        help="only the paired single-text runs (p50 at 1 in flight against the model called here)")
     args = parser.parse_args()
-    if args.direct_child:
-        cpu, start, end, n, batch = (int(v) for v in args.direct_child.split(","))
-        direct_child(cpu, start, end, n, batch)
-        return
     texts = make_corpus(args.texts)
-    levels = [int(v) for v in args.in_flight.split(",")]
     print(f"machine: {machine()} (shared with other jobs: compare within one run)")
+    if args.single_only:
+        single_only(texts, args.rounds, args.loop)
+        return
+    levels = [int(v) for v in args.in_flight.split(",")]
     d, models = direct(texts, args.int8)
     for key, value in d.items():
         print(f"direct {key}: {value:.1f}")
@@ -338,11 +265,21 @@ def main() -> None:
     variants = ["conveyor", "bucketed"] + (["int8"] if args.int8 else [])
     print(f"{'variant':>9} {'round':>5} {'in flight':>9} {'texts':>6} {'s/s':>8} {'all s/s':>8} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'p999 ms':>8} {'batch':>6} {'RSS MiB':>8} {'CPU ms':>7}")
-    results, paired = conveyor(texts, levels, args.rounds, variants, models)
+    print(f"gateway event loop: {resolve_loop(args.loop)}")
+    results, paired = conveyor(texts, levels, args.rounds, variants, models, args.loop, int(d["best_batch"]))
+
+    def best_of_round(v: str, r: int) -> float:
+        return max((row["rate"] for row in results[v] if row["round"] == r), default=float("nan"))
 
     def best(v: str) -> float:
-        return max((statistics.median(r["rate"] for r in results[v] if r["in_flight"] == n) for n in levels),
-                   default=float("nan"))
+        return statistics.median(best_of_round(v, r) for r in range(args.rounds))
+
+    ratios = []
+    for r, p in enumerate(paired):
+        ratios.append(best_of_round("conveyor", r) / p["direct"])
+        print(f"round {r}: direct={p['direct']:.1f} conveyor={best_of_round('conveyor', r):.1f} "
+              f"bucketed={best_of_round('bucketed', r):.1f} conveyor/direct={ratios[-1]:.3f} "
+              f"bucketed/direct={best_of_round('bucketed', r) / p['direct']:.3f}")
 
     def cpu_of(v: str) -> float:  # CPU ms per text at the level with the most in flight
         return statistics.median(r["cpu_ms"] for r in results[v] if r["in_flight"] == max(levels))
@@ -350,12 +287,12 @@ def main() -> None:
     print(f"cpu ms/text (lower is better; 2 quiet cores give 2000/x texts/s): direct={d['cpu_ms_arrival']:.2f} "
           f"direct-sorted={d['cpu_ms_sorted']:.2f} conveyor={cpu_of('conveyor'):.2f} bucketed={cpu_of('bucketed'):.2f} "
           f"ratio={d['cpu_ms_arrival'] / cpu_of('conveyor'):.3f}")
-    print("p50 at 1 in flight, paired on the same texts (medians over rounds): direct={:.1f} ms conveyor={:.1f} ms "
-          "conveyor-direct={:.2f} ms".format(*(statistics.median(p[k] for p in paired)
-                                                 for k in ("direct_p50", "conveyor_p50", "diff_p50"))))
+    print_paired(paired)
+    # Medians over the rounds, each side measured within its round; ratio: the median of the rounds' ratios.
     conv, buck = best("conveyor"), best("bucketed")
-    print(f"embeddings: direct={d['direct']:.1f} conveyor={conv:.1f} bucketed={buck:.1f} "
-          f"ratio={conv / d['direct']:.3f}")
+    direct_s = statistics.median(p["direct"] for p in paired)
+    print(f"embeddings: direct={direct_s:.1f} conveyor={conv:.1f} bucketed={buck:.1f} "
+          f"ratio={statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
