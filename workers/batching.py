@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
 
 from broker.keys import GROUP
+from workers.handoff import is_refusal
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]
+
+EARLY_WAKES_MAX = 4  # a batch window cut short by peers' CLIENT UNBLOCK is resumed at most this often
+EARLY_WAKE_MIN_S = 0.001  # ... and only with at least this much of it left
 
 
 class WaitPolicy(Protocol):
@@ -69,6 +74,20 @@ def _parse(response: Any) -> list[Entry]:
     return entries
 
 
+def _server_run_id(conn: Any) -> str | None:
+    """The server's run id (``INFO server``), which changes when Redis restarts; None if refused."""
+    conn.send_command("INFO", "server")
+    try:
+        info = conn.read_response()
+    except redis.ResponseError:
+        return None
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line[len("run_id:"):].strip()
+    return None
+
+
 class StreamReader:
     """Reads one stage stream as one consumer, on a connection of its own."""
 
@@ -78,6 +97,9 @@ class StreamReader:
         self._consumer = consumer
         self._conn: Any = None
         self._client_id: int | None = None
+        self._run_id: str | None = None
+        self._pending: int | None = None  # a read sent ahead (send_read): its CLIENT UNBLOCKs before it
+        self.unblock_refused: str | None = None
 
     def _connection(self) -> Any:
         if self._conn is None:
@@ -89,6 +111,7 @@ class StreamReader:
             try:
                 conn.send_command("CLIENT", "ID")
                 self._client_id = int(conn.read_response())
+                self._run_id = _server_run_id(conn)
             except BaseException:
                 conn.disconnect()
                 raise
@@ -100,6 +123,8 @@ class StreamReader:
             self._conn.disconnect()
         self._conn = None
         self._client_id = None
+        self._run_id = None
+        self._pending = None
 
     def _command(self, count: int, block_ms: int | None, start: str) -> list[Any]:
         cmd: list[Any] = ["XREADGROUP", "GROUP", GROUP, self._consumer, "COUNT", count]
@@ -107,11 +132,66 @@ class StreamReader:
             cmd += ["BLOCK", block_ms]
         return [*cmd, "STREAMS", self._stream, start]
 
-    def read(self, count: int, block_ms: int | None = None, start: str = ">") -> list[Entry]:
-        """Plain read: non-blocking, or blocking with Redis's own (coarse) timeout."""
+    @property
+    def client_id(self) -> int | None:
+        """The reading connection's client id (None until connected): what a peer unblocks."""
+        return self._client_id
+
+    @property
+    def identity(self) -> str | None:
+        """``<server run id>:<client id>`` of the reading connection, or None (not connected, or
+        the server's run id unknown). Client ids start again from 1 when Redis restarts: a peer
+        only unblocks ids of the server it reads from itself (:mod:`workers.handoff`)."""
+        run_id, client_id = self._run_id, self._client_id
+        return None if run_id is None or client_id is None else f"{run_id}:{client_id}"
+
+    @property
+    def read_pending(self) -> bool:
+        """A read was sent ahead (:meth:`send_read`) and its reply is still to be taken."""
+        return self._pending is not None
+
+    def read(self, count: int, block_ms: int | None = None, start: str = ">",
+             unblock: Sequence[int] = ()) -> list[Entry]:
+        """Plain read: non-blocking, or blocking with Redis's own (coarse) timeout. ``unblock``:
+        client ids to send ``CLIENT UNBLOCK`` first, in the same write (:mod:`workers.handoff`);
+        an error reply to one of them is kept in ``unblock_refused``, and the read goes on."""
+        self.send_read(count, block_ms, start, unblock)
+        return self.finish_read()
+
+    def send_read(self, count: int, block_ms: int | None = None, start: str = ">",
+                  unblock: Sequence[int] = ()) -> None:
+        """Send a read (and the ``CLIENT UNBLOCK``s before it) without waiting for its reply:
+        a worker queues itself on the stream before its commit makes anything visible that
+        could bring the next entry (:mod:`workers.handoff`). :meth:`finish_read` takes the reply.
+
+        A read sent ahead whose reply was never taken (the commit after it failed) has its
+        connection dropped here: whatever it took is pending for this consumer, which is what
+        recovery reads next (``start="0"``)."""
+        if self._pending is not None:
+            self.close()
         conn = self._connection()
         try:
-            conn.send_command(*self._command(count, block_ms, start))
+            read = self._command(count, block_ms, start)
+            if unblock:
+                conn.send_packed_command(conn.pack_commands([*(("CLIENT", "UNBLOCK", i) for i in unblock), read]))
+            else:
+                conn.send_command(*read)
+        except BaseException:
+            self.close()
+            raise
+        self._pending = len(unblock)
+
+    def finish_read(self) -> list[Entry]:
+        """The entries of the read sent by :meth:`send_read` (waiting for them if it blocks)."""
+        unblocks, conn = self._pending or 0, self._conn
+        self._pending = None
+        try:
+            for _ in range(unblocks):
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:  # an error reply: the connection is still in step
+                    if is_refusal(exc):
+                        self.unblock_refused = str(exc)
             return _parse(conn.read_response())
         except BaseException:
             self.close()
@@ -120,13 +200,21 @@ class StreamReader:
     def read_until(self, count: int, timeout_s: float) -> list[Entry]:
         """Blocking read that returns within ``timeout_s`` by the client's clock."""
         conn = self._connection()
-        block_ms = max(1, math.ceil(timeout_s * 1000))
+        deadline = time.monotonic() + timeout_s
         try:
-            conn.send_command(*self._command(count, block_ms, ">"))
-            if not conn.can_read(timeout=timeout_s):
-                # The reply to XREADGROUP is read either way: nil, or entries that won the race.
-                self._client.execute_command("CLIENT", "UNBLOCK", self._client_id)
-            return _parse(conn.read_response())
+            for _ in range(EARLY_WAKES_MAX + 1):
+                left_s = deadline - time.monotonic()
+                conn.send_command(*self._command(count, max(1, math.ceil(left_s * 1000)), ">"))
+                if not conn.can_read(timeout=max(0.0, left_s)):
+                    # The reply to XREADGROUP is read either way: nil, or entries that won the race.
+                    self._client.execute_command("CLIENT", "UNBLOCK", self._client_id)
+                    return _parse(conn.read_response())
+                entries = _parse(conn.read_response())
+                if entries or deadline - time.monotonic() < EARLY_WAKE_MIN_S:
+                    return entries
+                # Nothing, well before the deadline: a peer's CLIENT UNBLOCK (workers.handoff) put
+                # itself ahead of this read, which waits on for the time it has left.
+            return []
         except BaseException:
             self.close()
             raise
@@ -141,16 +229,23 @@ class BatchCollector:
         self._batch_size = batch_size
         self._policy = policy
         self._idle_block_ms = idle_block_ms
+        self.first_wait_s = 0.0  # how long the last batch's first read waited for an entry
 
-    def collect(self, count: int | None = None, idle_block_ms: int | None = None) -> list[Entry]:
+    def collect(self, count: int | None = None, idle_block_ms: int | None = None,
+                unblock: Sequence[int] = ()) -> list[Entry]:
         """Up to ``count`` (default ``batch_size``) entries: what is queued at once, then more
-        for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing."""
+        for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing.
+        ``unblock``: peers whose blocked reads the first read goes ahead of (workers.handoff)."""
         size = count or self._batch_size
         started = time.monotonic()
-        entries = self._reader.read(size, block_ms=idle_block_ms or self._idle_block_ms)
+        if self._reader.read_pending:  # sent ahead of the last commit (read_ahead)
+            entries = self._reader.finish_read()
+        else:
+            entries = self._reader.read(size, block_ms=idle_block_ms or self._idle_block_ms, unblock=unblock)
         if not entries:
             return entries
         first_at = time.monotonic()
+        self.first_wait_s = first_at - started
         self._policy.observe_read(len(entries), first_at)
         while len(entries) < size:
             now = time.monotonic()
@@ -163,3 +258,7 @@ class BatchCollector:
             self._policy.observe_read(len(more), time.monotonic())
             entries += more
         return entries
+
+    def read_ahead(self, count: int | None, idle_block_ms: int | None, unblock: Sequence[int]) -> None:
+        """Send the next batch's first read now; :meth:`collect` takes its reply (workers.handoff)."""
+        self._reader.send_read(count or self._batch_size, idle_block_ms or self._idle_block_ms, ">", unblock)

@@ -6,6 +6,8 @@ singleton read size, and, while a batch has run longer than a third of ``claim_i
 the lease on its entries (``XCLAIM JUSTID``) so that no other worker claims them. From the
 moment the worker has claimed its core (before ``setup()``, which may outlast the claim's TTL)
 each beat also renews that claim, and the thread removes it when it stops (:mod:`broker.pins`).
+With one partition each beat also publishes the worker's reading connection and learns its live
+peers' (``P:readers:<i>``, for :mod:`workers.handoff`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -24,6 +27,7 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Red
 from broker.keys import GROUP
 from broker.pins import PinClaims
 from workers.adaptive import SingletonReadSize
+from workers.handoff import ReadPeers, is_refusal
 
 log = logging.getLogger("conveyor.worker")
 
@@ -46,9 +50,20 @@ class Lease:
         self.held = ("", [], 0.0)
 
 
+@dataclass(frozen=True)
+class Readers:
+    """Where the reading connections are published (``key``), this worker's (``identity``:
+    ``<server run id>:<client id>``, None while not connected), and where the live peers' go."""
+
+    key: str
+    identity: Callable[[], str | None]
+    peers: ReadPeers
+
+
 class Heartbeat:
     def __init__(self, settings: RedisSettings, hb_keys: Sequence[str], consumer: str, stage_name: str,
-                 interval_s: float, claim_idle_s: float, read_size: SingletonReadSize) -> None:
+                 interval_s: float, claim_idle_s: float, read_size: SingletonReadSize,
+                 readers: Readers | None = None) -> None:
         self._settings = settings
         self._hb_keys = list(hb_keys)  # one per partition: each partition's janitor and status read its own
         self._consumer = consumer
@@ -57,6 +72,7 @@ class Heartbeat:
         self._interval_s = min(interval_s, claim_idle_s / 3)
         self._renew_after_s = claim_idle_s / 3
         self._read_size = read_size
+        self._readers = readers
         self.lease = Lease()
         self._pin: tuple[PinClaims, int, int] | None = None  # claims, cpu, stage
         self._ready = False
@@ -104,19 +120,79 @@ class Heartbeat:
             claims, cpu, stage = self._pin
             claims.renew(pipe, cpu, stage, self._consumer)
         if self._ready:
-            self._beat_ready(pipe)
+            self._beat_ready(client, pipe)
         elif self._pin is not None:
             pipe.execute()
 
-    def _beat_ready(self, pipe: redis.client.Pipeline) -> None:
+    def _beat_ready(self, client: redis.Redis, pipe: redis.client.Pipeline) -> None:
         now = protocol.now_ms()
-        pipe.zcount(self._hb_keys[0], now - LIVE_AFTER_MS, "+inf")
+        pipe.zrange(self._hb_keys[0], now - LIVE_AFTER_MS, "+inf", byscore=True)
         for hb_key in self._hb_keys:
             pipe.zadd(hb_key, {self._consumer: now})
             pipe.zremrangebyscore(hb_key, 0, now - _PRUNE_MS)
+        readers = self._readers if self._readers is not None and not self._readers.peers.refused else None
+        identity = readers.identity() if readers is not None else None
+        if readers is not None:
+            if identity is not None:
+                pipe.hset(readers.key, self._consumer, identity)
+            else:  # not connected: a peer must not unblock the id of a connection that is gone
+                pipe.hdel(readers.key, self._consumer)
+            pipe.hgetall(readers.key)
         stream, held, since = self.lease.held
         if held and time.monotonic() - since > self._renew_after_s:
             # Renew the lease: a long batch must not be claimed by another worker.
             pipe.xclaim(stream, GROUP, self._consumer, 0, list[Any](held), justid=True)
         offset = 2 if self._pin is not None else 0  # the claim's ZADD and PEXPIRE come first
-        self._read_size.live_workers = max(1, int(pipe.execute()[offset]))
+        replies = pipe.execute(raise_on_error=False)
+        live = {_text(m) for m in _ok(replies[offset])} | {self._consumer}  # its own first beat is not in yet
+        self._read_size.live_workers = max(1, len(live))
+        first = offset + 1 + 2 * len(self._hb_keys)  # the P:readers replies: HSET or HDEL, then HGETALL
+        mine = range(first, first + 2) if readers is not None else range(0)
+        if readers is not None:
+            self._share_readers(client, readers, live, identity, replies[first:first + 2])
+        errors = [r for i, r in enumerate(replies) if isinstance(r, redis.ResponseError) and i not in mine]
+        if errors:
+            raise errors[0]  # as before: logged by the loop (e.g. NOGROUP for the lease after a restart)
+
+    def _share_readers(self, client: redis.Redis, readers: Readers, live: set[str], identity: str | None,
+                       replies: list[Any]) -> None:
+        """Learn the peers from this beat's HGETALL, unless Redis refused the P:readers commands
+        (an ACL written before them): then the heartbeat goes on and the handoff is off. Other
+        errors (OOM, LOADING) are tried again at the next beat."""
+        error = next((r for r in replies if isinstance(r, redis.ResponseError)), None)
+        if error is None:
+            gone = self._learn_peers(readers, live, identity, replies[1])
+            if gone:  # fields of workers no longer live (rare); a live one writes its own back
+                client.hdel(readers.key, *gone)
+        elif is_refusal(error):
+            log.warning("cannot share reading connections stage=%s error=%s: idle workers keep their turns",
+                        self._stage_name, error)
+            readers.peers.refused = True
+            readers.peers.ids = ()
+
+    def _learn_peers(self, readers: Readers, live: set[str], identity: str | None,
+                     published: dict[Any, Any]) -> list[str]:
+        """Set the live peers' reading connections on the server this worker reads from; return
+        the workers whose fields are there but who are no longer live."""
+        run_id = identity.partition(":")[0] if identity else None
+        ids: list[int] = []
+        gone: list[str] = []
+        for consumer, value in published.items():
+            name = _text(consumer)
+            peer_run, _, client_id = _text(value).rpartition(":")
+            if name not in live:
+                gone.append(name)
+            elif name != self._consumer and run_id is not None and peer_run == run_id and client_id.isdigit():
+                ids.append(int(client_id))
+        readers.peers.ids = tuple(sorted(ids))
+        return gone
+
+def _text(value: bytes | str) -> str:
+    """A reply element as text (RESP2 gives bytes, a decoding client str)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ok(reply: Any) -> Any:
+    """A pipeline reply, or nothing in its place if it is an error."""
+    return [] if isinstance(reply, Exception) else reply
+

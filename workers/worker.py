@@ -30,7 +30,8 @@ from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
 from workers.grouping import run_grouped
-from workers.heartbeat import LIVE_AFTER_MS, Heartbeat
+from workers.handoff import HotHandoff, ReadPeers
+from workers.heartbeat import LIVE_AFTER_MS, Heartbeat, Readers
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.loading import LoadingBeacon
 from workers.partitions import Lane, on_lane, stream_reader, wait_any
@@ -114,8 +115,13 @@ class Worker:
         # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
         hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
+        self._handoff = HotHandoff(ReadPeers(), enabled=len(self._lanes) == 1)
+        readers = None
+        if self._handoff.enabled:
+            reader = self._lanes[0].reader
+            readers = Readers(self.keys.readers(self.spec.index), lambda: reader.identity, self._handoff.peers)
         self._heartbeat = Heartbeat(self.redis_settings, hb_keys, self.consumer, self.spec.name,
-                                    self.settings.heartbeat_s, self.spec.claim_idle_s, self._read_size)
+                                    self.settings.heartbeat_s, self.spec.claim_idle_s, self._read_size, readers)
         self._heartbeat.start(self._claim_core())  # renews the core's claim from now on, setup() included
         try:
             self._setup_and_loop()
@@ -204,16 +210,14 @@ class Worker:
         recover = True  # first drain what this consumer left pending in a previous life
         first_drain = True
         backoff = Backoff()
-        while not self.stopping:
+        # A read sent ahead of a commit (_read_ahead) is always taken, stopping or not: it may hold entries.
+        while not self.stopping or self._reader.read_pending:
             try:
-                if recover and len(self._lanes) == 1:
-                    self._recovery.drain_own_pending(self._reader, self._stream, own_retry=not first_drain)
-                    self.status.send(b"D")
-                elif recover:  # several partitions: each lane drains on its own (workers.partitions)
-                    for lane in self._lanes:
-                        lane.recover = True
+                if recover:
+                    self._recover(own_retry=not first_drain)
                 recover = first_drain = False
-                self._housekeeping()
+                if not self._reader.read_pending:  # its connection is not free (_read_ahead waits for this)
+                    self._housekeeping()
                 if len(self._lanes) == 1:
                     self._serve_one()
                 else:
@@ -221,6 +225,7 @@ class Worker:
                 backoff.reset()
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable stage=%s error=%r", self.spec.name, exc)
+                self._handoff.forget_peers()  # a restarted server numbers its clients from 1 again
                 recover = True
                 time.sleep(backoff.next_delay_s())
             except redis.ResponseError as exc:
@@ -234,15 +239,41 @@ class Worker:
                 log.warning("consumer group missing (Redis restarted empty?): recreating")
                 self._with_redis(self._register)
 
+    def _recover(self, own_retry: bool) -> None:
+        """Drain what this consumer holds pending (left by a previous life or a failed call)."""
+        if len(self._lanes) == 1:
+            self._recovery.drain_own_pending(self._reader, self._stream, own_retry=own_retry)
+            self.status.send(b"D")
+        else:  # several partitions: each lane drains on its own (workers.partitions)
+            for lane in self._lanes:
+                lane.recover = True
+
     def _serve_one(self) -> None:
         """One batch of the only partition."""
-        # With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most.
-        idle_ms = int(self._stats.period_s * 1000) if self._stats.sizes else None
-        entries = self._collector.collect(self._read_count(), idle_ms)
+        count = self._read_count()
+        unblock = () if self._reader.read_pending else self._handoff.unblock_ids()
+        entries = self._collector.collect(count, self._idle_block_ms(), unblock)
+        if self._reader.unblock_refused:
+            self._handoff.refused(self._reader.unblock_refused)
         if entries:
-            self._process(entries, deliveries=None)
+            self._process(entries, deliveries=None, read=(count, self._collector.first_wait_s))
         else:
+            self._handoff.after_idle()
             self._committer.flush_stats(self._stats, time.monotonic())
+
+    def _idle_block_ms(self) -> int | None:
+        """With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most."""
+        return int(self._stats.period_s * 1000) if self._stats.sizes else None
+
+    def _read_ahead(self, size: int, count: int, first_wait_s: float, run_s: float) -> None:
+        """After a batch that found no queue and ran long enough, queue this worker's next read
+        ahead of its idle peers (workers.handoff) *before* the commit: the commit publishes the
+        answer, and the caller's next request could otherwise reach Redis first and go to a peer."""
+        self._handoff.after_batch(size, count, run_s, first_wait_s)
+        unblock = self._handoff.unblock_ids()
+        now = time.monotonic()
+        if unblock and not self.stopping and now < min(self._next_claim, self._next_reap):
+            self._collector.read_ahead(self._read_count(), self._idle_block_ms(), unblock)
 
     def _serve_all(self) -> None:
         """One sweep over every partition (a batch from each that has entries, committed in its
@@ -325,7 +356,10 @@ class Worker:
 
     # -- one batch ------------------------------------------------------------------------
 
-    def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
+    def _process(self, entries: list[Entry], deliveries: dict[bytes, int] | None,
+                 read: tuple[int, float] | None = None) -> None:
+        """``read``: the count asked for and the first read's wait, for a batch of new entries of
+        the only partition (which may then read ahead of its commit)."""
         commit = Commit(acks=[e[0] for e in entries])
         work = self._router.admit(entries, deliveries, commit, self.keys)
         self._heartbeat.lease.hold(self._stream, commit.acks)
@@ -339,6 +373,8 @@ class Worker:
                 self._told_idle = True
             self._router.route_all(work, outcomes, commit, self.keys)
         ran = time.perf_counter()
+        if read is not None:
+            self._read_ahead(len(entries), read[0], read[1], ran - started)
         self._record_stats(len(work), (ran - started) * 1000)
         now = time.monotonic()
         if self._stats.due(now):
