@@ -273,7 +273,10 @@ class Worker:
         unblock = self._handoff.unblock_ids()
         now = time.monotonic()
         if unblock and not self.stopping and now < min(self._next_claim, self._next_reap):
-            self._collector.read_ahead(self._read_count(), self._idle_block_ms(), unblock)
+            try:
+                self._collector.read_ahead(self._read_count(), self._idle_block_ms(), unblock)
+            except CONNECTION_ERRORS as exc:  # the batch must still commit; the next read reconnects
+                log.debug("read ahead failed stage=%s error=%r", self.spec.name, exc)
 
     def _serve_all(self) -> None:
         """One sweep over every partition (a batch from each that has entries, committed in its
