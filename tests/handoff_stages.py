@@ -21,3 +21,12 @@ class WhoRuns(Stage):
 
 
 two_workers = Pipeline("t-handoff").add(WhoRuns, name="who", workers=2)
+
+
+class BurstRuns(WhoRuns):
+    """A model-like stage that reads up to 8 at once: a burst of 4 fits one read."""
+
+    batch_size = 8
+
+
+bursts = Pipeline("t-share").add(BurstRuns, name="burst", workers=2)

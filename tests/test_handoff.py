@@ -21,15 +21,17 @@ import redis
 from broker import protocol
 from broker.connection import RedisSettings
 from broker.keys import GROUP, Keys
+from broker.share import Sharer
 from gateway import Gateway
 from tests.helpers import running_workers, wait_for
 from workers.adaptive import SingletonReadSize
 from workers.batching import StreamReader
-from workers.handoff import HotHandoff, ReadPeers
+from workers.handoff import SHARE_MIN_S, HotHandoff, ReadPeers
 from workers.heartbeat import Heartbeat, Readers
 
 STREAM = "conveyor:{t-handoff-unit}:stream:0"
 APP = "tests.handoff_stages:two_workers"
+BURSTS = "tests.handoff_stages:bursts"
 
 
 @pytest.fixture
@@ -140,6 +142,63 @@ def test_a_read_sent_ahead_and_never_taken_leaves_its_entry_to_recovery(redis_cl
         assert [e[0] for e in reader.read(1)] == [second]  # in step: not a stale reply
     finally:
         reader.close()
+
+
+def test_a_read_with_unblock_counts_the_peers_it_found_idle(redis_client: redis.Redis, stream: str) -> None:
+    """CLIENT UNBLOCK answers 1 for a client it unblocked: that peer was idle."""
+    peer = BlockedReader(redis_client, "peer")
+    peer.start()
+    assert peer.connected.wait(5)
+    wait_for(lambda: blocked_on_stream(redis_client, peer.reader), 5, "the peer blocked on the stream")
+    hot = StreamReader(redis_client, stream, "hot")
+    busy = StreamReader(redis_client, stream, "busy")
+    try:
+        hot.read(1)
+        busy.read(1)  # connected, not blocked: a busy peer
+        hot.send_read(1, block_ms=10_000, unblock=[peer.reader.client_id or 0, busy.client_id or 0])
+        redis_client.xadd(stream, {"data": b"1"})
+        assert len(hot.finish_read()) == 1
+        assert hot.idle_peers == 1
+        assert hot.read(1) == [] and hot.idle_peers == 0  # a read without unblock found nobody
+        redis_client.xadd(stream, {"data": b"2"})
+        peer.join(5)
+    finally:
+        hot.close()
+        busy.close()
+        peer.reader.close()
+
+
+def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stream: str) -> None:
+    """share.lua: entries read by one consumer go back to the stream with the same fields, leave
+    its pending list, and an idle peer takes them; an entry no longer this consumer's stays put."""
+    ids = [redis_client.xadd(stream, {"id": f"r{i}", "data": f"d{i}"}) for i in range(4)]
+    redis_client.xreadgroup(GROUP, "hot", {stream: ">"}, count=4)
+    # r3 was claimed by another consumer meanwhile (after claim_idle_s): not ours to give.
+    redis_client.xclaim(stream, GROUP, "other", 0, [ids[3]])
+    given = Sharer(redis_client, stream, "hot").give_back([ids[2], ids[3]])
+    assert given == {ids[2]}
+    assert redis_client.xrange(stream, ids[2], ids[2]) == []  # the old id is gone ...
+    assert [e["consumer"] for e in redis_client.xpending_range(stream, GROUP, "-", "+", 10)] == \
+        [b"hot", b"hot", b"other"]
+    taken = redis_client.xreadgroup(GROUP, "peer", {stream: ">"}, count=10)
+    assert [fields for _, fields in taken[0][1]] == [{b"id": b"r2", b"data": b"d2"}]  # ... and back once
+    assert Sharer(redis_client, stream, "hot").give_back([]) == set()
+
+
+def test_a_burst_is_shared_only_when_peers_idle_and_their_part_is_worth_it() -> None:
+    handoff = HotHandoff(ReadPeers(ids=(7,)), enabled=True)
+    handoff.after_batch(size=1, count=8, run_s=0.010, first_wait_s=0.01)  # 10 ms per entry
+    assert handoff.to_share(4, 8, idle_peers=1) == 2
+    assert handoff.to_share(5, 8, idle_peers=1) == 2  # this worker keeps the larger half
+    assert handoff.to_share(6, 32, idle_peers=2) == 4
+    assert handoff.to_share(4, 8, idle_peers=0) == 0  # nobody idle to take it
+    assert handoff.to_share(8, 8, idle_peers=1) == 0  # a full read: a backlog, which peers read anyway
+    assert handoff.to_share(1, 8, idle_peers=1) == 0
+    handoff.after_batch(size=4, count=8, run_s=SHARE_MIN_S * 1.5, first_wait_s=0.01)  # cheap per entry
+    assert handoff.to_share(2, 8, idle_peers=1) == 0
+    handoff.share_refused = True
+    assert handoff.to_share(8, 32, idle_peers=1) == 0
+    assert HotHandoff(ReadPeers(ids=(7,)), enabled=False).to_share(4, 8, idle_peers=1) == 0
 
 
 def test_a_batch_window_cut_short_by_a_peer_waits_on(redis_client: redis.Redis, stream: str) -> None:
@@ -289,3 +348,25 @@ def test_at_one_in_flight_the_worker_that_just_ran_takes_the_next_request(redis_
 
         # More than one worker can take at once (a batch holds 2): both work.
         assert len(asyncio.run(eight_at_once())) == 2
+
+
+def test_a_burst_read_whole_by_one_worker_is_shared_with_its_idle_peer(redis_url: str,
+                                                                      redis_client: redis.Redis) -> None:
+    """Four requests sent at once reach the stream in one call, and the worker first in line reads
+    all four. Its idle peer gets half of them (before: the whole burst ran on one worker)."""
+    with running_workers(redis_url, BURSTS, [("burst", 2)]) as group:
+        group.wait_ready("t-share", workers={"burst": 2})
+        wait_for(lambda: redis_client.hlen(Keys("t-share").readers(0)) == 2, 10, "both workers publish")
+
+        async def bursts() -> list[list[int]]:
+            async with Gateway(redis_url, "t-share") as gw:
+                runs: list[list[int]] = []
+                deadline = time.monotonic() + 30
+                while len(runs) < 200 and time.monotonic() < deadline:  # the first, until peers are known
+                    runs.append(list(await asyncio.gather(*(gw.predict(0.02, timeout_s=10) for _ in range(4)))))
+                    if len(runs) >= 5 and all(len(set(run)) == 2 for run in runs[-5:]):
+                        break
+                return runs
+
+        runs = asyncio.run(bursts())
+        assert all(len(set(run)) == 2 for run in runs[-5:]), f"bursts ran on one worker: {runs[-5:]}"

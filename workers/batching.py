@@ -100,6 +100,7 @@ class StreamReader:
         self._run_id: str | None = None
         self._pending: int | None = None  # a read sent ahead (send_read): its CLIENT UNBLOCKs before it
         self.unblock_refused: str | None = None
+        self.idle_peers = 0  # peers whose blocked read the last read's CLIENT UNBLOCKs ended (idle then)
 
     def _connection(self) -> Any:
         if self._conn is None:
@@ -185,10 +186,11 @@ class StreamReader:
         """The entries of the read sent by :meth:`send_read` (waiting for them if it blocks)."""
         unblocks, conn = self._pending or 0, self._conn
         self._pending = None
+        self.idle_peers = 0
         try:
             for _ in range(unblocks):
                 try:
-                    conn.read_response()
+                    self.idle_peers += conn.read_response() == 1  # 1: it was blocked, so idle
                 except redis.ResponseError as exc:  # an error reply: the connection is still in step
                     if is_refusal(exc):
                         self.unblock_refused = str(exc)

@@ -30,6 +30,15 @@ time it has left, behind this worker.
 Cheap stages (under ``HOT_MIN_PREDICT_S``) skip it too: their working set is small, and the
 peers' wake-ups would cost more than warm caches save.
 
+The same preference would keep a *burst* on one worker: requests sent together (eight callers
+answered by one batch send their next ones together, and the stage before forwards them in one
+commit) arrive at once, and the first worker in line reads them all while its peers idle. So
+``CLIENT UNBLOCK``'s replies are counted (1: that peer was blocked, so idle), and a read that
+found no queue and got several entries gives the idle peers an even share back to the stream
+(``share.lua``, atomically; they are blocked behind this worker and take it at once), when their
+part would take at least ``SHARE_MIN_S`` here. With the embeddings example at 8 in flight this
+doubled the rate (docs/benchmarks.md). A full read is a backlog, which idle peers read anyway.
+
 The peers' client ids come from ``P:readers:<i>`` (consumer -> ``<server run id>:<client id>``
 of its reading connection), which every worker writes and reads with its heartbeat
 (:mod:`workers.heartbeat`). Client ids are never reused while a Redis server runs, and start
@@ -47,6 +56,7 @@ import redis
 log = logging.getLogger("conveyor.worker")
 
 HOT_MIN_PREDICT_S = 0.001  # a batch at least this long makes its worker worth keeping hot
+SHARE_MIN_S = 0.002  # share a burst only if the part given to idle peers would take this long here
 WAITED_MIN_S = 0.0005  # a first read that waited this long found nothing queued
 
 
@@ -71,6 +81,8 @@ class HotHandoff:
         self.peers = peers
         self.enabled = enabled  # one partition only: with several, reads wait on all streams at once
         self._hot = False
+        self._item_s = 0.0  # the last batch's run time per entry
+        self.share_refused = False  # Redis refused share.lua (an ACL): keep every burst whole
 
     def after_batch(self, size: int, count: int, run_s: float, first_wait_s: float) -> None:
         """A batch of ``size`` entries (out of ``count`` asked for) ran for ``run_s`` (predict and
@@ -78,6 +90,16 @@ class HotHandoff:
         # A read of one (a singleton stage's usual read) says nothing about a queue: its wait does.
         queued = size >= count and (count > 1 or first_wait_s < WAITED_MIN_S)
         self._hot = not queued and run_s >= HOT_MIN_PREDICT_S
+        self._item_s = run_s / max(1, size)
+
+    def to_share(self, size: int, count: int, idle_peers: int) -> int:
+        """How many of the ``size`` entries just read (``count`` asked for) to give back to the
+        ``idle_peers`` that this read's ``CLIENT UNBLOCK`` found idle: an even share each, when
+        the read found no queue (a burst, not a backlog) and their part is worth the hand-over."""
+        if not self.enabled or self.share_refused or idle_peers < 1 or size < 2 or size >= count:
+            return 0
+        give = size - -(-size // (idle_peers + 1))  # this worker keeps the ceiling of an even share
+        return give if give * self._item_s >= SHARE_MIN_S else 0
 
     def forget_peers(self) -> None:
         """The connection to Redis is lost: the peers' ids may be of a server that is gone."""

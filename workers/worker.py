@@ -26,12 +26,14 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Bac
 from broker.keys import GROUP, Keys
 from broker.pins import PinClaims, PinRequest
 from broker.server_info import check_server
+from broker.share import Sharer
 from broker.spec import encode_spec
 from workers.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
 from workers.grouping import run_grouped
 from workers.handoff import HotHandoff, ReadPeers
 from workers.heartbeat import LIVE_AFTER_MS, Heartbeat, Readers
+from workers.hot_reads import HotReads
 from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from workers.loading import LoadingBeacon
 from workers.partitions import Lane, on_lane, stream_reader, wait_any
@@ -115,11 +117,12 @@ class Worker:
         # Register before the model loads: the admission limit is in Redis while setup() runs.
         self._with_redis(self._register)
         hb_keys = [lane.keys.heartbeats(self.spec.index) for lane in self._lanes]
-        self._handoff = HotHandoff(ReadPeers(), enabled=len(self._lanes) == 1)
+        handoff = self._handoff = HotHandoff(ReadPeers(), enabled=len(self._lanes) == 1)
+        self._hot = HotReads(handoff, self._reader, self._collector, Sharer(self._client, self._stream, self.consumer))
         readers = None
-        if self._handoff.enabled:
+        if handoff.enabled:
             reader = self._lanes[0].reader
-            readers = Readers(self.keys.readers(self.spec.index), lambda: reader.identity, self._handoff.peers)
+            readers = Readers(self.keys.readers(self.spec.index), lambda: reader.identity, handoff.peers)
         self._heartbeat = Heartbeat(self.redis_settings, hb_keys, self.consumer, self.spec.name,
                                     self.settings.heartbeat_s, self.spec.claim_idle_s, self._read_size, readers)
         self._heartbeat.start(self._claim_core())  # renews the core's claim from now on, setup() included
@@ -210,13 +213,13 @@ class Worker:
         recover = True  # first drain what this consumer left pending in a previous life
         first_drain = True
         backoff = Backoff()
-        # A read sent ahead of a commit (_read_ahead) is always taken, stopping or not: it may hold entries.
+        # A read sent ahead of a commit (workers.hot_reads) is always taken, stopping or not: it may hold entries.
         while not self.stopping or self._reader.read_pending:
             try:
                 if recover:
                     self._recover(own_retry=not first_drain)
                 recover = first_drain = False
-                if not self._reader.read_pending:  # its connection is not free (_read_ahead waits for this)
+                if not self._reader.read_pending:  # its connection is not free (HotReads.after_predict waits for this)
                     self._housekeeping()
                 if len(self._lanes) == 1:
                     self._serve_one()
@@ -251,32 +254,15 @@ class Worker:
     def _serve_one(self) -> None:
         """One batch of the only partition."""
         count = self._read_count()
-        unblock = () if self._reader.read_pending else self._handoff.unblock_ids()
-        entries = self._collector.collect(count, self._idle_block_ms(), unblock)
-        if self._reader.unblock_refused:
-            self._handoff.refused(self._reader.unblock_refused)
+        entries = self._hot.collect(count, self._idle_block_ms())
         if entries:
             self._process(entries, deliveries=None, read=(count, self._collector.first_wait_s))
         else:
-            self._handoff.after_idle()
             self._committer.flush_stats(self._stats, time.monotonic())
 
     def _idle_block_ms(self) -> int | None:
         """With stats in hand, look up sooner when idle: status and metrics lag ~0.1 s at most."""
         return int(self._stats.period_s * 1000) if self._stats.sizes else None
-
-    def _read_ahead(self, size: int, count: int, first_wait_s: float, run_s: float) -> None:
-        """After a batch that found no queue and ran long enough, queue this worker's next read
-        ahead of its idle peers (workers.handoff) *before* the commit: the commit publishes the
-        answer, and the caller's next request could otherwise reach Redis first and go to a peer."""
-        self._handoff.after_batch(size, count, run_s, first_wait_s)
-        unblock = self._handoff.unblock_ids()
-        now = time.monotonic()
-        if unblock and not self.stopping and now < min(self._next_claim, self._next_reap):
-            try:
-                self._collector.read_ahead(self._read_count(), self._idle_block_ms(), unblock)
-            except CONNECTION_ERRORS as exc:  # the batch must still commit; the next read reconnects
-                log.debug("read ahead failed stage=%s error=%r", self.spec.name, exc)
 
     def _serve_all(self) -> None:
         """One sweep over every partition (a batch from each that has entries, committed in its
@@ -376,8 +362,10 @@ class Worker:
                 self._told_idle = True
             self._router.route_all(work, outcomes, commit, self.keys)
         ran = time.perf_counter()
-        if read is not None:
-            self._read_ahead(len(entries), read[0], read[1], ran - started)
+        if read is not None:  # the next read may go out ahead of this commit (workers.hot_reads)
+            may_read = not self.stopping and time.monotonic() < min(self._next_claim, self._next_reap)
+            self._hot.after_predict(len(entries), read[0], read[1], ran - started, self._read_count(),
+                                    self._idle_block_ms(), may_read)
         self._record_stats(len(work), (ran - started) * 1000)
         now = time.monotonic()
         if self._stats.due(now):
