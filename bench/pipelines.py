@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -52,3 +53,18 @@ class Echo(Stage):
 
 
 echo = Pipeline("bench-echo").add(Echo)
+
+
+class WhoRuns(Stage):
+    """Sleeps ``x`` seconds per batch (a model's few milliseconds, without its CPU) and answers the
+    pid of the worker that ran it: which worker takes what (bench.hot_worker)."""
+
+    batch_size = 8
+    batch_wait_s = 0.0
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        time.sleep(float(xs[0]))
+        return [os.getpid()] * len(xs)
+
+
+who_runs = Pipeline("bench-who-runs").add(WhoRuns, workers=2)

@@ -70,11 +70,19 @@ def blocked_on_stream(client: redis.Redis, *readers: StreamReader) -> bool:
     return all(r.client_id in blocked for r in readers)
 
 
-def test_a_read_with_unblock_goes_ahead_of_a_blocked_peer(redis_client: redis.Redis, stream: str) -> None:
-    peer = BlockedReader(redis_client, "peer")
-    peer.start()
-    assert peer.connected.wait(5)
-    wait_for(lambda: blocked_on_stream(redis_client, peer.reader), 5, "the peer blocked on the stream")
+@pytest.fixture
+def peer(redis_client: redis.Redis, stream: str) -> Iterator[BlockedReader]:
+    """A peer worker's reader, blocked on the stream (idle) when the test starts."""
+    blocked = BlockedReader(redis_client, "peer")
+    blocked.start()
+    assert blocked.connected.wait(5)
+    wait_for(lambda: blocked_on_stream(redis_client, blocked.reader), 5, "the peer blocked on the stream")
+    yield blocked
+    blocked.reader.close()
+
+
+def test_a_read_with_unblock_goes_ahead_of_a_blocked_peer(redis_client: redis.Redis, stream: str,
+                                                          peer: BlockedReader) -> None:
     hot = StreamReader(redis_client, stream, "hot")
     got: list[bytes] = []
     try:
@@ -95,19 +103,14 @@ def test_a_read_with_unblock_goes_ahead_of_a_blocked_peer(redis_client: redis.Re
         assert peer.got == [second]  # the peer lost nothing: it takes the next one
     finally:
         hot.close()
-        peer.reader.close()
 
 
-def test_a_read_sent_ahead_of_the_commit_takes_what_the_commit_brings(redis_client: redis.Redis,
-                                                                     stream: str) -> None:
+def test_a_read_sent_ahead_of_the_commit_takes_what_the_commit_brings(redis_client: redis.Redis, stream: str,
+                                                                     peer: BlockedReader) -> None:
     """The worker's order (workers.handoff): its next read is sent ahead, then the commit, then
     the read's reply is taken. The caller's next request, sent once the commit's answer is out,
     goes to this reader, not to the peer blocked before it. (Sent after the commit, the read
     raced that request; CI saw the peer win about half the time.)"""
-    peer = BlockedReader(redis_client, "peer")
-    peer.start()
-    assert peer.connected.wait(5)
-    wait_for(lambda: blocked_on_stream(redis_client, peer.reader), 5, "the peer blocked on the stream")
     hot = StreamReader(redis_client, stream, "hot")
     try:
         hot.read(1)  # connect
@@ -123,7 +126,6 @@ def test_a_read_sent_ahead_of_the_commit_takes_what_the_commit_brings(redis_clie
     finally:
         redis_client.delete("t-handoff-answer")
         hot.close()
-        peer.reader.close()
 
 
 def test_a_read_sent_ahead_and_never_taken_leaves_its_entry_to_recovery(redis_client: redis.Redis,
@@ -144,12 +146,9 @@ def test_a_read_sent_ahead_and_never_taken_leaves_its_entry_to_recovery(redis_cl
         reader.close()
 
 
-def test_a_read_with_unblock_counts_the_peers_it_found_idle(redis_client: redis.Redis, stream: str) -> None:
+def test_a_read_with_unblock_counts_the_peers_it_found_idle(redis_client: redis.Redis, stream: str,
+                                                            peer: BlockedReader) -> None:
     """CLIENT UNBLOCK answers 1 for a client it unblocked: that peer was idle."""
-    peer = BlockedReader(redis_client, "peer")
-    peer.start()
-    assert peer.connected.wait(5)
-    wait_for(lambda: blocked_on_stream(redis_client, peer.reader), 5, "the peer blocked on the stream")
     hot = StreamReader(redis_client, stream, "hot")
     busy = StreamReader(redis_client, stream, "busy")
     try:
@@ -165,7 +164,6 @@ def test_a_read_with_unblock_counts_the_peers_it_found_idle(redis_client: redis.
     finally:
         hot.close()
         busy.close()
-        peer.reader.close()
 
 
 def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stream: str) -> None:
@@ -184,6 +182,20 @@ def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stre
     assert [fields for _, fields in taken[0][1]] == [{b"id": b"r2", b"data": b"d2"}]  # ... and back once
     assert Sharer(redis_client, stream, "hot").give_back([]) == set()
 
+
+def test_share_on_a_cluster(cluster_url: str) -> None:
+    """share.lua names one key, so it runs on the node owning the stream's slot."""
+    client = RedisSettings(cluster_url).sync_client()
+    stream = "conveyor:{t-share-cluster}:stream:0"
+    try:
+        client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        entry = client.xadd(stream, {"id": "r1", "data": "d1"})
+        client.xreadgroup(GROUP, "hot", {stream: ">"}, count=1)
+        assert Sharer(client, stream, "hot").give_back([entry]) == {entry}
+        taken = client.xreadgroup(GROUP, "peer", {stream: ">"}, count=1)
+        assert [fields for _, fields in taken[0][1]] == [{b"id": b"r1", b"data": b"d1"}]
+    finally:
+        client.close()
 
 def test_a_burst_is_shared_only_when_peers_idle_and_their_part_is_worth_it() -> None:
     handoff = HotHandoff(ReadPeers(ids=(7,)), enabled=True)
