@@ -27,10 +27,15 @@ class Sharer:
         self._stream = stream
         self._consumer = consumer
 
-    def give_back(self, entry_ids: Sequence[bytes]) -> set[bytes]:
-        """Give these entries (read by this consumer, not started) back to the stream; the ids
-        actually given back (an entry no longer pending for this consumer stays with the caller)."""
-        if not entry_ids:
-            return set()
-        given = self._script(keys=[self._stream], args=[GROUP, self._consumer, *entry_ids])
-        return {i if isinstance(i, bytes) else str(i).encode() for i in given}
+    def give_back(self, groups: Sequence[Sequence[bytes]]) -> set[bytes]:
+        """Give these entries (read by this consumer, not started) back to the stream, one script
+        call per group: Redis serves the readers blocked on the stream after each call, and a
+        blocked read takes all it can, so one call per idle peer is what gives each its part.
+        Returns the ids actually given back (an entry no longer pending for this consumer stays
+        with the caller)."""
+        given: set[bytes] = set()
+        for group in groups:
+            if group:
+                reply = self._script(keys=[self._stream], args=[GROUP, self._consumer, *group])
+                given.update(i if isinstance(i, bytes) else str(i).encode() for i in reply)
+        return given

@@ -45,8 +45,9 @@ def stream(redis_client: redis.Redis) -> Iterator[str]:
 class BlockedReader(threading.Thread):
     """Reads ``STREAM`` as ``consumer`` with BLOCK, again after each empty read, until it gets entries."""
 
-    def __init__(self, client: redis.Redis, consumer: str) -> None:
+    def __init__(self, client: redis.Redis, consumer: str, count: int = 1) -> None:
         super().__init__(daemon=True)
+        self.count = count
         self.reader = StreamReader(client, STREAM, consumer)
         self.connected = threading.Event()
         self.empty_reads = 0
@@ -56,7 +57,7 @@ class BlockedReader(threading.Thread):
         self.reader.read(1)  # connects (and learns its client id) before blocking
         self.connected.set()
         for _ in range(50):
-            entries = self.reader.read(1, block_ms=10_000)
+            entries = self.reader.read(self.count, block_ms=10_000)
             if entries:
                 self.got = [e[0] for e in entries]
                 return
@@ -173,7 +174,7 @@ def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stre
     redis_client.xreadgroup(GROUP, "hot", {stream: ">"}, count=4)
     # r3 was claimed by another consumer meanwhile (after claim_idle_s): not ours to give.
     redis_client.xclaim(stream, GROUP, "other", 0, [ids[3]])
-    given = Sharer(redis_client, stream, "hot").give_back([ids[2], ids[3]])
+    given = Sharer(redis_client, stream, "hot").give_back([[ids[2], ids[3]]])
     assert given == {ids[2]}
     assert redis_client.xrange(stream, ids[2], ids[2]) == []  # the old id is gone ...
     assert [e["consumer"] for e in redis_client.xpending_range(stream, GROUP, "-", "+", 10)] == \
@@ -183,6 +184,25 @@ def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stre
     assert Sharer(redis_client, stream, "hot").give_back([]) == set()
 
 
+def test_two_idle_peers_each_get_their_part(redis_client: redis.Redis, stream: str) -> None:
+    """A blocked read takes all it can, so one call per idle peer: each gets its part."""
+    ids = [redis_client.xadd(stream, {"data": f"{i}"}) for i in range(6)]
+    redis_client.xreadgroup(GROUP, "hot", {stream: ">"}, count=32)  # a burst, read whole by the hot worker
+    peers = [BlockedReader(redis_client, name, count=32) for name in ("peer1", "peer2")]
+    for peer in peers:
+        peer.start()
+        assert peer.connected.wait(5)
+    wait_for(lambda: blocked_on_stream(redis_client, *(p.reader for p in peers)), 5, "both peers blocked")
+    try:
+        given = Sharer(redis_client, stream, "hot").give_back([ids[2:4], ids[4:6]])
+        assert given == set(ids[2:])
+        for peer in peers:
+            peer.join(5)
+        assert sorted(len(p.got) for p in peers) == [2, 2]  # one call for both: [0, 4]
+    finally:
+        for peer in peers:
+            peer.reader.close()
+
 def test_share_on_a_cluster(cluster_url: str) -> None:
     """share.lua names one key, so it runs on the node owning the stream's slot."""
     client = RedisSettings(cluster_url).sync_client()
@@ -191,26 +211,29 @@ def test_share_on_a_cluster(cluster_url: str) -> None:
         client.xgroup_create(stream, GROUP, id="0", mkstream=True)
         entry = client.xadd(stream, {"id": "r1", "data": "d1"})
         client.xreadgroup(GROUP, "hot", {stream: ">"}, count=1)
-        assert Sharer(client, stream, "hot").give_back([entry]) == {entry}
+        assert Sharer(client, stream, "hot").give_back([[entry]]) == {entry}
         taken = client.xreadgroup(GROUP, "peer", {stream: ">"}, count=1)
         assert [fields for _, fields in taken[0][1]] == [{b"id": b"r1", b"data": b"d1"}]
     finally:
         client.close()
 
 def test_a_burst_is_shared_only_when_peers_idle_and_their_part_is_worth_it() -> None:
-    handoff = HotHandoff(ReadPeers(ids=(7,)), enabled=True)
+    handoff = HotHandoff(ReadPeers(learned=("run", (7,))), enabled=True)
     handoff.after_batch(size=1, count=8, run_s=0.010, first_wait_s=0.01)  # 10 ms per entry
-    assert handoff.to_share(4, 8, idle_peers=1) == 2
-    assert handoff.to_share(5, 8, idle_peers=1) == 2  # this worker keeps the larger half
-    assert handoff.to_share(6, 32, idle_peers=2) == 4
-    assert handoff.to_share(4, 8, idle_peers=0) == 0  # nobody idle to take it
-    assert handoff.to_share(8, 8, idle_peers=1) == 0  # a full read: a backlog, which peers read anyway
-    assert handoff.to_share(1, 8, idle_peers=1) == 0
-    handoff.after_batch(size=4, count=8, run_s=SHARE_MIN_S * 1.5, first_wait_s=0.01)  # cheap per entry
-    assert handoff.to_share(2, 8, idle_peers=1) == 0
+    assert handoff.to_share(4, 8, idle_peers=1) == [2]
+    assert handoff.to_share(5, 8, idle_peers=1) == [2]  # this worker keeps the larger half
+    assert handoff.to_share(6, 32, idle_peers=2) == [2, 2]  # one part per idle peer
+    assert handoff.to_share(7, 32, idle_peers=2) == [2, 2]
+    assert handoff.to_share(9, 32, idle_peers=5) == [2, 2, 1, 1, 1]  # keeps 2
+    assert handoff.to_share(4, 8, idle_peers=0) == []  # nobody idle to take it
+    assert handoff.to_share(8, 8, idle_peers=1) == []  # a full read: a backlog, which peers read anyway
+    assert handoff.to_share(1, 8, idle_peers=1) == []
+    handoff.after_batch(size=4, count=8, run_s=SHARE_MIN_S * 1.6, first_wait_s=0.01)  # 0.4 x SHARE_MIN_S each
+    assert handoff.to_share(2, 8, idle_peers=1) == []  # one entry is not worth the hand-over
+    assert handoff.to_share(8, 32, idle_peers=3) == [4]  # parts of 2 (three peers) or 2-3 (two) would not be
     handoff.share_refused = True
-    assert handoff.to_share(8, 32, idle_peers=1) == 0
-    assert HotHandoff(ReadPeers(ids=(7,)), enabled=False).to_share(4, 8, idle_peers=1) == 0
+    assert handoff.to_share(8, 32, idle_peers=1) == []
+    assert HotHandoff(ReadPeers(learned=("run", (7,))), enabled=False).to_share(4, 8, idle_peers=1) == []
 
 
 def test_a_batch_window_cut_short_by_a_peer_waits_on(redis_client: redis.Redis, stream: str) -> None:
@@ -257,7 +280,7 @@ def test_peers_are_learned_only_on_the_same_server(redis_url: str, redis_client:
     beat.start()
     try:
         beat.ready()
-        wait_for(lambda: peers.ids == (41,), 5, "the live peer on this server learned")
+        wait_for(lambda: peers.learned == (run_id, (41,)), 5, "the live peer on this server learned")
         assert redis_client.hget(readers_key, "me") == f"{run_id}:40".encode()
         wait_for(lambda: not redis_client.hexists(readers_key, "gone"), 5, "a worker no longer live removed")
     finally:
@@ -272,7 +295,7 @@ def test_a_heartbeat_under_an_acl_without_the_readers_commands_goes_on(redis_url
     redis_client.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
                              commands=["+ping", "+hello", "+select", "+zadd", "+zremrangebyscore", "+zrange"])
     keys = Keys("t-handoff-acl")
-    peers = ReadPeers(ids=(5,))
+    peers = ReadPeers(learned=("run", (5,)))
     url = redis_url.replace("unix://", f"unix://{user}:pw@", 1)
     beat = Heartbeat(RedisSettings(url), [keys.heartbeats(0)], "me", "s", 0.2, 30.0, SingletonReadSize(),
                      Readers(keys.readers(0), lambda: "run:40", peers))
@@ -280,7 +303,7 @@ def test_a_heartbeat_under_an_acl_without_the_readers_commands_goes_on(redis_url
     try:
         beat.ready()
         wait_for(lambda: peers.refused, 5, "the handoff turned off")
-        assert peers.ids == ()
+        assert peers.learned == (None, ())
         first = redis_client.zscore(keys.heartbeats(0), "me")
         assert first is not None
         wait_for(lambda: (redis_client.zscore(keys.heartbeats(0), "me") or 0) > first, 5, "it beats on")
@@ -296,14 +319,14 @@ def test_a_refused_unblock_leaves_the_read_working(redis_url: str, redis_client:
                              commands=["+ping", "+hello", "+client|id", "+xreadgroup"])
     limited = redis.Redis.from_url(redis_url, username=user, password="pw")
     reader = StreamReader(limited, stream, "limited")
-    handoff = HotHandoff(ReadPeers(ids=(123456789,)), enabled=True)
+    handoff = HotHandoff(ReadPeers(learned=("run", (123456789,))), enabled=True)
     handoff.after_batch(size=1, count=8, run_s=0.01, first_wait_s=0.01)
     try:
         entry = redis_client.xadd(stream, {"data": b"1"})
-        assert [e[0] for e in reader.read(8, block_ms=1000, unblock=handoff.unblock_ids())] == [entry]
+        assert [e[0] for e in reader.read(8, block_ms=1000, unblock=handoff.unblock_ids("run"))] == [entry]
         assert reader.unblock_refused is not None and "client|unblock" in reader.unblock_refused
         handoff.refused(reader.unblock_refused)
-        assert handoff.unblock_ids() == ()  # from now on it reads as usual
+        assert handoff.unblock_ids("run") == ()  # from now on it reads as usual
     finally:
         reader.close()
         limited.close()
@@ -311,25 +334,27 @@ def test_a_refused_unblock_leaves_the_read_working(redis_url: str, redis_client:
 
 
 def test_handoff_only_after_a_slow_batch_that_found_no_queue() -> None:
-    handoff = HotHandoff(ReadPeers(ids=(7, 9)), enabled=True)
-    assert handoff.unblock_ids() == ()  # nothing run yet
+    handoff = HotHandoff(ReadPeers(learned=("run", (7, 9))), enabled=True)
+    assert handoff.unblock_ids("run") == ()  # nothing run yet
     handoff.after_batch(size=1, count=8, run_s=0.005, first_wait_s=0.01)
-    assert handoff.unblock_ids() == (7, 9)
+    assert handoff.unblock_ids("run") == (7, 9)
+    assert handoff.unblock_ids("restarted") == ()  # ids learned on another server: strangers here
+    assert handoff.unblock_ids(None) == ()  # not connected
     handoff.after_batch(size=8, count=8, run_s=0.005, first_wait_s=0.01)  # full: entries were queued
-    assert handoff.unblock_ids() == ()
+    assert handoff.unblock_ids("run") == ()
     handoff.after_batch(size=1, count=1, run_s=0.005, first_wait_s=0.01)  # a singleton stage that waited
-    assert handoff.unblock_ids() == (7, 9)
+    assert handoff.unblock_ids("run") == (7, 9)
     handoff.after_batch(size=1, count=1, run_s=0.005, first_wait_s=0.0001)  # ... and one that did not: a queue
-    assert handoff.unblock_ids() == ()
+    assert handoff.unblock_ids("run") == ()
     handoff.after_batch(size=1, count=8, run_s=0.0001, first_wait_s=0.01)  # a cheap stage: not worth waking peers
-    assert handoff.unblock_ids() == ()
+    assert handoff.unblock_ids("run") == ()
     handoff.after_batch(size=1, count=8, run_s=0.005, first_wait_s=0.01)
     handoff.after_idle()  # an empty read: no hotter than the peers
-    assert handoff.unblock_ids() == ()
+    assert handoff.unblock_ids("run") == ()
     handoff.after_batch(size=1, count=8, run_s=0.005, first_wait_s=0.01)
     handoff.forget_peers()  # the connection was lost: the ids may be of a server that is gone
-    assert handoff.unblock_ids() == ()
-    assert HotHandoff(ReadPeers(ids=(7,)), enabled=False).unblock_ids() == ()
+    assert handoff.unblock_ids("run") == ()
+    assert HotHandoff(ReadPeers(learned=("run", (7,))), enabled=False).unblock_ids("run") == ()
 
 
 def test_at_one_in_flight_the_worker_that_just_ran_takes_the_next_request(redis_url: str,

@@ -99,6 +99,8 @@ class StreamReader:
         self._client_id: int | None = None
         self._run_id: str | None = None
         self._pending: int | None = None  # a read sent ahead (send_read): its CLIENT UNBLOCKs before it
+        self.sent_count = 0  # COUNT of the last read sent
+        self.sent_at = 0.0  # and when (monotonic): a read sent ahead waits from then
         self.unblock_refused: str | None = None
         self.idle_peers = 0  # peers whose blocked read the last read's CLIENT UNBLOCKs ended (idle then)
 
@@ -132,6 +134,11 @@ class StreamReader:
         if block_ms is not None:
             cmd += ["BLOCK", block_ms]
         return [*cmd, "STREAMS", self._stream, start]
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id of the server the reading connection is on (None until connected)."""
+        return self._run_id
 
     @property
     def client_id(self) -> int | None:
@@ -181,6 +188,7 @@ class StreamReader:
             self.close()
             raise
         self._pending = len(unblock)
+        self.sent_count, self.sent_at = count, time.monotonic()
 
     def finish_read(self) -> list[Entry]:
         """The entries of the read sent by :meth:`send_read` (waiting for them if it blocks)."""
@@ -232,29 +240,42 @@ class BatchCollector:
         self._policy = policy
         self._idle_block_ms = idle_block_ms
         self.first_wait_s = 0.0  # how long the last batch's first read waited for an entry
+        self.asked = batch_size  # COUNT of the last batch's first read
+        self._first_at = 0.0  # when that read returned (monotonic)
 
     def collect(self, count: int | None = None, idle_block_ms: int | None = None,
                 unblock: Sequence[int] = ()) -> list[Entry]:
         """Up to ``count`` (default ``batch_size``) entries: what is queued at once, then more
         for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing.
         ``unblock``: peers whose blocked reads the first read goes ahead of (workers.handoff)."""
-        size = count or self._batch_size
-        started = time.monotonic()
-        if self._reader.read_pending:  # sent ahead of the last commit (read_ahead)
-            entries = self._reader.finish_read()
-        else:
-            entries = self._reader.read(size, block_ms=idle_block_ms or self._idle_block_ms, unblock=unblock)
-        if not entries:
-            return entries
-        first_at = time.monotonic()
-        self.first_wait_s = first_at - started
+        entries = self.first_read(count, idle_block_ms, unblock)
+        return self.fill(entries) if entries else entries
+
+    def first_read(self, count: int | None = None, idle_block_ms: int | None = None,
+                   unblock: Sequence[int] = ()) -> list[Entry]:
+        """The batch's first read: the reply of one sent ahead (read_ahead), or a new one. Sets
+        ``asked`` (its COUNT) and ``first_wait_s`` (how long it waited for an entry)."""
+        if not self._reader.read_pending:
+            size = count or self._batch_size
+            self._reader.send_read(size, idle_block_ms or self._idle_block_ms, ">", unblock)
+        self.asked, started = self._reader.sent_count, self._reader.sent_at
+        entries = self._reader.finish_read()
+        if entries:
+            self._first_at = time.monotonic()
+            self.first_wait_s = self._first_at - started
+        return entries
+
+    def fill(self, entries: list[Entry], wait: bool = True) -> list[Entry]:
+        """More entries after the first read, up to ``asked``, while the policy says waiting pays
+        (``wait`` false: none, the first read's entries only counted for the policy)."""
+        first_at = self._first_at
         self._policy.observe_read(len(entries), first_at)
-        while len(entries) < size:
+        while wait and len(entries) < self.asked:
             now = time.monotonic()
-            wait = self._policy.wait_s(first_at - started, len(entries), size, now - first_at)
-            if wait <= 0:
+            wait_s = self._policy.wait_s(self.first_wait_s, len(entries), self.asked, now - first_at)
+            if wait_s <= 0:
                 break
-            more = self._reader.read_until(size - len(entries), wait)
+            more = self._reader.read_until(self.asked - len(entries), wait_s)
             if not more:
                 break
             self._policy.observe_read(len(more), time.monotonic())

@@ -34,16 +34,19 @@ The same preference would keep a *burst* on one worker: requests sent together (
 answered by one batch send their next ones together, and the stage before forwards them in one
 commit) arrive at once, and the first worker in line reads them all while its peers idle. So
 ``CLIENT UNBLOCK``'s replies are counted (1: that peer was blocked, so idle), and a read that
-found no queue and got several entries gives the idle peers an even share back to the stream
-(``share.lua``, atomically; they are blocked behind this worker and take it at once), when their
-part would take at least ``SHARE_MIN_S`` here. With the embeddings example at 8 in flight this
-doubled the rate (docs/benchmarks.md). A full read is a backlog, which idle peers read anyway.
+emptied the stream (fewer entries than asked for) and got several gives the idle peers an even
+share back (``share.lua``, atomically, one call per peer: a blocked read takes all it can, and
+Redis serves the blocked readers after each call), when each part would take at least
+``SHARE_MIN_S`` here. They are blocked behind this worker and take it at once. A batch shared
+does not wait out its batch window. With the embeddings example at 8 in flight this doubled the
+rate (docs/benchmarks.md). A full read is a backlog, which idle peers read anyway.
 
 The peers' client ids come from ``P:readers:<i>`` (consumer -> ``<server run id>:<client id>``
 of its reading connection), which every worker writes and reads with its heartbeat
 (:mod:`workers.heartbeat`). Client ids are never reused while a Redis server runs, and start
 again from 1 when it restarts: a worker only unblocks ids published with the run id of the server
-it reads from itself, and forgets its peers when it loses its connection.
+it reads from itself (the ids are kept with the run id they were learned on, and compared with
+the reader's own at each read), and forgets its peers when it loses its connection.
 """
 
 from __future__ import annotations
@@ -70,7 +73,9 @@ def is_refusal(exc: redis.ResponseError) -> bool:
 class ReadPeers:
     """Shared by the worker's loop and its heartbeat thread (each field replaced whole)."""
 
-    ids: tuple[int, ...] = ()  # the stage's other live workers' reading connections, on our server
+    # (server run id, the stage's other live workers' reading connections on that server): one
+    # field, so that the loop never pairs ids with the wrong server while the heartbeat replaces it
+    learned: tuple[str | None, tuple[int, ...]] = (None, ())
     refused: bool = False  # Redis refused CLIENT UNBLOCK or P:readers (an ACL, a renamed command)
 
 
@@ -92,29 +97,38 @@ class HotHandoff:
         self._hot = not queued and run_s >= HOT_MIN_PREDICT_S
         self._item_s = run_s / max(1, size)
 
-    def to_share(self, size: int, count: int, idle_peers: int) -> int:
-        """How many of the ``size`` entries just read (``count`` asked for) to give back to the
-        ``idle_peers`` that this read's ``CLIENT UNBLOCK`` found idle: an even share each, when
-        the read found no queue (a burst, not a backlog) and their part is worth the hand-over."""
+    def to_share(self, size: int, count: int, idle_peers: int) -> list[int]:
+        """The parts of the ``size`` entries just read (``count`` asked for) to give back, one per
+        idle peer that this read's ``CLIENT UNBLOCK`` found (an even share each, this worker
+        keeping at least as many as any), when the read emptied the stream (a burst, not a backlog: a full
+        read leaves a backlog that idle peers read anyway) and every part is worth the
+        hand-over. Fewer peers get a part if that is what makes each worth it; [] keeps all."""
         if not self.enabled or self.share_refused or idle_peers < 1 or size < 2 or size >= count:
-            return 0
-        give = size - -(-size // (idle_peers + 1))  # this worker keeps the ceiling of an even share
-        return give if give * self._item_s >= SHARE_MIN_S else 0
+            return []
+        for peers in range(min(idle_peers, size - 1), 0, -1):
+            rest = size - -(-size // (peers + 1))  # this worker keeps the ceiling of an even share
+            parts = [rest // peers + (i < rest % peers) for i in range(peers)]
+            if min(parts) * self._item_s >= SHARE_MIN_S:
+                return parts
+        return []
 
     def forget_peers(self) -> None:
         """The connection to Redis is lost: the peers' ids may be of a server that is gone."""
-        self.peers.ids = ()
+        self.peers.learned = (None, ())
         self._hot = False
 
     def after_idle(self) -> None:
         """A read came back empty: this worker is no hotter than its peers."""
         self._hot = False
 
-    def unblock_ids(self) -> tuple[int, ...]:
-        """The peers to unblock before the next read (none: read as usual)."""
+    def unblock_ids(self, server: str | None) -> tuple[int, ...]:
+        """The peers to unblock before the next read (none: read as usual). ``server``: the run id
+        of the server this worker's reader is connected to; ids learned on another (before a
+        restart, numbered from 1 again) would unblock strangers."""
         if not (self._hot and self.enabled) or self.peers.refused:
             return ()
-        return self.peers.ids
+        learned_on, ids = self.peers.learned
+        return ids if learned_on is not None and learned_on == server else ()
 
     def refused(self, error: str) -> None:
         """Redis refused CLIENT UNBLOCK: read as usual from now on, and say so once."""

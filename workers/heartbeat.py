@@ -168,7 +168,7 @@ class Heartbeat:
             log.warning("cannot share reading connections stage=%s error=%s: idle workers keep their turns",
                         self._stage_name, error)
             readers.peers.refused = True
-            readers.peers.ids = ()
+            readers.peers.learned = (None, ())
 
     def _learn_peers(self, readers: Readers, live: set[str], identity: str | None,
                      published: dict[Any, Any]) -> list[str]:
@@ -184,8 +184,9 @@ class Heartbeat:
                 gone.append(name)
             elif name != self._consumer and run_id is not None and peer_run == run_id and client_id.isdigit():
                 ids.append(int(client_id))
-        readers.peers.ids = tuple(sorted(ids))
+        readers.peers.learned = (run_id, tuple(sorted(ids)))
         return gone
+
 
 def _text(value: bytes | str) -> str:
     """A reply element as text (RESP2 gives bytes, a decoding client str)."""

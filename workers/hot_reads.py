@@ -33,22 +33,30 @@ class HotReads:
 
     def collect(self, count: int, idle_block_ms: int | None) -> list[Entry]:
         """The next batch: the reply of a read sent ahead, or a read that first unblocks the idle
-        peers if this worker is hot; less what it shared of a burst with them."""
-        unblock = () if self._reader.read_pending else self.handoff.unblock_ids()
-        entries = self._collector.collect(count, idle_block_ms, unblock)
-        if self._reader.unblock_refused:
-            self.handoff.refused(self._reader.unblock_refused)
+        peers if this worker is hot; less what it shared of a burst with them. A batch that was
+        shared does not wait for more (its window would only delay what this worker kept)."""
+        reader = self._reader
+        unblock = () if reader.read_pending else self.handoff.unblock_ids(reader.run_id)
+        entries = self._collector.first_read(count, idle_block_ms, unblock)
+        if reader.unblock_refused:
+            self.handoff.refused(reader.unblock_refused)
         if not entries:
             self.handoff.after_idle()
             return entries
-        return self._share(entries, count)
+        kept = self._share(entries, self._collector.asked)
+        return self._collector.fill(kept, wait=len(kept) == len(entries))
 
-    def _share(self, entries: list[Entry], count: int) -> list[Entry]:
-        give = self.handoff.to_share(len(entries), count, self._reader.idle_peers)
-        if not give:
+    def _share(self, entries: list[Entry], asked: int) -> list[Entry]:
+        parts = self.handoff.to_share(len(entries), asked, self._reader.idle_peers)
+        if not parts:
             return entries
+        given_from = len(entries) - sum(parts)
+        groups: list[list[bytes]] = []
+        for part in parts:
+            groups.append([entry_id for entry_id, _ in entries[given_from:given_from + part]])
+            given_from += part
         try:
-            given = self._sharer.give_back([entry_id for entry_id, _ in entries[-give:]])
+            given = self._sharer.give_back(groups)
         except redis.ResponseError as exc:
             if not is_refusal(exc):
                 raise  # OOM, LOADING, ...: the loop waits it out and drains what is still ours
@@ -64,7 +72,7 @@ class HotReads:
         caller's next request could otherwise reach Redis first and go to a peer. ``may_read``:
         false when stopping, or when housekeeping (which needs the reading connection) is due."""
         self.handoff.after_batch(size, count, run_s, first_wait_s)
-        unblock = self.handoff.unblock_ids()
+        unblock = self.handoff.unblock_ids(self._reader.run_id)
         if unblock and may_read:
             try:
                 self._collector.read_ahead(next_count, idle_block_ms, unblock)

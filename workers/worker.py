@@ -256,8 +256,8 @@ class Worker:
         count = self._read_count()
         entries = self._hot.collect(count, self._idle_block_ms())
         if entries:
-            self._process(entries, deliveries=None, read=(count, self._collector.first_wait_s))
-        else:
+            self._process(entries, deliveries=None, read=(self._collector.asked, self._collector.first_wait_s))
+        elif self._stats.due(time.monotonic()):  # not at each empty read: a peer's CLIENT UNBLOCK makes many
             self._committer.flush_stats(self._stats, time.monotonic())
 
     def _idle_block_ms(self) -> int | None:
