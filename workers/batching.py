@@ -243,21 +243,19 @@ class BatchCollector:
         self.asked = batch_size  # COUNT of the last batch's first read
         self._first_at = 0.0  # when that read returned (monotonic)
 
-    def collect(self, count: int | None = None, idle_block_ms: int | None = None,
-                unblock: Sequence[int] = ()) -> list[Entry]:
+    def collect(self, count: int | None = None, idle_block_ms: int | None = None) -> list[Entry]:
         """Up to ``count`` (default ``batch_size``) entries: what is queued at once, then more
-        for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing.
-        ``unblock``: peers whose blocked reads the first read goes ahead of (workers.handoff)."""
-        entries = self.first_read(count, idle_block_ms, unblock)
+        for as long as the policy says waiting pays. Empty after ``idle_block_ms`` with nothing."""
+        entries = self.first_read(count, idle_block_ms)
         return self.fill(entries) if entries else entries
 
     def first_read(self, count: int | None = None, idle_block_ms: int | None = None,
                    unblock: Sequence[int] = ()) -> list[Entry]:
-        """The batch's first read: the reply of one sent ahead (read_ahead), or a new one. Sets
-        ``asked`` (its COUNT) and ``first_wait_s`` (how long it waited for an entry)."""
+        """The batch's first read: the reply of one sent ahead (read_ahead), or a new one, going
+        ahead of the peers in ``unblock`` (workers.handoff). Sets ``asked`` (its COUNT) and
+        ``first_wait_s`` (how long it waited for an entry)."""
         if not self._reader.read_pending:
-            size = count or self._batch_size
-            self._reader.send_read(size, idle_block_ms or self._idle_block_ms, ">", unblock)
+            self.read_ahead(count, idle_block_ms, unblock)
         self.asked, started = self._reader.sent_count, self._reader.sent_at
         entries = self._reader.finish_read()
         if entries:
@@ -283,5 +281,5 @@ class BatchCollector:
         return entries
 
     def read_ahead(self, count: int | None, idle_block_ms: int | None, unblock: Sequence[int]) -> None:
-        """Send the next batch's first read now; :meth:`collect` takes its reply (workers.handoff)."""
+        """Send the next batch's first read now; :meth:`first_read` takes its reply."""
         self._reader.send_read(count or self._batch_size, idle_block_ms or self._idle_block_ms, ">", unblock)
