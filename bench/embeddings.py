@@ -47,8 +47,8 @@ from broker.keys import Keys
 from examples.embeddings import Embed, make_pipeline
 from examples.embeddings.corpus import make_corpus
 from gateway import Gateway
+from gateway.monitor.status import read_status
 from gateway.serve import resolve_loop, run_loop
-from gateway.status import read_status
 
 
 # The pipelines the workers load (``bench.embeddings:plain`` ...): importing this module never imports torch.
@@ -149,7 +149,7 @@ def single_rounds(url: str, pipeline: str, texts: list[str], models: tuple[Any, 
 
 
 def embed_rss_mib(procs: list[subprocess.Popen[bytes]]) -> float:
-    """The largest RSS among the embed worker processes (python -m workers.child --stage embed)."""
+    """The largest RSS among the embed worker processes (python -m workers.process.child --stage embed)."""
     rss = [0]
     for p in procs:
         for child in psutil.Process(p.pid).children(recursive=True):

@@ -17,8 +17,8 @@ import psutil
 import redis.asyncio as aredis
 
 from broker.keys import Keys
-from gateway.status import read_status
-from workers.embedded import EmbeddedRedis
+from gateway.monitor.status import read_status
+from workers.embedded.server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Which worker takes a request: the hot-worker preference and burst sharing (workers/handoff.py).
+"""Which worker takes a request: the hot-worker preference and burst sharing (workers/batching/handoff.py).
 
 Two workers of one stage that sleeps a few milliseconds per batch (``bench.pipelines:who_runs``)
 and answers the pid that ran it. Two measures:

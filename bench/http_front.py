@@ -34,7 +34,7 @@ STAGES = ("Scale", "Shift")
 # workers), so that the CPU per request is the HTTP front's own. Runs against old and new code alike.
 ECHO_RUNNER = """
 import asyncio, sys
-from gateway.http import HttpSettings, run
+from gateway.http.server import HttpSettings, run
 
 class Echo:
     in_flight = 0

@@ -33,8 +33,8 @@ from bench.counters import command_calls, per_request, sync_command_calls
 from bench.harness import ROOT, embedded_redis, machine, percentile, wait_ready, workers
 from broker.keys import Keys
 from gateway import Gateway
-from gateway.partitioned import PartitionedGateway
-from gateway.status import read_status
+from gateway.client.gateway import PartitionedGateway
+from gateway.monitor.status import read_status
 
 APP = "bench.pipelines"
 

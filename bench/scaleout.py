@@ -32,7 +32,7 @@ from bench.harness import machine, percentile, workers
 from bench.pipelines import Scale, Shift
 from bench.scale_shift import closed_loop
 from broker.keys import Keys
-from gateway.partitioned import PartitionedGateway
+from gateway.client.gateway import PartitionedGateway
 from tests.cluster import LocalCluster
 from tests.helpers import wait_ready
 from workers import Pipeline

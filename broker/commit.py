@@ -150,7 +150,7 @@ class Committer:
     def _execute_packed(self, packed: bytes) -> Any:
         """One round trip, no retry (the worker's rule: a lost reply must not commit twice), on a
         connection of the committer's own: the pool's checkout and release cost more per batch
-        than packing it. Made outside the pool, as the stream reader's (workers.batching), and
+        than packing it. Made outside the pool, as the stream reader's (workers.batching.collector), and
         dropped on any error, to be made again by the next commit."""
         conn = self._conn
         if conn is None:

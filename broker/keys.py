@@ -43,7 +43,7 @@ key                                type    TTL                  written by
                                            workers not live     ``heartbeat_s``: consumer ->
                                            are removed by the   ``<server run id>:<client id>``
                                            live ones' beats)    of its reading connection
-                                                                (workers.handoff)
+                                                                (workers.batching.handoff)
 ``P:pins:<host>``                  zset    ``pin_ttl``, renewed workers pinned by claim (no
                                            with each claim;     explicit ``cpus``): member
                                            members pruned by    ``<cpu>:<i>:<consumer>``, one
@@ -53,7 +53,7 @@ key                                type    TTL                  written by
 =================================  ======  ===================  ==============================
 
 ``<host>`` is the kernel's boot id (``/proc/sys/kernel/random/boot_id``, the same in every
-container of one machine), else the host name (:func:`workers.pinning.host_id`).
+container of one machine), else the host name (:func:`workers.process.pinning.host_id`).
 
 The consumer group of every stage stream is named ``workers``.
 """
@@ -142,7 +142,7 @@ class Keys:
         return f"{self.base}:loading:{stage}"
 
     def readers(self, stage: int) -> str:
-        """Stage ``stage``'s workers' reading connections, for hot-worker preference (workers.handoff)."""
+        """Stage ``stage``'s workers' reading connections, for hot-worker preference (workers.batching.handoff)."""
         return f"{self.base}:readers:{stage}"
 
     def pins(self, host: str) -> str:

@@ -1,11 +1,11 @@
 """Runs ``pins.lua``: workers on one host claim distinct cores through Redis, the one thing they share.
 
 A claim is a member ``<cpu>:<stage index>:<consumer>`` of the zset ``P:pins:<host>`` (``host``: the
-kernel's boot id, the same in every container of one machine; see :func:`workers.pinning.host_id`),
+kernel's boot id, the same in every container of one machine; see :func:`workers.process.pinning.host_id`),
 scored with its expiry in ms on the host's clock. The worker's heartbeat renews it, a clean exit
 removes it, and a worker that dies leaves it to expire after ``ttl_ms``. The choice among free cores
 is made inside the script (so two workers starting together never take the same free core); the
-policy it applies is described in ``pins.lua`` and ``workers/pinning.py``.
+policy it applies is described in ``pins.lua`` and ``workers/process/pinning.py``.
 """
 
 from __future__ import annotations

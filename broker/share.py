@@ -4,7 +4,7 @@ A burst of requests that arrives at once (say eight answers sent back together, 
 send their next requests together) is read whole by the first worker blocked on the stream,
 while its peers stay idle. The worker that read it gives the part its idle peers should run
 back to the stream, atomically (see the script's header), and they take it at once. The choice
-of how much, and when, is :mod:`workers.handoff`'s.
+of how much, and when, is :mod:`workers.batching.handoff`'s.
 """
 
 from __future__ import annotations

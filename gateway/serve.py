@@ -26,10 +26,10 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from gateway.client import GatewaySettings
-from gateway.http import HttpServer, HttpSettings, PortInUse, check_port_free
-from gateway.http import run as serve_http
-from gateway.partitioned import PartitionedGateway
+from gateway.client.gateway import PartitionedGateway
+from gateway.client.partition import GatewaySettings
+from gateway.http.server import HttpServer, HttpSettings, PortInUse, check_port_free
+from gateway.http.server import run as serve_http
 
 __all__ = ["GatewayJob", "LoopUnavailable", "check_loop", "resolve_loop", "run_loop", "serve", "serve_processes"]
 

@@ -2,7 +2,7 @@
 
 Why real: slot routing, MOVED/ASK, per-node script caches and failover are exactly what the
 cluster support must survive, and only redis-server in cluster mode does them. The nodes run
-from the same redis-server the other fixtures use (:func:`workers.embedded.find_redis_server`)
+from the same redis-server the other fixtures use (:func:`workers.embedded.server.find_redis_server`)
 and the cluster is formed with the ``redis-cli`` beside it (or on PATH), in a temp dir that
 is removed afterwards.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from workers.embedded import find_redis_server
+from workers.embedded.server import find_redis_server
 
 _START_TIMEOUT_S = 20.0
 

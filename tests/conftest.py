@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ import redis
 
 from broker.connection import RedisSettings
 from broker.keys import Keys
-from gateway.status import PipelineStatus, read_status
+from gateway.monitor.status import PipelineStatus, read_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
@@ -99,7 +99,7 @@ class WorkerProc:
             return ""
 
     def children(self) -> list[psutil.Process]:
-        """The worker child processes (``python -m workers.child``) currently alive."""
+        """The worker child processes (``python -m workers.process.child``) currently alive."""
         return descendants(self.pid)
 
     def report(self) -> str:

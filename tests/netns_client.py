@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from gateway.partitioned import PartitionedGateway
+from gateway.client.gateway import PartitionedGateway
 
 
 async def main(url: str, pipeline: str, n: int) -> dict[str, Any]:

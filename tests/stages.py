@@ -19,7 +19,7 @@ import numpy as np
 import redis
 
 from workers import Pipeline, Stage
-from workers.pinning import allowed_cpus
+from workers.process.pinning import allowed_cpus
 
 #: The cores the test process may use; pinned stages take the first two.
 CORES = allowed_cpus()[:2]

@@ -17,8 +17,8 @@ import redis
 
 from broker.keys import GROUP
 from workers import Pipeline, Stage
-from workers.adaptive import AdaptiveWait, SingletonReadSize
-from workers.batching import BatchCollector, FixedWait, StreamReader
+from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
+from workers.batching.collector import BatchCollector, FixedWait, StreamReader
 from workers.pipeline import PipelineError
 
 STREAM = "conveyor:{t-batching}:stream:0"

@@ -36,7 +36,7 @@ from broker.keys import GROUP, Keys
 from gateway import Gateway, GatewaySettings, StageError
 from tests.chaos_stages import chaos_f
 from tests.helpers import Workers, running_workers, wait_for
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 APP = "tests.chaos_stages:chaos"
 PIPELINE = "c-chaos"
@@ -186,7 +186,7 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
     env = {"CONVEYOR_LOG_LEVEL": "WARNING"}
     with running_workers(url, APP, [("Triple", 2), ("Inc", 2)], **env) as workers:
         workers.wait_ready(PIPELINE, 30, workers={"Triple": 2, "Inc": 2})
-        first_pids = {c.pid for p in workers.procs for c in p.children()}
+        first_pids = {c.pid for p in workers.process.procs for c in p.children()}
         chaos = Chaos(workers, url, outcome)
         thread = threading.Thread(target=chaos.run, name="chaos", daemon=True)
         gw = CountingGateway(url, PIPELINE, GatewaySettings(timeout_s=TIMEOUT_S))
@@ -207,7 +207,7 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
             thread.join(10)
         workers.check_alive()
         assert_drained(url, workers)
-        last_pids = {c.pid for p in workers.procs for c in p.children()}
+        last_pids = {c.pid for p in workers.process.procs for c in p.children()}
 
     lat = sorted(outcome.latencies)
     duplicated = {i: n for i, n in gw.pushed.items() if n > 1}

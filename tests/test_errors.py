@@ -17,10 +17,10 @@ import redis
 from broker.keys import Keys
 from broker.spec import StageInfo, encode_spec
 from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
-from gateway.http import HttpServer, HttpSettings
+from gateway.http.server import HttpServer, HttpSettings
 from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, ping, running_workers
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 T = 30.0
 TYPO = "no-such-pipeline"

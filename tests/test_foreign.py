@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.helpers import Workers, running_workers, wait_for
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 PIPELINE = "t-foreign"  # tests/stages.py: AddOne then Guard, f(x) = 2 (x + 1), refuses x = 99
 STREAM0 = "conveyor:{t-foreign}:stream:0"

@@ -1,4 +1,4 @@
-"""Length-aware batching (workers/grouping.py): the plan, then a cheap stage in real workers."""
+"""Length-aware batching (workers/batching/grouping.py): the plan, then a cheap stage in real workers."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from gateway.client import Gateway
+from gateway.client.partition import Gateway
 from tests import grouping_stages
 from tests.helpers import running_workers
-from workers.grouping import plan_groups, run_grouped
-from workers.runner import Failure, run_batch
+from workers.batching.grouping import plan_groups, run_grouped
+from workers.loop.runner import Failure, run_batch
 
 T = 30.0
 

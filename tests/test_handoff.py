@@ -1,4 +1,4 @@
-"""Hot-worker preference (workers/handoff.py) against a real Redis and real worker processes.
+"""Hot-worker preference (workers/batching/handoff.py) against a real Redis and real worker processes.
 
 The mechanism first: a read sent with ``unblock`` goes ahead of a peer's read that was blocked
 before it (Redis serves blocked readers first come, first served), loses nothing, and a refused
@@ -24,10 +24,10 @@ from broker.keys import GROUP, Keys
 from broker.share import Sharer
 from gateway import Gateway
 from tests.helpers import running_workers, wait_for
-from workers.adaptive import SingletonReadSize
-from workers.batching import StreamReader
-from workers.handoff import SHARE_MIN_S, HotHandoff, ReadPeers
-from workers.heartbeat import Heartbeat, Readers
+from workers.batching.adaptive import SingletonReadSize
+from workers.batching.collector import StreamReader
+from workers.batching.handoff import SHARE_MIN_S, HotHandoff, ReadPeers
+from workers.loop.heartbeat import Heartbeat, Readers
 
 STREAM = "conveyor:{t-handoff-unit}:stream:0"
 APP = "tests.handoff_stages:two_workers"
@@ -108,7 +108,7 @@ def test_a_read_with_unblock_goes_ahead_of_a_blocked_peer(redis_client: redis.Re
 
 def test_a_read_sent_ahead_of_the_commit_takes_what_the_commit_brings(redis_client: redis.Redis, stream: str,
                                                                      peer: BlockedReader) -> None:
-    """The worker's order (workers.handoff): its next read is sent ahead, then the commit, then
+    """The worker's order (workers.batching.handoff): its next read is sent ahead, then the commit, then
     the read's reply is taken. The caller's next request, sent once the commit's answer is out,
     goes to this reader, not to the peer blocked before it. (Sent after the commit, the read
     raced that request; CI saw the peer win about half the time.)"""

@@ -29,7 +29,7 @@ from broker.keys import GROUP, Keys
 from broker.protocol import now_ms
 from gateway import Gateway, GatewaySettings
 from tests.helpers import Workers, running_workers, wait_for
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 APP = "tests.chaos_stages:hostile"
 PIPELINE = "c-hostile"
@@ -71,7 +71,7 @@ def env() -> Iterator[Env]:
             workers.wait_ready(PIPELINE, T, workers={"AddTen": 2, "Halve": 1})
             client = redis.Redis.from_url(server.url)
             try:
-                yield Env(server.url, client, workers, {c.pid for p in workers.procs for c in p.children()})
+                yield Env(server.url, client, workers, {c.pid for p in workers.process.procs for c in p.children()})
             finally:
                 client.close()
     finally:

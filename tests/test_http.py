@@ -1,4 +1,4 @@
-"""The HTTP front (gateway/http.py) against a fake backend: the thing under test is HTTP handling.
+"""The HTTP front (gateway/http/server.py) against a fake backend: the thing under test is HTTP handling.
 
 Clients are raw asyncio sockets so that malformed, pipelined and stalled requests can be sent
 byte for byte; responses are parsed with h11 (client side), one fresh parser per response so
@@ -24,10 +24,10 @@ import pytest
 
 from broker.codec import CodecError, decode, encode
 from gateway.errors import Overloaded, StageError
-from gateway.http import HttpServer, HttpSettings
-from gateway.http import run as run_http
-from gateway.metrics import Metrics
-from gateway.status import PipelineStatus, StageStatus
+from gateway.http.server import HttpServer, HttpSettings
+from gateway.http.server import run as run_http
+from gateway.monitor.metrics import Metrics
+from gateway.monitor.status import PipelineStatus, StageStatus
 
 T = TypeVar("T")
 WAIT_S = 5.0  # upper bound of any single wait in these tests
@@ -55,7 +55,7 @@ class FakeBackend:
         status = self.status
         if isinstance(status, Exception):
             raise status
-        # batches are "since the last read": hand them out once, like gateway.status does
+        # batches are "since the last read": hand them out once, like gateway.monitor.status does
         fresh = PipelineStatus(status.reachable, [StageStatus(**vars(s)) for s in status.stages])
         for stage in status.stages:
             stage.batches = []

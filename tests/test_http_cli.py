@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from gateway.cli import gateway, status, status_json
-from gateway.http import PortInUse, check_port_free
-from gateway.status import PipelineStatus
+from gateway.http.server import PortInUse, check_port_free
+from gateway.monitor.status import PipelineStatus
 from tests.ops_stages import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_every_option_shows_its_environment_variable(command: click.Command) -> 
 
 
 def test_status_json_and_readyz_say_null_for_no_error() -> None:
-    from gateway.http_routes import status_body
+    from gateway.http.routes import status_body
 
     fine = PipelineStatus(True, [])
     assert status_json("p", fine)["error"] is None and status_body(fine)["error"] is None

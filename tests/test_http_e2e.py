@@ -41,7 +41,7 @@ from tests.ops_stages import (
     status_code,
     stop_all,
 )
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 SCALE_SHIFT = "examples.scale_shift:pipeline"
 OPS = "tests.ops_stages:ops"

@@ -17,7 +17,7 @@ from broker.commit import Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
 from broker.protocol import entry_fields, ok_record
 from broker.submit import Submitter
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ import redis
 
 from broker.keys import GROUP, Keys
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, wait_for, wait_ready
-from workers.embedded import find_redis_server
+from workers.embedded.server import find_redis_server
 
 T = 60.0
 PIPELINE = "t-hosts"

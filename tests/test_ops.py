@@ -25,16 +25,16 @@ from click.testing import CliRunner
 
 from broker import codec
 from broker.connection import RedisSettings
+from broker.janitor import REAP_LUA, reap_dead_consumers
 from broker.keys import GROUP, Keys
 from broker.logs import configure_logging
 from broker.protocol import now_ms
 from gateway import Gateway
 from gateway.cli import status as status_command
-from gateway.status import LIVE_AFTER_MS, PipelineStatus, read_status
+from gateway.monitor.status import LIVE_AFTER_MS, PipelineStatus, read_status
 from tests.helpers import wait_for
 from tests.ops_stages import Proc, start_conveyor, stop_all
-from workers.embedded import EmbeddedRedis
-from workers.janitor import REAP_LUA, reap_dead_consumers
+from workers.embedded.server import EmbeddedRedis
 
 APP = "examples.scale_shift:pipeline"
 NAME = "scale-shift"
@@ -382,7 +382,7 @@ def _emit_samples() -> None:
     try:
         raise ValueError("boom\nsecond line")
     except ValueError:
-        logging.getLogger("gateway.http").exception("predict failed inside the gateway")
+        logging.getLogger("gateway.http.server").exception("predict failed inside the gateway")
     logging.getLogger("conveyor.worker").info("plain text with %d%% of %s", 50, "it")
 
 

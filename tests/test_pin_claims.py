@@ -1,4 +1,4 @@
-"""Workers of one host claim distinct cores through Redis (workers/pinning.py, broker/pins.py).
+"""Workers of one host claim distinct cores through Redis (workers/process/pinning.py, broker/pins.py).
 
 The claim script against a real server (layouts, spread past one worker per core, a restarted
 worker keeping its core, expiry), then real ``conveyor worker`` processes: two supervisors of one
@@ -20,7 +20,7 @@ import redis
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
 from tests.helpers import WorkerProc, kill_group, start_worker, stop_process, wait_for
-from workers.pinning import allowed_cpus, assign_cpus, host_id
+from workers.process.pinning import allowed_cpus, assign_cpus, host_id
 
 APP = "tests.stages:scale_shift"  # Scale: explicit cpus; Shift: none
 KEYS = Keys("t-scale-shift")

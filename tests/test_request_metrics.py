@@ -1,4 +1,4 @@
-"""gateway.request_metrics renders what prometheus-client's Counter and Histogram rendered, exactly."""
+"""gateway.monitor.request_metrics renders what prometheus-client's Counter and Histogram rendered, exactly."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from gateway.metrics import LATENCY_BUCKETS
-from gateway.request_metrics import RequestMetrics
+from gateway.monitor.metrics import LATENCY_BUCKETS
+from gateway.monitor.request_metrics import RequestMetrics
 
 
 def _samples(registry: CollectorRegistry) -> list[str]:

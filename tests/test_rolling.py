@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 
 from broker.keys import GROUP, Keys
-from gateway.client import Gateway, GatewaySettings
+from gateway.client.partition import Gateway, GatewaySettings
 from tests.helpers import WorkerProc, start_worker, stop_process, wait_for, wait_ready
 from tests.stop_stages import expected, rolling
 

@@ -14,7 +14,7 @@ import redis
 
 from gateway import Gateway, GatewaySettings
 from tests.helpers import running_workers
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 APP = "examples.scale_shift:pipeline"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"

@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers import REPO_ROOT, alive, conveyor_argv, conveyor_env, descendants, http_call, kill_group, wait_for
 from tests.stop_stages import expected
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 T = 30.0
 CLIENTS = 50
@@ -192,7 +192,7 @@ def test_a_detached_redis_is_out_of_ctrl_c_reach_yet_dies_with_its_owner(tmp_pat
     """``conveyor run``'s Redis ignores the terminal's Ctrl-C (its own session), but a SIGKILLed
     owner leaves no server behind (PR_SET_PDEATHSIG), and the next run reuses the stale directory."""
     redis_dir = tmp_path / "r"
-    code = ("import sys, time\nfrom workers.embedded import EmbeddedRedis\n"
+    code = ("import sys, time\nfrom workers.embedded.server import EmbeddedRedis\n"
             f"server = EmbeddedRedis(directory=__import__('pathlib').Path({str(redis_dir)!r}), detach=True)\n"
             "server.start()\nprint(server.pid, flush=True)\ntime.sleep(60)\n")
     owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=conveyor_env(), stdout=subprocess.PIPE)

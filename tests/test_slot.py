@@ -1,4 +1,4 @@
-"""gateway.slot.Slot: the HTTP front's answer without an event-loop handle per reply."""
+"""gateway.client.slot.Slot: the HTTP front's answer without an event-loop handle per reply."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.slot import Slot
+from gateway.client.slot import Slot
 
 
 async def _called_at_once() -> None:

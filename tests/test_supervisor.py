@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from broker.keys import GROUP, Keys
-from gateway.client import Gateway
+from gateway.client.partition import Gateway
 from tests import stages
 from tests.helpers import (
     REPO_ROOT,
@@ -209,7 +209,7 @@ def test_conveyor_run_serves_and_stops_without_leftovers(sig: signal.Signals, ru
 
         tree = descendants(popen.pid)
         names = " ".join(" ".join(p.cmdline()) for p in tree)
-        assert "redis-server" in names and "gateway" in names and names.count("workers.child") == 3, names
+        assert "redis-server" in names and "gateway" in names and names.count("workers.process.child") == 3, names
 
         os.kill(popen.pid, sig)
         code = popen.wait(timeout=T)

@@ -22,10 +22,10 @@ from broker.protocol import (
 )
 from tests import stages
 from workers import Stage
-from workers.batching import FixedWait
-from workers.pinning import assign_cpus
+from workers.batching.collector import FixedWait
+from workers.loop.runner import BatchLengthError, run_batch, run_single
 from workers.pipeline import STAGE_KNOBS, Pipeline, PipelineError
-from workers.runner import BatchLengthError, run_batch, run_single
+from workers.process.pinning import assign_cpus
 
 # -- Pipeline.add: knob resolution -------------------------------------------------------
 

@@ -27,12 +27,12 @@ import click
 from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
-from workers.child import ChildSettings
-from workers.embedded import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
-from workers.pinning import PIN_MODES, PinningError
-from workers.procs import detached_preexec
-from workers.supervisor import Supervisor, SupervisorSettings
-from workers.worker import WorkerSettings
+from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
+from workers.loop.worker import WorkerSettings
+from workers.process.child import ChildSettings
+from workers.process.pinning import PIN_MODES, PinningError
+from workers.process.procs import detached_preexec
+from workers.process.supervisor import Supervisor, SupervisorSettings
 
 COMMAND_GROUP = "conveyor.commands"
 log = logging.getLogger("conveyor.run")

@@ -16,7 +16,7 @@ from typing import Any
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.spec import StageInfo
 
-BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching.py
+BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
 
 # Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (

@@ -29,7 +29,7 @@ class Stage:
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None
-    # Length-aware batching (workers/grouping.py): define ``batch_key(self, x)`` returning a
+    # Length-aware batching (workers/batching/grouping.py): define ``batch_key(self, x)`` returning a
     # sortable cost of one decoded item (e.g. its token count); each batch read is then sorted by
     # it and run as groups of at most ``group_size`` similar items (default batch_size // 4).
     # ``Pipeline.add(cls, batch_key=None)`` turns it off for one pipeline.

@@ -16,7 +16,7 @@ from functools import partial
 import redis
 
 from bench.peers.runner import parse_sizes
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 SCRIPTS = {
     "EVALSHA return #ARGV[1]": "return #ARGV[1]",

@@ -24,7 +24,7 @@ from typing import IO
 import psutil
 import redis
 
-from workers.embedded import EmbeddedRedis
+from workers.embedded.server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE_APP = "bench.pipelines:scale_shift"  # Scale (x*2), Shift (+3): batch 64, wait 2 ms, one worker each

@@ -1,7 +1,7 @@
 """What a worker needs beyond one stream on one server: a reader bound to the node that owns
 its stream on a Redis Cluster, and one lane per partition of a partitioned pipeline.
 
-The batching reader (:class:`workers.batching.StreamReader`) keeps a connection of its own for
+The batching reader (:class:`workers.batching.collector.StreamReader`) keeps a connection of its own for
 XREADGROUP BLOCK and ends a wait early with ``CLIENT UNBLOCK`` sent from the pool: on a
 cluster both must go to the one node that serves the stream's slot (redis-py's cluster client
 cannot route a raw connection, and ``CLIENT UNBLOCK`` has no key to route by). After a failover
@@ -25,7 +25,7 @@ import redis
 from broker.commit import BatchStats, Committer
 from broker.connection import CONNECTION_ERRORS, Backoff, is_cluster_client, is_transient, node_client, refresh_slots
 from broker.keys import Keys
-from workers.batching import BatchCollector, Entry, StreamReader, _parse
+from workers.batching.collector import BatchCollector, Entry, StreamReader, _parse
 
 log = logging.getLogger("conveyor.worker")
 

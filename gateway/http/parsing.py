@@ -1,6 +1,6 @@
 """Request parsing of the HTTP front: httptools (llhttp, in C) callbacks that assemble `Request`s.
 
-Why apart from the connection (`gateway.http_protocol`): this part only turns bytes into
+Why apart from the connection (`gateway.http.connection`): this part only turns bytes into
 requests and enforces the limits that need the bytes themselves (431 for a head over
 ``max_header_bytes``, 413 for a body over ``max_body_bytes``, 400 for HTTP/1.1 without Host);
 *when* to read, answer, time out and close is the connection's. It tells the connection what
@@ -13,14 +13,14 @@ from typing import Protocol
 
 import httptools
 
-from gateway.http_routes import HttpError, Request, bad_request, too_large
-from gateway.http_settings import HttpSettings
+from gateway.http.routes import HttpError, Request, bad_request, too_large
+from gateway.http.settings import HttpSettings
 
 __all__ = ["Connection", "RequestReader"]
 
 
 class Connection(Protocol):
-    """What the reader tells its connection (`gateway.http_protocol.HttpProtocol`)."""
+    """What the reader tells its connection (`gateway.http.connection.HttpProtocol`)."""
 
     def head_started(self) -> None: ...
     def head_complete(self, expect_continue: bool) -> None: ...

@@ -76,7 +76,7 @@ class PipelineStatus:
     stages: list[StageStatus] = field(default_factory=list)
     error: str = ""
     partitions: int = 1  # the pipeline's partition count, from its spec
-    # With partitions > 1 (see gateway.partitioned): ``stages`` are the totals, these the parts.
+    # With partitions > 1 (see gateway.client.gateway): ``stages`` are the totals, these the parts.
     by_partition: list[PipelineStatus] = field(default_factory=list)
     node: str = ""  # on a Redis Cluster: host:port of the master serving this (partition's) slot
 

@@ -1,6 +1,6 @@
 """Batch assembly, on top of ``XREADGROUP COUNT/BLOCK``, under a wait policy.
 
-Two policies (``Stage.batch_policy``): ``"adaptive"`` (:mod:`workers.adaptive`, the default)
+Two policies (``Stage.batch_policy``): ``"adaptive"`` (:mod:`workers.batching.adaptive`, the default)
 dispatches as soon as waiting can no longer pay, ``batch_wait_s`` being only its upper bound;
 ``"deadline"`` (:class:`FixedWait`) always waits for ``batch_size`` items or the deadline.
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import redis
 
 from broker.keys import GROUP
-from workers.handoff import is_refusal
+from workers.batching.handoff import is_refusal
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]
 
@@ -149,7 +149,7 @@ class StreamReader:
     def identity(self) -> str | None:
         """``<server run id>:<client id>`` of the reading connection, or None (not connected, or
         the server's run id unknown). Client ids start again from 1 when Redis restarts: a peer
-        only unblocks ids of the server it reads from itself (:mod:`workers.handoff`)."""
+        only unblocks ids of the server it reads from itself (:mod:`workers.batching.handoff`)."""
         run_id, client_id = self._run_id, self._client_id
         return None if run_id is None or client_id is None else f"{run_id}:{client_id}"
 
@@ -161,7 +161,7 @@ class StreamReader:
     def read(self, count: int, block_ms: int | None = None, start: str = ">",
              unblock: Sequence[int] = ()) -> list[Entry]:
         """Plain read: non-blocking, or blocking with Redis's own (coarse) timeout. ``unblock``:
-        client ids to send ``CLIENT UNBLOCK`` first, in the same write (:mod:`workers.handoff`);
+        client ids to send ``CLIENT UNBLOCK`` first, in the same write (:mod:`workers.batching.handoff`);
         an error reply to one of them is kept in ``unblock_refused``, and the read goes on."""
         self.send_read(count, block_ms, start, unblock)
         return self.finish_read()
@@ -170,7 +170,7 @@ class StreamReader:
                   unblock: Sequence[int] = ()) -> None:
         """Send a read (and the ``CLIENT UNBLOCK``s before it) without waiting for its reply:
         a worker queues itself on the stream before its commit makes anything visible that
-        could bring the next entry (:mod:`workers.handoff`). :meth:`finish_read` takes the reply.
+        could bring the next entry (:mod:`workers.batching.handoff`). :meth:`finish_read` takes the reply.
 
         A read sent ahead whose reply was never taken (the commit after it failed) has its
         connection dropped here: whatever it took is pending for this consumer, which is what
@@ -222,7 +222,7 @@ class StreamReader:
                 entries = _parse(conn.read_response())
                 if entries or deadline - time.monotonic() < EARLY_WAKE_MIN_S:
                     return entries
-                # Nothing, well before the deadline: a peer's CLIENT UNBLOCK (workers.handoff) put
+                # Nothing, well before the deadline: a peer's CLIENT UNBLOCK (workers.batching.handoff) put
                 # itself ahead of this read, which waits on for the time it has left.
             return []
         except BaseException:
@@ -252,7 +252,7 @@ class BatchCollector:
     def first_read(self, count: int | None = None, idle_block_ms: int | None = None,
                    unblock: Sequence[int] = ()) -> list[Entry]:
         """The batch's first read: the reply of one sent ahead (read_ahead), or a new one, going
-        ahead of the peers in ``unblock`` (workers.handoff). Sets ``asked`` (its COUNT) and
+        ahead of the peers in ``unblock`` (workers.batching.handoff). Sets ``asked`` (its COUNT) and
         ``first_wait_s`` (how long it waited for an entry)."""
         if not self._reader.read_pending:
             self.read_ahead(count, idle_block_ms, unblock)

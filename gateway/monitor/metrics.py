@@ -29,7 +29,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.request_metrics import RequestMetrics
+from gateway.monitor.request_metrics import RequestMetrics
 
 __all__ = [
     "CONTENT_TYPE",
@@ -53,7 +53,7 @@ STAGE_LABELS = ("index", "stage")
 
 
 class StageStatusLike(Protocol):
-    """What metrics read of `gateway.status.StageStatus` (read-only, so the dataclass fits)."""
+    """What metrics read of `gateway.monitor.status.StageStatus` (read-only, so the dataclass fits)."""
 
     @property
     def index(self) -> int: ...
@@ -74,7 +74,7 @@ class StageStatusLike(Protocol):
 
 
 class PipelineStatusLike(Protocol):
-    """What metrics and ``/readyz`` read of `gateway.status.PipelineStatus`."""
+    """What metrics and ``/readyz`` read of `gateway.monitor.status.PipelineStatus`."""
 
     @property
     def reachable(self) -> bool: ...
@@ -109,7 +109,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._open_connections = 0
         ns, reg = namespace, self.registry
-        # Requests by route and outcome, and predict latency: lock-free counts (gateway.request_metrics).
+        # Requests by route and outcome, and predict latency: lock-free counts (gateway.monitor.request_metrics).
         self.requests = RequestMetrics(ns, LATENCY_BUCKETS)
         reg.register(self.requests)
         self.observe_request = self.requests.observe  # bound once: one Python call per request, not two
@@ -138,7 +138,7 @@ class Metrics:
             "dead_letters": Gauge(f"{ns}_stage_dead_letters", "Entries in the stage's dead-letter stream.",
                                   STAGE_LABELS, registry=reg),
         }
-        # Partitioned pipelines (gateway.partitioned): the stage gauges above are totals; these the parts.
+        # Partitioned pipelines (gateway.client.gateway): the stage gauges above are totals; these the parts.
         self._partition_gauges = {
             attr: Gauge(f"{ns}_partition_{attr}", f"Per partition: {help_}", [*STAGE_LABELS, "partition"],
                         registry=reg)

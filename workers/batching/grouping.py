@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workers.runner import Failure
+from workers.loop.runner import Failure
 
 Run = Callable[[Callable[[list[Any]], Any], list[Any]], list[Any]]
 

@@ -32,10 +32,10 @@ from broker import protocol
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
 from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
-from gateway.client import Gateway, GatewaySettings
+from gateway.client.partition import Gateway, GatewaySettings
+from gateway.client.slot import Waiter
 from gateway.errors import Overloaded
-from gateway.slot import Waiter
-from gateway.status import PipelineStatus, StageStatus, read_status
+from gateway.monitor.status import PipelineStatus, StageStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 

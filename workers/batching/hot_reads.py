@@ -1,4 +1,4 @@
-"""The worker loop's side of the hot-worker preference (:mod:`workers.handoff` decides).
+"""The worker loop's side of the hot-worker preference (:mod:`workers.batching.handoff` decides).
 
 Three moments of a batch of the only partition:
 - before its first read: the peers to unblock, unless a read was sent ahead already;
@@ -16,8 +16,8 @@ import redis
 
 from broker.connection import CONNECTION_ERRORS
 from broker.share import Sharer
-from workers.batching import BatchCollector, Entry, StreamReader
-from workers.handoff import HotHandoff, is_refusal
+from workers.batching.collector import BatchCollector, Entry, StreamReader
+from workers.batching.handoff import HotHandoff, is_refusal
 
 log = logging.getLogger("conveyor.worker")
 

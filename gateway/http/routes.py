@@ -10,7 +10,7 @@ Routes::
     GET  /healthz      200 while the process runs
     GET  /readyz       200 if Redis is reachable and every stage has a live worker, else 503
                        (also 503 while draining, so load balancers stop sending)
-    GET  /metrics      Prometheus text format (see gateway.metrics)
+    GET  /metrics      Prometheus text format (see gateway.monitor.metrics)
 
 A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
 ``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
@@ -38,25 +38,25 @@ from typing import Any, Protocol
 
 from broker import protocol
 from broker.codec import CodecError
+from gateway.client.slot import Waiter
 from gateway.errors import Overloaded, StageError, UnknownPipeline
-from gateway.http_codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for, json_encode
-from gateway.http_settings import HttpSettings
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import Metrics, PipelineStatusLike, StatusSource
-from gateway.slot import Waiter
+from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for, json_encode
+from gateway.http.settings import HttpSettings
+from gateway.monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.monitor.metrics import Metrics, PipelineStatusLike, StatusSource
 
 __all__ = ["Backend", "HttpError", "Pending", "Reply", "Request", "Router"]
 
-log = logging.getLogger("gateway.http")
+log = logging.getLogger("gateway.http.server")
 
 TIMEOUT_HEADER = b"x-conveyor-timeout-s"
 DEADLINE_HEADER = b"x-conveyor-deadline-ms"
-# Partitioned pipelines: requests with one key go to one partition (gateway.partitioned.partition_of).
+# Partitioned pipelines: requests with one key go to one partition (gateway.client.gateway.partition_of).
 PARTITION_KEY_HEADER = b"x-conveyor-partition-key"
 
 
 class Backend(StatusSource, Protocol):
-    """What the HTTP front needs of `gateway.client.Gateway` (structural, so fakes fit in tests).
+    """What the HTTP front needs of `gateway.client.partition.Gateway` (structural, so fakes fit in tests).
 
     ``predict`` raises `StageError` (the stage raised), `Overloaded` (shed load) or
     ``TimeoutError`` (the deadline passed); anything else is a gateway bug and answers 500.

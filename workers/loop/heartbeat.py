@@ -7,7 +7,7 @@ the lease on its entries (``XCLAIM JUSTID``) so that no other worker claims them
 moment the worker has claimed its core (before ``setup()``, which may outlast the claim's TTL)
 each beat also renews that claim, and the thread removes it when it stops (:mod:`broker.pins`).
 With one partition each beat also publishes the worker's reading connection and learns its live
-peers' (``P:readers:<i>``, for :mod:`workers.handoff`).
+peers' (``P:readers:<i>``, for :mod:`workers.batching.handoff`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from broker import protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import GROUP
 from broker.pins import PinClaims
-from workers.adaptive import SingletonReadSize
-from workers.handoff import ReadPeers, is_refusal
+from workers.batching.adaptive import SingletonReadSize
+from workers.batching.handoff import ReadPeers, is_refusal
 
 log = logging.getLogger("conveyor.worker")
 
-LIVE_AFTER_MS = 5_000  # a heartbeat older than this is not a live worker (as in gateway/status.py)
+LIVE_AFTER_MS = 5_000  # a heartbeat older than this is not a live worker (as in gateway/monitor/status.py)
 _PRUNE_MS = 3_600_000  # members of workers gone for an hour leave the heartbeat set
 
 

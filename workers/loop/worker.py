@@ -23,25 +23,25 @@ from redis.retry import Retry
 
 from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
+from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from broker.keys import GROUP, Keys
 from broker.pins import PinClaims, PinRequest
 from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
-from workers.adaptive import AdaptiveWait, SingletonReadSize
-from workers.batching import BatchCollector, Entry, FixedWait, WaitPolicy
-from workers.grouping import run_grouped
-from workers.handoff import HotHandoff, ReadPeers
-from workers.heartbeat import LIVE_AFTER_MS, Heartbeat, Readers
-from workers.hot_reads import HotReads
-from workers.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
-from workers.loading import LoadingBeacon
-from workers.partitions import Lane, on_lane, stream_reader, wait_any
-from workers.pinning import allowed_cpus, host_id, pin
+from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
+from workers.batching.collector import BatchCollector, Entry, FixedWait, WaitPolicy
+from workers.batching.grouping import run_grouped
+from workers.batching.handoff import HotHandoff, ReadPeers
+from workers.batching.hot_reads import HotReads
+from workers.loop.heartbeat import LIVE_AFTER_MS, Heartbeat, Readers
+from workers.loop.lanes import Lane, on_lane, stream_reader, wait_any
+from workers.loop.loading import LoadingBeacon
+from workers.loop.recovery import Recovery
+from workers.loop.routing import Router
+from workers.loop.runner import run_batch, run_single
 from workers.pipeline import Pipeline, StageSpec
-from workers.recovery import Recovery
-from workers.routing import Router
-from workers.runner import run_batch, run_single
+from workers.process.pinning import allowed_cpus, host_id, pin
 from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
@@ -56,7 +56,7 @@ class WorkerSettings:
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
     max_payload_bytes: int = 16 * 1024 * 1024
-    pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.pinning)
+    pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.process.pinning)
     pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
 
 
@@ -213,7 +213,7 @@ class Worker:
         recover = True  # first drain what this consumer left pending in a previous life
         first_drain = True
         backoff = Backoff()
-        # A read sent ahead of a commit (workers.hot_reads) is always taken, stopping or not: it may hold entries.
+        # A read sent ahead of a commit (hot_reads) is always taken, stopping or not: it may hold entries.
         while not self.stopping or self._reader.read_pending:
             try:
                 if recover:
@@ -247,7 +247,7 @@ class Worker:
         if len(self._lanes) == 1:
             self._recovery.drain_own_pending(self._reader, self._stream, own_retry=own_retry)
             self.status.send(b"D")
-        else:  # several partitions: each lane drains on its own (workers.partitions)
+        else:  # several partitions: each lane drains on its own (workers.loop.lanes)
             for lane in self._lanes:
                 lane.recover = True
 
@@ -362,7 +362,7 @@ class Worker:
                 self._told_idle = True
             self._router.route_all(work, outcomes, commit, self.keys)
         ran = time.perf_counter()
-        if read is not None:  # the next read may go out ahead of this commit (workers.hot_reads)
+        if read is not None:  # the next read may go out ahead of this commit (workers.batching.hot_reads)
             may_read = not self.stopping and time.monotonic() < min(self._next_claim, self._next_reap)
             self._hot.after_predict(len(entries), read[0], read[1], ran - started, self._read_count(),
                                     self._idle_block_ms(), may_read)

@@ -12,7 +12,7 @@ first the companions (``conveyor run``'s gateway) get SIGTERM and drain, answeri
 request they admitted, while the workers keep running to produce those answers; then the
 workers get SIGTERM, and each finishes and commits the batch in hand and exits. A second
 stop request (an impatient second Ctrl-C) makes the companions give up their drain at once.
-Workers run in sessions of their own (:mod:`workers.procs`), so a Ctrl-C in the terminal
+Workers run in sessions of their own (:mod:`workers.process.procs`), so a Ctrl-C in the terminal
 reaches only this process, which then stops them in that order.
 """
 
@@ -35,10 +35,10 @@ from types import FrameType
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
-from workers.child import ChildSettings
-from workers.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.pipeline import StageSpec
-from workers.procs import detached_preexec
+from workers.process.child import ChildSettings
+from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
+from workers.process.procs import detached_preexec
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -69,7 +69,7 @@ class Slot:
     restart_at: float | None = 0.0
     history: list[int] = field(default_factory=list)  # exit codes, for tests and logs
     killed_for_timeout: bool = False
-    claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.pinning)
+    claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.process.pinning)
 
 
 class Supervisor:
@@ -232,7 +232,7 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ, **thread_env(slot.spec.threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "workers.child", "--app", self.app, "--stage", slot.spec.name,
+        cmd = [sys.executable, "-m", "workers.process.child", "--app", self.app, "--stage", slot.spec.name,
                "--consumer", slot.consumer, "--status-fd", str(write_fd)]
         if slot.cpu is not None:
             cmd += ["--cpu", str(slot.cpu)]
@@ -242,7 +242,7 @@ class Supervisor:
             cmd += ["--previous-exit", "timeout"]
         try:
             # A session of its own: a Ctrl-C in the terminal reaches only us, and we stop it in
-            # order (see the module docstring); it still dies with us (workers.procs).
+            # order (see the module docstring); it still dies with us (workers.process.procs).
             slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE,
                                          start_new_session=True, preexec_fn=detached_preexec())
         finally:

@@ -1,4 +1,4 @@
-"""Entry point of one worker process: ``python -m workers.child`` (started by the supervisor).
+"""Entry point of one worker process: ``python -m workers.process.child`` (started by the supervisor).
 
 A separate interpreter per worker (not fork) so thread-count variables are in the
 environment before numpy or torch is imported, and no state leaks from the supervisor.
@@ -25,8 +25,8 @@ from typing import IO, Any
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
 from workers.app import AppError, load_pipeline
-from workers.pinning import limit_torch_threads, pin
-from workers.worker import StatusPipe, Worker, WorkerSettings
+from workers.loop.worker import StatusPipe, Worker, WorkerSettings
+from workers.process.pinning import limit_torch_threads, pin
 
 EXIT_SETUP_FAILED = 3
 EXIT_BAD_APP = 4
@@ -59,13 +59,13 @@ def read_settings(stream: IO[bytes]) -> ChildSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.child")
+    parser = argparse.ArgumentParser(prog="python -m workers.process.child")
     parser.add_argument("--app", required=True)
     parser.add_argument("--stage", required=True)
     parser.add_argument("--consumer", required=True)
     parser.add_argument("--cpu", type=int, default=None)
     parser.add_argument("--claim-cpu", action="store_true",
-                        help="claim a core host-wide through Redis, preferring --cpu (workers.pinning)")
+                        help="claim a core host-wide through Redis, preferring --cpu (workers.process.pinning)")
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
     args = parser.parse_args(argv)

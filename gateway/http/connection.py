@@ -3,10 +3,10 @@
 Why a Protocol and not streams: with streams every read and write is a coroutine step, a
 ``wait_for`` timer and a drain; profiled at 256 connections, that and h11's pure-Python
 parsing were most of the gateway's CPU (docs/http-front.md). Here bytes go from
-``data_received`` into the C parser, whose callbacks (`gateway.http_parsing`) assemble a
+``data_received`` into the C parser, whose callbacks (`gateway.http.parsing`) assemble a
 `Request`; a predict is answered from its `Slot`'s callback, which the gateway's reply reader
 calls as the answer arrives (no task, no event-loop handle), and its reply leaves in one
-``transport.write`` (`gateway.http_framing`).
+``transport.write`` (`gateway.http.framing`).
 
 What this module decides is *when* to read, answer and close:
 - pipelining: requests are queued and answered strictly in order; reading pauses while too
@@ -32,16 +32,16 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
-from gateway.http_framing import CONTINUE, frame
-from gateway.http_parsing import RequestReader
-from gateway.http_routes import HttpError, Pending, Reply, Request, overloaded, request_timeout
+from gateway.http.framing import CONTINUE, frame
+from gateway.http.parsing import RequestReader
+from gateway.http.routes import HttpError, Pending, Reply, Request, overloaded, request_timeout
 
 if TYPE_CHECKING:
-    from gateway.http import HttpServer
+    from gateway.http.server import HttpServer
 
 __all__ = ["HttpProtocol"]
 
-log = logging.getLogger("gateway.http")
+log = logging.getLogger("gateway.http.server")
 
 _LINGER_S = 1.0  # after our last byte, how long we discard the client's unread bytes before closing
 _LINGER_BYTES = 1024 * 1024

@@ -25,11 +25,11 @@ from types import TracebackType
 
 import redis
 
-from workers.procs import detached_preexec
-from workers.redis_binary import BINARY_ENV, find_redis_server
-from workers.redis_dir import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
+from workers.embedded.binary import BINARY_ENV, find_redis_server
+from workers.embedded.directory import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
+from workers.process.procs import detached_preexec
 
-# BINARY_ENV and find_redis_server live in workers.redis_binary; importable from here too.
+# BINARY_ENV and find_redis_server live in workers.embedded.binary; importable from here too.
 __all__ = ["BINARY_ENV", "EmbeddedRedis", "EmbeddedRedisError", "RedisDirError", "default_redis_dir",
            "find_redis_server"]
 
@@ -97,7 +97,7 @@ class EmbeddedRedis:
         removed, then the directory if it is empty) instead of a fresh temporary directory,
         so that the URL is known in advance. ``detach``: run the server in a session of its
         own, so a Ctrl-C in the terminal does not reach it and the owner stops it last (see
-        :mod:`workers.procs`); it still dies with its owner on Linux.
+        :mod:`workers.process.procs`); it still dies with its owner on Linux.
         """
         self._binary = binary
         self._extra_args = tuple(extra_args)

@@ -4,7 +4,7 @@ A worker first drains its own pending list (entries it held when it died, or whe
 Redis), then now and then claims entries that other consumers have held for ``claim_idle_s``
 (``XAUTOCLAIM``). Such entries run one at a time once delivered more than once: if one of them
 crashed or hung a worker, it alone pays for it again, and past ``max_deliveries`` it goes to
-the dead-letter stream (:mod:`workers.routing`).
+the dead-letter stream (:mod:`workers.loop.routing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import redis
 
 from broker import protocol
 from broker.keys import GROUP
-from workers.batching import Entry, StreamReader
+from workers.batching.collector import Entry, StreamReader
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")

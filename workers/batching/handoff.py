@@ -16,7 +16,7 @@ timeout). Nothing is lost: an unblocked read had taken nothing, and a peer that 
 whose read was just served, is not blocked, so ``CLIENT UNBLOCK`` does nothing to it.
 
 That write goes out *before* the batch's commit, its reply taken after it (the read is sent
-ahead, :meth:`workers.batching.StreamReader.send_read`). The commit publishes the answer, and a
+ahead, :meth:`workers.batching.collector.StreamReader.send_read`). The commit publishes the answer, and a
 caller with one request in flight sends the next one as soon as it has it: a read sent after the
 commit raced that request, and for a pipeline's first stage lost it to a peer about half the
 time (the workers kept taking turns). Sent before, it is in Redis before the answer leaves.
@@ -43,7 +43,7 @@ rate (docs/benchmarks.md). A full read is a backlog, which idle peers read anywa
 
 The peers' client ids come from ``P:readers:<i>`` (consumer -> ``<server run id>:<client id>``
 of its reading connection), which every worker writes and reads with its heartbeat
-(:mod:`workers.heartbeat`). Client ids are never reused while a Redis server runs, and start
+(:mod:`workers.loop.heartbeat`). Client ids are never reused while a Redis server runs, and start
 again from 1 when it restarts: a worker only unblocks ids published with the run id of the server
 it reads from itself (the ids are kept with the run id they were learned on, and compared with
 the reader's own at each read), and forgets its peers when it loses its connection.

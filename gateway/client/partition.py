@@ -34,11 +34,11 @@ from broker.keys import DEFAULT_PREFIX, Keys
 from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
-from gateway.deadlines import Deadlines
+from gateway.client.deadlines import Deadlines
+from gateway.client.registration import Registration
+from gateway.client.slot import Slot, Waiter
 from gateway.errors import Overloaded, StageError
-from gateway.registration import Registration
-from gateway.slot import Slot, Waiter
-from gateway.status import PipelineStatus, read_status
+from gateway.monitor.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -66,7 +66,7 @@ class Gateway:
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partition: int = 0) -> None:
         """``partition``: which partition of a partitioned pipeline this gateway submits to
-        (:class:`gateway.partitioned.PartitionedGateway` runs one per partition)."""
+        (:class:`gateway.client.gateway.PartitionedGateway` runs one per partition)."""
         self.settings = settings or GatewaySettings()
         self.keys = Keys(pipeline, self.settings.prefix, partition)
         self.redis = RedisSettings(redis_url)
@@ -357,7 +357,7 @@ class Gateway:
                 if raw is not None:
                     self._deliver(protocol.array_of([protocol.as_bytes(raw)]))
 
-    # -- registration (gateway/registration.py) --------------------------------------------
+    # -- registration (gateway/client/registration.py) --------------------------------------------
 
     async def pipeline_registered(self) -> bool:
         """Whether a worker has registered this pipeline (its spec key) in this Redis; once true,

@@ -1,0 +1,1 @@
+"""The Python API of the gateway: submit requests to a pipeline, await their answers."""

@@ -1,0 +1,1 @@
+"""What a gateway tells operators: the pipeline's status read from Redis, and Prometheus metrics."""
