@@ -1,13 +1,12 @@
-"""Builds the arguments of ``commit.lua`` for one batch: the only write path of a worker.
+"""Builds the arguments of ``commit.lua`` for one batch and runs it: how a worker's batch leaves.
 
-The command is packed by :func:`broker.resp.pack_command` and sent on a pooled connection, as
-:mod:`broker.submit` does: redis-py's own packer copied a batch's payloads several times (for
-16 MiB arrays it was a quarter of a worker's time).
+The command is packed here from bytes (:mod:`broker.resp`), as :mod:`broker.submit` does:
+redis-py's own packer copied a batch's payloads several times (for 16 MiB arrays it was a
+quarter of a worker's time). It goes out on a held connection (:mod:`broker.held`), never retried.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -15,7 +14,8 @@ from typing import Any
 
 import redis
 
-from broker.connection import IDLE_CHECK_S, is_cluster_client
+from broker.connection import is_cluster_client
+from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
 from broker.resp import pack_args
 
@@ -92,8 +92,7 @@ class Committer:
         self._ttls = ttls
         self._stats_key = keys.stats(stage)
         self._cluster = is_cluster_client(client)
-        self._conn: Any = None  # made at the first commit (see _execute_packed)
-        self._used_at = 0.0  # monotonic time of its last answered commit
+        self._held = None if self._cluster else HeldConnection(client)
         # The command's constant pieces, on the wire already: one batch only adds its own.
         self._constant_head: list[bytes | str | int] = [GROUP, ttls.result_ttl_ms, ttls.reply_ttl_ms, stage_name]
         self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))
@@ -148,40 +147,15 @@ class Committer:
             return int(run())
 
     def _execute_packed(self, packed: bytes) -> Any:
-        """One round trip, no retry (the worker's rule: a lost reply must not commit twice), on a
-        connection of the committer's own: the pool's checkout and release cost more per batch
-        than packing it. Made outside the pool, as the stream reader's (workers.batching.collector), and
-        dropped on any error, to be made again by the next commit."""
-        conn = self._conn
-        if conn is None:
-            pool = self._client.connection_pool
-            conn = self._conn = pool.connection_class(**pool.connection_kwargs)
-        elif time.monotonic() - self._used_at > IDLE_CHECK_S and _closed_by_server(conn):
-            # Redis (its `timeout`, a restart) or a proxy closed it while idle: nothing is sent yet,
-            # so reconnecting is safe, where failing would make the batch run predict again.
-            conn.disconnect()
-        try:
-            conn.send_packed_command([packed], check_health=False)  # a list: the sync client iterates it
-            reply = conn.read_response()
-        except BaseException:
-            self.close()
-            raise
-        self._used_at = time.monotonic()
-        return reply
+        """One round trip, no retry (a lost reply must not commit twice): a failed call surfaces,
+        and the worker re-reads its pending entries, which tell what was committed."""
+        if self._held is None:
+            raise RuntimeError("a cluster client's commits are routed by redis-py")
+        return self._held.call(packed)
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.disconnect()
-        self._conn = None
-
-
-def _closed_by_server(conn: Any) -> bool:
-    """Whether an idle connection has something to read (with nothing asked: EOF or an error from
-    the server) or is already closed: it must not carry the next command."""
-    try:
-        return conn._sock is not None and bool(conn.can_read(timeout=0))
-    except (redis.exceptions.ConnectionError, OSError):
-        return True
+        if self._held is not None:
+            self._held.drop()
 
 
 def _as_arg(value: bytes | str | int | float) -> bytes:

@@ -25,10 +25,6 @@ import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster as scluster
 
-# A connection held across calls (outside redis-py's pool) and idle longer than this is checked
-# before it carries a command: the server may have closed it (its `timeout`, a restart, a proxy).
-IDLE_CHECK_S = 1.0
-
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or "
                   "redis+cluster://host:port[,host:port...] for a Redis Cluster.")
@@ -164,3 +160,9 @@ def is_transient(exc: redis.ResponseError) -> bool:
         return True
     text = str(exc)
     return any(code in text for code in TRANSIENT_REPLY_CODES)
+
+
+def is_refusal(exc: redis.ResponseError) -> bool:
+    """A refusal that will not go away (an ACL, a renamed command), unlike BUSY, OOM or LOADING."""
+    text = str(exc).lower()
+    return isinstance(exc, redis.exceptions.NoPermissionError) or "no permissions" in text or "unknown" in text

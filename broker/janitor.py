@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from importlib import resources
 from typing import Any
 
 import redis
@@ -35,25 +36,7 @@ log = logging.getLogger("conveyor.janitor")
 REAP_INTERVAL_S = 30.0  # how often a worker should call reap_dead_consumers
 DEFAULT_DEAD_AFTER_MS = 60_000  # well past LIVE_AFTER_MS (5 s): a worker that misses beats is not reaped
 
-# KEYS[1] stage stream  KEYS[2] heartbeat zset
-# ARGV[1] group  ARGV[2] consumer  ARGV[3] heartbeat cutoff (Unix ms)  ARGV[4] min idle ms
-# Returns 1 if the consumer was removed, 0 if it is gone already or not dead after all.
-REAP_LUA = """
-local beat = redis.call('ZSCORE', KEYS[2], ARGV[2])
-if beat and tonumber(beat) >= tonumber(ARGV[3]) then return 0 end
-local consumers = redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
-for _, consumer in ipairs(consumers) do
-  local info = {}
-  for j = 1, #consumer, 2 do info[consumer[j]] = consumer[j + 1] end
-  if info['name'] == ARGV[2] then
-    if tonumber(info['pending']) ~= 0 or tonumber(info['idle']) <= tonumber(ARGV[4]) then return 0 end
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-    redis.call('ZREM', KEYS[2], ARGV[2])
-    return 1
-  end
-end
-return 0
-"""
+REAP_LUA = resources.files("broker").joinpath("janitor.lua").read_text()
 
 
 def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_ms: int = DEFAULT_DEAD_AFTER_MS,

@@ -39,11 +39,6 @@ key                                type    TTL                  written by
                                            pruned by score)     ``setup()`` runs, every
                                                                 ``heartbeat_s``; removed once
                                                                 ready (score: ms)
-``P:readers:<i>``                  hash    none (fields of      stage i workers, every
-                                           workers not live     ``heartbeat_s``: consumer ->
-                                           are removed by the   ``<server run id>:<client id>``
-                                           live ones' beats)    of its reading connection
-                                                                (workers.batching.handoff)
 ``P:pins:<host>``                  zset    ``pin_ttl``, renewed workers pinned by claim (no
                                            with each claim;     explicit ``cpus``): member
                                            members pruned by    ``<cpu>:<i>:<consumer>``, one
@@ -66,6 +61,7 @@ from functools import cached_property
 DEFAULT_PREFIX = "conveyor"
 GROUP = "workers"
 PROTOCOL_VERSION = 1
+LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat (``P:hb:<i>`` score) is older is not live
 
 
 @dataclass(frozen=True)
@@ -140,10 +136,6 @@ class Keys:
 
     def loading(self, stage: int) -> str:
         return f"{self.base}:loading:{stage}"
-
-    def readers(self, stage: int) -> str:
-        """Stage ``stage``'s workers' reading connections, for hot-worker preference (workers.batching.handoff)."""
-        return f"{self.base}:readers:{stage}"
 
     def pins(self, host: str) -> str:
         """The cores claimed by this pipeline's workers on ``host`` (see :mod:`broker.pins`)."""

@@ -1,11 +1,5 @@
-"""The Python owner of ``share.lua``: a worker gives part of a burst back to its idle peers.
-
-A burst of requests that arrives at once (say eight answers sent back together, whose callers
-send their next requests together) is read whole by the first worker blocked on the stream,
-while its peers stay idle. The worker that read it gives the part its idle peers should run
-back to the stream, atomically (see the script's header), and they take it at once. The choice
-of how much, and when, is :mod:`workers.batching.handoff`'s.
-"""
+"""The Redis side of burst sharing (:mod:`workers.batching.sharing` decides when): which peers are
+idle, and ``share.lua``, which gives entries one consumer has read back to the stream."""
 
 from __future__ import annotations
 
@@ -14,20 +8,34 @@ from importlib import resources
 
 import redis
 
-from broker.keys import GROUP
+from broker.keys import GROUP, LIVE_AFTER_MS
+from broker.protocol import as_bytes, now_ms
 
 SHARE_LUA = resources.files("broker").joinpath("share.lua").read_text()
 
 
 class Sharer:
-    """Runs ``share.lua`` with EVALSHA (redis-py's script object loads it again after a flush)."""
+    """One consumer's view of its peers, and ``share.lua`` run with EVALSHA (redis-py's script
+    object loads it again after a flush)."""
 
-    def __init__(self, client: redis.Redis, stream: str, consumer: str) -> None:
+    def __init__(self, client: redis.Redis, consumer: str) -> None:
+        self._client = client
         self._script = client.register_script(SHARE_LUA)
-        self._stream = stream
-        self._consumer = consumer
+        self._consumer = consumer.encode()
 
-    def give_back(self, groups: Sequence[Sequence[bytes]]) -> set[bytes]:
+    def idle_peers(self, stream: str, heartbeats: str) -> int:
+        """The stage's other live workers (a recent heartbeat in ``heartbeats``) that hold nothing
+        pending in ``stream``: one round trip. (A worker's last read time cannot tell: Redis 7.0
+        does not update it while the read blocks, and a worker that never got an entry is not
+        yet a consumer of the group.)"""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zrange(heartbeats, now_ms() - LIVE_AFTER_MS, "+inf", byscore=True)
+        pipe.xinfo_consumers(stream, GROUP)
+        live, consumers = pipe.execute()
+        busy = {as_bytes(info["name"]) for info in consumers if int(info["pending"])}
+        return len({as_bytes(member) for member in live} - busy - {self._consumer})
+
+    def give_back(self, stream: str, groups: Sequence[Sequence[bytes]]) -> set[bytes]:
         """Give these entries (read by this consumer, not started) back to the stream, one script
         call per group: Redis serves the readers blocked on the stream after each call, and a
         blocked read takes all it can, so one call per idle peer is what gives each its part.
@@ -36,6 +44,6 @@ class Sharer:
         given: set[bytes] = set()
         for group in groups:
             if group:
-                reply = self._script(keys=[self._stream], args=[GROUP, self._consumer, *group])
-                given.update(i if isinstance(i, bytes) else str(i).encode() for i in reply)
+                reply = self._script(keys=[stream], args=[GROUP, self._consumer, *group])
+                given.update(as_bytes(i) for i in reply)
         return given

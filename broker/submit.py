@@ -10,7 +10,6 @@ encoder: on the gateway's hot path that packing was the largest single cost.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
@@ -18,7 +17,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from broker.connection import IDLE_CHECK_S, is_cluster_client
+from broker.connection import is_cluster_client
+from broker.held import AsyncHeldConnection
 from broker.keys import Keys
 from broker.resp import LARGE_ARG_BYTES, pack_command
 
@@ -49,8 +49,11 @@ class Submitter:
         self._own_limit = b"" if max_backlog is None else b"%d" % max_backlog
         reply = b"$%d\r\n%b\r\n" % (len(reply_key), reply_key.replace(b"%", b"%%"))
         self._entry_format = b"$%d\r\n%b\r\n$%d\r\n%b\r\n" + reply + b"$%d\r\n%b\r\n"
-        self._conn: Any = None  # the connection turns go out on, held from the first turn on
-        self._used_at = 0.0  # monotonic time of its last answered turn
+        # Turns come one at a time (the gateway's flusher), on one held connection (broker.held);
+        # an error reply other than admission's or a missing script (READONLY after a failover,
+        # OOM...) drops it, and the next turn reconnects.
+        self._held = AsyncHeldConnection(client, keep=lambda exc: is_overloaded(exc) or isinstance(
+            exc, redis.exceptions.NoScriptError))
 
     async def load(self) -> None:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
@@ -95,29 +98,7 @@ class Submitter:
     async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> Any:
         if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
             return await self._client.execute_command("EVALSHA", *self._args(batch, unlink)[1:])
-        return await self._execute_packed(self.pack(batch, unlink))
+        return await self._held.call(self.pack(batch, unlink))
 
-    async def _execute_packed(self, packed: bytes) -> Any:
-        """On one connection, taken from the pool once and held: turns come one at a time (the
-        gateway's flusher), and redis-py's checkout per turn (a lock, a readiness check, metrics
-        hooks, then the same on release) cost more than packing the turn. The pool's close
-        disconnects it; after an error it is disconnected and reconnects on the next turn."""
-        conn = self._conn
-        if conn is None:
-            conn = self._conn = await self._client.connection_pool.get_connection()
-        elif time.monotonic() - self._used_at > IDLE_CHECK_S:
-            # Redis (its `timeout`, a restart) or a proxy may have closed it while idle; nothing is
-            # sent yet, so a reconnect here is safe. What the pool's checkout does, when it can matter.
-            await self._client.connection_pool.ensure_connection(conn)
-        try:
-            await conn.send_packed_command(packed, check_health=False)
-            reply = await conn.read_response()
-        except redis.ResponseError as exc:  # an error reply, read in full
-            if not (is_overloaded(exc) or isinstance(exc, redis.exceptions.NoScriptError)):
-                await conn.disconnect()  # READONLY after a failover, OOM...: the next turn reconnects
-            raise
-        except BaseException:
-            await conn.disconnect()
-            raise
-        self._used_at = time.monotonic()
-        return reply
+    async def close(self) -> None:
+        await self._held.close()

@@ -1,0 +1,143 @@
+"""Reading a stage's stream as one consumer of its group: ``XREADGROUP``, blocking, unblocking, parsing.
+
+Each reader holds a connection of its own (:class:`broker.held.HeldConnection`), on the node
+that serves its stream on a Redis Cluster. Redis checks ``BLOCK`` timeouts only every 1/hz
+(about 100 ms by default), so a wait of a few milliseconds (a batch window) cannot be left to
+``BLOCK``: :meth:`StreamReader.read_until` sends a blocking read, waits on its socket for exactly
+the time left and, if nothing came, ends the read with ``CLIENT UNBLOCK`` from another connection
+to the same node. A blocked ``XREADGROUP`` still returns as soon as an entry arrives.
+
+:func:`read_any` blocks on several streams at once (a worker of a partitioned pipeline: one
+``XREADGROUP`` can only name streams of one slot) and returns what each has.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from broker.held import HeldConnection
+from broker.keys import GROUP
+
+Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); None: deleted while pending
+
+_UNBLOCK_TRIES = 3
+
+
+def parse_entries(response: Any) -> list[Entry]:
+    """The entries of an ``XREADGROUP`` reply (RESP3 answers a map of streams, RESP2 a list of pairs)."""
+    if not response:
+        return []
+    streams = response.items() if isinstance(response, dict) else response
+    entries: list[Entry] = []
+    for _stream, items in streams:
+        for entry_id, fields in items:
+            if fields is None:
+                entries.append((entry_id, None))
+                continue
+            if len(fields) % 2:
+                raise ValueError(f"stream entry {entry_id!r} with an odd number of field items")
+            it = iter(fields)
+            entries.append((entry_id, dict(zip(it, it, strict=False))))  # an even count, checked above
+    return entries
+
+
+class StreamReader:
+    """Reads one stream as one consumer, on a connection of its own."""
+
+    def __init__(self, client: redis.Redis, stream: str, consumer: str) -> None:
+        self.stream = stream
+        self._consumer = consumer
+        self._client_id = 0
+        self._held = HeldConnection(client, stream, on_connect=self._identify)
+        self._sent = False  # a read was sent and its reply is still to be taken
+
+    def _identify(self, conn: Any) -> None:
+        conn.send_command("CLIENT", "ID")
+        self._client_id = int(conn.read_response())
+
+    def close(self) -> None:
+        self._held.drop()
+        self._sent = False
+
+    def _command(self, count: int, block_ms: int | None, start: str) -> list[Any]:
+        cmd: list[Any] = ["XREADGROUP", "GROUP", GROUP, self._consumer, "COUNT", count]
+        if block_ms is not None:
+            cmd += ["BLOCK", block_ms]
+        return [*cmd, "STREAMS", self.stream, start]
+
+    def read(self, count: int, block_ms: int | None = None, start: str = ">") -> list[Entry]:
+        """Non-blocking, or blocking with Redis's own (coarse) timeout. ``start="0"``: this
+        consumer's own pending entries, from the oldest."""
+        self.send_read(count, block_ms, start)
+        return self.finish_read()
+
+    def send_read(self, count: int, block_ms: int | None = None, start: str = ">") -> None:
+        """Send a read without waiting for its reply (:meth:`finish_read` takes it)."""
+        if self._sent:  # a reply never taken (its caller failed): the connection is out of step
+            self.close()
+        self._held.send_command(*self._command(count, block_ms, start))
+        self._sent = True
+
+    def finish_read(self) -> list[Entry]:
+        self._sent = False
+        return parse_entries(self._held.read())
+
+    def read_until(self, count: int, timeout_s: float) -> list[Entry]:
+        """New entries, waiting at most ``timeout_s`` by the client's clock."""
+        self.send_read(count, max(1, math.ceil(timeout_s * 1000)))
+        if not self._held.ready(max(0.0, timeout_s)):
+            self.unblock()
+        return self.finish_read()  # nil, or entries that won the race with the unblock
+
+    def unblock(self) -> None:
+        """End this reader's blocked read (sent, reply not yet taken). Sent from another connection,
+        it may reach the server before the read does (it then answers 0): tried again, briefly."""
+        for _ in range(_UNBLOCK_TRIES):
+            if self._held.server.execute_command("CLIENT", "UNBLOCK", self._client_id) or self._held.ready(0.005):
+                return
+
+    def finish_waiting(self) -> list[Entry]:
+        """Take the reply of a blocking read sent earlier, ending it first if it is still blocked."""
+        if not self._held.ready(0):
+            self.unblock()
+        return self.finish_read()
+
+    def fileno(self) -> int:
+        return self._held.fileno()
+
+
+ReadOutcome = list[Entry] | Exception  # a reader's entries, or what went wrong with it
+
+
+def read_any(readers: Sequence[StreamReader], count: int, timeout_s: float) -> list[ReadOutcome]:
+    """Block on every reader's stream at once and return, for each reader, its new entries (or
+    the error it met) as soon as one has entries, or after ``timeout_s``. Every reply is read:
+    entries that won the race on another stream are returned too (they are this consumer's now)."""
+    block_ms = max(1, math.ceil(timeout_s * 1000))
+    outcomes: list[ReadOutcome] = [[] for _ in readers]
+    sent: list[int] = []
+    for i, reader in enumerate(readers):
+        try:
+            reader.send_read(count, block_ms)
+            sent.append(i)
+        except Exception as exc:  # the caller tells a lost node from a bug
+            reader.close()
+            outcomes[i] = exc
+    if sent:
+        select.select([readers[i].fileno() for i in sent], [], [], timeout_s)
+    for i in sent:
+        outcomes[i] = _finish(readers[i])
+    return outcomes
+
+
+def _finish(reader: StreamReader) -> ReadOutcome:
+    try:
+        return reader.finish_waiting()
+    except Exception as exc:  # the caller tells a lost node from a bug
+        reader.close()
+        return exc
