@@ -1,4 +1,4 @@
-"""Stages for tests/test_handoff.py (imported by worker processes as ``tests.handoff_stages``)."""
+"""Stages for tests/test_sharing.py (imported by worker processes as ``tests.sharing_stages``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 from workers import Pipeline, Stage
 
 
-class WhoRuns(Stage):
-    """Takes a few milliseconds (long enough to count as a model) and answers its worker's pid."""
+class BurstRuns(Stage):
+    """A model-like stage (a few milliseconds per batch) that reads up to 8 at once, so a burst of
+    4 fits one read; it answers its worker's pid."""
 
-    batch_size = 2
+    batch_size = 8
     batch_wait_s = 0.0
 
     def predict(self, batch: list[Any]) -> list[int]:
@@ -20,13 +21,5 @@ class WhoRuns(Stage):
         return [os.getpid()] * len(batch)
 
 
-two_workers = Pipeline("t-handoff").add(WhoRuns, name="who", workers=2)
-
-
-class BurstRuns(WhoRuns):
-    """A model-like stage that reads up to 8 at once: a burst of 4 fits one read."""
-
-    batch_size = 8
-
-
 bursts = Pipeline("t-share").add(BurstRuns, name="burst", workers=2)
+unshared = Pipeline("t-unshared").add(BurstRuns, name="burst", workers=2, share_bursts=False)

@@ -1,4 +1,4 @@
-"""StreamReader and BatchCollector against a real Redis.
+"""The stream reader (broker.streams) and batch filling (workers.batching.collector) against a real Redis.
 
 Timing assertions here are behaviour checks with generous bounds (a read that should take
 5 ms must not take Redis's ~100 ms BLOCK resolution, a batch that is full must not wait for
@@ -16,9 +16,10 @@ import pytest
 import redis
 
 from broker.keys import GROUP
+from broker.streams import Entry, StreamReader, read_any
 from workers import Pipeline, Stage
 from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
-from workers.batching.collector import BatchCollector, FixedWait, StreamReader
+from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.pipeline import PipelineError
 
 STREAM = "conveyor:{t-batching}:stream:0"
@@ -39,6 +40,16 @@ def add(client: redis.Redis, n: int, start: int = 0) -> None:
     for i in range(start, start + n):
         pipe.xadd(STREAM, {"id": f"r{i}", "data": b"\x01"})
     pipe.execute()
+
+
+def collect(reader: StreamReader, policy: WaitPolicy, count: int, idle_s: float) -> list[Entry]:
+    """What a worker does on one lane: the batch's first read (waiting up to ``idle_s``), then more
+    while the policy says waiting pays."""
+    sent_at = time.monotonic()
+    [entries] = read_any([reader], count, idle_s)
+    assert not isinstance(entries, Exception)
+    first_at = time.monotonic()
+    return fill(reader, policy, entries, count, first_at - sent_at, first_at) if entries else entries
 
 
 def ids(entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[bytes]:
@@ -104,32 +115,30 @@ def test_read_until_after_a_timeout_still_reads_new_items(reader: StreamReader, 
     assert ids(reader.read_until(5, 1.0)) == [b"r0", b"r1"]
 
 
-def test_collector_takes_a_full_batch_at_once(reader: StreamReader, redis_client: redis.Redis) -> None:
+def test_batch_takes_a_full_batch_at_once(reader: StreamReader, redis_client: redis.Redis) -> None:
     add(redis_client, 100)
-    collector = BatchCollector(reader, 32, FixedWait(5.0), idle_block_ms=1000)
     started = time.monotonic()
-    batch = collector.collect()
+    batch = collect(reader, FixedWait(5.0), 32, 1.0)
     assert len(batch) == 32
     assert ids(batch) == [f"r{i}".encode() for i in range(32)]
     assert time.monotonic() - started < 1.0, "a full batch must not wait for batch_wait_s"
-    assert ids(collector.collect()) == [f"r{i}".encode() for i in range(32, 64)]
+    assert ids(collect(reader, FixedWait(5.0), 32, 1.0)) == [f"r{i}".encode() for i in range(32, 64)]
 
 
-def test_collector_after_an_idle_read_does_not_wait(reader: StreamReader, redis_client: redis.Redis,
+def test_batch_after_an_idle_read_does_not_wait(reader: StreamReader, redis_client: redis.Redis,
                                                     redis_url: str) -> None:
     # The first item comes after batch_wait_s of idling: take it and go, do not open a window.
     batch_wait_s = 0.5
     producer = Producer(redis_url, 0.6, lambda c: add(c, 1))
     producer.start()
-    collector = BatchCollector(reader, 32, FixedWait(batch_wait_s), idle_block_ms=5000)
-    batch = collector.collect()
+    batch = collect(reader, FixedWait(batch_wait_s), 32, 5.0)
     returned = time.monotonic()
     producer.finish()
     assert ids(batch) == [b"r0"]
     assert returned - producer.acted_at < batch_wait_s / 2, "the collector waited after a long idle"
 
 
-def test_collector_waits_the_window_for_a_trickle(reader: StreamReader, redis_client: redis.Redis,
+def test_batch_waits_the_window_for_a_trickle(reader: StreamReader, redis_client: redis.Redis,
                                                   redis_url: str) -> None:
     batch_wait_s = 0.4
 
@@ -142,7 +151,7 @@ def test_collector_waits_the_window_for_a_trickle(reader: StreamReader, redis_cl
     producer = Producer(redis_url, 0.0, trickle)
     started = time.monotonic()
     producer.start()
-    batch = BatchCollector(reader, 32, FixedWait(batch_wait_s), idle_block_ms=1000).collect()
+    batch = collect(reader, FixedWait(batch_wait_s), 32, 1.0)
     elapsed = time.monotonic() - started
     producer.finish()
     assert ids(batch) == [f"r{i}".encode() for i in range(6)]
@@ -150,22 +159,22 @@ def test_collector_waits_the_window_for_a_trickle(reader: StreamReader, redis_cl
     assert elapsed < batch_wait_s + 0.5, f"the window of {batch_wait_s}s took {elapsed:.2f}s"
 
 
-def test_collector_returns_when_the_batch_fills_within_the_window(reader: StreamReader, redis_client: redis.Redis,
+def test_batch_returns_when_the_batch_fills_within_the_window(reader: StreamReader, redis_client: redis.Redis,
                                                                    redis_url: str) -> None:
     add(redis_client, 1)
     producer = Producer(redis_url, 0.05, lambda c: add(c, 3, start=1))
     started = time.monotonic()
     producer.start()
-    batch = BatchCollector(reader, 4, FixedWait(5.0), idle_block_ms=1000).collect()
+    batch = collect(reader, FixedWait(5.0), 4, 1.0)
     elapsed = time.monotonic() - started
     producer.finish()
     assert ids(batch) == [b"r0", b"r1", b"r2", b"r3"]
     assert elapsed < 2.0, "a batch that filled up must not wait out its window"
 
 
-def test_collector_with_nothing_queued_returns_empty_after_the_idle_block(reader: StreamReader) -> None:
+def test_batch_with_nothing_queued_returns_empty_after_the_idle_block(reader: StreamReader) -> None:
     started = time.monotonic()
-    assert BatchCollector(reader, 8, FixedWait(0.01), idle_block_ms=50).collect() == []
+    assert collect(reader, FixedWait(0.01), 8, 0.05) == []
     assert time.monotonic() - started < 1.0
 
 
@@ -189,7 +198,7 @@ def test_adaptive_lone_item_goes_at_once(reader: StreamReader, redis_client: red
     policy.observe_read(1, time.monotonic() - 0.05)  # one item 50 ms ago: about 20 items/s
     add(redis_client, 1)
     started = time.monotonic()
-    batch = BatchCollector(reader, 32, policy, idle_block_ms=1000).collect()
+    batch = collect(reader, policy, 32, 1.0)
     assert ids(batch) == [b"r0"]
     assert time.monotonic() - started < 0.25, "a lone item waited for company that was not coming"
 
@@ -228,11 +237,10 @@ def test_singleton_read_size_follows_work_and_live_workers() -> None:
     assert size.count() == 2
 
 
-def test_collector_reads_the_count_it_is_given(reader: StreamReader, redis_client: redis.Redis) -> None:
+def test_batch_reads_the_count_it_is_given(reader: StreamReader, redis_client: redis.Redis) -> None:
     add(redis_client, 10)
-    collector = BatchCollector(reader, 1, FixedWait(0.0), idle_block_ms=100)
-    assert ids(collector.collect(4)) == [b"r0", b"r1", b"r2", b"r3"]
-    assert len(collector.collect()) == 1
+    assert ids(collect(reader, FixedWait(0.0), 4, 0.1)) == [b"r0", b"r1", b"r2", b"r3"]
+    assert len(collect(reader, FixedWait(0.0), 1, 0.1)) == 1
 
 
 def test_batch_policy_is_validated() -> None:

@@ -21,7 +21,7 @@ BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
 # Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
     "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
-    "max_run_s", "max_backlog", "max_deliveries", "claim_idle_s",
+    "max_run_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
 )
 
 
@@ -46,6 +46,7 @@ class StageSpec:
     max_backlog: int | None = None
     max_deliveries: int = 5
     claim_idle_s: float = 30.0
+    share_bursts: bool = True
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -74,6 +75,8 @@ class StageSpec:
             _check_number(self.name, "max_run_s", self.max_run_s, allow_zero=True)
         if self.max_backlog is not None:
             _check_int(self.name, "max_backlog", self.max_backlog, 0)
+        if not isinstance(self.share_bursts, bool):
+            raise PipelineError(f"stage {self.name}: share_bursts must be True or False, got {self.share_bursts!r}")
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:

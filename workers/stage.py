@@ -29,6 +29,8 @@ class Stage:
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None
+    # A burst read whole while peer workers idle gives them an even share (workers/batching/sharing.py).
+    share_bursts: ClassVar[bool | None] = None
     # Length-aware batching (workers/batching/grouping.py): define ``batch_key(self, x)`` returning a
     # sortable cost of one decoded item (e.g. its token count); each batch read is then sorted by
     # it and run as groups of at most ``group_size`` similar items (default batch_size // 4).

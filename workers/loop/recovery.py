@@ -16,12 +16,13 @@ import redis
 
 from broker import protocol
 from broker.keys import GROUP
-from workers.batching.collector import Entry, StreamReader
+from broker.streams import Entry
+from workers.loop.lanes import Lane
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")
 
-Process = Callable[[list[Entry], dict[bytes, int]], None]  # run and commit entries, with delivery counts
+Process = Callable[[Lane, list[Entry], dict[bytes, int]], None]  # run and commit entries, with delivery counts
 
 
 class Recovery:
@@ -34,7 +35,7 @@ class Recovery:
         self._stopping = stopping
         self._own_rereads: dict[bytes, int] = {}  # re-reads of our pending list after losing Redis
 
-    def drain_own_pending(self, reader: StreamReader, stream: str, own_retry: bool = False) -> None:
+    def drain_own_pending(self, lane: Lane, own_retry: bool = False) -> None:
         """Finish what this consumer held when it died. Entries delivered before run one at a
         time: if one of them crashed or hung the worker, it alone pays for it again.
 
@@ -42,21 +43,21 @@ class Recovery:
         re-read counts as a delivery in Redis; it is subtracted, so flapping Redis never sends
         innocent entries to the dead-letter stream."""
         while not self._stopping():
-            entries = reader.read(self._spec.batch_size, start="0")
+            entries = lane.reader.read(self._spec.batch_size, start="0")
             if not entries:
                 return
             if own_retry:
                 for entry_id, _ in entries:
                     self._own_rereads[entry_id] = self._own_rereads.get(entry_id, 0) + 1
-            self._redelivered(stream, entries)
+            self._redelivered(lane, entries)
 
-    def claim_stale(self, reader: StreamReader, stream: str) -> None:
+    def claim_stale(self, lane: Lane) -> None:
         """Take over the entries other consumers have held for over ``claim_idle_s``."""
         min_idle_ms = int(self._spec.claim_idle_s * 1000)
         cursor = "0-0"
         unnamed = False
         while not self._stopping():
-            reply = self._client.xautoclaim(stream, GROUP, self._consumer, min_idle_ms, cursor,
+            reply = self._client.xautoclaim(lane.stream, GROUP, self._consumer, min_idle_ms, cursor,
                                             count=self._spec.batch_size)
             cursor, claimed = reply[0], reply[1]
             deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
@@ -67,11 +68,11 @@ class Recovery:
             entries += [(eid, None) for eid in deleted]
             if entries:
                 log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(entries))
-                self._redelivered(stream, entries)
+                self._redelivered(lane, entries)
             if cursor in (b"0-0", "0-0"):
                 break
         if unnamed:
-            self.drain_own_pending(reader, stream)
+            self.drain_own_pending(lane)
 
     def committed(self, acks: list[bytes]) -> None:
         """Entries acked: their re-read counts are no longer needed."""
@@ -79,14 +80,14 @@ class Recovery:
             for entry_id in acks:
                 self._own_rereads.pop(entry_id, None)
 
-    def _redelivered(self, stream: str, entries: list[Entry]) -> None:
-        deliveries = self._delivery_counts(stream, entries)
+    def _redelivered(self, lane: Lane, entries: list[Entry]) -> None:
+        deliveries = self._delivery_counts(lane.stream, entries)
         fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
         if fresh:
-            self._process(fresh, deliveries)
+            self._process(lane, fresh, deliveries)
         for entry in entries:
             if deliveries.get(entry[0], 1) > 1:
-                self._process([entry], deliveries)
+                self._process(lane, [entry], deliveries)
 
     def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
         ids = sorted((e[0] for e in entries), key=_id_key)

@@ -15,7 +15,7 @@ from typing import Any
 from broker import codec, protocol
 from broker.commit import Commit
 from broker.keys import Keys
-from workers.batching.collector import Entry
+from broker.streams import Entry
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")

@@ -19,12 +19,20 @@ Which core a worker runs on:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 import psutil
+import redis
+
+from broker.keys import Keys
+from broker.pins import PinClaims, PinRequest
+
+log = logging.getLogger("conveyor.worker")
 
 THREAD_ENV_VARS = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
@@ -97,3 +105,35 @@ def limit_torch_threads(threads: int | None) -> None:
 
     torch.set_num_threads(threads)
 
+
+
+class CoreClaim:
+    """One worker's claim on a core of its host (``pin="claim"``): claimed and pinned to at start,
+    renewed with every heartbeat (a :class:`workers.loop.heartbeat.BeatHook`), released at stop;
+    a worker that dies leaves it to expire after ``ttl_ms`` (:mod:`broker.pins`)."""
+
+    def __init__(self, keys: Keys, consumer: str, stage: int, hint: int, ttl_ms: int) -> None:
+        self._claims = PinClaims(keys, host_id(), ttl_ms)
+        self._consumer = consumer
+        self._stage = stage
+        self.cpu = hint  # the core it prefers (its slot's), until claimed
+
+    def claim(self, client: redis.Redis) -> None:
+        """Claim a core (the hint if free) and pin this process to it. Refused by Redis (an ACL
+        without the claim's commands), the hint will do: pinning must not stop a worker."""
+        try:
+            cpus = self._claims.claim(client, allowed_cpus(), [PinRequest(self._consumer, self._stage, self.cpu)])
+            self.cpu = cpus[0]
+        except redis.ResponseError as exc:
+            log.warning("could not claim a core error=%s: pinning to cpu %d", exc, self.cpu)
+        pin(self.cpu)
+        log.info("pinned consumer=%s cpu=%d host=%s", self._consumer, self.cpu, self._claims.host)
+
+    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+        self._claims.renew(pipe, self.cpu, self._stage, self._consumer)
+
+    def take(self, replies: list[Any]) -> None:
+        """A renewal that failed is tried again at the next beat (the claim lives ``ttl_ms``)."""
+
+    def stop(self, client: redis.Redis) -> None:
+        self._claims.release(client, self.cpu, self._stage, self._consumer)
