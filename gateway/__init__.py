@@ -1,6 +1,6 @@
 """The asyncio gateway (Python API), its HTTP front, health and metrics. Never imports stage code."""
 
-from gateway.client.partition import Gateway, GatewaySettings
+from gateway.client import Gateway, GatewaySettings
 from gateway.errors import Overloaded, StageError, UnknownPipeline
 
 __all__ = ["Gateway", "GatewaySettings", "Overloaded", "StageError", "UnknownPipeline"]

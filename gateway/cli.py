@@ -17,11 +17,10 @@ import click
 from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
-from gateway.client.gateway import read_all_partitions
-from gateway.client.partition import GatewaySettings
+from gateway.client import GatewaySettings
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
-from gateway.monitor.status import PipelineStatus
+from gateway.monitor.status import PipelineStatus, read_all_partitions
 from gateway.serve import GatewayJob, LoopUnavailable, check_loop, serve, serve_processes
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)

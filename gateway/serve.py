@@ -26,8 +26,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from gateway.client.gateway import PartitionedGateway
-from gateway.client.partition import GatewaySettings
+from gateway import Gateway
+from gateway.client import GatewaySettings
 from gateway.http.server import HttpServer, HttpSettings, PortInUse, check_port_free
 from gateway.http.server import run as serve_http
 
@@ -90,7 +90,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
     """One gateway process: serve until SIGTERM/SIGINT, drain, close the Redis connections."""
 
     async def main() -> None:
-        async with PartitionedGateway(job.redis_url, job.name, job.gateway) as backend:
+        async with Gateway(job.redis_url, job.name, job.gateway) as backend:
             await serve_http(backend, job.http, started=started)
 
     run_loop(main(), job.loop)

@@ -4,6 +4,11 @@ Why real: the pipeline's semantics (consumer groups, XAUTOCLAIM, Lua, blocking r
 processes) are what is under test; why private: tests must never touch a developer's Redis.
 ``tests/__init__.py`` makes ``tests`` a package, so worker subprocesses started from the repo
 root can import ``tests.stages``.
+
+Tiers (pytest markers): ``unit`` (no Redis, no processes: ``pytest -m unit``, seconds), ``redis``
+(a real Redis, no worker processes), ``system`` (worker processes, compose, clusters, network
+namespaces). A module that starts processes says ``pytestmark = pytest.mark.system``; the other
+tests are placed by the fixtures they use, and a ``unit`` test that asks for a Redis fails.
 """
 
 from __future__ import annotations
@@ -14,6 +19,22 @@ import pytest
 import redis
 
 from workers.embedded.server import EmbeddedRedis
+
+TIERS = ("unit", "redis", "system")
+REDIS_FIXTURES = frozenset({"redis_server", "redis_url", "redis_client", "private_redis"})
+CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_url", "failover_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test one tier: the closest tier marker, else the one its fixtures imply."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        tier = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+        if tier == "unit" and fixtures & (REDIS_FIXTURES | CLUSTER_FIXTURES):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses a Redis fixture")
+        if tier is None:
+            tier = "system" if fixtures & CLUSTER_FIXTURES else "redis" if fixtures & REDIS_FIXTURES else "unit"
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope="session")

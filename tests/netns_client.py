@@ -8,11 +8,11 @@ import json
 import sys
 from typing import Any
 
-from gateway.client.gateway import PartitionedGateway
+from gateway import Gateway
 
 
 async def main(url: str, pipeline: str, n: int) -> dict[str, Any]:
-    async with PartitionedGateway(url, pipeline) as gw:
+    async with Gateway(url, pipeline) as gw:
         outcomes = await asyncio.gather(*(gw.predict(v, timeout_s=60.0) for v in range(n)), return_exceptions=True)
     return {"answers": [o if not isinstance(o, BaseException) else None for o in outcomes],
             "errors": [repr(o) for o in outcomes if isinstance(o, BaseException)]}

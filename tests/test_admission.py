@@ -22,6 +22,8 @@ from gateway import Gateway, GatewaySettings, Overloaded
 from tests.helpers import running_workers, wait_for
 from workers import Pipeline, Stage
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 BACKLOG = 20
 BURST = 10 * BACKLOG
 NAME = "t-admission"

@@ -25,6 +25,8 @@ from bench.peers.runner import mosec_body, parse_sizes, payload_array
 from bench.peers.servers import PIPELINE_NAME, Conveyor, CpuMeter, Mosec, http_post
 from broker import codec
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 WRK_OUTPUT = f"""Running 2s test @ http://127.0.0.1:8000/v1/predict
   2 threads and 16 connections
   Thread Stats   Avg      Stdev     Max   +/- Stdev

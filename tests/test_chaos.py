@@ -33,10 +33,13 @@ import redis
 
 from broker import codec
 from broker.keys import GROUP, Keys
-from gateway import Gateway, GatewaySettings, StageError
+from gateway import GatewaySettings, StageError
+from gateway.client.partition import Partition
 from tests.chaos_stages import chaos_f
 from tests.helpers import Workers, running_workers, wait_for
 from workers.embedded.server import EmbeddedRedis
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "tests.chaos_stages:chaos"
 PIPELINE = "c-chaos"
@@ -49,9 +52,10 @@ LOAD_BOUND_S = 150.0  # the whole load, chaos included; it takes ~20-40 s on 2 c
 MIN_AGE_S = 1.0  # only kill workers that are up (see the module docstring)
 
 
-class CountingGateway(Gateway):
-    """A gateway that counts, per request id, the records pushed to its reply list (each id must
-    be pushed at most once) apart from those it re-read from result keys after a reconnect."""
+class CountingGateway(Partition):
+    """A gateway of a one-partition pipeline that counts, per request id, the records pushed to its
+    reply list (each id must be pushed at most once) apart from those it re-read from result keys
+    after a reconnect."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,7 +141,7 @@ class Chaos:
             admin.close()
 
 
-async def load(gw: Gateway, outcome: Outcome) -> None:
+async def load(gw: Partition, outcome: Outcome) -> None:
     inputs = iter(range(REQUESTS))
 
     async def client() -> None:
@@ -186,7 +190,7 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
     env = {"CONVEYOR_LOG_LEVEL": "WARNING"}
     with running_workers(url, APP, [("Triple", 2), ("Inc", 2)], **env) as workers:
         workers.wait_ready(PIPELINE, 30, workers={"Triple": 2, "Inc": 2})
-        first_pids = {c.pid for p in workers.process.procs for c in p.children()}
+        first_pids = {c.pid for p in workers.procs for c in p.children()}
         chaos = Chaos(workers, url, outcome)
         thread = threading.Thread(target=chaos.run, name="chaos", daemon=True)
         gw = CountingGateway(url, PIPELINE, GatewaySettings(timeout_s=TIMEOUT_S))
@@ -207,7 +211,7 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
             thread.join(10)
         workers.check_alive()
         assert_drained(url, workers)
-        last_pids = {c.pid for p in workers.process.procs for c in p.children()}
+        last_pids = {c.pid for p in workers.procs for c in p.children()}
 
     lat = sorted(outcome.latencies)
     duplicated = {i: n for i, n in gw.pushed.items() if n > 1}

@@ -7,7 +7,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import redis
@@ -16,15 +16,17 @@ from redis.cluster import key_slot
 from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
+from gateway import Gateway
 from gateway.cli import format_status, status_json
-from gateway.client.gateway import PartitionedGateway, partition_of, read_all_partitions
-from gateway.client.partition import Gateway
+from gateway.client.gateway import partition_of
 from gateway.monitor.metrics import Metrics
-from gateway.monitor.status import PipelineStatus
+from gateway.monitor.status import PipelineStatus, read_all_partitions
 from tests.cluster import ClusterError, LocalCluster
 from tests.helpers import running_workers, wait_for
 from tests.test_http import FakeBackend, one, predict_json, serving
 from tests.test_pipeline_e2e import assert_drained
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "tests.stages"
 T = 30.0
@@ -132,8 +134,8 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
         async def main() -> None:
-            async with PartitionedGateway(cluster_url, "t-parts1") as gw:
-                assert len(gw.gateways) == 3  # the count came from the spec the workers wrote
+            async with Gateway(cluster_url, "t-parts1") as gw:
+                assert len(gw.parts) == 3  # the count came from the spec the workers wrote
                 values = list(range(n))
                 assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
                 keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(20)),
@@ -177,12 +179,12 @@ def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
     The gateway starts before any worker: partition 0 only, then all three once the spec is there."""
 
     async def main() -> int:
-        async with PartitionedGateway(redis_url, "t-parts1") as gw:
-            assert len(gw.gateways) == 1  # no spec yet: partition 0, which every worker serves
+        async with Gateway(redis_url, "t-parts1") as gw:
+            assert len(gw.parts) == 1  # no spec yet: partition 0, which every worker serves
             with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
                 await asyncio.to_thread(workers.wait_ready, "t-parts1", T, {"Scale": 2})
                 early = 0
-                while len(gw.gateways) < 3:  # the gateway looks for the spec again every 2 s
+                while len(gw.parts) < 3:  # the gateway looks for the spec again every 2 s
                     assert await gw.predict(early) == early * 2 + 3
                     early += 1
                     assert early < 1000, "the gateway never picked up the partition count"
@@ -220,21 +222,21 @@ def test_master_killed_mid_load_replica_promoted(failover_cluster: LocalCluster)
     with running_workers(url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
         workers.wait_ready("t-parts1", T, workers={"Scale": 2})
 
-        async def one(gw: PartitionedGateway, v: int) -> None:
+        async def one(gw: Gateway, v: int) -> None:
             try:
                 outcomes[v] = await gw.predict(v, timeout_s=6.0, key=key_of[v % 3])
                 done_at[v] = (v % 3, time.monotonic())
             except TimeoutError as exc:
                 outcomes[v] = exc
 
-        async def live_probe(gw: PartitionedGateway) -> None:
+        async def live_probe(gw: Gateway) -> None:
             """One request after another to partition 2 (v % 3 == 2), whose master stays up."""
             for v in range(1_000_000_001, 1_000_100_000, 3):
                 await one(gw, v)
 
         async def main() -> None:
             nonlocal killed_at
-            async with PartitionedGateway(url, "t-parts1") as gw:
+            async with Gateway(url, "t-parts1") as gw:
                 counter = 0
                 started = time.monotonic()
                 probe = asyncio.create_task(live_probe(gw))
@@ -306,12 +308,12 @@ async def _healthy(cluster: LocalCluster) -> bool:
 
 @dataclass
 class KeyedBackend(FakeBackend):
-    """test_http's fake backend, taking a partition key as PartitionedGateway does."""
+    """test_http's fake backend, taking a partition key as Gateway does."""
 
-    takes_partition_key: ClassVar[bool] = True
     keys: list[bytes | str | None] = field(default_factory=list)
 
-    def submit(self, x: Any, timeout_s: float | None = None, key: bytes | str | None = None) -> asyncio.Future[Any]:
+    def submit(self, x: Any, timeout_s: float | None = None, key: bytes | str | None = None, *,
+               direct: bool = False) -> asyncio.Future[Any]:
         self.keys.append(key)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 

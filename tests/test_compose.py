@@ -35,6 +35,8 @@ import yaml
 
 from tests.helpers import http_call
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 PODMAN_OVERRIDE = ROOT / "compose" / "podman-override.yml"

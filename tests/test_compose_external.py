@@ -18,6 +18,8 @@ from tests.test_compose import (  # noqa: F401  (schema: the fixture)
     validate,
 )
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 EXTERNAL = ROOT / "compose" / "external-redis.yml"
 CLUSTER_URL = "redis+cluster://:pw@10.0.0.5:7000,10.0.0.6:7000"
 

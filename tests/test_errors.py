@@ -22,6 +22,8 @@ from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, ping, running_workers
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 T = 30.0
 TYPO = "no-such-pipeline"
 

@@ -18,6 +18,8 @@ import redis
 from tests.helpers import Workers, running_workers, wait_for
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 PIPELINE = "t-foreign"  # tests/stages.py: AddOne then Guard, f(x) = 2 (x + 1), refuses x = 99
 STREAM0 = "conveyor:{t-foreign}:stream:0"
 DEAD0 = "conveyor:{t-foreign}:dead:0"

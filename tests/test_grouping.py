@@ -8,13 +8,16 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
 
-from gateway.client.partition import Gateway
+from gateway import Gateway
 from tests import grouping_stages
 from tests.helpers import running_workers
 from workers.batching.grouping import plan_groups, run_grouped
 from workers.loop.runner import Failure, run_batch
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 T = 30.0
 

@@ -31,6 +31,8 @@ from gateway import Gateway, GatewaySettings
 from tests.helpers import Workers, running_workers, wait_for
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 APP = "tests.chaos_stages:hostile"
 PIPELINE = "c-hostile"
 KEYS = Keys(PIPELINE)
@@ -71,7 +73,7 @@ def env() -> Iterator[Env]:
             workers.wait_ready(PIPELINE, T, workers={"AddTen": 2, "Halve": 1})
             client = redis.Redis.from_url(server.url)
             try:
-                yield Env(server.url, client, workers, {c.pid for p in workers.process.procs for c in p.children()})
+                yield Env(server.url, client, workers, {c.pid for p in workers.procs for c in p.children()})
             finally:
                 client.close()
     finally:

@@ -61,6 +61,10 @@ class FakeBackend:
             stage.batches = []
         return fresh
 
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+               direct: bool = False) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(self.predict(x, timeout_s))
+
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         self.calls.append((x, timeout_s))
         self._in_flight += 1

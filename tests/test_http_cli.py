@@ -22,6 +22,8 @@ from gateway.http.server import PortInUse, check_port_free
 from gateway.monitor.status import PipelineStatus
 from tests.ops_stages import free_port
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0  # process start-up imports numpy and redis: slow on a loaded 2-core machine
 

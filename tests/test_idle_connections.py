@@ -78,6 +78,7 @@ def test_a_turn_after_the_server_closed_the_idle_connection_goes_through(
             assert await submit([submit.entry(b"r1", encode(1), b"")], []) == 1
             assert await client.xlen(keys.stream(0)) == 2
         finally:
+            await submit.close()
             await client.aclose()
 
     asyncio.run(run())

@@ -31,6 +31,8 @@ from broker.keys import GROUP, Keys
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, wait_for, wait_ready
 from workers.embedded.server import find_redis_server
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 T = 60.0
 PIPELINE = "t-hosts"
 APP = "tests.cluster_stages:hosts"

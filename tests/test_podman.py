@@ -43,7 +43,7 @@ READY_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60
 
 # The one-time set-up may take most of SETUP_TIMEOUT_S; the test itself stays well under 6 minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SETUP_TIMEOUT_S + 480)]
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.timeout(SETUP_TIMEOUT_S + 480)]
 
 
 def _run(argv: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -40,6 +40,8 @@ from tests.helpers import (
 from tests.test_chaos import CountingGateway
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 APP = "tests.chaos_stages"
 T = 30.0  # bound of any single wait in this module
 R = TypeVar("R")
@@ -66,7 +68,7 @@ async def until(predicate: Callable[[], Any], timeout_s: float, what: str,
 
 
 def child_pids(workers: Workers | WorkerProc) -> set[int]:
-    procs = workers.process.procs if isinstance(workers, Workers) else [workers]
+    procs = workers.procs if isinstance(workers, Workers) else [workers]
     return {c.pid for p in procs for c in p.children()}
 
 
@@ -483,7 +485,7 @@ def test_redis_restart_in_flight_fail_at_deadline_then_service_resumes(private_r
     with running_workers(url, f"{APP}:reconnect", ["Square", "Neg"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
         workers.wait_ready("c-reconnect", T, workers={"Square": 2, "Neg": 2})
         pids = child_pids(workers)
-        procs = [psutil.Process(p) for p in pids] + [psutil.Process(w.pid) for w in workers.process.procs]
+        procs = [psutil.Process(p) for p in pids] + [psutil.Process(w.pid) for w in workers.procs]
 
         async def main() -> tuple[list[Any], dict[str, float], float]:
             async with Gateway(url, "c-reconnect", GatewaySettings(timeout_s=T)) as gw:

@@ -11,6 +11,8 @@ from gateway import Gateway, GatewaySettings, Overloaded
 from tests.helpers import running_workers
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 APP = "examples.scale_shift:pipeline"
 
 
@@ -18,7 +20,7 @@ def test_out_of_memory_refuses_requests_then_service_resumes(private_redis: Embe
     admin = redis.Redis.from_url(private_redis.url)
     with running_workers(private_redis.url, APP, ["Scale", "Shift"]) as workers:
         workers.wait_ready("scale-shift")
-        pids = {c.pid for p in workers.process.procs for c in p.children()}
+        pids = {c.pid for p in workers.procs for c in p.children()}
 
         async def scenario() -> None:
             async with Gateway(private_redis.url, "scale-shift", GatewaySettings(timeout_s=10)) as gw:
@@ -33,5 +35,5 @@ def test_out_of_memory_refuses_requests_then_service_resumes(private_redis: Embe
 
         asyncio.run(scenario())
         workers.check_alive()
-        assert {c.pid for p in workers.process.procs for c in p.children()} == pids, "no worker crashed"
+        assert {c.pid for p in workers.procs for c in p.children()} == pids, "no worker crashed"
     admin.close()

@@ -16,12 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import redis
 
 from broker.keys import GROUP, Keys
-from gateway.client.partition import Gateway, GatewaySettings
+from gateway import Gateway, GatewaySettings
 from tests.helpers import WorkerProc, start_worker, stop_process, wait_for, wait_ready
 from tests.stop_stages import expected, rolling
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 T = 30.0
 CONCURRENCY = 100

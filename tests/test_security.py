@@ -16,6 +16,8 @@ from gateway import Gateway, GatewaySettings
 from tests.helpers import running_workers
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 APP = "examples.scale_shift:pipeline"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 

@@ -29,6 +29,8 @@ from tests.helpers import REPO_ROOT, alive, conveyor_argv, conveyor_env, descend
 from tests.stop_stages import expected
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
 T = 30.0
 CLIENTS = 50
 # A request counts as admitted when it was sent this long before the signal: by then the

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from broker.keys import GROUP, Keys
-from gateway.client.partition import Gateway
+from gateway import Gateway
 from tests import stages
 from tests.helpers import (
     REPO_ROOT,
@@ -38,6 +38,8 @@ from tests.helpers import (
     wait_for,
     wait_ready,
 )
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 T = 30.0
 

@@ -1,9 +1,9 @@
-"""A gateway for a pipeline of any partition count: one :class:`Gateway` per partition.
+"""The gateway's Python API: :class:`Gateway`, for a pipeline of any partition count.
 
 Each partition is a full copy of the key layout under its own hash tag (see
 :mod:`broker.keys`), so each has its own first stream, reply list and result keys, in its own
 Redis Cluster slot; a request stays in the partition it was submitted to, and its answer is
-pushed to that partition's reply list of this gateway. One :class:`Gateway` per partition is
+pushed to that partition's reply list of this gateway. One :class:`Partition` per partition is
 therefore the whole design: each keeps its own flusher and reply reader (a ``BLPOP`` on its
 partition's node); admission is in ``submit.lua``, per partition, not here.
 
@@ -24,18 +24,18 @@ import asyncio
 import logging
 import time
 import zlib
-from dataclasses import replace
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any
 
 from broker import protocol
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings, is_cluster_client
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.spec import SpecError, decode_spec
-from gateway.client.partition import Gateway, GatewaySettings
+from gateway.client.partition import Partition
+from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Waiter
 from gateway.errors import Overloaded
-from gateway.monitor.status import PipelineStatus, StageStatus, read_status
+from gateway.monitor.status import PipelineStatus, merge_status
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -58,20 +58,23 @@ async def read_partition_count(client: Any, keys: Keys) -> int | None:
     return spec[0].partitions if spec else None
 
 
-class PartitionedGateway:
-    """Same interface as :class:`Gateway` (``predict``, ``submit``, ``in_flight``, ``healthy``,
-    ``pipeline_status``), plus ``key=`` on ``predict`` and ``submit`` (over HTTP: the header
-    ``X-Conveyor-Partition-Key``)."""
+class Gateway:
+    """The Python API: ``predict(x)`` runs ``x`` through pipeline ``pipeline`` and returns its
+    answer. Raises `StageError` (a stage raised on it), `Overloaded` (the first stage's backlog is
+    at its ``max_backlog``), `UnknownPipeline` (no worker ever registered that name here),
+    ``TimeoutError`` (the deadline passed), `CodecError` (an input that cannot travel).
 
-    takes_partition_key = True  # the HTTP front passes X-Conveyor-Partition-Key on
+    ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
+    requests with one key go to one partition of a partitioned pipeline."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None) -> None:
+        """``partitions``: the pipeline's partition count, if known (else read from its spec)."""
         self.redis_url = redis_url
         self.pipeline = pipeline
         self.settings = settings or GatewaySettings()
         self.partitions = partitions
-        self.gateways: list[Gateway] = []
+        self.parts: list[Partition] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
         self._next_count_s = 0.0
@@ -82,7 +85,7 @@ class PartitionedGateway:
         if count is None:
             count = await self._read_count()
             self._counted = count is not None
-        self.gateways = await self._start_gateways(range(count or 1))
+        self.parts = await self._start_parts(range(count or 1))
 
     async def _read_count(self) -> int | None:
         client = RedisSettings(self.redis_url).async_client(1)
@@ -91,19 +94,22 @@ class PartitionedGateway:
         finally:
             await client.aclose()
 
-    async def _start_gateways(self, partitions: range) -> list[Gateway]:
-        gateways = [Gateway(self.redis_url, self.pipeline, self.settings, p) for p in partitions]
-        started = await asyncio.gather(*(g.start() for g in gateways), return_exceptions=True)
+    def _partition(self, index: int) -> Partition:
+        return Partition(self.redis_url, self.pipeline, self.settings, index)
+
+    async def _start_parts(self, indexes: range) -> list[Partition]:
+        parts = [self._partition(p) for p in indexes]
+        started = await asyncio.gather(*(p.start() for p in parts), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
-            await asyncio.gather(*(g.close() for g, r in zip(gateways, started, strict=True) if r is None),
+            await asyncio.gather(*(p.close() for p, r in zip(parts, started, strict=True) if r is None),
                                  return_exceptions=True)
             raise failed[0]
-        return gateways
+        return parts
 
     def _check_count(self) -> None:
         """Started before any worker wrote the spec: look for it every 2 s (in the background)
-        and, once it names more partitions, start their gateways, so the spread begins by itself."""
+        and, once it names more partitions, start them, so the spread begins by itself."""
         if self._counted or self._growing is not None or time.monotonic() < self._next_count_s:
             return
         self._next_count_s = time.monotonic() + 2.0
@@ -113,8 +119,8 @@ class PartitionedGateway:
         try:
             count = await self._read_count()
             if count is not None:
-                if count > len(self.gateways):
-                    self.gateways += await self._start_gateways(range(len(self.gateways), count))
+                if count > len(self.parts):
+                    self.parts += await self._start_parts(range(len(self.parts), count))
                     log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
                 self._counted = True
         except CONNECTION_OR_REPLY_ERRORS as exc:
@@ -126,9 +132,9 @@ class PartitionedGateway:
         if self._growing is not None:
             self._growing.cancel()
             await asyncio.gather(self._growing, return_exceptions=True)
-        await asyncio.gather(*(g.close() for g in self.gateways), return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in self.parts), return_exceptions=True)
 
-    async def __aenter__(self) -> PartitionedGateway:
+    async def __aenter__(self) -> Gateway:
         await self.start()
         return self
 
@@ -138,98 +144,45 @@ class PartitionedGateway:
 
     @property
     def in_flight(self) -> int:
-        return sum(g.in_flight for g in self.gateways)
+        return sum(p.in_flight for p in self.parts)
 
     @property
     def healthy(self) -> bool:
-        return all(g.healthy for g in self.gateways)
-
-    submits_direct = True
-
-    @overload
-    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: Literal[False] = False) -> asyncio.Future[Any]: ...
-
-    @overload
-    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool) -> Waiter: ...
+        """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""
+        return all(p.healthy for p in self.parts)
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
                direct: bool = False) -> Waiter:
-        """Like :meth:`Gateway.submit` (the HTTP front's path): with one partition, or a key,
-        exactly that on the one partition (``direct``: a `Slot`, as there); else :meth:`predict`'s
-        round robin (which may retry another partition) as a task."""
+        """:meth:`predict` without the coroutine: what ``x``'s answer will complete (the HTTP
+        front adds a callback instead of creating a task per request); Overloaded and CodecError
+        raise here. ``direct``: a `Slot` (one callback, run as the answer arrives, without an
+        event-loop handle) where it can, else a future."""
         self._check_count()
-        n = len(self.gateways)
+        n = len(self.parts)
         if n == 1 or key is not None:
-            return self.gateways[0 if key is None else partition_of(key, n)].submit(x, timeout_s, direct=direct)
-        return asyncio.ensure_future(self.predict(x, timeout_s))
+            return self.parts[0 if key is None else partition_of(key, n)].submit(x, timeout_s, direct=direct)
+        return asyncio.ensure_future(self.predict(x, timeout_s))  # round robin, may retry another partition
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
-        """Like :meth:`Gateway.predict`; ``key``: requests with one key go to one partition."""
+        """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``)."""
         self._check_count()
-        n = len(self.gateways)
-        if n == 1:
-            return await self.gateways[0].predict(x, timeout_s)
-        if key is not None:
-            return await self.gateways[partition_of(key, n)].predict(x, timeout_s)
+        n = len(self.parts)
+        if n == 1 or key is not None:
+            return await self.parts[0 if key is None else partition_of(key, n)].predict(x, timeout_s)
         for attempt in range(n):
-            gateway = self.gateways[self._next]
+            part = self.parts[self._next]
             self._next = (self._next + 1) % n
             try:
-                return await gateway.predict(x, timeout_s)
+                return await part.predict(x, timeout_s)
             except Overloaded:
                 if attempt == n - 1:  # every partition is over its max_backlog
                     raise
         raise RuntimeError("unreachable: no partition")  # n >= 1, so the loop returns or raises
 
+    async def pipeline_registered(self) -> bool:
+        """Whether a worker has registered this pipeline in this Redis (once true, no more round trips)."""
+        return await self.parts[0].pipeline_registered()
+
     async def pipeline_status(self) -> PipelineStatus:
-        parts = await asyncio.gather(*(g.pipeline_status() for g in self.gateways))
+        parts = await asyncio.gather(*(p.pipeline_status() for p in self.parts))
         return merge_status(list(parts))
-
-
-async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int, bytes]] | None = None,
-                              ) -> PipelineStatus:
-    """``read_status`` of every partition (count from partition 0's spec), merged."""
-    first = await read_status(client, keys, None if marks is None else marks.setdefault(0, {}))
-    if first.partitions <= 1:
-        return first
-    parts = [first]
-    for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
-        parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
-    if is_cluster_client(client):  # where each partition lives: spread or not, at a glance
-        for k, part in zip(keys.partitions(first.partitions), parts, strict=True):
-            part.node = str(client.get_node_from_key(k.spec).name)
-    return merge_status(parts)
-
-
-def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:
-    """Totals over partitions: backlog, pending, dead letters, items and batches add up; a
-    stage's live workers are the fewest any partition sees (each worker beats in every
-    partition, so fewer means a partition is not served); percentiles are the worst part's."""
-    if len(parts) == 1:
-        return parts[0]
-    errors = "; ".join(f"partition {p}: {s.error}" for p, s in enumerate(parts) if s.error)
-    reachable = all(s.reachable for s in parts)
-    if not all(s.stages for s in parts) or len({len(s.stages) for s in parts}) != 1:
-        return PipelineStatus(reachable, [], errors or "not every partition is registered", len(parts), parts)
-    stages = [_merge_stage([s.stages[i] for s in parts]) for i in range(len(parts[0].stages))]
-    return PipelineStatus(reachable, stages, errors, len(parts), parts)
-
-
-def _merge_stage(parts: list[StageStatus]) -> StageStatus:
-    first = parts[0]
-    p50s = [s.batch_p50_s for s in parts if s.batch_p50_s is not None]
-    p99s = [s.batch_p99_s for s in parts if s.batch_p99_s is not None]
-    return replace(
-        first,
-        backlog=sum(s.backlog for s in parts), pending=sum(s.pending for s in parts),
-        consumers=max(s.consumers for s in parts), live_workers=min(s.live_workers for s in parts),
-        dead_letters=sum(s.dead_letters for s in parts),
-        batches=[b for s in parts for b in s.batches],
-        items_last_minute=sum(s.items_last_minute for s in parts),
-        batches_last_minute=sum(s.batches_last_minute for s in parts),
-        throughput_per_s=sum(s.throughput_per_s for s in parts),
-        batch_p50_s=max(p50s) if p50s else None, batch_p99_s=max(p99s) if p99s else None,
-        stats_window_s=min(s.stats_window_s for s in parts),
-    )

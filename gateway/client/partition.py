@@ -15,9 +15,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, cast
 
 import redis
 
@@ -30,12 +29,14 @@ from broker.connection import (
     is_cluster_client,
     is_transient,
 )
-from broker.keys import DEFAULT_PREFIX, Keys
+from broker.held import AsyncHeldConnection
+from broker.keys import Keys
 from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import Submission, Submitter, is_overloaded
 from gateway.client.deadlines import Deadlines
 from gateway.client.registration import Registration
+from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Slot, Waiter
 from gateway.errors import Overloaded, StageError
 from gateway.monitor.status import PipelineStatus, read_status
@@ -49,24 +50,12 @@ UNLINK_BATCH = 64
 UNLINK_ALONE = 256
 
 
-@dataclass(frozen=True)
-class GatewaySettings:
-    timeout_s: float = 30.0
-    max_in_flight: int = 100_000  # this gateway's own cap, whatever the backlog
-    # A limit of this gateway's own on the first stage's backlog, on top of the stage's max_backlog
-    # (both are enforced in Redis by the submit script; the stricter wins). None: the stage's only.
-    max_backlog: int | None = None
-    max_connections: int = 4
-    reply_block_s: float = 1.0
-    prefix: str = DEFAULT_PREFIX
-    register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
+class Partition:
+    """One partition of a pipeline, as one gateway submits to it and hears its answers (a
+    :class:`gateway.client.gateway.Gateway` holds one per partition)."""
 
-
-class Gateway:
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partition: int = 0) -> None:
-        """``partition``: which partition of a partitioned pipeline this gateway submits to
-        (:class:`gateway.client.gateway.PartitionedGateway` runs one per partition)."""
         self.settings = settings or GatewaySettings()
         self.keys = Keys(pipeline, self.settings.prefix, partition)
         self.redis = RedisSettings(redis_url)
@@ -94,7 +83,7 @@ class Gateway:
         self._loop = asyncio.get_running_loop()  # the gateway's clients and tasks live on this loop
         self._client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
-        self._reply_conn: Any = None  # the reply client's one connection, held by the reader (_pop_reply)
+        self._reply_conn = None if is_cluster_client(self._reply_client) else AsyncHeldConnection(self._reply_client)
         self._registration.bind(self._client)
         try:
             await acheck_server(self._client)
@@ -130,10 +119,13 @@ class Gateway:
             if not future.done():
                 future.set_exception(ConnectionError("gateway closed"))
         self._pending.clear()
+        await self._submit.close()
+        if self._reply_conn is not None:
+            await self._reply_conn.close()
         await self._client.aclose()
         await self._reply_client.aclose()
 
-    async def __aenter__(self) -> Gateway:
+    async def __aenter__(self) -> Partition:
         await self.start()
         return self
 
@@ -149,16 +141,7 @@ class Gateway:
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         """Run ``x`` through the pipeline. Raises StageError, Overloaded, TimeoutError, CodecError."""
-        return await self.submit(x, timeout_s)
-
-    submits_direct = True  # the HTTP front may ask for a Slot (``direct=True``)
-
-    @overload
-    def submit(self, x: Any, timeout_s: float | None = None, *,
-               direct: Literal[False] = False) -> asyncio.Future[Any]: ...
-
-    @overload
-    def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool) -> Waiter: ...
+        return await cast(asyncio.Future[Any], self.submit(x, timeout_s))  # direct=False: never a Slot
 
     def submit(self, x: Any, timeout_s: float | None = None, *, direct: bool = False) -> Waiter:
         """`predict` without the coroutine: the future of ``x``'s result (the HTTP front adds a
@@ -314,23 +297,10 @@ class Gateway:
                 self._loop.call_soon(self._deliver_popped, protocol.as_bytes(popped[1]))
 
     async def _pop_reply(self, block: float) -> Any:
-        """One BLPOP on the reply client's one connection, held across pops: redis-py's pool
-        checkout per command (a lock, a readiness check, metrics hooks) is skipped, as for the
-        Submitter's turns. After an error the connection goes back to the pool (for _recover)."""
-        if is_cluster_client(self._reply_client):  # no single pool: redis-py routes the key
+        """One BLPOP, on a held connection (broker.held) unless on a cluster (redis-py routes the key)."""
+        if self._reply_conn is None:
             return await self._reply_client.blpop([self._reply_key], timeout=block)
-        conn = self._reply_conn
-        if conn is None:
-            conn = self._reply_conn = await self._reply_client.connection_pool.get_connection()
-        try:
-            await conn.send_packed_command(pack_command([b"BLPOP", self._reply_key, b"%r" % block]),
-                                           check_health=False)
-            return await conn.read_response()
-        except BaseException:
-            self._reply_conn = None
-            await conn.disconnect()
-            await self._reply_client.connection_pool.release(conn)
-            raise
+        return await self._reply_conn.call(pack_command([b"BLPOP", self._reply_key, b"%r" % block]))
 
     def _deliver_popped(self, element: bytes) -> None:
         self._deliver(element)

@@ -30,14 +30,13 @@ import contextlib
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import Any, cast
 
 from gateway.http.framing import CONTINUE, frame
 from gateway.http.parsing import RequestReader
-from gateway.http.routes import HttpError, Pending, Reply, Request, overloaded, request_timeout
-
-if TYPE_CHECKING:
-    from gateway.http.server import HttpServer
+from gateway.http.routes import Pending, Router
+from gateway.http.state import ServerState
+from gateway.http.types import HttpError, Reply, Request, overloaded, request_timeout
 
 __all__ = ["HttpProtocol"]
 
@@ -56,12 +55,12 @@ class HttpProtocol(asyncio.Protocol):
     """One client connection; its `RequestReader` calls the hooks ``head_started``, ``head_complete``
     and ``request_complete`` from ``feed``."""
 
-    def __init__(self, server: HttpServer) -> None:
-        self.server = server
-        self.settings = server.settings
-        self.router = server.router
-        self.metrics = server.metrics
-        self.loop = server.loop
+    def __init__(self, state: ServerState, router: Router, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = state
+        self.settings = state.settings
+        self.router = router
+        self.metrics = state.metrics
+        self.loop = loop
         self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[Request | HttpError] = deque()
@@ -163,6 +162,10 @@ class HttpProtocol(asyncio.Protocol):
     def busy(self) -> bool:
         """A request is queued or being answered."""
         return bool(self.queue)
+
+    def waiting_on(self) -> Any:
+        """The future (or `Slot`) of the request whose reply is awaited, if any."""
+        return None if self.current is None else self.current[2].future
 
     def _enqueue(self, item: Request | HttpError) -> None:
         self.queue.append(item)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from gateway.http.routes import Reply
+from gateway.http.types import Reply
 
 __all__ = ["CONTINUE", "frame"]
 

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import httptools
 
-from gateway.http.routes import HttpError, Request, bad_request, too_large
 from gateway.http.settings import HttpSettings
+from gateway.http.types import HttpError, Request, bad_request, too_large
 
 __all__ = ["Connection", "RequestReader"]
 

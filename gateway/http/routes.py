@@ -32,7 +32,7 @@ import logging
 import math
 import time
 import traceback as tb
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,12 +40,13 @@ from broker import protocol
 from broker.codec import CodecError
 from gateway.client.slot import Waiter
 from gateway.errors import Overloaded, StageError, UnknownPipeline
-from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for, json_encode
+from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.settings import HttpSettings
+from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 from gateway.monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.monitor.metrics import Metrics, PipelineStatusLike, StatusSource
 
-__all__ = ["Backend", "HttpError", "Pending", "Reply", "Request", "Router"]
+__all__ = ["Backend", "Pending", "Router"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -56,80 +57,18 @@ PARTITION_KEY_HEADER = b"x-conveyor-partition-key"
 
 
 class Backend(StatusSource, Protocol):
-    """What the HTTP front needs of `gateway.client.partition.Gateway` (structural, so fakes fit in tests).
+    """What the HTTP front needs of its gateway (:class:`gateway.client.Gateway`; fakes in tests).
 
-    ``predict`` raises `StageError` (the stage raised), `Overloaded` (shed load) or
-    ``TimeoutError`` (the deadline passed); anything else is a gateway bug and answers 500.
+    ``submit`` returns what the request's answer will complete (``direct``: a `Slot`, answered
+    without an event-loop handle), or raises at once: `Overloaded` (shed load), `CodecError` (an
+    input that cannot travel), ``ValueError`` (a bad timeout). The answer is the result, or
+    `StageError` (the stage raised), `Overloaded`, ``TimeoutError`` (the deadline passed),
+    `UnknownPipeline`; anything else is a gateway bug and answers 500. ``key`` picks a
+    partitioned pipeline's partition.
     """
 
-    async def predict(self, x: Any, timeout_s: float | None = None) -> Any: ...
-
-
-@dataclass(slots=True)
-class Request:
-    """One parsed request: header names lowercased, the first value of each kept."""
-
-    method: bytes
-    path: bytes
-    headers: dict[bytes, bytes]
-    body: bytes = b""
-    keep_alive: bool = True  # HTTP/1.1 without "Connection: close", or 1.0 with "keep-alive"
-
-
-@dataclass(slots=True)
-class Reply:
-    """One response, before the connection frames it. ``close`` ends the connection after it."""
-
-    status: int
-    body: bytes = b""
-    content_type: bytes = JSON.content_type
-    outcome: str = "ok"
-    close: bool = False
-    headers: Sequence[tuple[bytes, bytes]] = ()  # beyond content-type and content-length
-
-
-class HttpError(Exception):
-    """A request that ends in an error reply; raised anywhere below the router, turned into a `Reply`."""
-
-    def __init__(self, status: int, type_: str, message: str, *, outcome: str, stage: str | None = None,
-                 trace: str | None = None, close: bool = False,
-                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.outcome = status, type_, message, outcome
-        self.stage, self.trace, self.close, self.headers = stage, trace, close, tuple(headers)
-        self.route = "other"  # the metrics label, when the error ends a request whose path was read
-
-    def reply(self, codec: Codec = JSON) -> Reply:
-        error: dict[str, Any] = {"type": self.type, "message": self.message, "stage": self.stage}
-        if self.trace is not None:
-            error["traceback"] = self.trace
-        try:
-            body, ctype = codec.encode({"error": error}), codec.content_type
-        except (TypeError, ValueError):  # cannot happen for str fields, but never fail an error reply
-            body, ctype = json_encode({"error": {**error, "message": repr(self.message)}}), JSON.content_type
-        return Reply(self.status, body, ctype, self.outcome, self.close, self.headers)
-
-
-def ok(payload: Any, codec: Codec = JSON, status: int = 200, outcome: str = "ok") -> Reply:
-    return Reply(status, codec.encode(payload), codec.content_type, outcome)
-
-
-def too_large(limit: int) -> HttpError:
-    return HttpError(413, "PayloadTooLarge", f"body exceeds {limit} bytes", outcome="too_large", close=True)
-
-
-def bad_request(message: str, status: int = 400) -> HttpError:
-    """A request that cannot be parsed: answered, then the connection is closed."""
-    return HttpError(status, "BadRequest", f"malformed request: {message}", outcome="bad_request", close=True)
-
-
-def request_timeout() -> HttpError:
-    return HttpError(408, "RequestTimeout", "request not received in time", outcome="request_timeout",
-                     close=True)
-
-
-def overloaded(why: str, close: bool = False) -> HttpError:
-    return HttpError(503, "Overloaded", why, outcome="overloaded", close=close, headers=[(b"retry-after", b"1")])
+    def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+               direct: bool = False) -> Waiter: ...
 
 
 def _positive_float(name: bytes, raw: bytes) -> float:
@@ -221,7 +160,6 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._draining = draining
-        self._direct = bool(getattr(backend, "submits_direct", False))
         get = frozenset({b"GET", b"HEAD"})
         self.routes: dict[bytes, tuple[frozenset[bytes], str]] = {
             b"/v1/predict": (frozenset({b"POST"}), "predict"),
@@ -292,22 +230,13 @@ class Router:
                 raise HttpError(504, "DeadlineExceeded", "deadline passed before submission",
                                 outcome="timeout")
             try:
-                future = self._submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER))
+                future = self.backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True)
             except Exception as exc:
                 raise self._backend_error(exc) from exc
         except HttpError as exc:
             return exc.reply(codec)
         finish = self._finishers.get(codec.name) or functools.partial(self._finish_predict, codec)
         return Pending(future, finish)
-
-    def _submit(self, x: Any, bound_s: float | None, key: bytes | None = None) -> Waiter:
-        """The backend's future (or `Slot`, if it makes them: answered without a loop handle) of ``x``."""
-        submit = getattr(self.backend, "submit", None)  # Gateway has it; a fake backend may not
-        if submit is None:
-            return asyncio.ensure_future(self.backend.predict(x, bound_s))
-        if key is not None and getattr(self.backend, "takes_partition_key", False):
-            return submit(x, bound_s, key=key, direct=True) if self._direct else submit(x, bound_s, key=key)
-        return submit(x, bound_s, direct=True) if self._direct else submit(x, bound_s)
 
     def _finish_predict(self, codec: Codec, future: Waiter) -> Reply:
         try:

@@ -3,10 +3,11 @@
 Why no framework: the surface is four routes, and what matters is the connection handling a
 framework hides: hard timeouts for slow clients, a connection cap, keep-alive plus
 pipelining, and a drain that finishes admitted predictions on SIGTERM. The work is split along
-the sans-IO line: `gateway.http.codecs` (bodies), `gateway.http.routes` (routes, status
-codes, errors: a request in, a reply out), `gateway.http.parsing` (httptools callbacks, the C
-parser uvicorn uses), `gateway.http.framing` (a reply as one write), `gateway.http.connection`
-(connection I/O on an `asyncio.Protocol`), `gateway.http.settings`.
+the sans-IO line: `gateway.http.types` (the vocabulary: request, reply, error), `gateway.http.codecs`
+(bodies), `gateway.http.routes` (routes, status codes, errors: a request in, a reply out),
+`gateway.http.parsing` (httptools callbacks, the C parser uvicorn uses), `gateway.http.framing` (a
+reply as one write), `gateway.http.connection` (connection I/O on an `asyncio.Protocol`),
+`gateway.http.state` (what this server and its connections share), `gateway.http.settings`.
 docs/http-front.md says why and what it costs.
 
 A graceful stop (`HttpServer.close`, SIGTERM or SIGINT): the listening socket is closed (new
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 from gateway.http.connection import HttpProtocol
 from gateway.http.routes import Backend, Router
 from gateway.http.settings import HttpSettings
+from gateway.http.state import ServerState
 from gateway.monitor.metrics import Metrics
 
 __all__ = ["Backend", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
@@ -80,12 +82,9 @@ class HttpServer:
         self.backend = backend
         self.settings = settings or HttpSettings()
         self.metrics = metrics or Metrics(backend, status_timeout_s=self.settings.status_timeout_s)
-        self.router = Router(backend, self.settings, self.metrics, lambda: self._draining)
+        self.state = ServerState(self.settings, self.metrics)
+        self.router = Router(backend, self.settings, self.metrics, lambda: self.state.draining)
         self._server: asyncio.Server | None = None
-        self._connections: set[HttpProtocol] = set()
-        self._no_connections = asyncio.Event()
-        self._no_connections.set()
-        self._draining = False
         self._closed = asyncio.Event()
         self._close_task: asyncio.Task[None] | None = None
         self._stop_signal: int | None = None
@@ -102,7 +101,8 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         try:
             self._server = await self.loop.create_server(
-                lambda: HttpProtocol(self), self.settings.host, self.settings.port, backlog=self.settings.backlog,
+                lambda: HttpProtocol(self.state, self.router, self.loop), self.settings.host, self.settings.port,
+                backlog=self.settings.backlog,
                 reuse_address=True, reuse_port=self.settings.reuse_port or None)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -119,11 +119,11 @@ class HttpServer:
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.state.draining
 
     @property
     def open_connections(self) -> int:
-        return len(self._connections)
+        return len(self.state.connections)
 
     async def serve_forever(self) -> None:
         """Return once `close` has finished (e.g. after SIGTERM)."""
@@ -145,8 +145,8 @@ class HttpServer:
         if sig is not None and sig != self._stop_signal and now - self._stop_at < _COALESCE_S:
             log.info("received %s too: the same stop", signal.Signals(sig).name)
             return
-        log.warning("second stop request: cancelling %d open connections", len(self._connections))
-        for conn in list(self._connections):
+        log.warning("second stop request: cancelling %d open connections", len(self.state.connections))
+        for conn in list(self.state.connections):
             conn.cancel()
 
     def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -168,21 +168,21 @@ class HttpServer:
         Requests still running after ``drain_timeout_s`` (or at once with ``drain=False``) are
         cancelled. Responses sent while draining carry ``Connection: close``.
         """
-        if self._draining:
+        if self.state.draining:
             await self._closed.wait()
             return
-        self._draining = True
+        self.state.draining = True
         if self._server is not None:
             self._server.close()
-        busy = sum(1 for c in self._connections if c.busy)
+        busy = sum(1 for c in self.state.connections if c.busy)
         log.info("drain: listening socket closed; %d connections open, %d with a request in progress; "
-                 "waiting up to %gs", len(self._connections), busy, self.settings.drain_timeout_s if drain else 0)
-        for conn in list(self._connections):
+                 "waiting up to %gs", len(self.state.connections), busy, self.settings.drain_timeout_s if drain else 0)
+        for conn in list(self.state.connections):
             conn.drain() if drain else conn.cancel()
-        if drain and self._connections:
+        if drain and self.state.connections:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._no_connections.wait(), self.settings.drain_timeout_s)
-        left = len(self._connections)
+                await asyncio.wait_for(self.state.idle.wait(), self.settings.drain_timeout_s)
+        left = len(self.state.connections)
         if left:
             log.warning("drain: cancelling %d connections still open", left)
         await self._cancel_all()
@@ -193,37 +193,15 @@ class HttpServer:
         self._closed.set()
 
     async def _cancel_all(self) -> None:
-        conns = list(self._connections)
+        conns = list(self.state.connections)
         for conn in conns:
             conn.cancel()
         # A Slot is done once cancelled; only a future (a fake backend's task) may need a moment.
-        futures = [f for c in conns if c.current is not None and isinstance(f := c.current[2].future, asyncio.Future)]
+        futures = [f for c in conns if isinstance(f := c.waiting_on(), asyncio.Future)]
         if futures:
             await asyncio.wait(futures, timeout=5.0)
-        self._connections.clear()
-        self._no_connections.set()
-
-    # -- connections (called by HttpProtocol) ---------------------------------------------------
-
-    def admit(self, conn: HttpProtocol) -> str | None:
-        """Count a new connection in; returns why it must be refused (503), or None."""
-        refuse = None
-        if self._draining:
-            refuse = "shutting down"
-        elif len(self._connections) >= self.settings.max_connections:
-            refuse = "too many open connections"
-        self._connections.add(conn)
-        self._no_connections.clear()
-        self.metrics.connection_opened()
-        return refuse
-
-    def release(self, conn: HttpProtocol) -> None:
-        if conn not in self._connections:
-            return
-        self._connections.discard(conn)
-        self.metrics.connection_closed()
-        if not self._connections:
-            self._no_connections.set()
+        self.state.connections.clear()
+        self.state.idle.set()
 
 
 async def run(backend: Backend, settings: HttpSettings | None = None, metrics: Metrics | None = None,

@@ -23,17 +23,16 @@ The first call of a reader only sets its marks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aredis
 
-from broker.connection import CONNECTION_ERRORS
-from broker.keys import GROUP, Keys
+from broker.connection import CONNECTION_ERRORS, is_cluster_client
+from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.protocol import as_bytes, now_ms
 from broker.spec import SpecError, StageInfo, decode_spec
 
-LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat is older than this is not live
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
 STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
 _COMMANDS_PER_STAGE = 7
@@ -224,3 +223,50 @@ def _id_key(entry_id: bytes | str) -> tuple[int, int]:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int, bytes]] | None = None,
+                              ) -> PipelineStatus:
+    """``read_status`` of every partition (count from partition 0's spec), merged."""
+    first = await read_status(client, keys, None if marks is None else marks.setdefault(0, {}))
+    if first.partitions <= 1:
+        return first
+    parts = [first]
+    for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
+        parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
+    if is_cluster_client(client):  # where each partition lives: spread or not, at a glance
+        for k, part in zip(keys.partitions(first.partitions), parts, strict=True):
+            part.node = str(client.get_node_from_key(k.spec).name)
+    return merge_status(parts)
+
+
+def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:
+    """Totals over partitions: backlog, pending, dead letters, items and batches add up; a
+    stage's live workers are the fewest any partition sees (each worker beats in every
+    partition, so fewer means a partition is not served); percentiles are the worst part's."""
+    if len(parts) == 1:
+        return parts[0]
+    errors = "; ".join(f"partition {p}: {s.error}" for p, s in enumerate(parts) if s.error)
+    reachable = all(s.reachable for s in parts)
+    if not all(s.stages for s in parts) or len({len(s.stages) for s in parts}) != 1:
+        return PipelineStatus(reachable, [], errors or "not every partition is registered", len(parts), parts)
+    stages = [_merge_stage([s.stages[i] for s in parts]) for i in range(len(parts[0].stages))]
+    return PipelineStatus(reachable, stages, errors, len(parts), parts)
+
+
+def _merge_stage(parts: list[StageStatus]) -> StageStatus:
+    first = parts[0]
+    p50s = [s.batch_p50_s for s in parts if s.batch_p50_s is not None]
+    p99s = [s.batch_p99_s for s in parts if s.batch_p99_s is not None]
+    return replace(
+        first,
+        backlog=sum(s.backlog for s in parts), pending=sum(s.pending for s in parts),
+        consumers=max(s.consumers for s in parts), live_workers=min(s.live_workers for s in parts),
+        dead_letters=sum(s.dead_letters for s in parts),
+        batches=[b for s in parts for b in s.batches],
+        items_last_minute=sum(s.items_last_minute for s in parts),
+        batches_last_minute=sum(s.batches_last_minute for s in parts),
+        throughput_per_s=sum(s.throughput_per_s for s in parts),
+        batch_p50_s=max(p50s) if p50s else None, batch_p99_s=max(p99s) if p99s else None,
+        stats_window_s=min(s.stats_window_s for s in parts),
+    )

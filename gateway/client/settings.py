@@ -1,0 +1,20 @@
+"""A gateway's knobs, as one dataclass passed explicitly (no environment read here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.keys import DEFAULT_PREFIX
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    timeout_s: float = 30.0
+    max_in_flight: int = 100_000  # this gateway's own cap, whatever the backlog
+    # A limit of this gateway's own on the first stage's backlog, on top of the stage's max_backlog
+    # (both are enforced in Redis by the submit script; the stricter wins). None: the stage's only.
+    max_backlog: int | None = None
+    max_connections: int = 4
+    reply_block_s: float = 1.0
+    prefix: str = DEFAULT_PREFIX
+    register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
