@@ -1,62 +1,59 @@
-"""Which worker takes a request: the hot-worker preference and burst sharing (workers/batching/handoff.py).
+"""Bursts shared with idle peers (workers/batching/sharing.py): on and off, paired.
 
-Two workers of one stage that sleeps a few milliseconds per batch (``bench.pipelines:who_runs``)
-and answers the pid that ran it. Two measures:
+Two pipelines, each a stage of two workers that sleeps a few milliseconds per item
+(``bench.pipelines:who_runs``, sharing on, and ``who_runs_unshared``, ``share_bursts=False``) and
+answers the pid of the worker that ran it. Bursts of ``--burst`` requests sent together, after a
+quiet spell (``--quiet-ms``: every worker blocked, none busy), alternate between the two pipelines;
+for each: the share of bursts that ran on both workers, and the median time to answer a burst.
+Its cost is per item, as a one-thread model's: a burst run on both workers is answered in about half the time.
 
-- at 1 in flight, the share of requests taken by the worker that ran the one before (1.0: the hot
-  worker keeps serving; about 0.5: they take turns, each on caches gone cold);
-- bursts of ``--burst`` requests sent together, the share of bursts that ran on both workers
-  (before sharing, the worker first in line read each burst whole).
-
-Its batch costs the same at any size, so the rate printed shows only what the hand-over costs.
-
-Usage: ``python -m bench.hot_worker [--requests 300] [--bursts 50] [--burst 4]``. Compare runs on one
-machine at one time: a loaded machine is where the order of reads and commits shows.
+Usage: ``python -m bench.bursts [--bursts 50] [--burst 4] [--model-ms 15] [--quiet-ms 300]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import statistics
 import time
 
 from bench.harness import embedded_redis, machine, wait_ready, workers
 from gateway import Gateway
 
-APP = "bench.pipelines:who_runs"
-NAME = "bench-who-runs"
+PIPELINES = {"shared": ("bench.pipelines:who_runs", "bench-who-runs"),
+             "unshared": ("bench.pipelines:who_runs_unshared", "bench-who-runs-unshared")}
 
 
-async def _measure(url: str, requests: int, bursts: int, burst: int, model_s: float) -> None:
-    async with Gateway(url, NAME) as gw:
-        for _ in range(20):  # each worker learns its peer at its next heartbeat (1 s)
-            await gw.predict(model_s, timeout_s=10)
-        await asyncio.sleep(1.5)
-        pids = [await gw.predict(model_s, timeout_s=10) for _ in range(requests)]
-        same = sum(a == b for a, b in itertools.pairwise(pids))
-        print(f"1 in flight: same worker as the request before {same}/{len(pids) - 1} = {same / (len(pids) - 1):.3f}")
-        spread = 0
-        started = time.perf_counter()
+async def _measure(url: str, bursts: int, burst: int, model_s: float, quiet_s: float) -> None:
+    async with Gateway(url, PIPELINES["shared"][1]) as shared, Gateway(url, PIPELINES["unshared"][1]) as unshared:
+        gateways = {"shared": shared, "unshared": unshared}
+        spread = {name: 0 for name in gateways}
+        took: dict[str, list[float]] = {name: [] for name in gateways}
         for _ in range(bursts):
-            ran = await asyncio.gather(*(gw.predict(model_s * 5, timeout_s=10) for _ in range(burst)))
-            spread += len(set(ran)) > 1
-        rate = bursts * burst / (time.perf_counter() - started)
-        print(f"bursts of {burst}: on both workers {spread}/{bursts} = {spread / bursts:.3f}, {rate:.0f} requests/s")
+            for name, gw in gateways.items():
+                await asyncio.sleep(quiet_s)  # the quiet spell: every worker blocked, none busy
+                started = time.perf_counter()
+                ran = await asyncio.gather(*(gw.predict(model_s, timeout_s=10) for _ in range(burst)))
+                took[name].append(time.perf_counter() - started)
+                spread[name] += len(set(ran)) > 1
+        for name in gateways:
+            print(f"{name:>8}: bursts of {burst} on both workers {spread[name]}/{bursts} = "
+                  f"{spread[name] / bursts:.3f}, median {statistics.median(took[name]) * 1000:.1f} ms per burst")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--bursts", type=int, default=50)
     parser.add_argument("--burst", type=int, default=4)
-    parser.add_argument("--model-ms", type=float, default=3.0, help="the stage's sleep per batch at 1 in flight "
-                        "(bursts sleep 5x that)")
+    parser.add_argument("--model-ms", type=float, default=15.0, help="the stage's sleep per item")
+    parser.add_argument("--quiet-ms", type=float, default=300.0, help="the pause before each burst")
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    with embedded_redis() as url, workers(APP, ["WhoRuns"], url):
-        asyncio.run(wait_ready(url, NAME, 1, min_workers={"WhoRuns": 2}))
-        asyncio.run(_measure(url, args.requests, args.bursts, args.burst, args.model_ms / 1000))
+    apps = [app for app, _ in PIPELINES.values()]
+    with embedded_redis() as url, workers(apps[0], ["WhoRuns"], url), workers(apps[1], ["WhoRuns"], url):
+        for _, name in PIPELINES.values():
+            asyncio.run(wait_ready(url, name, 1, min_workers={"WhoRuns": 2}))
+        asyncio.run(_measure(url, args.bursts, args.burst, args.model_ms / 1000, args.quiet_ms / 1000))
 
 
 if __name__ == "__main__":

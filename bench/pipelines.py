@@ -56,15 +56,16 @@ echo = Pipeline("bench-echo").add(Echo)
 
 
 class WhoRuns(Stage):
-    """Sleeps ``x`` seconds per batch (a model's few milliseconds, without its CPU) and answers the
-    pid of the worker that ran it: which worker takes what (bench.hot_worker)."""
+    """Sleeps ``x`` seconds per item (a one-thread model's cost, without its CPU) and answers the
+    pid of the worker that ran it: which worker takes what (bench.bursts)."""
 
     batch_size = 8
     batch_wait_s = 0.0
 
     def predict(self, xs: list[Any]) -> list[Any]:
-        time.sleep(float(xs[0]))
+        time.sleep(float(xs[0]) * len(xs))
         return [os.getpid()] * len(xs)
 
 
 who_runs = Pipeline("bench-who-runs").add(WhoRuns, workers=2)
+who_runs_unshared = Pipeline("bench-who-runs-unshared").add(WhoRuns, workers=2, share_bursts=False)

@@ -33,7 +33,6 @@ from bench.counters import command_calls, per_request, sync_command_calls
 from bench.harness import ROOT, embedded_redis, machine, percentile, wait_ready, workers
 from broker.keys import Keys
 from gateway import Gateway
-from gateway.client.gateway import PartitionedGateway
 from gateway.monitor.status import read_status
 
 APP = "bench.pipelines"
@@ -63,7 +62,7 @@ class Row:
     commands: list[float] = field(default_factory=list)
 
 
-async def closed_loop(gw: Gateway | PartitionedGateway, in_flight: int, total: int) -> tuple[float, list[float]]:
+async def closed_loop(gw: Gateway | Gateway, in_flight: int, total: int) -> tuple[float, list[float]]:
     latencies: list[float] = []
     counter = iter(range(total))
 

@@ -4,7 +4,7 @@
 
 The same trivial two-stage pipeline (Scale, Shift: batch 64, wait 2 ms, one worker process each,
 workers serving every partition) at a closed loop of ``--in-flight`` requests through one
-:class:`PartitionedGateway`, against (a) one redis-server on TCP loopback, (b) a 3-master cluster
+:class:`Gateway`, against (a) one redis-server on TCP loopback, (b) a 3-master cluster
 with the pipeline in 1 partition, (c) 3 partitions, (d) 6 partitions. The configurations are
 measured in interleaved rounds (a b c d, a b c d, ...) so that a noisy neighbour hurts all alike.
 
@@ -32,7 +32,7 @@ from bench.harness import machine, percentile, workers
 from bench.pipelines import Scale, Shift
 from bench.scale_shift import closed_loop
 from broker.keys import Keys
-from gateway.client.gateway import PartitionedGateway
+from gateway import Gateway
 from tests.cluster import LocalCluster
 from tests.helpers import wait_ready
 from workers import Pipeline
@@ -84,7 +84,7 @@ def cpu_seconds(server: LocalCluster) -> dict[int, float]:
     return out
 
 
-async def measure(gw: PartitionedGateway, server: LocalCluster, in_flight: int, total: int) -> Run:
+async def measure(gw: Gateway, server: LocalCluster, in_flight: int, total: int) -> Run:
     before = cpu_seconds(server)
     rate, latencies = await closed_loop(gw, in_flight, total)
     after = cpu_seconds(server)
@@ -96,7 +96,7 @@ async def measure(gw: PartitionedGateway, server: LocalCluster, in_flight: int, 
 async def bench(configs: list[Config], in_flight: int, total: int, rounds: int) -> None:
     gateways = {}
     for config in configs:
-        gateways[config.label] = gw = PartitionedGateway(config.server.url, config.pipeline.name)
+        gateways[config.label] = gw = Gateway(config.server.url, config.pipeline.name)
         await gw.start()
         await measure(gw, config.server, in_flight, min(total, 3000))  # warm up
     try:
