@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aredis
@@ -166,3 +166,25 @@ def is_refusal(exc: redis.ResponseError) -> bool:
     """A refusal that will not go away (an ACL, a renamed command), unlike BUSY, OOM or LOADING."""
     text = str(exc).lower()
     return isinstance(exc, redis.exceptions.NoPermissionError) or "no permissions" in text or "unknown" in text
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password (in the user part or a ``password=`` query), for messages."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    hidden_query = any(k == "password" for k, _ in query)
+    if parts.password is None and not hidden_query:
+        return url  # as given (urlunsplit would turn unix:///path into unix:/path)
+    if parts.password is not None:
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}")
+    if hidden_query:
+        parts = parts._replace(query=urlencode([(k, "***" if k == "password" else v) for k, v in query], safe="*/"))
+    text = urlunsplit(parts)
+    return text.replace(":/", ":///", 1) if url.startswith(f"{parts.scheme}:///") and not parts.netloc else text
+
+
+def unreachable(url: str, exc: BaseException) -> str:
+    """One line for a Redis that cannot be reached: where, why, and what to check."""
+    return (f"cannot reach Redis at {safe_url(url)} ({exc}): is the server running, and is the URL right "
+            "(--redis or CONVEYOR_REDIS_URL)?")

@@ -39,6 +39,19 @@ key                                type    TTL                  written by
                                            pruned by score)     ``setup()`` runs, every
                                                                 ``heartbeat_s``; removed once
                                                                 ready (score: ms)
+``P:counts:<i>``                   hash    none                 stage i workers, with their
+                                                                heartbeat (HINCRBY): totals of
+                                                                ``stage_errors`` (predict raised
+                                                                on an item) and
+                                                                ``batch_length_errors`` (a
+                                                                batched predict returned the
+                                                                wrong number of results)
+``P:stuck:<i>``                    zset    none (members        the supervisor of a stage i
+                                           pruned by score)     worker whose predict ran past
+                                                                its batch's deadlines (+ grace)
+                                                                or max_run_s, as it replaces it;
+                                                                removed by the replacement once
+                                                                ready (score: ms); partition 0
 ``P:pins:<host>``                  zset    ``pin_ttl``, renewed workers pinned by claim (no
                                            with each claim;     explicit ``cpus``): member
                                            members pruned by    ``<cpu>:<i>:<consumer>``, one
@@ -136,6 +149,14 @@ class Keys:
 
     def loading(self, stage: int) -> str:
         return f"{self.base}:loading:{stage}"
+
+    def counts(self, stage: int) -> str:
+        """Stage ``stage``'s running totals of problems workers met (for metrics)."""
+        return f"{self.base}:counts:{stage}"
+
+    def stuck(self, stage: int) -> str:
+        """Stage ``stage``'s workers found stuck in ``predict`` and being replaced (status, readyz)."""
+        return f"{self.base}:stuck:{stage}"
 
     def pins(self, host: str) -> str:
         """The cores claimed by this pipeline's workers on ``host`` (see :mod:`broker.pins`)."""

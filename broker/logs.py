@@ -32,10 +32,11 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-__all__ = ["FORMATS", "FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "KvFormatter", "configure_logging",
+__all__ = ["FORMATS", "FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "KvFormatter", "Throttle", "configure_logging",
            "record_fields"]
 
 FORMAT_ENV = "CONVEYOR_LOG_FORMAT"
@@ -261,3 +262,27 @@ def _compact(value: Any) -> str:
         return json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError):
         return str(value)
+
+
+# -- rate limits ---------------------------------------------------------------------------------
+
+
+class Throttle:
+    """At most one log line per key per ``period_s``: a fault that repeats with every request (a
+    stage raising on every input, Redis unreachable) is said once a period, with how many times
+    it happened meanwhile, instead of flooding the log or being silenced."""
+
+    def __init__(self, period_s: float = 60.0) -> None:
+        self.period_s = period_s
+        self._next: dict[object, float] = {}
+        self._held: dict[object, int] = {}
+
+    def allow(self, key: object) -> int | None:
+        """None: hold this one back. Else a line may be logged now; the number is how many were
+        held back since the last one (0 the first time)."""
+        now = time.monotonic()
+        if now < self._next.get(key, 0.0):
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._next[key] = now + self.period_s
+        return self._held.pop(key, 0)

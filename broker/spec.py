@@ -6,12 +6,14 @@ knows the stages' names, positions and limits. Value: a msgpack array with one m
 in pipeline order::
 
     {"index": int, "name": str, "batch_size": int, "batch_wait_s": float, "max_backlog": int | nil,
-     "partitions": int}
+     "partitions": int, "max_payload_bytes": int}
 
 ``partitions`` (the pipeline's partition count, the same in every stage map) is written only
 when it is above 1, so a one-partition pipeline's spec is byte for byte the v1 one; absent
-means 1. ``max_backlog`` bounds each partition's first stream. Readers ignore keys they do not
-know, so a newer worker may add some.
+means 1. ``max_payload_bytes`` is the registering worker's limit on an entry's encoded input:
+a gateway refuses a larger input before it reaches Redis (absent: the gateway's own default).
+``max_backlog`` bounds each partition's first stream. Readers ignore keys they do not know, so a
+newer worker may add some.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StageInfo:
     batch_wait_s: float = 0.0
     max_backlog: int | None = None
     partitions: int = 1
+    max_payload_bytes: int | None = None
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
@@ -42,6 +45,8 @@ def encode_spec(stages: Sequence[StageInfo]) -> bytes:
     for item in maps:
         if item["partitions"] == 1:
             del item["partitions"]
+        if item["max_payload_bytes"] is None:
+            del item["max_payload_bytes"]
     return codec.encode(maps)
 
 
@@ -61,11 +66,13 @@ def _stage(position: int, item: Any) -> StageInfo:
         raise SpecError(f"pipeline spec stage {position} is not a map")
     try:
         max_backlog = item.get("max_backlog")
+        max_payload = item.get("max_payload_bytes")
         return StageInfo(
             index=int(item["index"]), name=str(item["name"]),
             batch_size=int(item.get("batch_size") or 1), batch_wait_s=float(item.get("batch_wait_s") or 0.0),
             max_backlog=None if max_backlog is None else int(max_backlog),
             partitions=max(1, int(item.get("partitions") or 1)),
+            max_payload_bytes=None if max_payload is None else int(max_payload),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc

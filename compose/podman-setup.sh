@@ -7,15 +7,16 @@
 #   2. lowered container ulimits (where CAP_SYS_RESOURCE is withheld, raising nofile/nproc fails),
 #   3. host networking (containers reach each other on 127.0.0.1: compose/podman-override.yml),
 #   4. the host's CA bundle mounted into builds (passed by the caller of `podman-compose build`).
-# For hosts that reach no image registry, the FROM image `python:3.11-slim` is built locally once
-# with debootstrap (Debian bookworm + python3, venv, pip) and tagged under the official name.
+# For hosts that reach no image registry, a base image is built locally once with debootstrap (Debian
+# bookworm + python3, venv, pip), under a name of its own, localhost/conveyor-base:3.11 (never the
+# official python image's name, which would shadow the real one in later builds on this machine):
+# build with CONVEYOR_BASE_IMAGE=localhost/conveyor-base:3.11 (docker-compose.yml passes it on).
 #
 # Needs root and apt. Safe to run again: every step is skipped when already done.
 # Exit status: 0 when podman, runc, podman-compose and the base image are all there; non-zero otherwise.
 set -euo pipefail
 
-BASE_IMAGE="docker.io/library/python:3.11-slim"
-LOCAL_IMAGE="localhost/debian-py:3.11"
+BASE_IMAGE="localhost/conveyor-base:3.11"
 
 log() { printf 'podman-setup: %s\n' "$*" >&2; }
 
@@ -65,21 +66,18 @@ command -v podman-compose >/dev/null 2>&1 || { log "podman-compose not on PATH a
 
 # 4. The base image, built once per machine.
 if ! podman image exists "$BASE_IMAGE"; then
-    if ! podman image exists "$LOCAL_IMAGE"; then
-        mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-        mirror=${mirror:-http://deb.debian.org/debian}
-        rootfs=$(mktemp -d /var/tmp/debian-py-rootfs.XXXXXX)
-        trap 'rm -rf "$rootfs"' EXIT
-        log "debootstrapping bookworm into $rootfs from $mirror (about a minute)"
-        timeout 900 debootstrap --variant=minbase \
-            --include=python3,python3-venv,python3-pip,ca-certificates \
-            bookworm "$rootfs" "$mirror" >/dev/null
-        log "importing $LOCAL_IMAGE"
-        tar -C "$rootfs" -c . | podman import - "$LOCAL_IMAGE" >/dev/null
-        rm -rf "$rootfs"
-        trap - EXIT
-    fi
-    podman tag "$LOCAL_IMAGE" "$BASE_IMAGE"
+    mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    rootfs=$(mktemp -d /var/tmp/conveyor-base-rootfs.XXXXXX)
+    trap 'rm -rf "$rootfs"' EXIT
+    log "debootstrapping bookworm into $rootfs from $mirror (about a minute)"
+    timeout 900 debootstrap --variant=minbase \
+        --include=python3,python3-venv,python3-pip,ca-certificates \
+        bookworm "$rootfs" "$mirror" >/dev/null
+    log "importing $BASE_IMAGE"
+    tar -C "$rootfs" -c . | podman import - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+    trap - EXIT
 fi
 
 log "ready: $(podman --version), $(podman-compose --version 2>/dev/null | head -n1)"

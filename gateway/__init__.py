@@ -1,6 +1,6 @@
 """The asyncio gateway (Python API), its HTTP front, health and metrics. Never imports stage code."""
 
 from gateway.client import Gateway, GatewaySettings
-from gateway.errors import Overloaded, StageError, UnknownPipeline
+from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 
-__all__ = ["Gateway", "GatewaySettings", "Overloaded", "StageError", "UnknownPipeline"]
+__all__ = ["Gateway", "GatewaySettings", "Overloaded", "PayloadTooLarge", "StageError", "UnknownPipeline"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings
+from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings, safe_url, unreachable
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from gateway.client import GatewaySettings
@@ -111,10 +111,13 @@ def status(name: str, redis_url: str, prefix: str, as_json: bool, watch: bool, i
             pass
         return
     result = asyncio.run(_read_once(keys, redis_url))
+    if not result.reachable and not as_json:  # --json says it in its "error" field
+        why = result.error.removeprefix("redis unreachable: ")
+        click.echo(f"conveyor status: {unreachable(redis_url, RuntimeError(why))}", err=True)
     if as_json:
-        click.echo(json.dumps(status_json(name, result), indent=2))
-    else:
-        click.echo(format_status(name, result))
+        click.echo(json.dumps(status_json(name, result, redis_url), indent=2))
+    elif result.reachable:
+        click.echo(format_status(name, result, redis_url))
     if not result.reachable:
         raise SystemExit(2)
 
@@ -155,9 +158,10 @@ async def _watch(name: str, keys: Keys, redis_url: str, interval_s: float, as_js
                 break
             result = read.result()
             if as_json:
-                click.echo(json.dumps(status_json(name, result), separators=(",", ":")))
+                click.echo(json.dumps(status_json(name, result, redis_url), separators=(",", ":")))
             else:
-                click.echo(("\x1b[H\x1b[2J" if clear else "") + format_status(name, result) + ("" if clear else "\n"))
+                click.echo(("\x1b[H\x1b[2J" if clear else "") + format_status(name, result, redis_url)
+                           + ("" if clear else "\n"))
             sys.stdout.flush()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(stopped), interval_s)
@@ -168,7 +172,7 @@ async def _watch(name: str, keys: Keys, redis_url: str, interval_s: float, as_js
         await client.aclose()
 
 
-def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
+def status_json(name: str, result: PipelineStatus, redis_url: str | None = None) -> dict[str, Any]:
     """What ``--json`` prints: the status's fields, without ``batches`` (a reader-relative list
     that a one-shot reader never fills), plus ``pipeline``, ``ready`` and ``time_ms``. ``error``
     is null when there is none, as in ``/readyz``."""
@@ -177,19 +181,22 @@ def status_json(name: str, result: PipelineStatus) -> dict[str, Any]:
         data = asdict(stage)
         data.pop("batches", None)
         stages.append(data)
-    out = {"pipeline": name, "time_ms": int(time.time() * 1000), "ready": result.ready,
-           "reachable": result.reachable, "error": result.error or None, "stages": stages}
+    out = {"pipeline": name, "redis": None if redis_url is None else safe_url(redis_url),
+           "time_ms": int(time.time() * 1000), "ready": result.ready, "reachable": result.reachable,
+           "error": result.error or "; ".join(result.not_ready_stages) or None, "stages": stages}
     if result.partitions > 1:
         out["partitions"] = [{"partition": p, "node": part.node or None, "stages": status_json(name, part)["stages"]}
                              for p, part in enumerate(result.by_partition)]
     return out
 
 
-def format_status(name: str, result: PipelineStatus) -> str:
+def format_status(name: str, result: PipelineStatus, redis_url: str | None = None) -> str:
     stamp = time.strftime("%H:%M:%S")
+    where = "" if redis_url is None else f"  [redis: {safe_url(redis_url)}]"
     if not result.reachable or not result.stages:
-        return f"pipeline {name}: {result.error}  ({stamp})"
-    lines = [f"pipeline {name}: {'ready' if result.ready else 'NOT READY'}  ({stamp})",
+        return f"pipeline {name}: {result.error}  ({stamp}){where}"
+    lines = [f"pipeline {name}: {'ready' if result.ready else 'NOT READY'}  ({stamp}){where}"
+             + "".join(f"\n  {reason}" for reason in result.not_ready_stages),
              f"{'#':>2} {'stage':<16} {'backlog':>8} {'pending':>8} {'live':>5} {'consumers':>9} {'dead':>6} "
              f"{'items/s':>9} {'batches':>8} {'p50 ms':>8} {'p99 ms':>8}"]
     for s in result.stages:
@@ -200,8 +207,11 @@ def format_status(name: str, result: PipelineStatus) -> str:
             lines.append(f"{'':>3}  - {s.loading_workers} worker(s) loading: setup() still running, not live yet")
         for c in s.consumer_details:
             beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
+            stuck = "" if c.stuck_since_ms is None else (
+                f" STUCK in predict since {time.strftime('%H:%M:%S', time.localtime(c.stuck_since_ms / 1000))}, "
+                "being replaced")
             lines.append(f"{'':>3}  - {c.name} {'live' if c.live else 'NOT LIVE'} {beat} "
-                         f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s")
+                         f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s{stuck}")
     lines += _partition_lines(result)
     short = [f"{s.name}: {s.stats_window_s:.1f}s" for s in result.stages if s.stats_window_s < 59.5]
     lines.append("items/s, batches, p50/p99 (batch duration): over the last minute"

@@ -25,3 +25,8 @@ class UnknownPipeline(Exception):
     def __init__(self, pipeline: str, message: str) -> None:
         super().__init__(message)
         self.pipeline = pipeline
+
+
+class PayloadTooLarge(ValueError):
+    """An input whose encoded form is over the workers' ``max_payload_bytes``: refused before Redis
+    (a worker would dead-letter it)."""

@@ -26,6 +26,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from broker.connection import CONNECTION_ERRORS, Backoff, unreachable
+from broker.logs import Throttle
 from gateway import Gateway
 from gateway.client import GatewaySettings
 from gateway.http.server import HttpServer, HttpSettings, PortInUse, check_port_free
@@ -87,13 +89,45 @@ def run_loop(coro: Coroutine[Any, Any, T], loop: str) -> T:
 
 
 def serve(job: GatewayJob, started: Any = None) -> None:
-    """One gateway process: serve until SIGTERM/SIGINT, drain, close the Redis connections."""
+    """One gateway process: wait for Redis, serve until SIGTERM/SIGINT, drain, close the Redis
+    connections."""
 
     async def main() -> None:
-        async with Gateway(job.redis_url, job.name, job.gateway) as backend:
+        backend = Gateway(job.redis_url, job.name, job.gateway)
+        if not await start_when_reachable(backend, job.redis_url):
+            return  # stopped while Redis could not be reached
+        try:
             await serve_http(backend, job.http, started=started)
+        finally:
+            await backend.close()
 
     run_loop(main(), job.loop)
+
+
+async def start_when_reachable(backend: Gateway, redis_url: str) -> bool:
+    """Start ``backend``, retrying with backoff while Redis cannot be reached (said once, then at
+    most every 10 s); False if SIGTERM or SIGINT came first."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    backoff, throttle, attempts = Backoff(), Throttle(10.0), 0
+    try:
+        while not stop.is_set():
+            try:
+                await backend.start()
+                return True
+            except CONNECTION_ERRORS as exc:
+                attempts += 1
+                if throttle.allow("unreachable") is not None:
+                    log.warning("%s retrying attempts=%d", unreachable(redis_url, exc), attempts)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff.next_delay_s())
+        return False
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def _child(job: GatewayJob, index: int, ready: Any) -> None:

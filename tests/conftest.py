@@ -13,6 +13,7 @@ tests are placed by the fixtures they use, and a ``unit`` test that asks for a R
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -35,6 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is None:
             tier = "system" if fixtures & CLUSTER_FIXTURES else "redis" if fixtures & REDIS_FIXTURES else "unit"
             item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier's promise (no Redis, no processes), kept: a unit test that starts a process fails."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} is in the unit tier but starts a process: mark its module "
+                           "`pytestmark = pytest.mark.redis` or `system` (tests/conftest.py)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -247,6 +247,9 @@ def test_batch_policy_is_validated() -> None:
     class Doubler(Stage):
         batch_size = 8
 
+        def predict(self, xs: list[int]) -> list[int]:
+            return [x * 2 for x in xs]
+
     assert Pipeline("p").add(Doubler).stages[0].batch_policy == "adaptive"
     assert Pipeline("p").add(Doubler, batch_policy="deadline").stages[0].batch_policy == "deadline"
     with pytest.raises(PipelineError, match="batch_policy must be one of 'adaptive', 'deadline', got 'fixed'"):

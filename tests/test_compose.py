@@ -265,7 +265,8 @@ def test_compose_file_follows_the_deployment_rules() -> None:
     for name in ("gateway", *STAGES):
         service = services[name]
         assert "container_name" not in service, f"{name}: container_name would block --scale"
-        assert service["build"] == {"context": ".", "dockerfile": "compose/Dockerfile"}
+        assert service["build"] == {"context": ".", "dockerfile": "compose/Dockerfile",
+                                    "args": {"PYTHON_IMAGE": "python:3.11-slim"}}  # CONVEYOR_BASE_IMAGE unset
         # The gateway also waits for the stages, so that compose stops it (and its drain) first.
         stages = {} if name != "gateway" else {s: {"condition": "service_started"} for s in STAGES}
         assert service["depends_on"] == {"redis": {"condition": "service_healthy"}, **stages}

@@ -27,6 +27,8 @@ from workers.embedded import binary as redis_binary
 from workers.embedded import server as embedded
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 
+pytestmark = pytest.mark.redis  # redis-server processes (tests/conftest.py: tiers)
+
 
 @pytest.fixture
 def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

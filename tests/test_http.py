@@ -24,6 +24,7 @@ import pytest
 
 from broker.codec import CodecError, decode, encode
 from gateway.errors import Overloaded, StageError
+from gateway.http.codecs import json_decode
 from gateway.http.server import HttpServer, HttpSettings
 from gateway.http.server import run as run_http
 from gateway.monitor.metrics import Metrics
@@ -705,6 +706,8 @@ def test_drain_timeout_cancels_what_is_left() -> None:
         await asyncio.wait_for(backend.entered.wait(), WAIT_S)
         await asyncio.wait_for(server.close(), WAIT_S)
         assert backend.cancelled.is_set()
+        resp = await client.response()  # a status line, not a connection closed without a word
+        assert resp.status == 503 and resp.headers.get("connection") == "close"
         assert await client.closed()
         await client.close()
     run(main())
@@ -722,6 +725,8 @@ def test_second_stop_request_cancels_in_flight() -> None:
         server.request_close()
         await asyncio.wait_for(server.serve_forever(), WAIT_S)
         assert backend.cancelled.is_set()
+        resp = await client.response()
+        assert resp.status == 503 and resp.headers.get("connection") == "close"
         await client.close()
     run(main())
 
@@ -810,14 +815,25 @@ def test_sigint_and_sigterm_together_are_one_stop() -> None:
     run(main())
 
 
-@pytest.mark.parametrize("body", [b"NaN", b"[1, Infinity]", b'{"x": -Infinity}'])
+@pytest.mark.parametrize("body", [b"NaN", b"[1, Infinity]", b'{"x": -Infinity}', b"1e999", b"[2, -1e400]",
+                                  b"[123456789012345678901234567890, 1e999]"])
 def test_non_finite_json_numbers_are_400(body: bytes) -> None:
+    """One rule for every non-finite number in JSON input, however it is spelled."""
     async def main() -> None:
         async with serving() as server:
             resp = await one(server.port, http_request("POST", "/v1/predict", body,
                                                        {"content-type": "application/json"}))
-            assert resp.status == 400 and "is not JSON" in resp.json()["error"]["message"]
+            assert resp.status == 400 and "JSON carries finite numbers only" in resp.json()["error"]["message"]
     run(main())
+
+
+def test_json_integers_stay_exact() -> None:
+    """Never rounded to a float, as a fast JSON parser would do past 64 bits (the gateway's codec
+    then refuses what it cannot carry: 400)."""
+    for value in (3, 2**64 - 1, 2**70, -(2**80)):
+        decoded = json_decode(str(value).encode())
+        assert decoded == value and type(decoded) is int
+    assert json_decode(b'{"a": [12345678901234567890123, 1.5]}') == {"a": [12345678901234567890123, 1.5]}
 
 
 @http_test()

@@ -43,6 +43,8 @@ from tests.ops_stages import (
 )
 from workers.embedded.server import EmbeddedRedis
 
+pytestmark = pytest.mark.redis  # a Redis server and workers in threads (tests/conftest.py: tiers)
+
 SCALE_SHIFT = "examples.scale_shift:pipeline"
 OPS = "tests.ops_stages:ops"
 MAX_BODY = 64 * 1024

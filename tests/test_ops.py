@@ -196,7 +196,8 @@ def test_status_when_redis_is_unreachable() -> None:
     url = "unix:///nonexistent-conveyor-dir/redis.sock"
     result = cli_status(NAME, "--redis", url)
     assert result.exit_code == 2
-    assert result.output.startswith(f"pipeline {NAME}: redis unreachable")
+    assert result.output.startswith(f"conveyor status: cannot reach Redis at {url} (")
+    assert result.output.count("\n") == 1  # one line, no traceback
     result = cli_status(NAME, "--redis", url, "--json")
     assert result.exit_code == 2
     doc = json.loads(result.output)

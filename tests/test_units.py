@@ -45,14 +45,14 @@ class Knobby(Stage):
         return [x * self.factor for x in xs]
 
 
-class Plain:
-    """Not a Stage subclass, no knobs: everything comes from the defaults."""
+class Plain(Stage):
+    """No knobs: everything comes from the defaults."""
 
     def predict(self, x: Any) -> Any:
         return x
 
 
-class Named(Stage):
+class Named(Plain):
     name = "custom-name"
 
 
@@ -77,8 +77,16 @@ def test_add_overrides_class_attributes_and_passes_the_rest_to_the_constructor()
     assert pipe.stage("k") is spec
 
 
+class Configured(Stage):
+    model_path = ""
+    size = 1
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
 def test_stage_base_class_stores_extra_kwargs_as_attributes() -> None:
-    spec = Pipeline("p").add(stages.Echo, model_path="/m.bin", size=3).stages[0]
+    spec = Pipeline("p").add(Configured, model_path="/m.bin", size=3).stages[0]
     instance = spec.cls(**spec.kwargs)
     assert (instance.model_path, instance.size) == ("/m.bin", 3)
 
@@ -140,7 +148,7 @@ def test_bad_knob_values_are_rejected(options: dict[str, Any]) -> None:
 
 
 def test_bad_class_attribute_is_rejected_too() -> None:
-    class Bad(Stage):
+    class Bad(Plain):
         batch_size = 0
 
     with pytest.raises(PipelineError, match="batch_size"):

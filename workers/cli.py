@@ -20,11 +20,17 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP
+from broker.connection import (
+    CONNECTION_OR_REPLY_ERRORS,
+    DEFAULT_REDIS_URL,
+    REDIS_URL_HELP,
+    RedisSettings,
+    safe_url,
+    unreachable,
+)
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
@@ -164,9 +170,11 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
               show_envvar=True,
               help="On SIGTERM or Ctrl-C, how long admitted requests may take to finish (then workers "
                    "get as long to finish their batch).")
+@click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG", show_envvar=True,
+              help="Include stage tracebacks in HTTP error responses (they may reveal code and data).")
 @_options
 def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port: int, grace_s: float,
-        prefix: str | None, **opts: Any) -> None:
+        debug: bool, prefix: str | None, **opts: Any) -> None:
     """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway.
 
     SIGTERM or Ctrl-C stops it in order: the gateway stops accepting and answers every request
@@ -185,15 +193,18 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     early.install()
     try:
         url = _start_redis(embedded) if embedded is not None else str(redis_url)
-        click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {_safe_url(url)}")
+        click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {safe_url(url)}")
         if embedded is not None:
             click.echo(f"conveyor: from another shell:  export CONVEYOR_REDIS_URL={url}")
+        else:
+            _say_if_unreachable(url)
         click.echo(f"conveyor: HTTP on http://{host}:{port}/v1/predict  (Ctrl-C to stop)")
         # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
         # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s)],
+             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
+             "--debug" if debug else "--no-debug"],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         stages = [(spec, spec.workers) for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
@@ -212,6 +223,19 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     sys.exit(code)
 
 
+def _say_if_unreachable(url: str) -> None:
+    """One line, up front, when the Redis named by --redis does not answer: the gateway and the
+    workers wait for it (each says so now and then), so the command keeps running."""
+    client = RedisSettings(url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
+    try:
+        client.ping()
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        click.echo(f"conveyor: {unreachable(url, exc)} The gateway and the workers wait for it (Ctrl-C to stop).",
+                   err=True)
+    finally:
+        client.close()
+
+
 def _start_redis(embedded: EmbeddedRedis) -> str:
     try:
         return embedded.start()
@@ -219,16 +243,6 @@ def _start_redis(embedded: EmbeddedRedis) -> str:
         raise click.ClickException(f"{exc} with --redis-dir (or CONVEYOR_REDIS_DIR)") from exc
     except EmbeddedRedisError as exc:
         raise click.ClickException(str(exc)) from exc
-
-
-def _safe_url(url: str) -> str:
-    """The URL without its password, for printing."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -288,6 +302,7 @@ class ConveyorGroup(click.Group):
 
 
 @click.group(cls=ConveyorGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="conveyor", prog_name="conveyor")
 def main() -> None:
     """conveyor: serve a model as a pipeline of batching stages over Redis Streams."""
 

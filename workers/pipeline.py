@@ -1,8 +1,8 @@
-"""A pipeline is plain data: an ordered list of stage specs under a name.
+"""A pipeline: an ordered list of stage specs under a name, each resolved from its class and its
+``add`` options and checked there (:mod:`workers.options`), so a mistake fails where it is written.
 
-It lives in ``broker`` because both sides need it: workers to know their stream and the
-next one, the CLI to find a stage by name. It holds stage *classes* without importing
-``workers``, so the gateway can use the key schema without ever importing user code.
+Workers read it to know their stream and the next one, the CLI to find a stage by name; gateways
+never import it (they read the stages from ``P:spec``, :mod:`broker.spec`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.spec import StageInfo
+from workers.options import STAGE_KNOBS, PipelineError, check_options, check_stage_class
+from workers.stage import Stage
 
 BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
+DEFAULT_STUCK_GRACE_S = 10.0
 
-# Knobs a Stage class may set as class attributes and `Pipeline.add` may override.
-STAGE_KNOBS = (
-    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
-    "max_run_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
-)
-
-
-class PipelineError(ValueError):
-    """A pipeline or stage is configured in a way conveyor cannot run."""
+__all__ = ["STAGE_KNOBS", "Pipeline", "PipelineError", "StageSpec"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +38,9 @@ class StageSpec:
     batch_wait_s: float = 0.0
     batch_policy: str = "adaptive"
     max_run_s: float | None = None
+    # A predict still running this long after every item of its batch passed its deadline is
+    # stuck: reported with its stack and replaced (workers.process.supervisor). None: never.
+    stuck_grace_s: float | None = DEFAULT_STUCK_GRACE_S
     max_backlog: int | None = None
     max_deliveries: int = 5
     claim_idle_s: float = 30.0
@@ -54,29 +52,29 @@ class StageSpec:
         return self.batch_size > 1
 
     def validate(self) -> None:
+        """Every setting's type and range, with the stage and the setting named."""
         if not isinstance(self.name, str) or not self.name:
             raise PipelineError(f"stage names must be non-empty strings, got {self.name!r}")
-        _check_int(self.name, "workers", self.workers, 1)
-        _check_int(self.name, "batch_size", self.batch_size, 1)
-        _check_number(self.name, "batch_wait_s", self.batch_wait_s, allow_zero=True)
+        name = self.name
+        for knob, minimum, optional in (("workers", 1, False), ("batch_size", 1, False), ("max_deliveries", 1, False),
+                                        ("threads", 1, True), ("max_backlog", 0, True)):
+            value = getattr(self, knob)
+            if not (optional and value is None):
+                _check_int(name, knob, value, minimum)
+        for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
+                                           ("max_run_s", True, True), ("stuck_grace_s", True, True)):
+            value = getattr(self, knob)
+            if not (optional and value is None):
+                _check_number(name, knob, value, allow_zero=allow_zero)
         if self.batch_policy not in BATCH_POLICIES:
-            raise PipelineError(f"stage {self.name}: batch_policy must be one of "
+            raise PipelineError(f"stage {name}: batch_policy must be one of "
                                 f"{', '.join(map(repr, BATCH_POLICIES))}, got {self.batch_policy!r}")
-        if self.threads is not None:
-            _check_int(self.name, "threads", self.threads, 1)
-        if self.cpus is not None:
-            if len(self.cpus) == 0:
-                raise PipelineError(f"stage {self.name}: cpus must not be empty (omit it for the default spread)")
-            for cpu in self.cpus:
-                _check_int(self.name, "cpus entries", cpu, 0)
-        _check_int(self.name, "max_deliveries", self.max_deliveries, 1)
-        _check_number(self.name, "claim_idle_s", self.claim_idle_s, allow_zero=False)
-        if self.max_run_s is not None:
-            _check_number(self.name, "max_run_s", self.max_run_s, allow_zero=True)
-        if self.max_backlog is not None:
-            _check_int(self.name, "max_backlog", self.max_backlog, 0)
+        if self.cpus is not None and len(self.cpus) == 0:
+            raise PipelineError(f"stage {name}: cpus must not be empty (omit it for the default spread)")
+        for cpu in self.cpus or ():
+            _check_int(name, "cpus entries", cpu, 0)
         if not isinstance(self.share_bursts, bool):
-            raise PipelineError(f"stage {self.name}: share_bursts must be True or False, got {self.share_bursts!r}")
+            raise PipelineError(f"stage {name}: share_bursts must be True or False, got {self.share_bursts!r}")
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:
@@ -106,6 +104,14 @@ def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
     return tuple(operator.index(c) for c in cpus)
 
 
+def _set_on(cls: type, knob: str) -> bool:
+    """Whether the stage class sets ``knob`` (``Stage``'s own None means "the default"; a subclass
+    may set ``stuck_grace_s = None``, which turns stuck detection off)."""
+    if knob == "stuck_grace_s":
+        return any(knob in vars(klass) for klass in cls.__mro__ if klass is not Stage)
+    return getattr(cls, knob, None) is not None
+
+
 class Pipeline:
     """An ordered list of stages; ``add`` returns the pipeline so calls chain."""
 
@@ -127,14 +133,12 @@ class Pipeline:
         self.partition_keys = self.keys.partitions(self.partitions)
 
     def add(self, cls: type, **options: Any) -> Pipeline:
-        """Append a stage. Known knobs override the class attributes; the rest go to ``cls(...)``."""
+        """Append a stage. Its settings (``STAGE_KNOBS``) override the class attributes; the other
+        options go to ``cls(...)`` and must be arguments it takes (:mod:`workers.options`)."""
+        cls = check_stage_class(cls)
+        check_options(cls, options)
         knobs = {k: options.pop(k) for k in list(options) if k in STAGE_KNOBS}
-        resolved: dict[str, Any] = {}
-        for knob in STAGE_KNOBS:
-            if knob in knobs:
-                resolved[knob] = knobs[knob]
-            elif getattr(cls, knob, None) is not None:
-                resolved[knob] = getattr(cls, knob)
+        resolved = {knob: getattr(cls, knob) for knob in STAGE_KNOBS if _set_on(cls, knob)} | knobs
         resolved.setdefault("name", cls.__name__)
         if resolved.get("cpus") is not None:
             resolved["cpus"] = _cpus(str(resolved["name"]), resolved["cpus"])
@@ -156,10 +160,11 @@ class Pipeline:
         i = spec.index + 1
         return self.stages[i] if i < len(self.stages) else None
 
-    def describe(self) -> list[StageInfo]:
-        """What workers publish under the spec key, so gateways and `status` know the stages."""
-        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions)
-                for s in self.stages]
+    def describe(self, max_payload_bytes: int | None = None) -> list[StageInfo]:
+        """What workers publish under the spec key, so gateways and `status` know the stages
+        (``max_payload_bytes``: the workers' limit, which gateways apply before Redis)."""
+        return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions,
+                          max_payload_bytes) for s in self.stages]
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"

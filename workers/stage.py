@@ -15,7 +15,9 @@ class Stage:
     length, in order; conveyor waits at most ``batch_wait_s`` after a batch's first item.
     ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
     "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
-    Extra keyword arguments of ``add`` arrive in ``__init__`` as plain data.
+    Other keyword arguments of ``add`` arrive in ``__init__`` as plain data: parameters your
+    ``__init__`` names, or (with this base class's ``__init__``) attributes your class declares,
+    set on the instance; anything else is refused by ``add``, with the nearest name.
     """
 
     name: ClassVar[str | None] = None
@@ -26,6 +28,9 @@ class Stage:
     batch_wait_s: ClassVar[float | None] = None
     batch_policy: ClassVar[str | None] = None  # "adaptive" (default) or "deadline"
     max_run_s: ClassVar[float | None] = None
+    # A predict still running this long past every deadline of its batch is reported with its stack
+    # and its worker replaced (default 10 s; Pipeline.add(cls, stuck_grace_s=None) turns it off).
+    stuck_grace_s: ClassVar[float | None] = None
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None

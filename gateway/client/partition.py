@@ -38,7 +38,7 @@ from gateway.client.deadlines import Deadlines
 from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Slot, Waiter
-from gateway.errors import Overloaded, StageError
+from gateway.errors import Overloaded, PayloadTooLarge, StageError
 from gateway.monitor.status import PipelineStatus, read_status
 
 log = logging.getLogger("conveyor.gateway")
@@ -151,6 +151,10 @@ class Partition:
         (no event-loop handle per answer); a request waiting for the pipeline's registration
         still gets a future."""
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
+        limit = self._registration.max_payload_bytes or self.settings.max_payload_bytes
+        if len(data) > limit:
+            raise PayloadTooLarge(f"input encodes to {len(data)} bytes, over max_payload_bytes={limit} of the "
+                                  "pipeline's workers")
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
             raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")

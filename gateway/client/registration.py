@@ -9,6 +9,7 @@ leaves no stream behind; the error names the pipelines that are registered there
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -17,6 +18,7 @@ import redis
 from broker import protocol
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import Keys
+from broker.spec import SpecError, decode_spec
 from gateway.errors import UnknownPipeline
 
 log = logging.getLogger("conveyor.gateway")
@@ -30,6 +32,7 @@ class Registration:
         self.keys = keys
         self.wait_s = wait_s
         self.registered = False  # once true, it stays true (no more round trips)
+        self.max_payload_bytes: int | None = None  # the first stage's workers' limit, from the spec
         self._poll: asyncio.Future[bool | None] | None = None
         self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
@@ -48,7 +51,12 @@ class Registration:
     async def check(self) -> bool:
         """Whether a worker has registered this pipeline (its spec key) in this Redis."""
         if not self.registered:
-            self.registered = bool(await self._redis().get(self.keys.spec))  # GET: in the gateway's ACL
+            raw = await self._redis().get(self.keys.spec)  # GET: in the gateway's ACL
+            self.registered = bool(raw)
+            if raw:
+                with contextlib.suppress(SpecError):
+                    stages = decode_spec(protocol.as_bytes(raw))
+                    self.max_payload_bytes = stages[0].max_payload_bytes if stages else None
         return self.registered
 
     async def log_if_missing(self) -> None:

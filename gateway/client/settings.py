@@ -18,3 +18,6 @@ class GatewaySettings:
     reply_block_s: float = 1.0
     prefix: str = DEFAULT_PREFIX
     register_wait_s: float = 5.0  # an unregistered pipeline's requests wait this long for a worker, then fail
+    # Inputs larger than this once encoded are refused before Redis, unless the pipeline's spec
+    # gives the workers' own limit (--max-payload-bytes of conveyor worker/run).
+    max_payload_bytes: int = 16 * 1024 * 1024

@@ -1,21 +1,26 @@
 """Content negotiation and body codecs of the HTTP front: pure functions, no I/O.
 
-JSON (the default) follows RFC 8259 strictly both ways: ``NaN``, ``Infinity`` and
-``-Infinity`` are not JSON, so a request body holding them is refused (400) and a result
-holding them cannot be sent as JSON (500 ``UnencodableResult`` naming the value): send
-msgpack (``Content-Type: application/msgpack``) for non-finite floats. numpy values in a JSON
-result become plain lists and numbers; in msgpack they travel as conveyor's array extension.
+JSON (the default) goes through orjson, strict RFC 8259 both ways, and **JSON carries finite numbers
+only**: a request body holding ``NaN``, ``Infinity`` or a number beyond a double's range (``1e999``)
+is refused (400), and a result holding NaN or an infinity cannot be sent as JSON (500
+``UnencodableResult``): send and accept msgpack (``Content-Type: application/msgpack``) for
+non-finite floats. Integers stay exact: one beyond 64 bits (which orjson would read as a float) is
+parsed by the standard library instead, and then refused where it cannot travel (400). numpy values
+in a JSON result become plain lists and numbers (orjson serializes arrays natively); in msgpack they
+travel as conveyor's array extension.
 """
 
 from __future__ import annotations
 
 import json
-import json.encoder
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from broker.codec import decode as msgpack_decode
 from broker.codec import encode as msgpack_encode
@@ -23,9 +28,12 @@ from broker.codec import encode as msgpack_encode
 __all__ = ["JSON", "MSGPACK", "Codec", "NonFiniteNumber", "UnsupportedMediaType", "codec_for", "json_decode",
            "json_encode"]
 
+_NON_FINITE_HINT = ("JSON carries finite numbers only (no NaN, Infinity or numbers beyond 1.8e308): "
+                    "send finite numbers, or msgpack (Content-Type: application/msgpack)")
+
 
 class NonFiniteNumber(ValueError):
-    """A JSON body spelled NaN or Infinity (which Python's json would otherwise accept)."""
+    """A JSON body (or a result sent as JSON) holding NaN, an infinity, or a number out of range."""
 
 
 class UnsupportedMediaType(ValueError):
@@ -33,7 +41,8 @@ class UnsupportedMediaType(ValueError):
 
 
 def _json_default(obj: object) -> Any:
-    """json.dumps hook: numpy values become plain lists/numbers; anything else is refused."""
+    """orjson hook, for what it does not serialize itself: non-contiguous numpy arrays and other
+    dtypes become plain lists/numbers; anything else is refused."""
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     if isinstance(obj, np.generic):
@@ -41,40 +50,63 @@ def _json_default(obj: object) -> Any:
     raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable (ask for msgpack)")
 
 
-_ENCODER = json.JSONEncoder(default=_json_default, separators=(",", ":"), allow_nan=False)
-# The C encoder json.dumps builds on every call, built once (None where the C accelerator is missing).
-# markers=None: no circular-reference check; a cycle ends in RecursionError, which callers handle.
-_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
-_C_ENCODE = (_C_MAKE_ENCODER(None, _json_default, json.encoder.encode_basestring_ascii, None, ":", ",",
-                             False, False, False)
-             if _C_MAKE_ENCODER is not None else None)
+_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
 def json_encode(obj: Any) -> bytes:
-    try:
-        if _C_ENCODE is not None:
-            return "".join(_C_ENCODE(obj, 0)).encode()
-        return _ENCODER.encode(obj).encode()
-    except ValueError as exc:
-        if "Out of range float" not in str(exc):
-            raise
-        raise ValueError("the result holds NaN or Infinity, which JSON cannot carry "
-                         "(send Content-Type: application/msgpack to get it)") from exc
+    """JSON of ``obj``; NonFiniteNumber if it holds NaN or an infinity (orjson would write null)."""
+    out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
+    if b"null" in out and _holds_non_finite(obj):  # a real None writes null too: only then look closer
+        raise NonFiniteNumber(f"the result holds NaN or Infinity; {_NON_FINITE_HINT}")
+    return out
+
+
+def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, float):
+        return not math.isfinite(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.dtype.kind in "fc" and not bool(np.isfinite(obj).all())
+    if isinstance(obj, np.floating | np.complexfloating):
+        return not bool(np.isfinite(obj))
+    if depth > 256:
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_non_finite(v, depth + 1) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_holds_non_finite(v, depth + 1) for v in obj)
+    return False
+
+
+_LONG_INTEGER = re.compile(rb"\d{20,}")  # 2**64 has 20 digits: orjson would read it as a float
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(f"{text[:32]} is out of range; {_NON_FINITE_HINT}")
+    return value
 
 
 def _refuse_constant(name: str) -> Any:
-    raise NonFiniteNumber(f"{name} is not JSON (RFC 8259): send finite numbers, or msgpack for {name}")
+    raise NonFiniteNumber(f"{name}: {_NON_FINITE_HINT}")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_EXACT_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant)
 
 
 def json_decode(body: bytes) -> Any:
-    # What json.loads does for bytes, with the common case first: detect_encoding answers UTF-8
-    # unless the body starts with a byte order mark (0xEF, 0xFE, 0xFF) or holds NUL in its first
-    # two bytes (UTF-16/32 without one), and calling it costs more than the check.
+    if _LONG_INTEGER.search(body) is None:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            text = str(exc)
+            if "infinity" in text or "NaN" in body.decode("latin-1") or b"Infinity" in body:
+                raise NonFiniteNumber(f"{text}; {_NON_FINITE_HINT}") from None
+            raise
+    # An integer of 20 digits or more: the standard library keeps it exact (the codec then says
+    # whether it can travel), where orjson would turn it into a float.
     encoding = "utf-8" if body[:1] < b"\xef" and b"\x00" not in body[:2] else json.detect_encoding(body)
-    return _DECODER.decode(body.decode(encoding, "surrogatepass"))
+    return _EXACT_DECODER.decode(body.decode(encoding, "surrogatepass"))
 
 
 @dataclass(frozen=True)

@@ -335,9 +335,23 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def cancel(self) -> None:
-        """Drop the connection now (drain timeout, an impatient second stop)."""
+        """End the connection now (drain timeout, an impatient second stop): a request still
+        waiting for its answer gets 503 with ``Connection: close``, never a closed socket alone."""
+        waiting = self.current is not None or any(isinstance(item, Request) for item in self.queue)
         if self.current is not None:
-            self.current[2].future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
+            item, label, pending = self.current
+            self.current = None
+            pending.future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
+            reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
+            self.metrics.observe_request(label, reply.outcome)
+            self._write(frame(reply, head_only=item.method == b"HEAD", close=True))
+        elif waiting and not self.lingering:
+            self._write(frame(overloaded("the gateway is stopping: retry", close=True).reply(), close=True))
+        self.queue.clear()
+        if waiting and self.transport is not None and not self.transport.is_closing():
+            self.server.release(self)
+            self.transport.close()  # flushes the 503 first (abort would drop it)
+            return
         self._abort()
 
     def _write(self, data: bytes) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from broker import protocol
 from broker.codec import CodecError
 from gateway.client.slot import Waiter
-from gateway.errors import Overloaded, StageError, UnknownPipeline
+from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
@@ -127,9 +127,9 @@ def status_body(status: PipelineStatusLike) -> dict[str, Any]:
     return {
         "ready": status.ready,
         "reachable": status.reachable,
-        "error": getattr(status, "error", None) or None,
+        "error": getattr(status, "error", None) or "; ".join(status.not_ready_stages) or None,
         "stages": [{"index": s.index, "name": s.name, "live_workers": s.live_workers, "backlog": s.backlog,
-                    "pending": s.pending} for s in status.stages],
+                    "pending": s.pending, "stuck_workers": s.stuck_workers} for s in status.stages],
     }
 
 
@@ -261,6 +261,8 @@ class Router:
             return HttpError(504, "DeadlineExceeded", str(exc) or "no result before the deadline", outcome="timeout")
         if isinstance(exc, UnknownPipeline):  # no worker ever registered this name: say so, not a 500 with a trace
             return HttpError(503, "UnknownPipeline", str(exc), outcome="unknown_pipeline")
+        if isinstance(exc, PayloadTooLarge):  # checked before Redis: a worker would dead-letter it
+            return HttpError(413, "PayloadTooLarge", str(exc), outcome="too_large")
         if isinstance(exc, CodecError):  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
             return HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}", outcome="bad_request")
         log.error("predict failed inside the gateway", exc_info=exc)

@@ -70,6 +70,12 @@ class StageStatusLike(Protocol):
     @property
     def dead_letters(self) -> int: ...
     @property
+    def stuck_workers(self) -> int: ...
+    @property
+    def stage_errors(self) -> int: ...
+    @property
+    def batch_length_errors(self) -> int: ...
+    @property
     def batches(self) -> Sequence[tuple[int, float]]: ...
 
 
@@ -82,6 +88,8 @@ class PipelineStatusLike(Protocol):
     def stages(self) -> Sequence[StageStatusLike]: ...
     @property
     def ready(self) -> bool: ...
+    @property
+    def not_ready_stages(self) -> list[str]: ...
 
 
 class StatusSource(Protocol):
@@ -137,6 +145,13 @@ class Metrics:
                                   STAGE_LABELS, registry=reg),
             "dead_letters": Gauge(f"{ns}_stage_dead_letters", "Entries in the stage's dead-letter stream.",
                                   STAGE_LABELS, registry=reg),
+            "stuck_workers": Gauge(f"{ns}_stage_stuck_workers",
+                                   "Workers found stuck in predict and being replaced.", STAGE_LABELS, registry=reg),
+            "stage_errors": Gauge(f"{ns}_stage_errors", "Items whose predict raised, in total (kept in Redis).",
+                                  STAGE_LABELS, registry=reg),
+            "batch_length_errors": Gauge(f"{ns}_stage_batch_length_errors",
+                                         "Batched predict calls that returned the wrong number of results, in "
+                                         "total (kept in Redis).", STAGE_LABELS, registry=reg),
         }
         # Partitioned pipelines (gateway.client.gateway): the stage gauges above are totals; these the parts.
         self._partition_gauges = {

@@ -35,7 +35,7 @@ from broker.spec import SpecError, StageInfo, decode_spec
 
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
 STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
-_COMMANDS_PER_STAGE = 7
+_COMMANDS_PER_STAGE = 9
 
 
 @dataclass
@@ -45,6 +45,7 @@ class ConsumerStatus:
     idle_ms: int
     heartbeat_age_ms: int | None = None  # None: no heartbeat in the last hour (or never)
     live: bool = False  # heartbeat within LIVE_AFTER_MS
+    stuck_since_ms: int | None = None  # found stuck in predict (Unix ms) and being replaced
 
 
 @dataclass
@@ -56,6 +57,9 @@ class StageStatus:
     consumers: int = 0
     live_workers: int = 0
     loading_workers: int = 0  # started, setup() (e.g. a model load) still running: not live yet
+    stuck_workers: int = 0  # found stuck in predict by their supervisor, not yet replaced
+    stage_errors: int = 0  # totals since the pipeline's keys were made (P:counts:<i>)
+    batch_length_errors: int = 0
     dead_letters: int = 0
     max_backlog: int | None = None
     batches: list[tuple[int, float]] = field(default_factory=list)  # (size, seconds) since last read
@@ -81,7 +85,22 @@ class PipelineStatus:
 
     @property
     def ready(self) -> bool:
-        return self.reachable and bool(self.stages) and all(s.live_workers > 0 for s in self.stages)
+        return self.reachable and bool(self.stages) and not self.not_ready_stages
+
+    @property
+    def not_ready_stages(self) -> list[str]:
+        """Why each stage that cannot answer cannot: no live worker, or every live one stuck."""
+        reasons = []
+        for s in self.stages:
+            if s.live_workers - s.stuck_workers > 0:
+                continue
+            if s.stuck_workers:
+                reasons.append(f"stage {s.name}: every worker stuck in predict (being replaced)")
+            elif s.loading_workers:
+                reasons.append(f"stage {s.name}: {s.loading_workers} worker(s) still loading")
+            else:
+                reasons.append(f"stage {s.name}: no live worker")
+        return reasons
 
 
 async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] | None = None, *,
@@ -106,9 +125,11 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
             pipe.xlen(keys.dead(i))
             pipe.xrange(keys.stats(i), min=_range_start(marks, i, window_start), max="+")
             pipe.zrange(keys.loading(i), 0, -1, withscores=True)
+            pipe.zrange(keys.stuck(i), 0, -1, withscores=True)
+            pipe.hgetall(keys.counts(i))
         results = await pipe.execute(raise_on_error=False)
     except CONNECTION_ERRORS as exc:
-        return PipelineStatus(False, [], f"redis unreachable: {exc!r}")
+        return PipelineStatus(False, [], f"redis unreachable: {exc}")
     except SpecError as exc:
         return PipelineStatus(True, [], str(exc))
     n = _COMMANDS_PER_STAGE
@@ -131,8 +152,8 @@ def _ok(value: Any, default: Any) -> Any:
 
 def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None, now: int,
            window_start: int) -> StageStatus:
-    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [])
-    groups, consumers, length, beats, dead, stats, loading = (
+    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [], [], {})
+    groups, consumers, length, beats, dead, stats, loading, stuck, counts = (
         _ok(r, d) for r, d in zip(results, defaults, strict=True))
     status = StageStatus(stage.index, stage.name, dead_letters=int(dead), max_backlog=stage.max_backlog)
     lag: Any = None
@@ -147,19 +168,23 @@ def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None,
     heartbeats = {_text(member): int(score) for member, score in beats}
     status.live_workers = sum(1 for score in heartbeats.values() if score >= now - LIVE_AFTER_MS)
     status.loading_workers = sum(1 for _member, score in loading if int(score) >= now - LIVE_AFTER_MS)
-    status.consumer_details = [_consumer(c, heartbeats, now) for c in consumers]
+    stuck_since = {_text(member): int(score) for member, score in stuck}
+    status.consumer_details = [_consumer(c, heartbeats, stuck_since, now) for c in consumers]
+    status.stuck_workers = sum(1 for name in stuck_since if heartbeats.get(name, 0) >= now - LIVE_AFTER_MS)
+    status.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
+    status.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
     _window_stats(status, stats, window_start, now)
     if marks is not None:
         _since_mark(status, stats, marks, window_start)
     return status
 
 
-def _consumer(info: dict[str, Any], heartbeats: dict[str, int], now: int) -> ConsumerStatus:
+def _consumer(info: dict[str, Any], heartbeats: dict[str, int], stuck: dict[str, int], now: int) -> ConsumerStatus:
     name = _text(info["name"])
     beat = heartbeats.get(name)
     age = None if beat is None else max(0, now - beat)
     return ConsumerStatus(name, int(info["pending"]), int(info["idle"]), age,
-                          age is not None and age <= LIVE_AFTER_MS)
+                          age is not None and age <= LIVE_AFTER_MS, stuck.get(name))
 
 
 def _window_stats(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], window_start: int,

@@ -16,6 +16,7 @@ from broker import codec, protocol
 from broker.commit import Commit
 from broker.keys import Keys
 from broker.streams import Entry
+from workers.loop.problems import Problems
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")
@@ -24,8 +25,10 @@ Work = list[tuple[protocol.Item, Any]]  # admitted items with their decoded inpu
 
 
 class Router:
-    def __init__(self, spec: StageSpec, last_stage: bool, max_payload_bytes: int, previous_exit: str = "") -> None:
+    def __init__(self, spec: StageSpec, last_stage: bool, max_payload_bytes: int, previous_exit: str = "",
+                 problems: Problems | None = None) -> None:
         self.spec = spec
+        self.problems = problems  # told of every item whose predict raised (logged, counted)
         self.last_stage = last_stage
         self.max_payload_bytes = max_payload_bytes
         self.limits = protocol.Limits(max_payload_bytes)
@@ -80,6 +83,8 @@ class Router:
         """The outcome of user code on ``item``: an error, the result, or the next stage's input."""
         ok, value = outcome
         if not ok:
+            if self.problems is not None:
+                self.problems.stage_error(item.request_id, value)
             self._error(item, value.type, value.message, commit, keys, value.traceback)
         elif self.last_stage:
             record = protocol.ok_record(item.request_id, value, self.spec.name)

@@ -25,6 +25,10 @@ class Failure:
 class BatchLengthError(Exception):
     """A batched predict returned a number of results different from its inputs."""
 
+    def __init__(self, message: str, returned: int = -1) -> None:
+        super().__init__(message)
+        self.returned = returned
+
 
 Outcome = tuple[bool, Any]  # (True, value) or (False, Failure)
 
@@ -50,17 +54,23 @@ def _call_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[
     except TypeError as exc:
         raise BatchLengthError(f"batched predict must return a sequence, got {type(results).__name__}") from exc
     if len(results) != len(inputs):
-        raise BatchLengthError(f"batched predict returned {len(results)} results for {len(inputs)} inputs")
+        raise BatchLengthError(f"batched predict returned {len(results)} results for {len(inputs)} inputs",
+                               len(results))
     return results
 
 
-def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[Outcome]:
+def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
+              wrong_length: Callable[[int, int], None] | None = None) -> list[Outcome]:
+    """``predict`` on the batch, each failing item isolated; ``wrong_length(expected, returned)``
+    hears of each call that returned the wrong number of results (the caller logs and counts it)."""
     if not inputs:
         return []
     try:
         return [(True, y) for y in _call_batch(predict, inputs)]
     except Exception as exc:  # user code: isolate who caused it
+        if isinstance(exc, BatchLengthError) and wrong_length is not None:
+            wrong_length(len(inputs), exc.returned)
         if len(inputs) == 1:
             return [(False, _failure(exc))]
     mid = len(inputs) // 2
-    return run_batch(predict, inputs[:mid]) + run_batch(predict, inputs[mid:])
+    return run_batch(predict, inputs[:mid], wrong_length) + run_batch(predict, inputs[mid:], wrong_length)

@@ -29,10 +29,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from broker import protocol
 from broker.commit import Commit, Committer, Ttls
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient, unreachable
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from broker.keys import GROUP
+from broker.logs import Throttle
 from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
@@ -44,11 +46,13 @@ from workers.batching.sharing import BurstSharing
 from workers.loop.heartbeat import Heartbeat, LiveWorkers
 from workers.loop.lanes import Lane, lane_failure
 from workers.loop.loading import LoadingBeacon
+from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import Router
+from workers.loop.routing import Router, Work
 from workers.loop.runner import run_batch, run_single
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
+from workers.process.watch import BusyCell
 from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
@@ -68,8 +72,9 @@ class WorkerSettings:
 
 
 class StatusPipe:
-    """Tells the supervisor 'ready', 'busy', 'idle' and 'drained' with one byte, so it can spot a
-    worker that dies before it is ready or runs past ``max_run_s``."""
+    """Tells the supervisor 'ready', 'idle' (after its first batch) and 'drained' with one byte, so
+    it can spot a worker that dies before it is ready (a stuck ``predict`` it sees through the
+    worker's :class:`workers.process.watch.BusyCell`, without a message per batch)."""
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
@@ -84,9 +89,10 @@ class StatusPipe:
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
                  consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "",
-                 claim_cpu: int | None = None) -> None:
+                 claim_cpu: int | None = None, busy: BusyCell | None = None) -> None:
         """``claim_cpu``: claim a core host-wide, preferring this one, and pin to it (else the
-        process is pinned already, or not at all)."""
+        process is pinned already, or not at all). ``busy``: where the supervisor watches each
+        batch's stuck time."""
         self.pipeline = pipeline
         self.spec = spec
         self.redis_settings = redis_settings
@@ -95,12 +101,10 @@ class Worker:
         self.status = status
         self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
         self.claim_cpu = claim_cpu
+        self._busy = busy
         self.ready = False
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
-        # 'B' and 'I' around each predict let the supervisor enforce max_run_s; without a limit it
-        # only needs one 'I' (a batch done: not a crash loop), so the pair is not a wake-up per batch.
-        self._watched = bool(spec.max_run_s)
-        self._told_idle = False
+        self._told_idle = False  # one 'I' after the first batch: not a crash loop
         self._drained_told = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -112,7 +116,10 @@ class Worker:
         # entries, which tells exactly what was committed and what was not.
         self._client.set_retry(Retry(NoBackoff(), 0))
         last_stage = self.pipeline.next_of(self.spec) is None
-        self._router = Router(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit)
+        self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
+        self._run_batch = functools.partial(run_batch, wrong_length=self._problems.wrong_length)
+        self._router = Router(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
+                              self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
         self._policy = self._wait_policy()
         self._read_size = SingletonReadSize()
@@ -124,12 +131,14 @@ class Worker:
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
-        self._with_redis(self._register)
+        if not self._with_redis(self._register):
+            self._client.close()
+            return  # asked to stop before Redis could be reached: never "ready"
         index = self.spec.index
         live = LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live)
         self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
                                     self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
-                                    [live])
+                                    [live, self._problems])
         claim = self._claim_core()
         self._heartbeat.start(*([claim] if claim is not None else []))  # renews the claim from now on
         try:
@@ -161,6 +170,8 @@ class Worker:
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
+        with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):  # a predecessor in this slot found stuck
+            self._client.zrem(self.pipeline.keys.stuck(self.spec.index), self.consumer)
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
         while not self.stopping:
             self._turn()
@@ -178,7 +189,7 @@ class Worker:
 
     def _register(self, lanes: list[Lane] | None = None) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
-        spec = encode_spec(self.pipeline.describe())
+        spec = encode_spec(self.pipeline.describe(self.settings.max_payload_bytes))
         limit = self.pipeline.stages[0].max_backlog
         for lane in self._lanes if lanes is None else lanes:
             try:
@@ -199,20 +210,28 @@ class Worker:
         """Finish the batch in hand, commit it, and return from ``run``."""
         self.stopping = True
 
-    def _with_redis(self, action: Callable[[], Any]) -> None:
-        """``action()``, retried with backoff while Redis cannot be reached (or until stopped)."""
-        backoff = Backoff()
-        while True:
+    def _with_redis(self, action: Callable[[], Any]) -> bool:
+        """``action()``, retried with backoff while Redis cannot be reached; False if the worker
+        was asked to stop first. Said once, then at most every 10 s, with the URL and what to check."""
+        backoff, throttle, attempts = Backoff(), Throttle(10.0), 0
+        while not self.stopping:
             try:
                 action()
-                return
+                return True
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if isinstance(exc, redis.ResponseError) and not is_transient(exc):
                     raise
-                log.warning("redis unavailable at start error=%r", exc)
-                if self.stopping:
-                    return
-                time.sleep(backoff.next_delay_s())
+                attempts += 1
+                if throttle.allow("unreachable") is not None:
+                    log.warning("%s retrying attempts=%d", unreachable(self.redis_settings.url, exc), attempts)
+                self._pause(backoff.next_delay_s())
+        return False
+
+    def _pause(self, seconds: float) -> None:
+        """A backoff's wait, cut short by a stop request (a signal handler only sets the flag)."""
+        until = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < until:
+            time.sleep(min(0.05, max(0.0, until - time.monotonic())))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -316,10 +335,11 @@ class Worker:
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         if work:
-            if self._watched:
-                self.status.send(b"B")
+            self._watch(work)
             outcomes = self._run([x for _, x in work])
-            if self._watched or not self._told_idle:
+            if self._busy is not None:
+                self._busy.idle()
+            if not self._told_idle:
                 self.status.send(b"I")
                 self._told_idle = True
             self._router.route_all(work, outcomes, commit, lane.keys)
@@ -332,6 +352,21 @@ class Worker:
         self._observe(len(work), ran - started, time.perf_counter() - ran)
         self._heartbeat.lease.release()
         self._recovery.committed(commit.acks)
+
+    def _watch(self, work: Work) -> None:
+        """Tell the supervisor when this batch becomes stuck: ``max_run_s`` from now if the stage
+        sets one, else ``stuck_grace_s`` after the last deadline of its items (none without deadlines)."""
+        if self._busy is None:
+            return
+        now = protocol.now_ms()
+        deadlines = [item.deadline_ms for item, _ in work]
+        unwanted = 0 if None in deadlines else max(d for d in deadlines if d is not None)
+        stuck = 0
+        if self.spec.max_run_s:
+            stuck = now + int(self.spec.max_run_s * 1000)
+        elif unwanted and self.spec.stuck_grace_s is not None:
+            stuck = unwanted + int(self.spec.stuck_grace_s * 1000)
+        self._busy.busy(stuck, unwanted)
 
     def _record_stats(self, lane: Lane, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""
@@ -351,5 +386,5 @@ class Worker:
 
     def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
         if self.spec.batched:
-            return run_grouped(self._stage, inputs, self.spec.batch_size, run_batch)  # length-aware, if asked
+            return run_grouped(self._stage, inputs, self.spec.batch_size, self._run_batch)  # length-aware, if asked
         return run_single(self._stage.predict, inputs)

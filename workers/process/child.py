@@ -14,6 +14,7 @@ them there when they load.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
@@ -27,6 +28,7 @@ from broker.logs import configure_logging
 from workers.app import AppError, load_pipeline
 from workers.loop.worker import StatusPipe, Worker, WorkerSettings
 from workers.process.pinning import limit_torch_threads, pin
+from workers.process.watch import BusyCell
 
 EXIT_SETUP_FAILED = 3
 EXIT_BAD_APP = 4
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="claim a core host-wide through Redis, preferring --cpu (workers.process.pinning)")
     parser.add_argument("--status-fd", type=int, default=None)
     parser.add_argument("--previous-exit", default="", help="why this slot's last worker ended")
+    parser.add_argument("--busy-fd", type=int, default=None, help="the supervisor's board (workers.process.watch)")
+    parser.add_argument("--busy-slot", type=int, default=0)
+    parser.add_argument("--stack-file", default=None, help="where SIGUSR1 dumps every thread's stack")
     args = parser.parse_args(argv)
     try:
         settings = read_settings(sys.stdin.buffer)
@@ -85,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu is not None and claim_cpu is None:
         pin(args.cpu)
     limit_torch_threads(spec.threads)
+    if args.stack_file:  # the supervisor asks for the stack of a stuck predict; kept open for the handler
+        stacks = open(args.stack_file, "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    busy = BusyCell(args.busy_fd, args.busy_slot) if args.busy_fd is not None else None
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
-                    StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu)
+                    StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu, busy=busy)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

@@ -39,6 +39,7 @@ from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.process.procs import detached_preexec
+from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -63,13 +64,13 @@ class Slot:
     proc: subprocess.Popen[bytes] | None = None
     pipe: int | None = None
     ready_at: float | None = None
-    busy_since: float | None = None
     start_failures: int = 0
     quick_deaths: int = 0
     restart_at: float | None = 0.0
     history: list[int] = field(default_factory=list)  # exit codes, for tests and logs
     killed_for_timeout: bool = False
     claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.process.pinning)
+    index: int = 0  # its place among the supervisor's slots (its cell on the busy board)
 
 
 class Supervisor:
@@ -104,7 +105,8 @@ class Supervisor:
             for n in range(count):
                 cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
                 consumer = f"{spec.name}@{host}:{n}"
-                self.slots.append(Slot(spec, n, cpu, consumer, claim=claims_cpu(self.child.worker.pin, spec.cpus)))
+                self.slots.append(Slot(spec, n, cpu, consumer, claim=claims_cpu(self.child.worker.pin, spec.cpus),
+                                       index=len(self.slots)))
             spread += count
         self._lay_out_claims(allowed)
 
@@ -131,6 +133,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
         self._make_slots()
+        self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url), self.keys)
         self._selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -147,6 +150,7 @@ class Supervisor:
             self._stop_all()
             signal.signal(signal.SIGCHLD, old_chld)
             signal.set_wakeup_fd(old_fd)
+            self._stuck.close()
             self._selector.close()
             os.close(wake_r)
             os.close(wake_w)
@@ -173,7 +177,7 @@ class Supervisor:
         for slot in self.slots:
             if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
                 self._spawn(slot)
-            self._check_runtime(slot, now)
+            self._check_runtime(slot)
         for key, _ in self._selector.select(timeout=max(0.0, timeout_s)):
             if key.data is None:
                 _drain(key.fd)
@@ -222,8 +226,9 @@ class Supervisor:
         for slot in self.slots:
             if slot.proc is None and slot.restart_at is not None:
                 waits.append(slot.restart_at - now)
-            if slot.busy_since is not None and slot.spec.max_run_s:
-                waits.append(slot.busy_since + slot.spec.max_run_s - now)
+            stuck_in = self._stuck.wait_s(slot.index) if slot.proc is not None else None
+            if stuck_in is not None:
+                waits.append(stuck_in)
         return max(0.0, min(waits))
 
     # -- children ------------------------------------------------------------------------
@@ -240,17 +245,17 @@ class Supervisor:
             cmd += ["--claim-cpu"]
         if slot.killed_for_timeout:
             cmd += ["--previous-exit", "timeout"]
+        cmd += self._stuck.child_args(slot.index)
         try:
             # A session of its own: a Ctrl-C in the terminal reaches only us, and we stop it in
             # order (see the module docstring); it still dies with us (workers.process.procs).
-            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE,
+            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd, self._stuck.fd), stdin=subprocess.PIPE,
                                          start_new_session=True, preexec_fn=detached_preexec())
         finally:
             os.close(write_fd)
         self._send_settings(slot.proc)
         slot.pipe = read_fd
         slot.ready_at = None
-        slot.busy_since = None
         slot.restart_at = None
         self._selector.register(read_fd, selectors.EVENT_READ, slot)
         log.info("started worker stage=%s slot=%d pid=%d cpu=%s", slot.spec.name, slot.number,
@@ -278,10 +283,7 @@ class Supervisor:
                 slot.start_failures = 0
             elif code == ord("D"):  # drained what its predecessor held
                 slot.killed_for_timeout = False
-            elif code == ord("B"):
-                slot.busy_since = now
             elif code == ord("I"):
-                slot.busy_since = None
                 # It finished a batch: not a crash loop, so a later death restarts it promptly
                 # (otherwise workers killed every few seconds end up 10 s apart, the stage idle).
                 slot.quick_deaths = 0
@@ -308,19 +310,16 @@ class Supervisor:
         delay = min(self.settings.restart_cap_s, self.settings.restart_base_s * 2 ** max(0, slot.quick_deaths - 1))
         log.warning("worker exited stage=%s slot=%d code=%s ready=%s restart_in=%.2fs", slot.spec.name,
                     slot.number, returncode, slot.ready_at is not None, delay)
-        slot.proc, slot.pipe, slot.busy_since = None, None, None
+        slot.proc, slot.pipe = None, None
         slot.restart_at = now + delay
 
-    def _check_runtime(self, slot: Slot, now: float) -> None:
-        limit = slot.spec.max_run_s
-        if slot.proc is None or slot.busy_since is None or not limit:
+    def _check_runtime(self, slot: Slot) -> None:
+        """A worker whose batch is stuck (past ``max_run_s``, or past its deadlines plus
+        ``stuck_grace_s``: workers.process.watch) is reported with its stack and replaced."""
+        if slot.proc is None or not self._stuck.stuck(slot.index):
             return
-        if now - slot.busy_since > limit:
-            log.error("worker stage=%s pid=%d ran predict for over max_run_s=%.1fs: killing it",
-                      slot.spec.name, slot.proc.pid, limit)
-            slot.proc.kill()
-            slot.busy_since = None
-            slot.killed_for_timeout = True
+        self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer)
+        slot.killed_for_timeout = bool(slot.spec.max_run_s)
 
     def _stop_all(self) -> None:
         live = [s for s in self.slots if s.proc is not None]
@@ -334,6 +333,9 @@ class Supervisor:
         deadline = time.monotonic() + self.settings.grace_s
         for slot in live:
             assert slot.proc is not None
+            if self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
+                # Its batch is past every deadline: nobody waits for it, and it may be stuck.
+                self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer)
             try:
                 slot.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

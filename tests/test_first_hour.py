@@ -1,0 +1,184 @@
+"""A new user's first hour, broken on purpose: a hung stage, a stage that raises, a batched predict
+that miscounts, a Redis that cannot be reached, an input too large. Each must be said clearly, where
+the user looks, and lose nothing else (real workers, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from broker.keys import Keys
+from gateway import Gateway, GatewaySettings, PayloadTooLarge
+from gateway.cli import format_status
+from gateway.http.server import HttpServer, HttpSettings
+from gateway.monitor.metrics import Metrics
+from tests.helpers import (
+    REPO_ROOT,
+    conveyor_argv,
+    conveyor_env,
+    http_call,
+    read_pipeline_status,
+    running_workers,
+    wait_for,
+)
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
+APP = "tests.first_hour_stages"
+NOWHERE = "redis://127.0.0.1:1/0"  # nothing listens there
+
+
+def _stuck_scenario(redis_url: str, runs: Path) -> None:
+    """A request that hangs its stage's only worker, and three behind it, all with 1 s deadlines."""
+    async def scenario() -> list[BaseException | object]:
+        async with Gateway(redis_url, "t-hangs", GatewaySettings(timeout_s=1.0)) as gw:
+            hung = asyncio.ensure_future(gw.predict("hang"))
+            await asyncio.to_thread(wait_for, lambda: runs.exists() and "hang" in runs.read_text(), 10,
+                                    "the worker started the hanging call")
+            behind = [asyncio.ensure_future(gw.predict(f"behind-{i}")) for i in range(3)]
+            return list(await asyncio.gather(hung, *behind, return_exceptions=True))
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+
+
+def test_a_hung_stage_is_reported_shown_and_replaced(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:hangs", ["hangs"], FIRST_HOUR_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-hangs")
+        _stuck_scenario(redis_url, runs)
+        supervisor = workers.stage("hangs")
+        log = wait_for(lambda: "worker stuck" in supervisor.log(50_000) and supervisor.log(50_000), 15,
+                       "the supervisor reports the stuck worker", supervisor.report)
+        line = next(line for line in log.splitlines() if "worker stuck" in line)
+        assert "stage=hangs" in line and "consumer=hangs@" in line and "stuck_grace_s" in line
+        assert "first_hour_stages.py" in line and "predict" in line, line  # the stuck call's stack
+
+        # While its replacement loads, status shows the worker stuck and the pipeline not ready.
+        status = asyncio.run(read_pipeline_status(redis_url, "t-hangs"))
+        assert [c.stuck_since_ms is not None for c in status.stages[0].consumer_details] == [True]
+        assert "STUCK in predict" in format_status("t-hangs", status)
+        assert not status.ready and "stage hangs" in status.not_ready_stages[0]
+
+        # Then the stage serves again, and the requests that waited behind it past their deadline never ran.
+        workers.wait_ready("t-hangs", 20)
+
+        async def again() -> object:
+            async with Gateway(redis_url, "t-hangs", GatewaySettings(timeout_s=10.0)) as gw:
+                return await gw.predict("ok")
+
+        assert asyncio.run(again()) == "ok"
+        assert "behind" not in runs.read_text()
+        assert not asyncio.run(read_pipeline_status(redis_url, "t-hangs")).stages[0].stuck_workers
+
+
+def test_wrong_length_batches_are_logged_once_and_counted(redis_url: str, redis_client: redis.Redis) -> None:
+    with running_workers(redis_url, f"{APP}:miscounts", ["miscounts"]) as workers:
+        workers.wait_ready("t-miscounts")
+
+        async def load() -> tuple[list[object], bytes]:
+            async with Gateway(redis_url, "t-miscounts", GatewaySettings(timeout_s=20.0)) as gw:
+                answers = []
+                for _ in range(3):  # several rounds: several bad batches, one log line
+                    answers += await asyncio.gather(*(gw.predict(i) for i in range(16)))
+                await asyncio.to_thread(wait_for, lambda: redis_client.hget(
+                    Keys("t-miscounts").counts(0), "batch_length_errors"), 10, "the count reaches Redis")
+                metrics = Metrics(gw)
+                await metrics.refresh()
+                return answers, metrics.render()
+
+        answers, metrics = asyncio.run(load())
+        assert answers == list(range(16)) * 3  # isolation kept every answer right
+        log = workers.stage("miscounts").log(50_000)
+        lines = [line for line in log.splitlines() if "returned the wrong number of results" in line]
+        assert len(lines) == 1 and "stage=miscounts" in lines[0] and "expected=" in lines[0], lines
+        found = re.search(rb'conveyor_stage_batch_length_errors\{index="0",stage="miscounts"\} (\d+)', metrics)
+        assert found and int(found.group(1)) >= 3, metrics.decode()
+
+
+def test_a_stage_that_raises_is_logged_at_the_worker(redis_url: str, redis_client: redis.Redis) -> None:
+    with running_workers(redis_url, f"{APP}:raises", ["raises"]) as workers:
+        workers.wait_ready("t-raises")
+
+        async def calls() -> list[BaseException | object]:
+            async with Gateway(redis_url, "t-raises", GatewaySettings(timeout_s=20.0)) as gw:
+                return list(await asyncio.gather(*(gw.predict(i) for i in range(5)), return_exceptions=True))
+
+        assert all(type(o).__name__ == "StageError" for o in asyncio.run(calls()))
+        wait_for(lambda: int(redis_client.hget(Keys("t-raises").counts(0), "stage_errors") or 0) == 5, 10,
+                 "the errors are counted in Redis")
+        lines = [line for line in workers.stage("raises").log(50_000).splitlines() if "stage raised" in line]
+        assert len(lines) == 1, lines  # the same error five times: said once a minute, not five times
+        assert all(f in lines[0] for f in ("stage=raises", "request=", "type=ValueError", "cannot take"))
+
+
+def test_an_input_too_large_is_refused_before_redis(redis_url: str, redis_client: redis.Redis) -> None:
+    """Refused at the gateway with the workers' own limit (from the spec): nothing written, 413."""
+    stream = Keys("scale-shift").stream(0)
+    with running_workers(redis_url, "examples.scale_shift:pipeline", ["Scale", "Shift"],
+                         CONVEYOR_MAX_PAYLOAD_BYTES="2000") as workers:
+        workers.wait_ready("scale-shift")
+
+        async def scenario() -> tuple[int, bytes]:
+            async with Gateway(redis_url, "scale-shift", GatewaySettings(timeout_s=10.0)) as gw:
+                assert await gw.predict(np.arange(10)) is not None  # a small one passes
+                with pytest.raises(PayloadTooLarge, match="max_payload_bytes=2000"):
+                    await gw.predict(np.zeros(1000))
+                server = HttpServer(gw, HttpSettings(port=0))
+                await server.start()
+                try:
+                    body = ("[" + ",".join(["0.5"] * 1000) + "]").encode()  # 4 kB of JSON, 9 kB as msgpack
+                    return await asyncio.to_thread(http_call, server.port, "POST", "/v1/predict", body)
+                finally:
+                    await server.close()
+
+        before = redis_client.xinfo_stream(stream)["entries-added"]
+        status, body = asyncio.run(scenario())
+        assert status == 413 and b"max_payload_bytes=2000" in body
+        assert redis_client.xinfo_stream(stream)["entries-added"] == before + 1  # only the small one
+
+
+def _run(argv: list[str], env: dict[str, str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_status_says_which_redis_and_one_line_when_unreachable(redis_url: str) -> None:
+    done = _run(conveyor_argv("status", "nothere", "--redis", "redis://someone:secret@127.0.0.1:1/0"), conveyor_env())
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot reach Redis at redis://someone:***@127.0.0.1:1/0" in done.stderr and "secret" not in done.stderr
+    done = _run(conveyor_argv("status", "nothere"), conveyor_env(redis_url))
+    assert done.returncode == 0 and f"[redis: {redis_url}]" in done.stdout and "not registered" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker", "run"])
+def test_long_running_commands_wait_for_redis_in_one_line(command: str, tmp_path: Path) -> None:
+    """No traceback, the URL and what to check, retries; a worker never says ready; a stop ends it."""
+    argv = {"gateway": conveyor_argv("gateway", "scale-shift", "--port", "0"),
+            "worker": conveyor_argv("worker", "examples.scale_shift:pipeline", "--stage", "Shift"),
+            "run": conveyor_argv("run", "examples.scale_shift:pipeline", "--port", "0")}[command]
+    log_path = tmp_path / "out.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=conveyor_env(NOWHERE), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: "cannot reach Redis at redis://127.0.0.1:1/0" in log_path.read_text(), 20,
+                 "the one-line message", log_path.read_text)
+        assert proc.poll() is None, f"{command} gave up:\n{log_path.read_text()}"
+        proc.send_signal(signal.SIGINT if command == "run" else signal.SIGTERM)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert "Traceback" not in text and "worker ready" not in text, text
+    assert "is the server running, and is the URL right (--redis or CONVEYOR_REDIS_URL)?" in text

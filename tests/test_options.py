@@ -1,0 +1,120 @@
+"""Pipeline.add checks what it is given where it is written (workers/options.py): a typo, a class
+that is not a Stage, an instance, a missing constructor argument fail at once, with words that say
+what to pass, instead of running with defaults or crashing every worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workers import Pipeline, PipelineError, Stage
+from workers.pipeline import DEFAULT_STUCK_GRACE_S
+
+
+class Shift(Stage):
+    def predict(self, x: Any) -> Any:
+        return x + 3
+
+
+class Model(Stage):
+    int8 = False  # a declared attribute: Stage.__init__ sets it from add(..., int8=True)
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.path = path
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+class Strict(Stage):
+    def __init__(self, port: int) -> None:  # no **kwargs: only `port`
+        self.port = port
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+class NotAStage:
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+def test_a_typo_in_a_setting_names_the_nearest_one() -> None:
+    with pytest.raises(PipelineError, match="unknown option 'batch_sise'; did you mean 'batch_size'"):
+        Pipeline("p").add(Shift, batch_sise=8)
+    with pytest.raises(PipelineError, match="did you mean 'workers'"):
+        Pipeline("p").add(Shift, worker=2)
+
+
+def test_a_typo_in_a_constructor_argument_names_the_nearest_one() -> None:
+    with pytest.raises(PipelineError, match="unknown option 'pth'; did you mean 'path'"):
+        Pipeline("p").add(Model, pth="/m")
+    with pytest.raises(PipelineError, match="unknown option 'int9'; did you mean 'int8'"):
+        Pipeline("p").add(Model, path="/m", int9=True)
+
+
+def test_constructor_arguments_and_declared_attributes_are_accepted() -> None:
+    spec = Pipeline("p").add(Model, path="/m", int8=True, batch_size=4).stages[0]
+    model = spec.cls(**spec.kwargs)
+    assert (model.path, model.int8, spec.batch_size) == ("/m", True, 4)
+    assert Pipeline("p").add(Strict, port=80).stages[0].kwargs == {"port": 80}
+
+
+def test_without_kwargs_only_the_parameters_are_accepted() -> None:
+    with pytest.raises(PipelineError, match="unknown option 'batch_key'"):
+        Pipeline("p").add(Strict, port=80, batch_key=None)  # Strict.__init__ cannot take it
+
+
+def test_a_missing_constructor_argument_is_named() -> None:
+    with pytest.raises(PipelineError, match="stage Model: missing a required argument: 'path'"):
+        Pipeline("p").add(Model)
+
+
+def test_what_is_not_a_stage_class_is_refused_with_what_to_pass() -> None:
+    with pytest.raises(PipelineError, match=r"not an instance: add\(Shift\), not add\(Shift\(\)\)"):
+        Pipeline("p").add(Shift())  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match=r"NotAStage is not a Stage: declare it as `class NotAStage\(Stage\):`"):
+        Pipeline("p").add(NotAStage)
+    with pytest.raises(PipelineError, match="takes a Stage subclass, got 'Shift'"):
+        Pipeline("p").add("Shift")  # type: ignore[arg-type]
+
+    class NoPredict(Stage):
+        batch_size = 4
+
+    with pytest.raises(PipelineError, match="stage NoPredict has no predict method"):
+        Pipeline("p").add(NoPredict)
+
+
+def test_a_refused_add_leaves_the_pipeline_as_it_was() -> None:
+    pipe = Pipeline("p").add(Shift)
+    with pytest.raises(PipelineError):
+        pipe.add(Model, batch_sise=2)
+    assert [s.name for s in pipe.stages] == ["Shift"]
+
+
+def test_stuck_grace_defaults_on_and_turns_off_with_none() -> None:
+    assert Pipeline("p").add(Shift).stages[0].stuck_grace_s == DEFAULT_STUCK_GRACE_S
+    assert Pipeline("p").add(Shift, stuck_grace_s=None).stages[0].stuck_grace_s is None
+    assert Pipeline("p").add(Shift, stuck_grace_s=2.5).stages[0].stuck_grace_s == 2.5
+
+    class Patient(Shift):
+        stuck_grace_s = None
+
+    assert Pipeline("p").add(Patient).stages[0].stuck_grace_s is None
+    with pytest.raises(PipelineError, match="stuck_grace_s must be a finite number >= 0"):
+        Pipeline("p").add(Shift, stuck_grace_s=-1)
+    with pytest.raises(PipelineError, match="share_bursts must be True or False"):
+        Pipeline("p").add(Shift, share_bursts="no")
+
+
+def test_conveyor_says_its_version() -> None:
+    from importlib.metadata import version
+
+    from click.testing import CliRunner
+
+    from workers.cli import main
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"conveyor, version {version('conveyor')}"

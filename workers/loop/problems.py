@@ -1,0 +1,70 @@
+"""What went wrong in the user's code, told to the operator: logged, rate-limited, and counted.
+
+A stage that raises answers its requester (the error record), but the operator must see it too:
+each error is logged at the worker (type, message, stage, request id; the traceback at debug
+level), at most once a minute per stage and exception type, with how many were held back. A
+batched ``predict`` that returns the wrong number of results is isolated by bisection, so every
+answer is still right, and the bug would only show as lost throughput: it is logged (stage,
+expected and returned counts; once a minute per stage) and counted. Both counts reach Redis with
+the heartbeat (``HINCRBY P:counts:<i>``, a :class:`workers.loop.heartbeat.BeatHook`), where
+``/metrics`` reads the totals.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+
+from broker.logs import Throttle
+from workers.loop.runner import Failure
+
+log = logging.getLogger("conveyor.worker")
+
+_FIELDS = ("stage_errors", "batch_length_errors")
+
+
+class Problems:
+    def __init__(self, stage: str, counts_key: str) -> None:
+        self._stage = stage
+        self._key = counts_key
+        self._throttle = Throttle(60.0)
+        # Two threads, one writer each: the loop counts up ``_total``, the heartbeat ``_sent``.
+        self._total = dict.fromkeys(_FIELDS, 0)
+        self._sent = dict.fromkeys(_FIELDS, 0)
+        self._sending = dict.fromkeys(_FIELDS, 0)
+
+    def stage_error(self, request_id: bytes, failure: Failure) -> None:
+        self._total["stage_errors"] += 1
+        held = self._throttle.allow(("error", failure.type))
+        if held is not None:
+            log.warning("stage raised stage=%s request=%s type=%s message=%s held_back=%d", self._stage,
+                        request_id.decode(errors="replace"), failure.type, failure.message[:500], held)
+            log.debug("stage traceback stage=%s request=%s traceback=%s", self._stage,
+                      request_id.decode(errors="replace"), failure.traceback)
+
+    def wrong_length(self, expected: int, returned: int) -> None:
+        self._total["batch_length_errors"] += 1
+        held = self._throttle.allow("length")
+        if held is not None:
+            log.warning("batched predict returned the wrong number of results stage=%s expected=%d returned=%d "
+                        "held_back=%d: each item was run again alone (correct answers, lost throughput); "
+                        "predict(xs) must return one result per input, in order", self._stage, expected, returned,
+                        held)
+
+    # -- BeatHook: the counts go to Redis with the heartbeat ------------------------------------
+
+    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+        self._sending = {field: self._total[field] - self._sent[field] for field in _FIELDS}
+        for field, count in self._sending.items():
+            if count:
+                pipe.hincrby(self._key, field, count)
+
+    def take(self, replies: list[Any]) -> None:
+        if not any(isinstance(r, Exception) for r in replies):
+            for field in _FIELDS:
+                self._sent[field] += self._sending[field]
+
+    def stop(self, client: redis.Redis) -> None:
+        """What the last beats did not carry is lost with the worker: counts, not requests."""

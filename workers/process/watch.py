@@ -1,0 +1,178 @@
+"""How the supervisor sees, without a message per batch, that a worker's ``predict`` runs too long.
+
+Each worker has a cell in memory shared with its supervisor: when a batch starts, the worker
+writes when that batch becomes *stuck* (``max_run_s`` after it started if the stage sets one,
+else ``stuck_grace_s`` after the last deadline of its items) and when it stops being wanted (its
+last deadline); when the batch ends it writes zeros. Two stores of a few bytes, no system call:
+a message through the status pipe would wake the supervisor twice per batch. The supervisor reads
+the cells at each of its turns (at least every second) and, for a worker past its stuck time,
+dumps the stuck call's stack (``faulthandler``, on SIGUSR1, into a file it reads back), logs it,
+marks the worker stuck in Redis (``P:stuck:<i>``, for ``status`` and ``/readyz``) and replaces it.
+A batch whose items carry no deadline is watched only by ``max_run_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker.keys import Keys
+from broker.protocol import now_ms
+from workers.pipeline import StageSpec
+
+log = logging.getLogger("conveyor.supervisor")
+
+_STACK_WAIT_S = 1.0  # how long the supervisor waits for a stuck worker's stack
+_STUCK_PRUNE_MS = 3_600_000  # marks of workers stuck an hour ago leave P:stuck:<i>
+_NO_STACK = "(no stack: the worker did not answer SIGUSR1)"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+_CELL = struct.Struct("<qq")  # stuck at, unwanted at: Unix ms (0: idle, or not watched)
+
+
+@dataclass(frozen=True)
+class Busy:
+    stuck_at_ms: int
+    unwanted_at_ms: int
+
+
+class BusyBoard:
+    """The supervisor's side: one cell per slot, in a file both processes map (``memfd`` on Linux)."""
+
+    def __init__(self, slots: int) -> None:
+        self._size = max(1, slots) * _CELL.size
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("conveyor-busy", 0)
+        else:  # a temporary file, unlinked at once: only the descriptor is shared
+            self.fd, path = tempfile.mkstemp(prefix="conveyor-busy-")
+            os.unlink(path)
+        os.ftruncate(self.fd, self._size)
+        os.set_inheritable(self.fd, False)  # passed on explicitly (pass_fds), to the workers only
+        self._map = mmap.mmap(self.fd, self._size)
+
+    def read(self, slot: int) -> Busy:
+        return Busy(*_CELL.unpack_from(self._map, slot * _CELL.size))
+
+    def clear(self, slot: int) -> None:
+        """A new worker in this slot starts idle (its predecessor may have died mid-batch)."""
+        _CELL.pack_into(self._map, slot * _CELL.size, 0, 0)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
+
+
+class BusyCell:
+    """A worker's side: its cell of the board (``fd`` inherited from the supervisor)."""
+
+    def __init__(self, fd: int, slot: int) -> None:
+        self._offset = slot * _CELL.size
+        self._map = mmap.mmap(fd, self._offset + _CELL.size)
+        os.close(fd)  # the mapping keeps the memory
+
+    def busy(self, stuck_at_ms: int, unwanted_at_ms: int) -> None:
+        _CELL.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms)
+
+    def idle(self) -> None:
+        _CELL.pack_into(self._map, self._offset, 0, 0)
+
+
+class StuckWatch:
+    """The supervisor's side: the board, a stack file per slot, and what is done to a stuck worker."""
+
+    def __init__(self, slots: int, redis: RedisSettings, keys: Keys | None) -> None:
+        self._board = BusyBoard(slots)
+        self._stacks = Path(tempfile.mkdtemp(prefix="conveyor-stacks-"))
+        self._redis = redis
+        self._keys = keys
+
+    def child_args(self, index: int) -> list[str]:
+        """The worker's command-line arguments for its cell and stack file (and its cell cleared)."""
+        self._board.clear(index)
+        return ["--busy-fd", str(self._board.fd), "--busy-slot", str(index), "--stack-file", str(self._stack(index))]
+
+    @property
+    def fd(self) -> int:
+        return self._board.fd
+
+    def _stack(self, index: int) -> Path:
+        return self._stacks / f"slot-{index}.stack"
+
+    def wait_s(self, index: int) -> float | None:
+        """Seconds until this slot's batch becomes stuck (None: not watched now)."""
+        busy = self._board.read(index)
+        return None if not busy.stuck_at_ms else max(0.0, (busy.stuck_at_ms - now_ms()) / 1000)
+
+    def unwanted(self, index: int) -> bool:
+        """Whether the batch in hand is past every deadline of its items: nobody waits for it."""
+        busy = self._board.read(index)
+        return bool(busy.unwanted_at_ms) and now_ms() >= busy.unwanted_at_ms
+
+    def stuck(self, index: int) -> bool:
+        busy = self._board.read(index)
+        return bool(busy.stuck_at_ms) and now_ms() >= busy.stuck_at_ms
+
+    def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str) -> None:
+        """Log the stuck call with its stack, mark the worker stuck in Redis, kill it (the
+        supervisor starts another)."""
+        why = (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
+               f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
+        log.error("worker stuck stage=%s consumer=%s pid=%d: predict %s; replacing it (set stuck_grace_s=None "
+                  "to turn this off, or max_run_s) stack=%s", stage.name, consumer, proc.pid, why,
+                  self._dump_stack(index, proc))
+        self._mark(stage.index, consumer)
+        proc.kill()
+        self._board.clear(index)
+
+    def _dump_stack(self, index: int, proc: subprocess.Popen[bytes]) -> str:
+        """faulthandler's dump of every thread (SIGUSR1), read back within a bounded wait."""
+        path = self._stack(index)
+        with contextlib.suppress(OSError):
+            path.write_text("")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+        # The child's signal handler writes the dump in one burst; nothing signals its end but time.
+        deadline = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < deadline and not _size(path):
+            time.sleep(0.02)
+        time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            return path.read_text().strip() or _NO_STACK
+        return _NO_STACK
+
+    def _mark(self, stage: int, consumer: str) -> None:
+        """``P:stuck:<i>``, for ``conveyor status`` and ``/readyz``; best effort."""
+        if self._keys is None:
+            return
+        client = RedisSettings(self._redis.url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
+        try:
+            now = now_ms()
+            pipe = client.pipeline(transaction=False)
+            pipe.zadd(self._keys.stuck(stage), {consumer: now})
+            pipe.zremrangebyscore(self._keys.stuck(stage), 0, now - _STUCK_PRUNE_MS)
+            pipe.execute()
+        except CONNECTION_OR_REPLY_ERRORS as exc:
+            log.warning("could not mark the stuck worker in Redis error=%r", exc)
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self._board.close()
+        shutil.rmtree(self._stacks, ignore_errors=True)
