@@ -7,6 +7,7 @@ The whole life of every role on its user is tests/test_security.py.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -42,9 +43,12 @@ from broker.janitor import reap_dead_consumers
 from broker.keys import GROUP, Keys
 from broker.pins import PinClaims, PinRequest
 from broker.share import Sharer
+from broker.spec import StageInfo, encode_spec
 from broker.streams import StreamReader
 from gateway.acl import acl as acl_command
+from gateway.monitor.status import read_all_partitions
 from tests.acl_stages import ADMIN, ADMIN_PASSWORD, AclServer, redis_binaries, start_acl_server
+from tests.cluster import LocalCluster
 from tests.helpers import wait_for
 from workers.embedded.server import EmbeddedRedis
 from workers.loop.loading import LoadingBeacon
@@ -532,3 +536,47 @@ def test_a_live_refusal_is_recognized_and_explained(server: AclServer) -> None:
         assert is_acl_refusal(lua.value) and explain_refusal(lua.value, "pins.lua", Keys("emb").pins("h"))
     finally:
         client.close()
+
+
+@pytest.mark.system
+def test_cluster_clients_on_the_generated_users(redis_cluster: LocalCluster) -> None:
+    """``--cluster``: what redis-py's cluster clients add at start (slot map, command table) is granted;
+    each role's calls through them go through, on every node (ACL users are per node)."""
+    users = {role: role_rules(role, [Scope()], parse_version(str(redis_cluster.node(redis_cluster.ports[0])
+                                                                  .info("server")["redis_version"])), cluster=True)
+             for role in ("worker", "gateway", "monitor")}
+    nodes = [redis_cluster.node(port) for port in redis_cluster.ports]
+    try:
+        for node in nodes:
+            node.execute_command("ACL", "LOG", "RESET")
+            for role, rules in users.items():
+                node.execute_command(*rules.setuser(f"t-cluster-{role}", ">pw").split())
+        seeds = ",".join(f"{redis_cluster.host}:{p}" for p in redis_cluster.ports)
+        url = {role: f"redis+cluster://t-cluster-{role}:pw@{seeds}" for role in users}
+        keys = Keys("t-cluster")
+        worker = RedisSettings(url["worker"]).sync_client()
+        try:
+            for part in keys.partitions(2):
+                worker.xgroup_create(part.stream(0), GROUP, id="0", mkstream=True)
+                worker.set(part.spec, encode_spec([StageInfo(0, "only", partitions=2)]))
+                reader = StreamReader(worker, part.stream(0), "me")
+                assert reader.read_until(1, 0.01) == []  # on the stream's node: CLIENT ID, CLIENT UNBLOCK
+                reader.close()
+        finally:
+            worker.close()
+
+        async def reads() -> None:
+            for role in ("gateway", "monitor"):
+                client = RedisSettings(url[role]).async_client(2)
+                try:
+                    status = await read_all_partitions(client, keys)
+                    assert status.partitions == 2 and len(status.by_partition) == 2, status
+                finally:
+                    await client.aclose()
+
+        asyncio.run(reads())
+        assert [node.execute_command("ACL", "LOG") for node in nodes] == [[] for _ in nodes]
+    finally:
+        for node in nodes:
+            node.execute_command("ACL", "DELUSER", *(f"t-cluster-{role}" for role in users))
+            node.close()
