@@ -33,6 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
 
@@ -80,6 +81,7 @@ class Family:
     key: Callable[[Keys], str] = field(compare=False, repr=False)
     variable: bool = True
     within: str | None = None  # the family that holds every key of this one
+    prefix_level: bool = False  # one per prefix, outside every pipeline's hash tag (``<prefix>:...``)
 
 
 FIRST_STREAM = Family("P:stream:0", lambda k: k.stream(0), variable=False, within="P:stream:<i>")
@@ -95,9 +97,13 @@ REPLIES = Family("P:reply:<name>", lambda k: k.reply(""))
 SPEC = Family("P:spec", lambda k: k.spec, variable=False)
 MAX_BACKLOG = Family("P:max_backlog", lambda k: k.max_backlog, variable=False)
 PINS = Family("P:pins:<host>", lambda k: k.pins(""))
+# The reply list of a gateway process serving several pipelines on one Redis (gateway/client/hub.py).
+SHARED_REPLIES = Family("<prefix>:reply:<name>", lambda k: k.shared_reply(""), prefix_level=True)
+# The names of the pipelines registered under a prefix (workers add theirs; `conveyor gateway --all` reads it).
+REGISTRY = Family("<prefix>:pipelines", lambda k: k.registry, variable=False, prefix_level=True)
 # Most specific first: a key is told apart by the first family whose name it has (explain_refusal).
 FAMILIES = (FIRST_STREAM, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, RESULTS, REPLIES, SPEC,
-            MAX_BACKLOG, PINS)
+            MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)
 
 
 def glob_escape(text: str) -> str:
@@ -123,6 +129,8 @@ class Scope:
                 for name in self.pipelines for keys in Keys(name, self.prefix).partitions(self.partitions)]
 
     def patterns(self, family: Family) -> list[str]:
+        if family.prefix_level:
+            return [glob_escape(family.key(Keys("pipeline", self.prefix))) + ("*" if family.variable else "")]
         out = []
         for keys, glob in self.bases():
             name = family.key(keys)
@@ -141,6 +149,7 @@ COMMAND_ACCESS: dict[str, str] = {
     "xlen": R, "xgroup|create": W, "xgroup|delconsumer": W, "xautoclaim": W, "xclaim": W, "xadd": W,
     "xack": W, "xdel": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW,
+    "sadd": W, "smembers": R,
     "evalsha": RW, "eval": RW,
 }
 # Commands whose access depends on their arguments (SET ... GET reads): kept in a selector of their own,
@@ -172,8 +181,9 @@ class Script:
                 *(Use(cmd, families, here) for cmd, families in self.calls)]
 
 
-COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES), (
-    ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES,)), ("pexpire", (REPLIES,)),
+COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES, SHARED_REPLIES), (
+    ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES, SHARED_REPLIES)),
+    ("pexpire", (REPLIES, SHARED_REPLIES)),
     ("xack", (STREAMS,)), ("xdel", (STREAMS,))), "broker/commit.py Committer.__call__, once per batch")
 SHARE = Script("share.lua", (STREAMS,), (
     ("xpending", (STREAMS,)), ("xrange", (STREAMS,)), ("xadd", (STREAMS,)), ("xack", (STREAMS,)),
@@ -201,6 +211,7 @@ WORKER_USES = (
     Use("script|load", (), SCRIPT_LOAD),
     Use("xgroup|create", (STREAMS,), "workers/loop/worker.py Worker._register (MKSTREAM)"),
     Use("set", (SPEC, MAX_BACKLOG), "workers/loop/worker.py Worker._register"),
+    Use("sadd", (REGISTRY,), "workers/loop/worker.py Worker._register: the pipeline's name in <prefix>:pipelines"),
     Use("xreadgroup", (STREAMS,), "broker/streams.py StreamReader: new entries (read_any, read_until) and its "
                                   "own pending ones (workers/loop/recovery.py drain_own_pending)"),
     Use("xautoclaim", (STREAMS,), "workers/loop/recovery.py Recovery.claim_stale"),
@@ -236,12 +247,15 @@ STATUS_USES = (
 )
 
 GATEWAY_USES = (
-    Use("info", (), "broker/server_info.py acheck_server, from gateway/client/partition.py Partition.start"),
-    Use("script|load", (), "broker/submit.py Submitter.load, at start and after NOSCRIPT"),
+    Use("info", (), "broker/server_info.py acheck_server, from gateway/client/hub.py Hub.start"),
+    Use("script|load", (), "gateway/client/hub.py Hub.start and Hub._send, at start and after NOSCRIPT"),
     Use("get", (SPEC,), "gateway/client/registration.py Registration.check; gateway/client/gateway.py "
                         "read_partition_count"),
-    Use("blpop", (REPLIES,), "gateway/client/partition.py Partition._pop_reply: its reply list P:reply:<gateway id>"),
-    Use("mget", (RESULTS,), "gateway/client/partition.py Partition._recover, after a lost reply connection"),
+    Use("blpop", (REPLIES, SHARED_REPLIES), "gateway/client/hub.py Hub._pop: its reply list, <prefix>:reply:<gateway "
+                                            "id> on one Redis, P:reply:<gateway id> per partition on a Cluster"),
+    Use("mget", (RESULTS,), "gateway/client/hub.py Hub._recover, after a lost reply connection"),
+    Use("smembers", (REGISTRY,), "gateway/client/registration.py registered_pipelines: `conveyor gateway --all`, "
+                                 "and the hint for a mistyped pipeline name"),
     *STATUS_USES,
 )
 
@@ -415,12 +429,27 @@ def family_of(key: str | bytes) -> tuple[Family, Keys] | None:
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     match = _KEY_RE.fullmatch(text)
     if match is None:
-        return None
+        return _prefix_family_of(text)
     try:
         keys = Keys(match["pipeline"], match["prefix"], int(match["partition"] or 0))
     except ValueError:
         return None
     for family in FAMILIES:
+        name = family.key(keys)
+        if text == name or (family.variable and text.startswith(name) and len(text) > len(name)):
+            return family, keys
+    return None
+
+
+def _prefix_family_of(text: str) -> tuple[Family, Keys] | None:
+    """A key of the prefix itself (outside any pipeline's hash tag): the shared reply lists, the registry."""
+    prefix, sep, _ = text.partition(":")
+    if not sep or not prefix or "{" in text:
+        return None
+    keys = Keys("x", prefix)
+    for family in FAMILIES:
+        if not family.prefix_level:
+            continue
         name = family.key(keys)
         if text == name or (family.variable and text.startswith(name) and len(text) > len(name)):
             return family, keys
@@ -498,6 +527,24 @@ def log_refusal_once(exc: BaseException, command: str | None = None, key: str | 
     if first:
         (logger or log).error("redis acl refusal command=%s key=%s explanation=%s", command, key, message)
     return True
+
+
+def queued_commands(pipe: Any) -> list[Sequence[Any]]:
+    """The arguments of the commands queued on a redis-py pipeline (plain or cluster, sync or asyncio),
+    to be taken before it runs: what :func:`log_pipeline_refusals` names."""
+    stack = getattr(pipe, "command_stack", None)
+    if stack is None:
+        stack = getattr(pipe, "_command_stack", [])  # redis.asyncio.cluster.ClusterPipeline
+    return [item.args if hasattr(item, "args") else item[0] for item in stack]
+
+
+def log_pipeline_refusals(sent: Sequence[Sequence[Any]], replies: Sequence[Any]) -> None:
+    """For a pipeline run with ``raise_on_error=False``: each ACL refusal among ``replies`` logged once,
+    with the command and key it was for (``sent``: :func:`queued_commands`, taken before it ran)."""
+    for args, reply in zip(sent, replies, strict=False):
+        if isinstance(reply, BaseException):
+            key = args[1] if len(args) > 1 and isinstance(args[1], str | bytes) else None
+            log_refusal_once(reply, str(args[0]).lower(), key)
 
 
 def describe(rules: RoleRules) -> Iterable[str]:

@@ -16,7 +16,8 @@
 -- then n_res x (KEYS index of result key, record, KEYS index of reply key or 0)
 -- then n_dead x (entry id, request id or '', reason, data excerpt)
 -- then n_ack x entry id
--- Returns the number of results written (duplicates are not).
+-- Returns {number of results written (duplicates are not), then the reply keys whose push failed
+-- with something other than WRONGTYPE (a refusal: the worker logs it), each followed by its error}.
 
 local function array_header(n)
   if n < 16 then return string.char(0x90 + n) end
@@ -38,7 +39,7 @@ for _ = 1, n_fwd do
   a = a + 4
 end
 
-local written, replies, order = 0, {}, {}
+local written, replies, order, failed = 0, {}, {}, {}
 for _ = 1, n_res do
   local record, rep = ARGV[a + 1], tonumber(ARGV[a + 2])
   if redis.call('SET', KEYS[tonumber(ARGV[a])], record, 'NX', 'PX', result_ttl) then
@@ -58,7 +59,12 @@ for _, key in ipairs(order) do
   -- failing the batch, for one command instead of a TYPE check and the push.
   local records = replies[key]
   local pushed = redis.pcall('RPUSH', key, array_header(#records) .. table.concat(records))
-  if type(pushed) == 'number' then redis.call('PEXPIRE', key, reply_ttl) end
+  if type(pushed) == 'number' then
+    redis.call('PEXPIRE', key, reply_ttl)
+  elseif not string.find(pushed['err'], 'WRONGTYPE', 1, true) then
+    failed[#failed + 1] = key
+    failed[#failed + 1] = pushed['err']
+  end
 end
 
 for _ = 1, n_dead do
@@ -79,4 +85,4 @@ while i < n_ack do
   redis.call('XDEL', KEYS[1], unpack(ids))
   i = i + #ids
 end
-return written
+return {written, unpack(failed)}

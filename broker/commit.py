@@ -7,6 +7,7 @@ quarter of a worker's time). It goes out on a held connection (:mod:`broker.held
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -14,11 +15,13 @@ from typing import Any
 
 import redis
 
+from broker.acl import log_refusal_once
 from broker.connection import is_cluster_client
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
 from broker.resp import pack_args
 
+log = logging.getLogger("conveyor.worker")
 COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
 
 
@@ -141,10 +144,18 @@ class Committer:
 
     def _with_script(self, run: Callable[[], Any]) -> int:
         try:
-            return int(run())
+            reply = run()
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             self._client.script_load(COMMIT_LUA)
-            return int(run())
+            reply = run()
+        except redis.ResponseError as exc:
+            log_refusal_once(exc, "commit.lua", self._static_keys[0])
+            raise
+        for i in range(1, len(reply) - 1, 2):  # reply lists the script could not push to (pcall)
+            key, error = reply[i], reply[i + 1]
+            if not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
+                log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
+        return int(reply[0])
 
     def _execute_packed(self, packed: bytes) -> Any:
         """One round trip, no retry (a lost reply must not commit twice): a failed call surfaces,
@@ -156,6 +167,10 @@ class Committer:
     def close(self) -> None:
         if self._held is not None:
             self._held.drop()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def _as_arg(value: bytes | str | int | float) -> bytes:

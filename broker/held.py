@@ -169,14 +169,19 @@ class AsyncHeldConnection:
         self._conn: Any = None
         self._used_at = 0.0
 
-    async def call(self, packed: bytes) -> Any:
-        """One round trip: send ``packed`` (an already packed command), return its reply."""
+    async def _connection(self) -> Any:
+        """The held connection: made at first use, checked after an idle spell."""
         conn = self._conn
         if conn is None:
             pool = self._client.connection_pool
             conn = self._conn = pool.connection_class(**pool.connection_kwargs)
         elif time.monotonic() - self._used_at > IDLE_CHECK_S:
             await _ensure(conn)
+        return conn
+
+    async def call(self, packed: bytes) -> Any:
+        """One round trip: send ``packed`` (an already packed command), return its reply."""
+        conn = await self._connection()
         try:
             await conn.send_packed_command(packed, check_health=False)
             reply = await conn.read_response()
@@ -189,6 +194,26 @@ class AsyncHeldConnection:
             raise
         self._used_at = time.monotonic()
         return reply
+
+    async def call_many(self, packed: list[bytes]) -> list[Any]:
+        """Several commands in one write, their replies in order: an error reply comes back as its
+        exception object (one command's refusal does not hide the others' replies)."""
+        conn = await self._connection()
+        replies: list[Any] = []
+        try:
+            await conn.send_packed_command(b"".join(packed), check_health=False)
+            for _ in packed:
+                try:
+                    replies.append(await conn.read_response())
+                except redis.ResponseError as exc:  # read in full: the connection is in step
+                    replies.append(exc)
+        except BaseException:
+            await self.close()
+            raise
+        if any(isinstance(r, redis.ResponseError) and not self._keep(r) for r in replies):
+            await self.close()
+        self._used_at = time.monotonic()
+        return replies
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from broker.acl import log_refusal_once
 from broker.keys import GROUP, Keys
 from broker.protocol import now_ms
 
@@ -57,6 +58,7 @@ def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_
     except redis.ResponseError as exc:
         if "NOGROUP" in str(exc) or "no such key" in str(exc):
             return []
+        log_refusal_once(exc, None, stream)
         raise
     cutoff = now_ms() - dead_after_ms
     heartbeats = {_text(member): float(score) for member, score in beats}
@@ -68,6 +70,7 @@ def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc) or "no such key" in str(exc):
                 break
+            log_refusal_once(exc, "janitor.lua", stream)
             raise
         if int(done):
             beat = heartbeats.get(candidate)

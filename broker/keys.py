@@ -22,6 +22,14 @@ key                                type    TTL                  written by
                                                                 request (SET NX: first wins)
 ``<reply key>`` (default           list    ``reply_ttl_ms``,    same worker, one RPUSH per
 ``P:reply:<gateway id>``)                  renewed per push     batch and reply key
+``<prefix>:reply:<gateway id>``    list    ``reply_ttl_ms``,    as ``P:reply:``: the one reply
+                                           renewed per push     list of a gateway process that
+                                                                serves several pipelines on one
+                                                                Redis (not a Cluster: a script
+                                                                may touch one slot only)
+``<prefix>:pipelines``             set     none                 workers at start: the names of
+                                                                the pipelines registered under
+                                                                this prefix (``gateway --all``)
 ``P:spec``                         string  none                 workers at start (msgpack of
                                                                 the stages' names and knobs,
                                                                 and N if N > 1), in every
@@ -129,8 +137,22 @@ class Keys:
 
     @cached_property
     def reply_prefix(self) -> bytes:
-        """Every reply key a producer may name starts with this (checked per entry: computed once)."""
+        """Every reply key of this pipeline (partition) starts with this (checked per entry: computed once)."""
         return f"{self.base}:reply:".encode()
+
+    @cached_property
+    def shared_reply_prefix(self) -> bytes:
+        """Reply keys of gateways serving several pipelines of this prefix on one Redis start with this."""
+        return f"{self.prefix}:reply:".encode()
+
+    def shared_reply(self, gateway_id: str) -> str:
+        """One gateway process's reply list for every pipeline it serves (one Redis, not a Cluster)."""
+        return f"{self.prefix}:reply:{gateway_id}"
+
+    @property
+    def registry(self) -> str:
+        """The names of the pipelines registered under this prefix (``conveyor gateway --all``)."""
+        return f"{self.prefix}:pipelines"
 
     @property
     def spec(self) -> str:

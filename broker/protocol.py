@@ -4,7 +4,8 @@ A stage stream entry carries these fields (bytes values):
 
 - ``id``           request id, 1-128 chars of ``[A-Za-z0-9_.:-]``; unique per request.
 - ``data``         the input, encoded with :mod:`broker.codec` (msgpack).
-- ``reply``        optional: a list key under ``<prefix>:{<pipeline>}:reply:`` to RPUSH the record to.
+- ``reply``        optional: a list key under ``<prefix>:{<pipeline>}:reply:`` (or, for a gateway serving
+                   several pipelines on one Redis, ``<prefix>:reply:``) to RPUSH the record to.
 - ``deadline_ms``  optional: absolute Unix time in ms after which nobody wants the answer.
 - ``v``            optional: protocol version, ``1``.
 
@@ -90,7 +91,7 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
     if request_id is None:
         return reject("missing or invalid 'id' (1-128 chars of A-Z a-z 0-9 _ . : -)")
     if F_REPLY in fields and reply is None:
-        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply:")
+        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply: or {keys.prefix}:reply:")
     version = fields.get(F_VERSION, _VERSION)
     if version != _VERSION:
         return reject(f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}")
@@ -105,11 +106,11 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
 
 
 def _valid_reply(raw: bytes | None, keys: Keys) -> bytes | None:
-    if raw is None:
+    if raw is None or len(raw) > 256:
         return None
-    prefix = keys.reply_prefix
-    if raw.startswith(prefix) and len(raw) > len(prefix) and len(raw) <= 256:
-        return raw
+    for prefix in (keys.reply_prefix, keys.shared_reply_prefix):
+        if raw.startswith(prefix) and len(raw) > len(prefix):
+            return raw
     return None
 
 

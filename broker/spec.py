@@ -6,12 +6,17 @@ knows the stages' names, positions and limits. Value: a msgpack array with one m
 in pipeline order::
 
     {"index": int, "name": str, "batch_size": int, "batch_wait_s": float, "max_backlog": int | nil,
-     "partitions": int, "max_payload_bytes": int}
+     "partitions": int, "max_payload_bytes": int,
+     "inputs": [{"name", "datatype", "shape"}], "batched": bool,    (first stage only, if declared)
+     "outputs": [{"name", "datatype", "shape"}]}                     (last stage only, if declared)
 
 ``partitions`` (the pipeline's partition count, the same in every stage map) is written only
 when it is above 1, so a one-partition pipeline's spec is byte for byte the v1 one; absent
 means 1. ``max_payload_bytes`` is the registering worker's limit on an entry's encoded input:
 a gateway refuses a larger input before it reaches Redis (absent: the gateway's own default).
+``inputs``/``outputs``/``batched`` are the pipeline's tensors as the Open Inference Protocol
+serves them (``Pipeline(..., inputs=, outputs=, batched=)``): names, datatypes (``FP32``, ``BYTES``...)
+and shapes (-1: any size), and whether the first dimension is a batch of independent items.
 ``max_backlog`` bounds each partition's first stream. Readers ignore keys they do not know, so a
 newer worker may add some.
 """
@@ -29,6 +34,40 @@ class SpecError(codec.CodecError):
     """The spec key holds something that is not a pipeline spec."""
 
 
+DATATYPES = ("BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "FP16", "FP32",
+             "FP64", "BYTES")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output tensor of a pipeline, as the Open Inference Protocol names it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def check(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a tensor's name must be a non-empty string, got {self.name!r}")
+        if self.datatype not in DATATYPES:
+            raise ValueError(f"tensor {self.name!r}: datatype must be one of {', '.join(DATATYPES)}, "
+                             f"got {self.datatype!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= -1 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape must be integers (-1: any size), got {self.shape!r}")
+
+    def to_map(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+def _tensors(raw: Any) -> tuple[TensorSpec, ...]:
+    if not raw:
+        return ()
+    tensors = tuple(TensorSpec(str(t["name"]), str(t["datatype"]), tuple(int(d) for d in t["shape"])) for t in raw)
+    for tensor in tensors:
+        tensor.check()
+    return tensors
+
+
 @dataclass(frozen=True)
 class StageInfo:
     index: int
@@ -38,15 +77,25 @@ class StageInfo:
     max_backlog: int | None = None
     partitions: int = 1
     max_payload_bytes: int | None = None
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    batched: bool = False
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
     maps = [asdict(s) for s in stages]
-    for item in maps:
+    for stage, item in zip(stages, maps, strict=True):
         if item["partitions"] == 1:
             del item["partitions"]
         if item["max_payload_bytes"] is None:
             del item["max_payload_bytes"]
+        for io in ("inputs", "outputs"):
+            if item[io]:
+                item[io] = [t.to_map() for t in getattr(stage, io)]
+            else:
+                del item[io]
+        if not item["batched"]:
+            del item["batched"]
     return codec.encode(maps)
 
 
@@ -73,6 +122,25 @@ def _stage(position: int, item: Any) -> StageInfo:
             max_backlog=None if max_backlog is None else int(max_backlog),
             partitions=max(1, int(item.get("partitions") or 1)),
             max_payload_bytes=None if max_payload is None else int(max_payload),
+            inputs=_tensors(item.get("inputs")), outputs=_tensors(item.get("outputs")),
+            batched=bool(item.get("batched", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class PipelineIO:
+    """A pipeline's tensors: its first stage's inputs, its last stage's outputs (none: undeclared)."""
+
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    batched: bool = False
+
+    @classmethod
+    def of(cls, stages: Sequence[StageInfo]) -> PipelineIO:
+        return cls(stages[0].inputs, stages[-1].outputs, stages[0].batched) if stages else cls()
+
+    @property
+    def declared(self) -> bool:
+        return bool(self.inputs and self.outputs)

@@ -53,7 +53,7 @@ class StreamReader:
         self.stream = stream
         self._consumer = consumer
         self._client_id = 0
-        self._held = HeldConnection(client, stream, on_connect=self._identify)
+        self._held = HeldConnection(client, stream, on_connect=self._identify, keep=_unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
 
     def _identify(self, conn: Any) -> None:
@@ -85,7 +85,12 @@ class StreamReader:
 
     def finish_read(self) -> list[Entry]:
         self._sent = False
-        return parse_entries(self._held.read())
+        try:
+            return parse_entries(self._held.read())
+        except redis.ResponseError as exc:
+            if _unblocked(exc):  # CLIENT UNBLOCK ... ERROR from someone else: an empty read, no more
+                return []
+            raise
 
     def read_until(self, count: int, timeout_s: float) -> list[Entry]:
         """New entries, waiting at most ``timeout_s`` by the client's clock."""
@@ -109,6 +114,11 @@ class StreamReader:
 
     def fileno(self) -> int:
         return self._held.fileno()
+
+
+def _unblocked(exc: redis.ResponseError) -> bool:
+    """A read ended by ``CLIENT UNBLOCK <id> ERROR``: the connection is in step, nothing was read."""
+    return str(exc).startswith("UNBLOCKED")
 
 
 ReadOutcome = list[Entry] | Exception  # a reader's entries, or what went wrong with it

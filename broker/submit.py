@@ -38,8 +38,20 @@ def is_overloaded(exc: redis.ResponseError) -> bool:
     return str(exc).startswith(OVERLOADED)
 
 
+def keeps_connection(exc: redis.ResponseError) -> bool:
+    """Admission's refusal and a missing script leave a submit connection in use; other error
+    replies (READONLY after a failover, OOM...) drop it, and the next turn reconnects."""
+    return is_overloaded(exc) or isinstance(exc, redis.exceptions.NoScriptError)
+
+
+def submit_connection(client: aredis.Redis) -> AsyncHeldConnection:
+    return AsyncHeldConnection(client, keep=keeps_connection)
+
+
 class Submitter:
-    """Packs and runs ``submit.lua`` for one gateway (one reply key) of one pipeline."""
+    """Packs ``submit.lua``'s calls for one gateway (one reply key) of one pipeline partition.
+    :meth:`__call__` runs one on its own; a gateway serving several pipelines writes the packed
+    calls of all of them in one round trip (:meth:`broker.held.AsyncHeldConnection.call_many`)."""
 
     def __init__(self, client: aredis.Redis, keys: Keys, reply_key: bytes, max_backlog: int | None = None) -> None:
         self._client = client
@@ -49,11 +61,8 @@ class Submitter:
         self._own_limit = b"" if max_backlog is None else b"%d" % max_backlog
         reply = b"$%d\r\n%b\r\n" % (len(reply_key), reply_key.replace(b"%", b"%%"))
         self._entry_format = b"$%d\r\n%b\r\n$%d\r\n%b\r\n" + reply + b"$%d\r\n%b\r\n"
-        # Turns come one at a time (the gateway's flusher), on one held connection (broker.held);
-        # an error reply other than admission's or a missing script (READONLY after a failover,
-        # OOM...) drops it, and the next turn reconnects.
-        self._held = AsyncHeldConnection(client, keep=lambda exc: is_overloaded(exc) or isinstance(
-            exc, redis.exceptions.NoScriptError))
+        # Turns come one at a time (the gateway's flusher), on one held connection (broker.held).
+        self._held = submit_connection(client)
 
     async def load(self) -> None:
         """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
@@ -97,8 +106,12 @@ class Submitter:
 
     async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> Any:
         if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
-            return await self._client.execute_command("EVALSHA", *self._args(batch, unlink)[1:])
+            return await self.run_routed(batch, unlink)
         return await self._held.call(self.pack(batch, unlink))
+
+    async def run_routed(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> Any:
+        """The call through redis-py's routing (a cluster client), not a held connection."""
+        return await self._client.execute_command("EVALSHA", *self._args(batch, unlink)[1:])
 
     async def close(self) -> None:
         await self._held.close()

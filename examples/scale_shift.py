@@ -2,9 +2,12 @@
 
 Run it:  conveyor run examples.scale_shift:pipeline
 Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d 3   ->  {"result": 9}
+or with the Open Inference Protocol (each row of x is an item of its own, batched with everyone's):
+  curl -s localhost:8000/v2/models/scale-shift/infer -d '{"inputs": [{"name": "x", "datatype": "FP64",
+       "shape": [2], "data": [3, 4]}]}'   ->  {..., "outputs": [{"name": "y", ..., "data": [9.0, 11.0]}]}
 """
 
-from workers import Pipeline, Stage
+from workers import Pipeline, Stage, Tensor
 
 
 class Scale(Stage):
@@ -20,4 +23,5 @@ class Shift(Stage):
         return [x + 3 for x in xs]
 
 
-pipeline = Pipeline("scale-shift").add(Scale, workers=2, cpus=[0, 1]).add(Shift)
+pipeline = Pipeline("scale-shift", inputs=[Tensor("x", "FP64", [-1])], outputs=[Tensor("y", "FP64", [-1])],
+                    batched=True).add(Scale, workers=2, cpus=[0, 1]).add(Shift)

@@ -28,7 +28,9 @@ _HTTP_DEFAULTS = HttpSettings()
 
 
 @click.command()
-@click.argument("name", envvar="CONVEYOR_PIPELINE")
+@click.argument("names", metavar="[NAME]...", nargs=-1, envvar="CONVEYOR_PIPELINE")
+@click.option("--all", "discover", is_flag=True, envvar="CONVEYOR_ALL_PIPELINES", show_envvar=True,
+              help="Serve every pipeline registered under the prefix, and those registered later.")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
               show_envvar=True, help=REDIS_URL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
@@ -61,17 +63,21 @@ _HTTP_DEFAULTS = HttpSettings()
               show_envvar=True, help="Event loop; auto takes uvloop where installed, else asyncio.")
 @click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
               envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
-def gateway(name: str, redis_url: str, host: str, port: int, prefix: str, timeout_s: float, debug: bool,
-            max_body_bytes: int, header_timeout_s: float, body_timeout_s: float, max_connections: int,
-            drain_timeout_s: float, processes: int, loop: str, log_format: str) -> None:
-    """Serve pipeline NAME (env var: CONVEYOR_PIPELINE) over HTTP: POST /v1/predict, GET /healthz,
-    /readyz, /metrics. SIGTERM or SIGINT drains: no new connections, admitted requests finish."""
+def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, port: int, prefix: str,
+            timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
+            max_connections: int, drain_timeout_s: float, processes: int, loop: str, log_format: str) -> None:
+    """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
+    over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
+    Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
+    or SIGINT drains: no new connections, admitted requests finish."""
+    if not names and not discover:
+        raise click.UsageError("name the pipelines to serve (conveyor gateway NAME [NAME...]), or pass --all")
     configure_logging(log_format.lower())
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s)
-    job = GatewayJob(name, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
-                     log_format.lower())
+    job = GatewayJob(names, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
+                     log_format.lower(), discover)
     try:
         check_loop(loop)
         if processes > 1:

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 from broker.connection import CONNECTION_ERRORS, Backoff, unreachable
 from broker.logs import Throttle
-from gateway import Gateway
 from gateway.client import GatewaySettings
+from gateway.client.pipelines import Pipelines
 from gateway.http.server import HttpServer, HttpSettings, PortInUse, check_port_free
 from gateway.http.server import run as serve_http
 
@@ -48,14 +48,17 @@ class LoopUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class GatewayJob:
-    """Everything one gateway process needs (picklable: it crosses a process spawn, not Redis)."""
+    """Everything one gateway process needs (picklable: it crosses a process spawn, not Redis).
 
-    name: str
+    ``names``: the pipelines served; ``discover``: also every pipeline registered under the prefix."""
+
+    names: tuple[str, ...]
     redis_url: str
     gateway: GatewaySettings
     http: HttpSettings
     loop: str = "auto"
     log_format: str = "kv"
+    discover: bool = False
 
 
 def check_loop(loop: str) -> None:
@@ -93,7 +96,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
     connections."""
 
     async def main() -> None:
-        backend = Gateway(job.redis_url, job.name, job.gateway)
+        backend = Pipelines(job.redis_url, job.names, job.gateway, discover=job.discover)
         if not await start_when_reachable(backend, job.redis_url):
             return  # stopped while Redis could not be reached
         try:
@@ -104,7 +107,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
     run_loop(main(), job.loop)
 
 
-async def start_when_reachable(backend: Gateway, redis_url: str) -> bool:
+async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
     """Start ``backend``, retrying with backoff while Redis cannot be reached (said once, then at
     most every 10 s); False if SIGTERM or SIGINT came first."""
     loop = asyncio.get_running_loop()

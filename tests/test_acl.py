@@ -121,13 +121,14 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
                         "P:loading:<i>": keys.loading(0), "P:stuck:<i>": keys.stuck(1),
                         "P:counts:<i>": keys.counts(0), "P:result:<id>": keys.result("gw-17"),
                         "P:reply:<name>": keys.reply("a1b2"), "P:spec": keys.spec,
-                        "P:max_backlog": keys.max_backlog, "P:pins:<host>": keys.pins("boot-id")}
+                        "P:max_backlog": keys.max_backlog, "P:pins:<host>": keys.pins("boot-id"),
+                        "<prefix>:reply:<name>": keys.shared_reply("c3d4"), "<prefix>:pipelines": keys.registry}
             assert set(examples) == set(named)
             for family, key in examples.items():
                 assert matches(named[family], key), (family, key, named[family])
                 others = [f for f in named if f != family and not (family == "P:stream:0" and f == "P:stream:<i>")]
                 assert not any(matches(named[f], key) for f in others), (family, key)
-                if family != "P:stream:0":
+                if family not in ("P:stream:0", "<prefix>:reply:<name>"):  # the latter: outside any pipeline
                     assert family_of(key) is not None and family_of(key)[0].name == family  # type: ignore[index]
     assert not matches(scope.patterns(acl_module.STREAMS), Keys("p", "other").stream(0))
     if scope.pipelines:
@@ -164,11 +165,14 @@ def test_least_privilege_on_redis_7() -> None:
     assert [p for p, _ in by_command["xadd"].keys] == ["conveyor:{*}:stream:0"]  # first stages only
     assert [p for p, _ in by_command["xrange"].keys] == ["conveyor:{*}:stats:*"]  # never a request's data
     assert [p for p, _ in by_command["unlink"].keys] == ["conveyor:{*}:result:*"]  # never the spec
-    assert [p for p, _ in by_command["blpop"].keys] == ["conveyor:{*}:reply:*"]
+    # reply lists: per partition (Cluster), and a process's one list on one Redis
+    assert [p for p, _ in by_command["blpop"].keys] == ["conveyor:{*}:reply:*", "conveyor:reply:*"]
     assert not monitor.commands and not (monitor.granted() & writes)
     assert all(access == "R" for s in monitor.selectors for _, access in s.keys)
     worker = role_rules("worker", [Scope(pipelines=("p",))])
-    assert all(":{p}:" in p for s in worker.selectors for p, _ in s.keys)  # its own pipeline's keys
+    # its own pipeline's keys, the reply lists of gateways serving several pipelines on one Redis, the registry
+    assert all(":{p}:" in p or p in ("conveyor:reply:*", "conveyor:pipelines") for s in worker.selectors
+               for p, _ in s.keys)
     set_keys = next(s for s in worker.selectors if "set" in s.commands).keys
     assert [p for p, _ in set_keys] == ["conveyor:{p}:result:*", "conveyor:{p}:spec", "conveyor:{p}:max_backlog"]
     assert role_rules("producer").granted() == {"script|load", "eval", "evalsha", "xadd", "xlen", "get", "unlink",

@@ -254,3 +254,19 @@ def test_batch_policy_is_validated() -> None:
     assert Pipeline("p").add(Doubler, batch_policy="deadline").stages[0].batch_policy == "deadline"
     with pytest.raises(PipelineError, match="batch_policy must be one of 'adaptive', 'deadline', got 'fixed'"):
         Pipeline("p").add(Doubler, batch_policy="fixed")
+
+
+def test_a_read_ended_with_an_error_from_elsewhere_is_an_empty_read(reader: StreamReader, redis_client: redis.Redis,
+                                                                    redis_url: str) -> None:
+    """CLIENT UNBLOCK <id> ERROR (another tenant's worker user can send it: docs/security.md): the
+    worker's read comes back empty, it does not crash, and the reader stays in step."""
+    assert reader.read(1) == []  # connected: its client id known
+    client_id = reader._client_id
+    producer = Producer(redis_url, 0.1, lambda c: c.execute_command("CLIENT", "UNBLOCK", client_id, "ERROR"))
+    producer.start()
+    started = time.monotonic()
+    assert reader.read(5, block_ms=5000) == []
+    producer.finish()
+    assert time.monotonic() - started < 3
+    add(redis_client, 2)
+    assert ids(reader.read(5)) == [b"r0", b"r1"]

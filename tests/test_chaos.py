@@ -33,8 +33,8 @@ import redis
 
 from broker import codec
 from broker.keys import GROUP, Keys
-from gateway import GatewaySettings, StageError
-from gateway.client.partition import Partition
+from gateway import Gateway, GatewaySettings, StageError
+from gateway.client.hub import Hub
 from tests.chaos_stages import chaos_f
 from tests.helpers import Workers, running_workers, wait_for
 from workers.embedded.server import EmbeddedRedis
@@ -52,10 +52,9 @@ LOAD_BOUND_S = 150.0  # the whole load, chaos included; it takes ~20-40 s on 2 c
 MIN_AGE_S = 1.0  # only kill workers that are up (see the module docstring)
 
 
-class CountingGateway(Partition):
-    """A gateway of a one-partition pipeline that counts, per request id, the records pushed to its
-    reply list (each id must be pushed at most once) apart from those it re-read from result keys
-    after a reconnect."""
+class CountingHub(Hub):
+    """A gateway hub that counts, per request id, the records pushed to its reply list (each id must
+    be pushed at most once) apart from those it re-read from result keys after a reconnect."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -71,13 +70,34 @@ class CountingGateway(Partition):
                 counter[str(record.get("id"))] += 1
         super()._deliver(element)
 
-    async def _recover(self) -> None:
+    async def _recover(self, reply_key: bytes, client: Any) -> None:
         self.recoveries += 1
         self._recovering = True
         try:
-            await super()._recover()
+            await super()._recover(reply_key, client)
         finally:
             self._recovering = False
+
+
+class CountingGateway(Gateway):
+    """A gateway on a :class:`CountingHub` of its own."""
+
+    def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings) -> None:
+        self.counting = CountingHub(redis_url, settings)
+        super().__init__(redis_url, pipeline, settings, hub=self.counting)
+        self._own_hub = True  # started and closed with this gateway
+
+    @property
+    def pushed(self) -> collections.Counter[str]:
+        return self.counting.pushed
+
+    @property
+    def recovered(self) -> collections.Counter[str]:
+        return self.counting.recovered
+
+    @property
+    def recoveries(self) -> int:
+        return self.counting.recoveries
 
 
 @dataclass
@@ -141,7 +161,7 @@ class Chaos:
             admin.close()
 
 
-async def load(gw: Partition, outcome: Outcome) -> None:
+async def load(gw: Gateway, outcome: Outcome) -> None:
     inputs = iter(range(REQUESTS))
 
     async def client() -> None:

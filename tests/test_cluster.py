@@ -135,7 +135,7 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
 
         async def main() -> None:
             async with Gateway(cluster_url, "t-parts1") as gw:
-                assert len(gw.parts) == 3  # the count came from the spec the workers wrote
+                assert len(gw.lanes) == 3  # the count came from the spec the workers wrote
                 values = list(range(n))
                 assert await asyncio.gather(*(gw.predict(v) for v in values)) == [v * 2 + 3 for v in values]
                 keyed = await asyncio.gather(*(gw.predict(v, key="user-7") for v in range(20)),
@@ -153,8 +153,9 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     assert nodes == {f"127.0.0.1:{port}" for port in masters} and all(node in text for node in nodes)
     assert len(status_json("t-parts1", status)["partitions"]) == 3
     metrics = Metrics(_NoBackend())
-    metrics.update(status)  # /metrics: the stage gauges are totals, the partition gauges the parts
-    assert 'conveyor_partition_live_workers{index="1",partition="2",stage="Shift"} 1.0' in metrics.render().decode()
+    metrics.update({"t-parts1": status})  # /metrics: the stage gauges are totals, the partition gauges the parts
+    shift = '{index="1",partition="2",pipeline="t-parts1",stage="Shift"}'
+    assert f"conveyor_partition_live_workers{shift} 1.0" in metrics.render().decode()
     per_partition = [part.stages[1].items_last_minute for part in status.by_partition]
     keyed_partition = partition_of("user-7", 3)  # the 30 keyed requests all went there
     assert per_partition[keyed_partition] >= 30 + n // 3
@@ -180,11 +181,11 @@ def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
 
     async def main() -> int:
         async with Gateway(redis_url, "t-parts1") as gw:
-            assert len(gw.parts) == 1  # no spec yet: partition 0, which every worker serves
+            assert len(gw.lanes) == 1  # no spec yet: partition 0, which every worker serves
             with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
                 await asyncio.to_thread(workers.wait_ready, "t-parts1", T, {"Scale": 2})
                 early = 0
-                while len(gw.parts) < 3:  # the gateway looks for the spec again every 2 s
+                while len(gw.lanes) < 3:  # the gateway looks for the spec again every 2 s
                     assert await gw.predict(early) == early * 2 + 3
                     early += 1
                     assert early < 1000, "the gateway never picked up the partition count"

@@ -38,6 +38,7 @@ def _keys_of(client: redis.Redis, pipeline: str) -> list[bytes]:
 def test_predict_on_an_unregistered_pipeline_names_it_soon_and_writes_nothing(
         redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
     redis_client.set(Keys("scale-shift").spec, encode_spec([StageInfo(0, "Scale", 1, 0.0, None)]))
+    redis_client.sadd(Keys("scale-shift").registry, "scale-shift")  # as its workers do when they register
 
     async def main() -> float:
         settings = GatewaySettings(register_wait_s=0.5)

@@ -99,7 +99,8 @@ def test_wrong_length_batches_are_logged_once_and_counted(redis_url: str, redis_
         log = workers.stage("miscounts").log(50_000)
         lines = [line for line in log.splitlines() if "returned the wrong number of results" in line]
         assert len(lines) == 1 and "stage=miscounts" in lines[0] and "expected=" in lines[0], lines
-        found = re.search(rb'conveyor_stage_batch_length_errors\{index="0",stage="miscounts"\} (\d+)', metrics)
+        found = re.search(rb'conveyor_stage_batch_length_errors\{index="0",pipeline="t-miscounts",'
+                          rb'stage="miscounts"\} (\d+)', metrics)
         assert found and int(found.group(1)) >= 3, metrics.decode()
 
 

@@ -624,20 +624,20 @@ async def test_metrics_exposition(server: HttpServer, backend: FakeBackend) -> N
         "conveyor_gateway_in_flight 0.0",
         "conveyor_gateway_open_connections 1.0",
         "conveyor_redis_reachable 1.0",
-        "conveyor_pipeline_ready 1.0",
-        'conveyor_stage_backlog{index="0",stage="double"} 3.0',
-        'conveyor_stage_pending{index="0",stage="double"} 1.0',
-        'conveyor_stage_live_workers{index="1",stage="sum"} 1.0',
-        'conveyor_stage_consumers{index="0",stage="double"} 2.0',
-        'conveyor_stage_dead_letters{index="0",stage="double"} 0.0',
-        'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0',
-        'conveyor_stage_batch_size_sum{index="0",stage="double"} 12.0',
-        'conveyor_stage_batch_duration_seconds_count{index="0",stage="double"} 2.0',
+        'conveyor_pipeline_ready{pipeline="default"} 1.0',
+        'conveyor_stage_backlog{index="0",pipeline="default",stage="double"} 3.0',
+        'conveyor_stage_pending{index="0",pipeline="default",stage="double"} 1.0',
+        'conveyor_stage_live_workers{index="1",pipeline="default",stage="sum"} 1.0',
+        'conveyor_stage_consumers{index="0",pipeline="default",stage="double"} 2.0',
+        'conveyor_stage_dead_letters{index="0",pipeline="default",stage="double"} 0.0',
+        'conveyor_stage_batch_size_count{index="0",pipeline="default",stage="double"} 2.0',
+        'conveyor_stage_batch_size_sum{index="0",pipeline="default",stage="double"} 12.0',
+        'conveyor_stage_batch_duration_seconds_count{index="0",pipeline="default",stage="double"} 2.0',
     ]:
         assert needle in text, needle
     # batches are "since the last read": a second scrape must not count them again
     text = (await one(server.port, http_request("GET", "/metrics"))).body.decode()
-    assert 'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0' in text
+    assert 'conveyor_stage_batch_size_count{index="0",pipeline="default",stage="double"} 2.0' in text
 
 
 def test_metrics_without_redis_report_unreachable_and_drop_stale_stage_numbers() -> None:
@@ -645,7 +645,7 @@ def test_metrics_without_redis_report_unreachable_and_drop_stale_stage_numbers()
         backend = FakeBackend()
         metrics = Metrics(backend)
         await metrics.refresh()
-        assert b'conveyor_stage_backlog{index="0",stage="double"} 3.0' in metrics.render()
+        assert b'conveyor_stage_backlog{index="0",pipeline="default",stage="double"} 3.0' in metrics.render()
         backend.status = ConnectionError("down")
         text = (await metrics.scrape()).decode()
         assert "conveyor_redis_reachable 0.0" in text and "conveyor_stage_backlog{" not in text
@@ -660,7 +660,7 @@ def test_readyz_batches_are_not_lost_to_metrics() -> None:
         async with serving(backend) as server:
             assert (await one(server.port, http_request("GET", "/readyz"))).status == 200
             text = (await one(server.port, http_request("GET", "/metrics"))).body.decode()
-            assert 'conveyor_stage_batch_size_count{index="0",stage="double"} 2.0' in text
+            assert 'conveyor_stage_batch_size_count{index="0",pipeline="default",stage="double"} 2.0' in text
     run(main())
 
 

@@ -246,7 +246,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def stage_labels(index: int, name: str) -> tuple[tuple[str, str], ...]:
-    return (("index", str(index)), ("stage", name))
+    return (("index", str(index)), ("pipeline", "scale-shift"), ("stage", name))
 
 
 def test_metrics_show_stage_gauges_and_batch_histograms(stack: Stack) -> None:
@@ -284,7 +284,8 @@ def test_metrics_show_stage_gauges_and_batch_histograms(stack: Stack) -> None:
     bucket = ("conveyor_stage_batch_size_bucket", tuple(sorted((*scale, ("le", "1.0")))))
     assert after[bucket] == after[("conveyor_stage_batch_size_count", scale)]
     assert delta("conveyor_gateway_requests_total", (("outcome", "ok"), ("route", "predict"))) == n
-    assert after[("conveyor_pipeline_ready", ())] == 1 and after[("conveyor_redis_reachable", ())] == 1
+    assert after[("conveyor_pipeline_ready", (("pipeline", "scale-shift"),))] == 1
+    assert after[("conveyor_redis_reachable", ())] == 1
 
 
 def test_readyz_follows_live_workers(stack: Stack) -> None:
@@ -302,7 +303,7 @@ def test_readyz_follows_live_workers(stack: Stack) -> None:
     assert (doc["ready"], doc["reachable"]) == (False, True)
     assert {s["name"]: s["live_workers"] for s in doc["stages"]} == {"Scale": 1, "Shift": 0}
     assert status_code(stack.port, "/healthz") == 200  # alive, just not ready
-    assert scrape(stack.port)[("conveyor_pipeline_ready", ())] == 0
+    assert scrape(stack.port)[("conveyor_pipeline_ready", (("pipeline", "scale-shift"),))] == 0
 
     stack.start_worker("shift", SCALE_SHIFT, "Shift")
 

@@ -191,7 +191,8 @@ def _start_and_load(life: Life) -> None:
     life.start("load", "worker", APP, "--stage", "Load", "--workers", "1", url=worker)
     life.start("tail-a", "worker", APP, "--stage", "Tail", "--workers", "1", url=worker)
     life.start("tail-b", "worker", APP, "--stage", "Tail", "--workers", "1", url=worker)
-    life.start("gateway", "gateway", NAME, "--redis", life.urls["gateway"], "--port", str(life.port),
+    # --all: the gateway learns the pipeline from the registry its workers add to (SMEMBERS, in its ACL)
+    life.start("gateway", "gateway", "--all", "--redis", life.urls["gateway"], "--port", str(life.port),
                url=life.urls["gateway"])
     loading = wait_status(monitor, lambda s: s.stages[0].loading_workers == 1 and s.stages[1].live_workers == 2,
                           "Load to show as loading, both Tail workers live", life.report)
@@ -337,7 +338,7 @@ def _status_readyz_metrics(life: Life) -> None:
     assert status_code(life.port, "/readyz") == 200
     metrics = get(life.port, "/metrics")
     assert metrics.status == 200 and b"conveyor_redis_reachable 1.0" in metrics.body, metrics.body[:2000]
-    assert b'conveyor_stage_live_workers{index="1",stage="Tail"} 1.0' in metrics.body
+    assert f'conveyor_stage_live_workers{{index="1",pipeline="{NAME}",stage="Tail"}} 1.0'.encode() in metrics.body
 
 
 # -- TLS -------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Worker side: the Stage API, the pipeline definition, the worker loop, batching, the supervisor."""
 
+from broker.spec import TensorSpec as Tensor
 from workers.pipeline import Pipeline, PipelineError, StageSpec
 from workers.stage import Stage
 
-__all__ = ["Pipeline", "PipelineError", "Stage", "StageSpec"]
+__all__ = ["Pipeline", "PipelineError", "Stage", "StageSpec", "Tensor"]

@@ -32,13 +32,13 @@ from broker.connection import (
     unreachable,
 )
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
-from workers.app import AppError, load_pipeline
+from workers.app import AppError, load_pipeline, load_pipelines
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.loop.worker import WorkerSettings
 from workers.process.child import ChildSettings
 from workers.process.pinning import PIN_MODES, PinningError
 from workers.process.procs import detached_preexec
-from workers.process.supervisor import Supervisor, SupervisorSettings
+from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
 
 COMMAND_GROUP = "conveyor.commands"
 log = logging.getLogger("conveyor.run")
@@ -101,6 +101,19 @@ def _load(app: str, prefix: str | None) -> Any:
         raise click.UsageError(str(exc)) from exc
 
 
+def _load_all(app: str, prefix: str | None) -> list[tuple[str, Any]]:
+    """The pipelines ``conveyor run`` runs: one (``module:attribute``) or a module's every one."""
+    try:
+        pipelines = load_pipelines(app, prefix)
+    except AppError as exc:
+        raise click.UsageError(str(exc)) from exc
+    prefixes = sorted({p.prefix for _, p in pipelines})
+    if len(prefixes) > 1:
+        raise click.UsageError(f"the pipelines of {app} use several key prefixes ({', '.join(prefixes)}): one "
+                               "gateway serves one prefix; give them the same one, or --prefix")
+    return pipelines
+
+
 class _EarlyStop:
     """Stop requests that arrive while ``run`` starts Redis and the gateway: remembered, and
     handed to the supervisor, which then stops everything in order (a handler only sets a flag;
@@ -151,8 +164,8 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
         spec = pipeline.stage(stage)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    supervisor = Supervisor(app, [(spec, workers or spec.workers)], child, SupervisorSettings(grace_s=grace_s),
-                            keys=pipeline.keys)
+    supervisor = Supervisor([Unit(app, spec, workers or spec.workers, pipeline.keys)], child,
+                            SupervisorSettings(grace_s=grace_s))
     sys.exit(_supervise(supervisor))
 
 
@@ -175,42 +188,47 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: st
 @_options
 def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port: int, grace_s: float,
         debug: bool, prefix: str | None, **opts: Any) -> None:
-    """Run APP (module:attribute) on this machine: Redis, every stage's workers, the gateway.
+    """Run APP on this machine: Redis, every stage's workers, the gateway. APP is
+    module:attribute (one pipeline) or a module (every pipeline it defines, one gateway for all).
 
     SIGTERM or Ctrl-C stops it in order: the gateway stops accepting and answers every request
     it admitted, then the workers finish their batch, then the embedded Redis stops and its
     directory is removed. A second Ctrl-C cuts the gateway's wait short.
     """
     child = _child_settings(redis_url or "", prefix, opts)
-    pipeline = _load(app, prefix)
+    pipelines = _load_all(app, prefix)
+    names = [p.name for _, p in pipelines]
     _check_port_free(host, port)
     embedded = None
     if redis_url is None:
-        embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(pipeline.name), detach=True)
+        home = names[0] if len(names) == 1 else app.replace(".", "-")
+        embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(home), detach=True)
     gateway: subprocess.Popen[bytes] | None = None
     code = 1
     early = _EarlyStop()
     early.install()
     try:
         url = _start_redis(embedded) if embedded is not None else str(redis_url)
-        click.echo(f"conveyor: pipeline {pipeline.name!r}, Redis at {safe_url(url)}")
+        click.echo(f"conveyor: {_plural(names)}, Redis at {safe_url(url)}")
         if embedded is not None:
             click.echo(f"conveyor: from another shell:  export CONVEYOR_REDIS_URL={url}")
         else:
             _say_if_unreachable(url)
-        click.echo(f"conveyor: HTTP on http://{host}:{port}/v1/predict  (Ctrl-C to stop)")
+        routes = "/v1/predict" if len(names) == 1 else "/v1/pipelines/NAME/predict"
+        click.echo(f"conveyor: HTTP on http://{host}:{port}{routes} and /v2/models/NAME/infer  (Ctrl-C to stop)")
         # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
         # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", pipeline.name, "--host", host, "--port", str(port),
-             "--prefix", pipeline.prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
+            [sys.executable, "-m", "gateway", *names, "--host", host, "--port", str(port),
+             "--prefix", pipelines[0][1].prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
              "--debug" if debug else "--no-debug"],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
-        stages = [(spec, spec.workers) for spec in pipeline.stages]
+        units = [Unit(path, spec, spec.workers, pipeline.keys) for path, pipeline in pipelines
+                 for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
-        code = _supervise(Supervisor(app, stages, child, settings, companions=[gateway], keys=pipeline.keys), early)
+        code = _supervise(Supervisor(units, child, settings, companions=[gateway]), early)
     finally:
         if gateway is not None:
             _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
@@ -221,6 +239,12 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         elif embedded is not None:
             embedded.stop()  # a failed start cleans up after itself: this only makes sure
     sys.exit(code)
+
+
+def _plural(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"pipeline {names[0]!r}"
+    return f"{len(names)} pipelines ({', '.join(map(repr, names))})"
 
 
 def _say_if_unreachable(url: str) -> None:

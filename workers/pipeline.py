@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
-from broker.spec import StageInfo
+from broker.spec import StageInfo, TensorSpec
 from workers.options import STAGE_KNOBS, PipelineError, check_options, check_stage_class
 from workers.stage import Stage
 
@@ -104,6 +104,32 @@ def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
     return tuple(operator.index(c) for c in cpus)
 
 
+def _check_io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
+              batched: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], bool]:
+    """The tensors declared for the Open Inference Protocol, checked: all or nothing, unique names, a
+    batch dimension first when ``batched``."""
+    inputs = tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) if isinstance(t, TensorSpec) else t for t in inputs)
+    outputs = tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) if isinstance(t, TensorSpec) else t for t in outputs)
+    if bool(inputs) != bool(outputs):
+        raise PipelineError("declare both inputs and outputs, or neither (undeclared: one tensor each way)")
+    for side in (inputs, outputs):
+        if not all(isinstance(t, TensorSpec) for t in side):
+            raise PipelineError("inputs and outputs are workers.Tensor(name, datatype, shape) values")
+        for tensor in side:
+            try:
+                tensor.check()
+            except ValueError as exc:
+                raise PipelineError(str(exc)) from None
+            if batched and (not tensor.shape or tensor.shape[0] != -1):
+                raise PipelineError(f"tensor {tensor.name!r}: with batched=True its first dimension is the batch: "
+                                    f"-1, got shape {list(tensor.shape)}")
+        if len({t.name for t in side}) != len(side):
+            raise PipelineError("two tensors on one side share a name")
+    if not isinstance(batched, bool):
+        raise PipelineError(f"batched must be True or False, got {batched!r}")
+    return inputs, outputs, batched
+
+
 def _set_on(cls: type, knob: str) -> bool:
     """Whether the stage class sets ``knob`` (``Stage``'s own None means "the default"; a subclass
     may set ``stuck_grace_s = None``, which turns stuck detection off)."""
@@ -115,10 +141,17 @@ def _set_on(cls: type, knob: str) -> bool:
 class Pipeline:
     """An ordered list of stages; ``add`` returns the pipeline so calls chain."""
 
-    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1) -> None:
+    def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1,
+                 inputs: Sequence[TensorSpec] = (), outputs: Sequence[TensorSpec] = (), batched: bool = False) -> None:
         """``partitions``: how many hash slots the pipeline spreads over on a Redis Cluster (each
         partition a full copy of the key layout; see :mod:`broker.keys`). Pipeline-wide, not per
-        stage, because a stage forwards into the next stage's stream in the same atomic script."""
+        stage, because a stage forwards into the next stage's stream in the same atomic script.
+
+        ``inputs``, ``outputs``, ``batched``: how the Open Inference Protocol serves the pipeline
+        (``POST /v2/models/NAME/infer``; docs/inference-protocol.md): its tensors' names, datatypes
+        and shapes, and whether their first dimension is a batch of independent items (a request of
+        shape ``[N, ...]`` becomes N items, gathered into one answer of shape ``[N, ...]``)."""
+        self.inputs, self.outputs, self.batched = _check_io(tuple(inputs), tuple(outputs), batched)
         self.keys = Keys(name, prefix)  # validates the name
         self.name = name
         self.prefix = prefix
@@ -163,8 +196,11 @@ class Pipeline:
     def describe(self, max_payload_bytes: int | None = None) -> list[StageInfo]:
         """What workers publish under the spec key, so gateways and `status` know the stages
         (``max_payload_bytes``: the workers' limit, which gateways apply before Redis)."""
+        last = len(self.stages) - 1
         return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions,
-                          max_payload_bytes) for s in self.stages]
+                          max_payload_bytes, self.inputs if s.index == 0 else (),
+                          self.outputs if s.index == last else (), self.batched and s.index == 0)
+                for s in self.stages]
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={[s.name for s in self.stages]})"

@@ -1,11 +1,10 @@
 """The gateway's Python API: :class:`Gateway`, for a pipeline of any partition count.
 
-Each partition is a full copy of the key layout under its own hash tag (see
-:mod:`broker.keys`), so each has its own first stream, reply list and result keys, in its own
-Redis Cluster slot; a request stays in the partition it was submitted to, and its answer is
-pushed to that partition's reply list of this gateway. One :class:`Partition` per partition is
-therefore the whole design: each keeps its own flusher and reply reader (a ``BLPOP`` on its
-partition's node); admission is in ``submit.lua``, per partition, not here.
+A Gateway submits through a :class:`gateway.client.hub.Hub`, its own or one shared with the other
+pipelines a process serves (``conveyor gateway NAME NAME ...``). Each partition of a pipeline is a
+full copy of the key layout under its own hash tag (see :mod:`broker.keys`), with its own first
+stream and result keys, in its own Redis Cluster slot: a request stays in the partition it was
+submitted to, which is one lane of the hub; admission is in ``submit.lua``, per partition.
 
 The partition count is read from the pipeline spec (written by the workers) at start, unless
 given; with no spec yet the gateway submits to partition 0 only (which every worker serves, so
@@ -25,17 +24,19 @@ import logging
 import time
 import zlib
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
-from broker import protocol
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker import codec, protocol
+from broker.acl import log_refusal_once
+from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
-from broker.spec import SpecError, decode_spec
-from gateway.client.partition import Partition
+from broker.spec import PipelineIO, SpecError, decode_spec
+from gateway.client.hub import Hub, Lane
+from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Waiter
-from gateway.errors import Overloaded
-from gateway.monitor.status import PipelineStatus, merge_status
+from gateway.errors import Overloaded, PayloadTooLarge
+from gateway.monitor.status import PipelineStatus, read_all_partitions
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -62,54 +63,51 @@ class Gateway:
     """The Python API: ``predict(x)`` runs ``x`` through pipeline ``pipeline`` and returns its
     answer. Raises `StageError` (a stage raised on it), `Overloaded` (the first stage's backlog is
     at its ``max_backlog``), `UnknownPipeline` (no worker ever registered that name here),
-    ``TimeoutError`` (the deadline passed), `CodecError` (an input that cannot travel).
+    ``TimeoutError`` (the deadline passed), and at once `CodecError` (an input that cannot travel)
+    or `PayloadTooLarge` (over the workers' ``max_payload_bytes`` once encoded).
 
     ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
     requests with one key go to one partition of a partitioned pipeline."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
-                 partitions: int | None = None) -> None:
-        """``partitions``: the pipeline's partition count, if known (else read from its spec)."""
+                 partitions: int | None = None, hub: Hub | None = None) -> None:
+        """``partitions``: the pipeline's partition count, if known (else read from its spec).
+        ``hub``: a started hub shared with other pipelines (its owner closes it); by default the
+        gateway has one of its own."""
         self.redis_url = redis_url
         self.pipeline = pipeline
         self.settings = settings or GatewaySettings()
         self.partitions = partitions
-        self.parts: list[Partition] = []
+        self.keys = Keys(pipeline, self.settings.prefix)
+        self.hub = hub or Hub(redis_url, self.settings)
+        self._own_hub = hub is None
+        self.registration = Registration(self.keys, self.settings.register_wait_s)
+        self.lanes: list[Lane] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
         self._next_count_s = 0.0
         self._growing: asyncio.Task[None] | None = None
+        self._status_marks: dict[int, dict[int, bytes]] = {}
 
     async def start(self) -> None:
-        count = self.partitions
-        if count is None:
-            count = await self._read_count()
-            self._counted = count is not None
-        self.parts = await self._start_parts(range(count or 1))
-
-    async def _read_count(self) -> int | None:
-        client = RedisSettings(self.redis_url).async_client(1)
+        if self._own_hub:
+            await self.hub.start()
         try:
-            return await read_partition_count(client, Keys(self.pipeline, self.settings.prefix))
-        finally:
-            await client.aclose()
-
-    def _partition(self, index: int) -> Partition:
-        return Partition(self.redis_url, self.pipeline, self.settings, index)
-
-    async def _start_parts(self, indexes: range) -> list[Partition]:
-        parts = [self._partition(p) for p in indexes]
-        started = await asyncio.gather(*(p.start() for p in parts), return_exceptions=True)
-        failed = [r for r in started if isinstance(r, BaseException)]
-        if failed:
-            await asyncio.gather(*(p.close() for p, r in zip(parts, started, strict=True) if r is None),
-                                 return_exceptions=True)
-            raise failed[0]
-        return parts
+            self.registration.bind(self.hub.client)
+            count = self.partitions
+            if count is None:
+                count = await read_partition_count(self.hub.client, self.keys)
+                self._counted = count is not None
+            self.lanes = [self.hub.lane(keys) for keys in self.keys.partitions(count or 1)]
+            await self.registration.log_if_missing()
+        except BaseException:
+            if self._own_hub:
+                await self.hub.close()
+            raise
 
     def _check_count(self) -> None:
         """Started before any worker wrote the spec: look for it every 2 s (in the background)
-        and, once it names more partitions, start them, so the spread begins by itself."""
+        and, once it names more partitions, add their lanes, so the spread begins by itself."""
         if self._counted or self._growing is not None or time.monotonic() < self._next_count_s:
             return
         self._next_count_s = time.monotonic() + 2.0
@@ -117,22 +115,25 @@ class Gateway:
 
     async def _grow(self) -> None:
         try:
-            count = await self._read_count()
+            count = await read_partition_count(self.hub.client, self.keys)
             if count is not None:
-                if count > len(self.parts):
-                    self.parts += await self._start_parts(range(len(self.parts), count))
+                if count > len(self.lanes):
+                    self.lanes = [self.hub.lane(keys) for keys in self.keys.partitions(count)]
                     log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
                 self._counted = True
         except CONNECTION_OR_REPLY_ERRORS as exc:
+            log_refusal_once(exc, "get", self.keys.spec)
             log.warning("reading the partition count failed (will retry) error=%r", exc)
         finally:
             self._growing = None
 
     async def close(self) -> None:
-        if self._growing is not None:
-            self._growing.cancel()
-            await asyncio.gather(self._growing, return_exceptions=True)
-        await asyncio.gather(*(p.close() for p in self.parts), return_exceptions=True)
+        tasks: list[asyncio.Future[Any]] = [*([self._growing] if self._growing else []), *self.registration.polls()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._own_hub:
+            await self.hub.close()
 
     async def __aenter__(self) -> Gateway:
         await self.start()
@@ -144,45 +145,79 @@ class Gateway:
 
     @property
     def in_flight(self) -> int:
-        return sum(p.in_flight for p in self.parts)
+        """Requests submitted through this gateway's hub and not yet answered."""
+        return self.hub.in_flight
 
     @property
     def healthy(self) -> bool:
         """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""
-        return all(p.healthy for p in self.parts)
+        return self.hub.healthy
+
+    # -- requests -------------------------------------------------------------------------
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
                direct: bool = False) -> Waiter:
         """:meth:`predict` without the coroutine: what ``x``'s answer will complete (the HTTP
-        front adds a callback instead of creating a task per request); Overloaded and CodecError
-        raise here. ``direct``: a `Slot` (one callback, run as the answer arrives, without an
-        event-loop handle) where it can, else a future."""
+        front adds a callback instead of creating a task per request); Overloaded, CodecError,
+        PayloadTooLarge raise here. ``direct``: a `Slot` (one callback, run as the answer
+        arrives, without an event-loop handle) where it can, else a future."""
+        data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
+        limit = self.registration.max_payload_bytes or self.settings.max_payload_bytes
+        if len(data) > limit:
+            raise PayloadTooLarge(f"input encodes to {len(data)} bytes, over max_payload_bytes={limit} of the "
+                                  "pipeline's workers")
+        timeout = self.settings.timeout_s if timeout_s is None else timeout_s
+        if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
+            raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
         self._check_count()
-        n = len(self.parts)
-        if n == 1 or key is not None:
-            return self.parts[0 if key is None else partition_of(key, n)].submit(x, timeout_s, direct=direct)
-        return asyncio.ensure_future(self.predict(x, timeout_s))  # round robin, may retry another partition
+        lanes = self.lanes
+        if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
+            return asyncio.ensure_future(self._round_robin(data, timeout))
+        lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
+        if not self.registration.registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._when_registered(lane, data, timeout))
+        return self.hub.enqueue(lane, data, timeout, direct)
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
         """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``)."""
-        self._check_count()
-        n = len(self.parts)
-        if n == 1 or key is not None:
-            return await self.parts[0 if key is None else partition_of(key, n)].predict(x, timeout_s)
+        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key))  # direct=False: never a Slot
+
+    async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float) -> Any:
+        """The request's deadline counts from its arrival: the wait for registration spends it."""
+        started = time.monotonic()
+        await self.registration.wait(timeout_s)
+        remaining = timeout_s - (time.monotonic() - started)
+        if remaining <= 0:
+            raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
+                               "only as the request's deadline passed")
+        return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, remaining))
+
+    async def _round_robin(self, data: bytes, timeout_s: float) -> Any:
+        if not self.registration.registered:
+            await self.registration.wait(timeout_s)
+        n = len(self.lanes)
         for attempt in range(n):
-            part = self.parts[self._next]
+            lane = self.lanes[self._next % n]
             self._next = (self._next + 1) % n
             try:
-                return await part.predict(x, timeout_s)
+                return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, timeout_s))
             except Overloaded:
                 if attempt == n - 1:  # every partition is over its max_backlog
                     raise
         raise RuntimeError("unreachable: no partition")  # n >= 1, so the loop returns or raises
 
+    async def pipeline_io(self, timeout_s: float | None = None) -> PipelineIO:
+        """The tensors the pipeline declares (its spec), once a worker has registered it: waits for
+        that as a request does (`UnknownPipeline`, ``TimeoutError``)."""
+        if not self.registration.registered:
+            await self.registration.wait(self.settings.timeout_s if timeout_s is None else timeout_s)
+        return self.registration.io
+
     async def pipeline_registered(self) -> bool:
         """Whether a worker has registered this pipeline in this Redis (once true, no more round trips)."""
-        return await self.parts[0].pipeline_registered()
+        return await self.registration.check()
 
     async def pipeline_status(self) -> PipelineStatus:
-        parts = await asyncio.gather(*(p.pipeline_status() for p in self.parts))
-        return merge_status(list(parts))
+        if not self.hub.healthy:
+            return PipelineStatus(False, [], "a gateway background task died (see its log)")
+        return await read_all_partitions(self.hub.client, self.keys, self._status_marks)

@@ -16,9 +16,10 @@ import time
 import redis
 
 from broker import protocol
+from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import Keys
-from broker.spec import SpecError, decode_spec
+from broker.spec import PipelineIO, SpecError, decode_spec
 from gateway.errors import UnknownPipeline
 
 log = logging.getLogger("conveyor.gateway")
@@ -33,6 +34,7 @@ class Registration:
         self.wait_s = wait_s
         self.registered = False  # once true, it stays true (no more round trips)
         self.max_payload_bytes: int | None = None  # the first stage's workers' limit, from the spec
+        self.io = PipelineIO()  # the tensors the pipeline declares (the Open Inference Protocol's view)
         self._poll: asyncio.Future[bool | None] | None = None
         self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
@@ -57,6 +59,7 @@ class Registration:
                 with contextlib.suppress(SpecError):
                     stages = decode_spec(protocol.as_bytes(raw))
                     self.max_payload_bytes = stages[0].max_payload_bytes if stages else None
+                    self.io = PipelineIO.of(stages)
         return self.registered
 
     async def log_if_missing(self) -> None:
@@ -104,20 +107,17 @@ class Registration:
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     async def _known_pipelines(self, limit: int = 10) -> list[str]:
-        """Names of pipelines registered in this Redis under our prefix (a hint for typos); a
-        bounded SCAN, so a large keyspace costs a few round trips at most (the ACL of
-        docs/security.md has no SCAN: then there is no hint)."""
-        pattern = Keys("x", self.keys.prefix).spec.replace("{x}", "{*}")
-        names: list[str] = []
-        cursor = 0
+        """Names of pipelines registered in this Redis under our prefix (a hint for typos), from the
+        registry workers add to (``<prefix>:pipelines``): one command, no scan of the keyspace."""
         try:
-            for _ in range(20):
-                cursor, found = await self._redis().scan(cursor, match=pattern, count=1000)
-                names += [protocol.as_bytes(k).decode(errors="replace").split("{", 1)[1].split("}", 1)[0]
-                          for k in found]
-                # A cluster client scans every node and returns a cursor per node: one pass is the hint.
-                if not isinstance(cursor, int) or cursor == 0 or len(names) >= limit:
-                    break
-        except (redis.RedisError, OSError):  # e.g. an ACL without SCAN: no hint
+            names = await registered_pipelines(self._redis(), self.keys.prefix)
+        except (redis.RedisError, OSError) as exc:  # e.g. an ACL without SMEMBERS: no hint
+            log_refusal_once(exc, "smembers", self.keys.registry)
             return []
-        return sorted(set(names))[:limit]
+        return names[:limit]
+
+
+async def registered_pipelines(client: redis.asyncio.Redis, prefix: str) -> list[str]:
+    """Every pipeline name registered under ``prefix`` (workers add theirs at registration)."""
+    members = await client.smembers(Keys("x", prefix).registry)
+    return sorted(protocol.as_bytes(m).decode(errors="replace") for m in members)

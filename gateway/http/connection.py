@@ -34,7 +34,7 @@ from typing import Any, cast
 
 from gateway.http.framing import CONTINUE, frame
 from gateway.http.parsing import RequestReader
-from gateway.http.routes import Pending, Router
+from gateway.http.routes import TIMED_ROUTES, Pending, Router
 from gateway.http.state import ServerState
 from gateway.http.types import HttpError, Reply, Request, overloaded, request_timeout
 
@@ -225,7 +225,7 @@ class HttpProtocol(asyncio.Protocol):
         """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
         self._write(frame(reply, head_only=item.method == b"HEAD", close=not keep))
-        duration = self.loop.time() - self.started if label == "predict" else None
+        duration = self.loop.time() - self.started if label in TIMED_ROUTES else None
         self.metrics.observe_request(label, reply.outcome, duration)
         if not keep:
             self._end()

@@ -1,10 +1,11 @@
 """The gateway's HTTP/1.1 server: bind, serve, drain. No web framework.
 
-Why no framework: the surface is four routes, and what matters is the connection handling a
+Why no framework: the surface is a few routes, and what matters is the connection handling a
 framework hides: hard timeouts for slow clients, a connection cap, keep-alive plus
 pipelining, and a drain that finishes admitted predictions on SIGTERM. The work is split along
 the sans-IO line: `gateway.http.types` (the vocabulary: request, reply, error), `gateway.http.codecs`
-(bodies), `gateway.http.routes` (routes, status codes, errors: a request in, a reply out),
+(bodies), `gateway.http.routes` (the route table: a request in, a reply out), a module per
+protocol (`gateway.http.native`; `gateway.http.v2` with `oip` and `tensors`),
 `gateway.http.parsing` (httptools callbacks, the C parser uvicorn uses), `gateway.http.framing` (a
 reply as one write), `gateway.http.connection` (connection I/O on an `asyncio.Protocol`),
 `gateway.http.state` (what this server and its connections share), `gateway.http.settings`.
@@ -29,13 +30,14 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 
+from gateway.backends import Backend, Backends, as_backends
 from gateway.http.connection import HttpProtocol
-from gateway.http.routes import Backend, Router
+from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
 from gateway.http.state import ServerState
 from gateway.monitor.metrics import Metrics
 
-__all__ = ["Backend", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
+__all__ = ["Backend", "Backends", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +72,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 class HttpServer:
-    """HTTP/1.1 server for one gateway backend.
+    """HTTP/1.1 server for the pipelines of one gateway process (`Backends`, or one `Backend`).
 
     Lifecycle: ``await start()`` binds (``port`` then tells the bound port, useful with port 0),
     ``await serve_forever()`` returns once `close` finished, ``await close()`` drains. `run`
     does all of it plus SIGTERM/SIGINT handling, for the CLI.
     """
 
-    def __init__(self, backend: Backend, settings: HttpSettings | None = None,
+    def __init__(self, backend: Backend | Backends, settings: HttpSettings | None = None,
                  metrics: Metrics | None = None) -> None:
-        self.backend = backend
+        self.backend = backend = as_backends(backend)
         self.settings = settings or HttpSettings()
         self.metrics = metrics or Metrics(backend, status_timeout_s=self.settings.status_timeout_s)
         self.state = ServerState(self.settings, self.metrics)
@@ -204,7 +206,7 @@ class HttpServer:
         self.state.idle.set()
 
 
-async def run(backend: Backend, settings: HttpSettings | None = None, metrics: Metrics | None = None,
+async def run(backend: Backend | Backends, settings: HttpSettings | None = None, metrics: Metrics | None = None,
               *, handle_signals: bool = True, started: Callable[[HttpServer], None] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: the whole HTTP side of ``conveyor gateway``.
 

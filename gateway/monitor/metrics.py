@@ -16,19 +16,22 @@ Two kinds of numbers live here:
 
 A status's ``batches`` are the batches *since the last read*: whoever reads a status must
 feed it to `update`, or those batches are lost to the histograms. That is why ``/readyz``
-passes its status here too.
+passes its statuses here too. A process serving several pipelines labels every pipeline number
+with ``pipeline``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.backends import Backend, Backends, as_backends
 from gateway.monitor.request_metrics import RequestMetrics
 
 __all__ = [
@@ -37,7 +40,8 @@ __all__ = [
     "Metrics",
     "PipelineStatusLike",
     "StageStatusLike",
-    "StatusSource",
+    "Unreadable",
+    "read_statuses",
 ]
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Batches of light stages take tens of microseconds: start well below the request latency buckets.
 BATCH_DURATION_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)
-STAGE_LABELS = ("index", "stage")
+STAGE_LABELS = ("pipeline", "index", "stage")
 
 
 class StageStatusLike(Protocol):
@@ -92,13 +96,34 @@ class PipelineStatusLike(Protocol):
     def not_ready_stages(self) -> list[str]: ...
 
 
-class StatusSource(Protocol):
-    """The part of the gateway backend metrics need: the in-flight count and the pipeline status."""
+@dataclass
+class Unreadable:
+    """The status of a pipeline whose status could not be read (Redis unreachable, or too slow)."""
 
-    @property
-    def in_flight(self) -> int: ...
+    error: str
+    reachable: bool = False
+    ready: bool = False
+    stages: Sequence[StageStatusLike] = ()
+    not_ready_stages: list[str] = field(default_factory=list)
 
-    async def pipeline_status(self) -> PipelineStatusLike: ...
+
+async def read_statuses(backends: Backends, timeout_s: float) -> dict[str, PipelineStatusLike]:
+    """Every served pipeline's status, read concurrently, each bounded by ``timeout_s`` (an
+    `Unreadable` one past it)."""
+    names = backends.names()
+
+    async def one(name: str) -> PipelineStatusLike:
+        backend = backends.get(name)
+        try:
+            if backend is None:
+                raise LookupError(f"pipeline {name!r} is no longer served")
+            status: PipelineStatusLike = await asyncio.wait_for(backend.pipeline_status(), timeout_s)
+        except Exception as exc:  # a scrape or a readiness probe must still answer: "unreachable"
+            log.warning("pipeline status unavailable pipeline=%s error=%s: %s", name, type(exc).__name__, exc)
+            return Unreadable(f"{type(exc).__name__}: {exc}")
+        return status
+
+    return dict(zip(names, await asyncio.gather(*(one(n) for n in names)), strict=True))
 
 
 class Metrics:
@@ -110,9 +135,9 @@ class Metrics:
     says.
     """
 
-    def __init__(self, backend: StatusSource, *, namespace: str = "conveyor",
+    def __init__(self, backend: Backend | Backends, *, namespace: str = "conveyor",
                  status_timeout_s: float = 5.0) -> None:
-        self.backend = backend
+        self.backend = as_backends(backend)
         self.status_timeout_s = status_timeout_s
         self.registry = CollectorRegistry(auto_describe=True)
         self._open_connections = 0
@@ -132,7 +157,7 @@ class Metrics:
         self.reachable = Gauge(f"{ns}_redis_reachable", "1 if the last status read reached Redis.",
                                registry=reg)
         self.ready = Gauge(f"{ns}_pipeline_ready",
-                           "1 if Redis is reachable and every stage has a live worker.", registry=reg)
+                           "1 if Redis is reachable and every stage has a live worker.", ["pipeline"], registry=reg)
         self._stage_gauges = {
             "backlog": Gauge(f"{ns}_stage_backlog",
                              "Entries in the stage stream not yet delivered to a worker.", STAGE_LABELS,
@@ -184,18 +209,23 @@ class Metrics:
 
     # -- pipeline side --------------------------------------------------------------------------
 
-    def update(self, status: PipelineStatusLike) -> None:
-        """Set the pipeline gauges from one status and feed its new batches to the histograms.
+    def update(self, statuses: Mapping[str, PipelineStatusLike]) -> None:
+        """Set the pipeline gauges from one status per pipeline and feed their new batches to the
+        histograms.
 
-        Stage gauges are cleared first: a stage that vanished (or an unreachable Redis) must not
-        keep reporting its last numbers as if they were current.
+        Every pipeline gauge is cleared first: a stage that vanished (or an unreachable Redis) must
+        not keep reporting its last numbers as if they were current.
         """
-        self.reachable.set(1.0 if status.reachable else 0.0)
-        self.ready.set(1.0 if status.ready else 0.0)
-        for gauge in (*self._stage_gauges.values(), *self._partition_gauges.values()):
+        self.reachable.set(1.0 if statuses and all(s.reachable for s in statuses.values()) else 0.0)
+        for gauge in (self.ready, *self._stage_gauges.values(), *self._partition_gauges.values()):
             gauge.clear()
+        for name, status in statuses.items():
+            self.ready.labels(name).set(1.0 if status.ready else 0.0)
+            self._update_stages(name, status)
+
+    def _update_stages(self, name: str, status: PipelineStatusLike) -> None:
         for stage in status.stages:
-            labels = (str(stage.index), stage.name)
+            labels = (name, str(stage.index), stage.name)
             for attr, gauge in self._stage_gauges.items():
                 gauge.labels(*labels).set(float(getattr(stage, attr)))
             for size, duration_s in stage.batches:
@@ -204,28 +234,13 @@ class Metrics:
         for partition, part in enumerate(getattr(status, "by_partition", None) or ()):
             for stage in part.stages:
                 for attr, gauge in self._partition_gauges.items():
-                    gauge.labels(str(stage.index), stage.name, str(partition)).set(float(getattr(stage, attr)))
+                    gauge.labels(name, str(stage.index), stage.name, str(partition)).set(float(getattr(stage, attr)))
 
-    def mark_unreachable(self) -> None:
-        """The status itself could not be read: say so instead of showing stale stage numbers."""
-        self.reachable.set(0.0)
-        self.ready.set(0.0)
-        for gauge in (*self._stage_gauges.values(), *self._partition_gauges.values()):
-            gauge.clear()
-
-    async def refresh(self) -> PipelineStatusLike | None:
-        """Read the pipeline status (bounded by ``status_timeout_s``) and `update` from it.
-
-        Returns the status, or None when it could not be read (then `mark_unreachable`).
-        """
-        try:
-            status = await asyncio.wait_for(self.backend.pipeline_status(), self.status_timeout_s)
-        except Exception as exc:  # a scrape must still answer: with reachable=0
-            log.warning("pipeline status unavailable for metrics: %s: %s", type(exc).__name__, exc)
-            self.mark_unreachable()
-            return None
-        self.update(status)
-        return status
+    async def refresh(self) -> dict[str, PipelineStatusLike]:
+        """Read every pipeline's status (each bounded by ``status_timeout_s``) and `update` from them."""
+        statuses = await read_statuses(self.backend, self.status_timeout_s)
+        self.update(statuses)
+        return statuses
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format (serve with `CONTENT_TYPE`)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from broker.acl import log_pipeline_refusals, queued_commands
 from broker.connection import CONNECTION_ERRORS, is_cluster_client
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.protocol import as_bytes, now_ms
@@ -127,7 +128,9 @@ async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] 
             pipe.zrange(keys.loading(i), 0, -1, withscores=True)
             pipe.zrange(keys.stuck(i), 0, -1, withscores=True)
             pipe.hgetall(keys.counts(i))
+        sent = queued_commands(pipe)
         results = await pipe.execute(raise_on_error=False)
+        log_pipeline_refusals(sent, results)
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc}")
     except SpecError as exc:

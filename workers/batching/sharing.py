@@ -27,6 +27,7 @@ import logging
 
 import redis
 
+from broker.acl import log_refusal_once
 from broker.connection import is_refusal
 from broker.keys import Keys
 from broker.share import Sharer
@@ -85,6 +86,7 @@ class BurstSharing:
         except redis.ResponseError as exc:
             if not is_refusal(exc):
                 raise  # OOM, LOADING, ...: the loop waits it out and drains what is still ours
+            log_refusal_once(exc, "share.lua" if "script" in str(exc).lower() else None, keys.stream(stage))
             log.warning("burst sharing refused by Redis (%s): bursts stay with the worker that reads them", exc)
             self._refused = True
             return entries

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import redis
 
 from broker import protocol
+from broker.acl import log_pipeline_refusals, log_refusal_once, queued_commands
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import GROUP, LIVE_AFTER_MS
 
@@ -119,14 +120,16 @@ class Heartbeat:
             except CONNECTION_ERRORS:
                 pass
             except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
-                log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
+                if not log_refusal_once(exc):
+                    log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
             self._wake.wait(self._interval_s)
             self._wake.clear()
         for hook in self._hooks:
             try:
                 hook.stop(client)
             except CONNECTION_OR_REPLY_ERRORS as exc:
-                log.debug("heartbeat hook's last word failed error=%r", exc)
+                if not log_refusal_once(exc):
+                    log.debug("heartbeat hook's last word failed error=%r", exc)
         client.close()
 
     def _beat(self, client: redis.Redis) -> None:
@@ -141,7 +144,9 @@ class Heartbeat:
             self._queue_beat(pipe)
         if not len(pipe):
             return
+        sent = queued_commands(pipe)
         replies = pipe.execute(raise_on_error=False)
+        log_pipeline_refusals(sent, replies)
         for hook, start, end in spans:
             hook.take(replies[start:end])
         for reply in replies[own:]:

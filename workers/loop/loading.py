@@ -10,11 +10,11 @@ the heartbeat, written only after setup).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from types import TracebackType
 
 from broker import protocol
+from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 
@@ -43,15 +43,19 @@ class LoadingBeacon:
         client = self._settings.sync_client()
         try:
             while True:
-                with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
+                try:
                     now = protocol.now_ms()
                     pipe = client.pipeline(transaction=False)
                     pipe.zadd(self._key, {self._consumer: now})
                     pipe.zremrangebyscore(self._key, 0, now - _PRUNE_MS)
                     pipe.execute()
+                except CONNECTION_OR_REPLY_ERRORS as exc:  # best effort; a refusal is said once
+                    log_refusal_once(exc, "zadd", self._key)
                 if self._done.wait(self._interval_s):
                     break
-            with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
+            try:
                 client.zrem(self._key, self._consumer)
+            except CONNECTION_OR_REPLY_ERRORS as exc:
+                log_refusal_once(exc, "zrem", self._key)
         finally:
             client.close()

@@ -30,6 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker import protocol
+from broker.acl import log_refusal_once
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient, unreachable
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
@@ -170,8 +171,10 @@ class Worker:
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
-        with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):  # a predecessor in this slot found stuck
+        try:  # a predecessor in this slot found stuck: this worker replaces it
             self._client.zrem(self.pipeline.keys.stuck(self.spec.index), self.consumer)
+        except CONNECTION_OR_REPLY_ERRORS as exc:
+            log_refusal_once(exc, "zrem", self.pipeline.keys.stuck(self.spec.index))
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
         while not self.stopping:
             self._turn()
@@ -204,6 +207,7 @@ class Worker:
             # With partitions the limit bounds each partition's first stream. "none", not DEL:
             # the documented minimal ACLs hold.
             pipe.set(lane.keys.max_backlog, "none" if limit is None else limit)
+            pipe.sadd(lane.keys.registry, self.pipeline.name)  # for gateways serving every pipeline (--all)
             pipe.execute()
 
     def request_stop(self) -> None:
@@ -220,6 +224,7 @@ class Worker:
                 return True
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if isinstance(exc, redis.ResponseError) and not is_transient(exc):
+                    log_refusal_once(exc)
                     raise
                 attempts += 1
                 if throttle.allow("unreachable") is not None:
@@ -311,6 +316,7 @@ class Worker:
             lane.recover = True
             self._with_redis(lambda: self._register([lane]))
         else:
+            log_refusal_once(exc, key=lane.stream)
             raise exc
 
     def _upkeep(self, lane: Lane, claim_due: bool, reap_due: bool) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import redis
 
+from broker.acl import log_refusal_once
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
 
@@ -125,6 +126,7 @@ class CoreClaim:
             cpus = self._claims.claim(client, allowed_cpus(), [PinRequest(self._consumer, self._stage, self.cpu)])
             self.cpu = cpus[0]
         except redis.ResponseError as exc:
+            log_refusal_once(exc, "pins.lua", self._claims.key)
             log.warning("could not claim a core error=%s: pinning to cpu %d", exc, self.cpu)
         pin(self.cpu)
         log.info("pinned consumer=%s cpu=%d host=%s", self._consumer, self.cpu, self._claims.host)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
@@ -55,8 +56,20 @@ class SupervisorSettings:
     hurry_s: float = 5.0  # after a companion's drain was cut short, how long before SIGKILL
 
 
+@dataclass(frozen=True)
+class Unit:
+    """A stage to run ``count`` workers of: loaded in each worker as ``app`` (``module:attribute``),
+    its pipeline's ``keys`` to claim cores and mark stuck workers in (None: no such marks)."""
+
+    app: str
+    spec: StageSpec
+    count: int
+    keys: Keys | None = None
+
+
 @dataclass
 class Slot:
+    unit: Unit
     spec: StageSpec
     number: int
     cpu: int | None
@@ -74,19 +87,15 @@ class Slot:
 
 
 class Supervisor:
-    def __init__(self, app: str, stages: Sequence[tuple[StageSpec, int]], child: ChildSettings,
-                 settings: SupervisorSettings | None = None, cpu_offset: int = 0,
-                 companions: Sequence[subprocess.Popen[bytes]] = (), keys: Keys | None = None) -> None:
-        """``keys``: the pipeline's, to lay out the slots' claimed cores in Redis before the
-        workers start (without them each worker claims its own as it starts)."""
-        self.app = app
+    def __init__(self, units: Sequence[Unit], child: ChildSettings, settings: SupervisorSettings | None = None,
+                 cpu_offset: int = 0, companions: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+        """``units``: the stages to run, of one pipeline or of several (``conveyor run`` of a module)."""
         self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
-        self.stages = list(stages)
+        self.units = list(units)
         self.child = child
         self._child_record = child.to_json()
         self.settings = settings or SupervisorSettings()
         self.cpu_offset = cpu_offset
-        self.keys = keys
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
         self.slots: list[Slot] = []
@@ -101,29 +110,32 @@ class Supervisor:
         # Unique even where containers share a host name and PID 1 (host networking).
         host = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         spread = self.cpu_offset
-        for spec, count in self.stages:
-            for n in range(count):
+        for unit in self.units:
+            spec = unit.spec
+            for n in range(unit.count):
                 cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
                 consumer = f"{spec.name}@{host}:{n}"
-                self.slots.append(Slot(spec, n, cpu, consumer, claim=claims_cpu(self.child.worker.pin, spec.cpus),
-                                       index=len(self.slots)))
-            spread += count
-        self._lay_out_claims(allowed)
+                self.slots.append(Slot(unit, spec, n, cpu, consumer,
+                                       claim=claims_cpu(self.child.worker.pin, spec.cpus), index=len(self.slots)))
+            spread += unit.count
+        for keys in dict.fromkeys(u.keys for u in self.units if u.keys is not None):
+            self._lay_out_claims(allowed, keys)
 
-    def _lay_out_claims(self, allowed: list[int]) -> None:
+    def _lay_out_claims(self, allowed: list[int], keys: Keys) -> None:
         """Claim the cores of every claiming slot in one atomic call, in slot order: alone on the
         host this is the slot spread itself; beside other workers, the free cores come first.
         Best effort: if Redis does not answer, each worker claims its own as it starts."""
-        slots = [s for s in self.slots if s.claim and s.cpu is not None]
-        if not slots or self.keys is None:
+        slots = [s for s in self.slots if s.claim and s.cpu is not None and s.unit.keys == keys]
+        if not slots:
             return
-        claims = PinClaims(self.keys, host_id(), self.child.worker.pin_ttl_ms)
+        claims = PinClaims(keys, host_id(), self.child.worker.pin_ttl_ms)
         requests = [PinRequest(s.consumer, s.spec.index, s.cpu) for s in slots if s.cpu is not None]
         client = RedisSettings(self.child.redis_url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
         try:
             for slot, cpu in zip(slots, claims.claim(client, allowed, requests), strict=True):
                 slot.cpu = cpu
         except CONNECTION_OR_REPLY_ERRORS as exc:
+            log_refusal_once(exc, "pins.lua", claims.key)
             log.warning("could not claim cores ahead of the workers (each claims its own): %r", exc)
         finally:
             client.close()
@@ -133,7 +145,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
         self._make_slots()
-        self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url), self.keys)
+        self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url))
         self._selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -237,7 +249,7 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ, **thread_env(slot.spec.threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "workers.process.child", "--app", self.app, "--stage", slot.spec.name,
+        cmd = [sys.executable, "-m", "workers.process.child", "--app", slot.unit.app, "--stage", slot.spec.name,
                "--consumer", slot.consumer, "--status-fd", str(write_fd)]
         if slot.cpu is not None:
             cmd += ["--cpu", str(slot.cpu)]
@@ -318,7 +330,7 @@ class Supervisor:
         ``stuck_grace_s``: workers.process.watch) is reported with its stack and replaced."""
         if slot.proc is None or not self._stuck.stuck(slot.index):
             return
-        self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer)
+        self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
         slot.killed_for_timeout = bool(slot.spec.max_run_s)
 
     def _stop_all(self) -> None:
@@ -335,7 +347,7 @@ class Supervisor:
             assert slot.proc is not None
             if self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
                 # Its batch is past every deadline: nobody waits for it, and it may be stuck.
-                self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer)
+                self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
             try:
                 slot.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

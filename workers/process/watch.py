@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.protocol import now_ms
@@ -97,11 +98,10 @@ class BusyCell:
 class StuckWatch:
     """The supervisor's side: the board, a stack file per slot, and what is done to a stuck worker."""
 
-    def __init__(self, slots: int, redis: RedisSettings, keys: Keys | None) -> None:
+    def __init__(self, slots: int, redis: RedisSettings) -> None:
         self._board = BusyBoard(slots)
         self._stacks = Path(tempfile.mkdtemp(prefix="conveyor-stacks-"))
         self._redis = redis
-        self._keys = keys
 
     def child_args(self, index: int) -> list[str]:
         """The worker's command-line arguments for its cell and stack file (and its cell cleared)."""
@@ -129,15 +129,17 @@ class StuckWatch:
         busy = self._board.read(index)
         return bool(busy.stuck_at_ms) and now_ms() >= busy.stuck_at_ms
 
-    def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str) -> None:
-        """Log the stuck call with its stack, mark the worker stuck in Redis, kill it (the
-        supervisor starts another)."""
+    def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str,
+                keys: Keys | None) -> None:
+        """Log the stuck call with its stack, mark the worker stuck in Redis (in its pipeline's
+        ``keys``), kill it (the supervisor starts another)."""
         why = (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
                f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
         log.error("worker stuck stage=%s consumer=%s pid=%d: predict %s; replacing it (set stuck_grace_s=None "
                   "to turn this off, or max_run_s) stack=%s", stage.name, consumer, proc.pid, why,
                   self._dump_stack(index, proc))
-        self._mark(stage.index, consumer)
+        if keys is not None:
+            self._mark(keys, stage.index, consumer)
         proc.kill()
         self._board.clear(index)
 
@@ -157,18 +159,17 @@ class StuckWatch:
             return path.read_text().strip() or _NO_STACK
         return _NO_STACK
 
-    def _mark(self, stage: int, consumer: str) -> None:
+    def _mark(self, keys: Keys, stage: int, consumer: str) -> None:
         """``P:stuck:<i>``, for ``conveyor status`` and ``/readyz``; best effort."""
-        if self._keys is None:
-            return
         client = RedisSettings(self._redis.url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
         try:
             now = now_ms()
             pipe = client.pipeline(transaction=False)
-            pipe.zadd(self._keys.stuck(stage), {consumer: now})
-            pipe.zremrangebyscore(self._keys.stuck(stage), 0, now - _STUCK_PRUNE_MS)
+            pipe.zadd(keys.stuck(stage), {consumer: now})
+            pipe.zremrangebyscore(keys.stuck(stage), 0, now - _STUCK_PRUNE_MS)
             pipe.execute()
         except CONNECTION_OR_REPLY_ERRORS as exc:
+            log_refusal_once(exc, "zadd", keys.stuck(stage))
             log.warning("could not mark the stuck worker in Redis error=%r", exc)
         finally:
             client.close()

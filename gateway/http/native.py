@@ -1,0 +1,177 @@
+"""conveyor's own predict route: one input in (JSON or msgpack), ``{"result": ...}`` out.
+
+::
+
+    POST /v1/pipelines/NAME/predict   (and POST /v1/predict on a gateway serving one pipeline)
+        body = one input, JSON (application/json, also the default when no Content-Type is sent)
+        or msgpack (application/msgpack, conveyor's codec, numpy arrays included); answered in the
+        same encoding: 200 {"result": ...}, 4xx/5xx {"error": {"type", "message", "stage"[, "traceback"]}}
+
+A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
+``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
+pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition). The
+other protocols (gateway.http.v2, gateway.http.openai) read the same headers.
+
+Status codes: 200; 400 bad body or header (NaN/Infinity in JSON included); 413 over
+``max_payload_bytes``; 415 unsupported Content-Type; 422 the stage raised; 500 the gateway itself
+failed (or the result cannot be encoded, e.g. NaN as JSON); 503 overloaded, draining, or no worker
+ever registered the pipeline; 504 deadline passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import time
+import traceback as tb
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from broker import protocol
+from broker.codec import CodecError
+from gateway.backends import Backend
+from gateway.client.slot import Waiter
+from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
+from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
+from gateway.http.types import HttpError, Reply, Request, ok, overloaded
+
+__all__ = ["Pending", "Predict", "request_bound_s", "timeout_s"]
+
+log = logging.getLogger("gateway.http.server")
+
+TIMEOUT_HEADER = b"x-conveyor-timeout-s"
+DEADLINE_HEADER = b"x-conveyor-deadline-ms"
+# Partitioned pipelines: requests with one key go to one partition (gateway.client.gateway.partition_of).
+PARTITION_KEY_HEADER = b"x-conveyor-partition-key"
+
+
+@dataclass(slots=True)
+class Pending:
+    """A reply still to come: ``finish(future)`` makes it once ``future`` is done."""
+
+    future: Waiter
+    finish: Callable[[Waiter], Reply]
+
+
+def _positive_float(name: bytes, raw: bytes) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise HttpError(400, "BadRequest", f"header {name.decode()} must be a finite number, got {raw!r}",
+                        outcome="bad_request")
+    return value
+
+
+def timeout_s(headers: dict[bytes, bytes], now_s: float) -> float | None:
+    """The request's own bound on its wait, from either header (the earlier wins); None: not set.
+
+    May return <= 0: the deadline passed before we even started.
+    """
+    timeouts: list[float] = []
+    raw = headers.get(TIMEOUT_HEADER)
+    if raw is not None:
+        value = _positive_float(TIMEOUT_HEADER, raw)
+        if value <= 0:
+            raise HttpError(400, "BadRequest", f"header {TIMEOUT_HEADER.decode()} must be > 0, got {raw!r}",
+                            outcome="bad_request")
+        timeouts.append(value)
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is not None:
+        timeouts.append(_positive_float(DEADLINE_HEADER, raw) / 1000.0 - now_s)
+    if not timeouts:
+        return None
+    bound_s = min(timeouts)
+    if bound_s > protocol.MAX_DEADLINE_AHEAD_MS / 1000:  # workers would dead-letter it: say so here
+        raise HttpError(400, "BadRequest", "the request's timeout or deadline is more than a week away",
+                        outcome="bad_request")
+    return bound_s
+
+
+def request_bound_s(headers: dict[bytes, bytes]) -> float | None:
+    """`timeout_s` of a request about to be submitted: raises a 504 `HttpError` if its deadline passed."""
+    if TIMEOUT_HEADER not in headers and DEADLINE_HEADER not in headers:
+        return None
+    bound_s = timeout_s(headers, time.time())
+    if bound_s is not None and bound_s <= 0:
+        raise HttpError(504, "DeadlineExceeded", "deadline passed before submission", outcome="timeout")
+    return bound_s
+
+
+def backend_error(exc: Exception, debug: bool) -> HttpError:
+    """The backend's exceptions as HTTP errors (``debug``: with the stage's traceback)."""
+    if isinstance(exc, StageError):
+        if exc.type == "DeadlineExceeded":  # a stage met the item past its deadline
+            return HttpError(504, exc.type, exc.message, stage=exc.stage, outcome="timeout")
+        trace = (exc.traceback or None) if debug else None
+        return HttpError(422, exc.type, exc.message, stage=exc.stage, trace=trace, outcome="stage_error")
+    if isinstance(exc, Overloaded):
+        return overloaded(str(exc) or "the pipeline is overloaded, retry later")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return HttpError(504, "DeadlineExceeded", str(exc) or "no result before the deadline", outcome="timeout")
+    if isinstance(exc, UnknownPipeline):  # no worker ever registered this name: say so, not a 500 with a trace
+        return HttpError(503, "UnknownPipeline", str(exc), outcome="unknown_pipeline")
+    if isinstance(exc, PayloadTooLarge):  # checked before Redis: a worker would dead-letter it
+        return HttpError(413, "PayloadTooLarge", str(exc), outcome="too_large")
+    if isinstance(exc, CodecError):  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
+        return HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}", outcome="bad_request")
+    log.error("predict failed inside the gateway", exc_info=exc)
+    return internal(exc, debug)
+
+
+def internal(exc: BaseException, debug: bool) -> HttpError:
+    trace = "".join(tb.format_exception(exc)) if debug else None
+    return HttpError(500, type(exc).__name__, str(exc), trace=trace, outcome="error")
+
+
+class Predict:
+    """The predict route of any backend: decode, submit, and (once answered) encode."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+        # One finisher per codec, made once: a predict then allocates no partial of its own.
+        self._finishers = {codec.name: functools.partial(self._finish, codec) for codec in (JSON, MSGPACK)}
+
+    def start(self, request: Request, backend: Backend) -> Reply | Pending:
+        """Why not a coroutine: a predict is the backend's `Slot` plus a callback, so that a request
+        costs no task of its own."""
+        try:
+            codec = codec_for(request.headers.get(b"content-type"))
+        except UnsupportedMediaType as exc:
+            return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
+        try:
+            x = _decode_body(codec, request.body)
+            bound_s = request_bound_s(request.headers)
+            try:
+                future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True)
+            except Exception as exc:
+                raise backend_error(exc, self.debug) from exc
+        except HttpError as exc:
+            return exc.reply(codec)
+        return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec))
+
+    def _finish(self, codec: Codec, future: Waiter) -> Reply:
+        try:
+            try:
+                result = future.result()
+            except Exception as exc:
+                raise backend_error(exc, self.debug) from exc
+            try:
+                return ok({"result": result}, codec)
+            except (TypeError, ValueError, RecursionError) as exc:  # CodecError is a ValueError
+                raise HttpError(500, "UnencodableResult", f"result cannot be sent as {codec.name}: {exc}",
+                                outcome="error") from exc
+        except HttpError as exc:
+            return exc.reply(codec)
+
+
+def _decode_body(codec: Codec, body: bytes) -> Any:
+    try:
+        return codec.decode(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, NonFiniteNumber, UnicodeDecodeError, CodecError
+        raise HttpError(400, "BadRequest", f"body is not valid {codec.name}: {exc}",
+                        outcome="bad_request") from exc

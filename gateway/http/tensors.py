@@ -1,0 +1,225 @@
+"""Tensors of the Open Inference Protocol (KServe v2), in JSON and in the binary tensor data extension.
+
+Pure functions, no I/O. A request body is JSON, or, with ``Inference-Header-Content-Length: N``, N
+bytes of JSON followed by the raw bytes of the inputs that say ``"parameters": {"binary_data_size": n}``,
+in order (what ``tritonclient`` sends for numpy inputs). Raw bytes are little-endian, row-major; a
+``BYTES`` element is a 4-byte little-endian length and its bytes. JSON ``data`` may be flat or
+nested; ``BYTES`` elements are strings there. Every datatype numpy has round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+__all__ = ["DATATYPES", "InferRequest", "Tensor", "TensorError", "datatype_of", "encode_response", "parse_request"]
+
+DATATYPES: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_), "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64), "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16), "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
+    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(object),
+}
+_BY_KIND = {dtype.str.lstrip("<>|="): name for name, dtype in DATATYPES.items() if name != "BYTES"}
+
+
+class TensorError(ValueError):
+    """A tensor that does not parse, or does not fit its declaration: a 400 naming the tensor."""
+
+
+class NonFiniteOutput(ValueError):
+    """An output tensor asked for as JSON that holds NaN or Infinity (JSON carries finite numbers only)."""
+
+
+@dataclass
+class Tensor:
+    name: str
+    datatype: str
+    shape: list[int]
+    data: npt.NDArray[Any]  # of the datatype's dtype (object arrays of str or bytes for BYTES)
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferRequest:
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: list[Tensor]
+    outputs: list[dict[str, Any]]  # requested outputs: {"name", "parameters"?}
+
+    def wants_binary(self, name: str) -> bool:
+        """Whether output ``name`` goes back as raw bytes (its own ``binary_data``, else the request's
+        ``binary_data_output``)."""
+        for out in self.outputs:
+            if out.get("name") == name and "binary_data" in (out.get("parameters") or {}):
+                return bool(out["parameters"]["binary_data"])
+        return bool(self.parameters.get("binary_data_output", False))
+
+
+def datatype_of(array: npt.NDArray[Any]) -> str:
+    """The protocol's name of an array's dtype (object and string arrays are BYTES)."""
+    if array.dtype.kind in "OSU":
+        return "BYTES"
+    name = _BY_KIND.get(array.dtype.str.lstrip("<>|="))
+    if name is None:
+        raise TensorError(f"numpy dtype {array.dtype} has no Open Inference Protocol datatype")
+    return name
+
+
+def parse_request(body: bytes, header_length: int | None) -> InferRequest:
+    """The inference request of one body (``header_length``: the binary extension's JSON length)."""
+    head, rest = (body, b"") if header_length is None else (body[:header_length], body[header_length:])
+    if header_length is not None and not 0 < header_length <= len(body):
+        raise TensorError(f"Inference-Header-Content-Length {header_length} does not fit a body of {len(body)} bytes")
+    try:
+        doc = orjson.loads(head)
+    except orjson.JSONDecodeError as exc:
+        raise TensorError(f"the request's JSON does not parse: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
+        raise TensorError("an inference request is a JSON object with a non-empty 'inputs' list")
+    offset = 0
+    inputs = []
+    for raw in doc["inputs"]:
+        tensor, used = _input(raw, rest, offset)
+        inputs.append(tensor)
+        offset += used
+    if offset != len(rest):
+        raise TensorError(f"the body holds {len(rest) - offset} bytes that no input's binary_data_size claims")
+    outputs = doc.get("outputs") or []
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                for o in outputs):
+        raise TensorError("'outputs' must be a list of objects with a 'name'")
+    request_id = doc.get("id")
+    parameters = doc.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise TensorError("'parameters' must be an object")
+    return InferRequest(None if request_id is None else str(request_id), parameters, inputs, outputs)
+
+
+def _input(raw: Any, rest: bytes, offset: int) -> tuple[Tensor, int]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise TensorError("each input is an object with a 'name', a 'datatype' and a 'shape'")
+    name = raw["name"]
+    datatype, shape = raw.get("datatype"), raw.get("shape")
+    if datatype not in DATATYPES:
+        raise TensorError(f"input {name!r}: unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise TensorError(f"input {name!r}: 'shape' must be a list of integers >= 0, got {shape!r}")
+    parameters = raw.get("parameters") or {}
+    size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+    count = math.prod(shape)
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+            raise TensorError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
+        data = _from_binary(name, datatype, rest[offset:offset + size], count)
+        used = size
+    else:
+        if "data" not in raw:
+            raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
+        data = _from_json(name, datatype, raw["data"], count)
+        used = 0
+    return Tensor(name, datatype, shape, data.reshape(shape), parameters), used
+
+
+def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[Any]:
+    flat = _flatten(data)
+    if len(flat) != count:
+        raise TensorError(f"input {name!r}: {len(flat)} values for a shape of {count}")
+    if datatype == "BYTES":
+        if not all(isinstance(v, str | bytes) for v in flat):
+            raise TensorError(f"input {name!r}: BYTES data must be strings")
+        return np.array(flat, dtype=object)
+    dtype = DATATYPES[datatype]
+    if datatype == "BOOL" and not all(isinstance(v, bool) for v in flat):
+        raise TensorError(f"input {name!r}: BOOL data must be true or false")
+    if datatype != "BOOL" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat):
+        raise TensorError(f"input {name!r}: {datatype} data must be numbers")
+    try:
+        array = np.array(flat, dtype=dtype)
+    except OverflowError as exc:
+        raise TensorError(f"input {name!r}: a value does not fit {datatype}: {exc}") from None
+    if dtype.kind in "iu" and not all(isinstance(v, int) for v in flat):
+        raise TensorError(f"input {name!r}: {datatype} data must be integers")
+    return array
+
+
+def _flatten(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    if data and all(not isinstance(v, list) for v in data):
+        return data
+    out: list[Any] = []
+    for v in data:
+        out += _flatten(v)
+    return out
+
+
+def _from_binary(name: str, datatype: str, raw: bytes, count: int) -> npt.NDArray[Any]:
+    if datatype == "BYTES":
+        items: list[bytes] = []
+        pos = 0
+        while pos < len(raw):
+            if pos + 4 > len(raw):
+                raise TensorError(f"input {name!r}: a BYTES element's length is cut short")
+            (n,) = struct.unpack_from("<I", raw, pos)
+            items.append(raw[pos + 4:pos + 4 + n])
+            pos += 4 + n
+        if pos != len(raw) or len(items) != count:
+            raise TensorError(f"input {name!r}: {len(items)} BYTES elements for a shape of {count}")
+        return np.array(items, dtype=object)
+    dtype = DATATYPES[datatype].newbyteorder("<")
+    if len(raw) != count * dtype.itemsize:
+        raise TensorError(f"input {name!r}: {len(raw)} bytes for {count} values of {datatype} "
+                          f"({count * dtype.itemsize} needed)")
+    return np.frombuffer(raw, dtype=dtype).astype(DATATYPES[datatype], copy=True)
+
+
+def _to_binary(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        parts: list[bytes] = []
+        for item in tensor.data.reshape(-1):
+            raw = item if isinstance(item, bytes) else str(item).encode()
+            parts += (struct.pack("<I", len(raw)), raw)
+        return b"".join(parts)
+    return np.ascontiguousarray(tensor.data, dtype=DATATYPES[tensor.datatype].newbyteorder("<")).tobytes()
+
+
+def _to_json(tensor: Tensor) -> list[Any]:
+    flat = tensor.data.reshape(-1)
+    if tensor.datatype == "BYTES":
+        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in flat]
+    if flat.dtype.kind == "f" and not bool(np.isfinite(flat).all()):
+        raise NonFiniteOutput(f"output {tensor.name!r} holds NaN or Infinity, which JSON cannot carry: ask for it "
+                              "as binary data (binary_data_output)")
+    return list(flat.tolist())
+
+
+def encode_response(model: str, request: InferRequest, outputs: list[Tensor],
+                    parameters: dict[str, Any] | None = None) -> tuple[bytes, int | None]:
+    """The response body, and the binary extension's JSON length (None: JSON only)."""
+    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    if request.id is not None:
+        doc["id"] = request.id
+    if parameters:
+        doc["parameters"] = parameters
+    chunks: list[bytes] = []
+    for tensor in outputs:
+        out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if request.wants_binary(tensor.name):
+            raw = _to_binary(tensor)
+            out["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            out["data"] = _to_json(tensor)
+        doc["outputs"].append(out)
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return head, None
+    return head + b"".join(chunks), len(head)

@@ -1,0 +1,186 @@
+"""The Open Inference Protocol's REST routes (KServe "v2", what Triton and tritonclient speak).
+
+::
+
+    GET  /v2                                   server metadata
+    GET  /v2/health/live                       200 while the process runs
+    GET  /v2/health/ready                      200 when every pipeline served is ready, else 503
+    GET  /v2/models/NAME[/versions/1]          model metadata: the tensors the pipeline declares
+    GET  /v2/models/NAME[/versions/1]/ready    200 when the pipeline is ready, else 503
+    POST /v2/models/NAME[/versions/1]/infer    inference (JSON, or the binary tensor data extension)
+
+A model is a pipeline; its one version is ``1``. How tensors become items is in
+:mod:`gateway.http.oip`; the conveyor headers (deadline, partition key) apply as on predict.
+Errors are the protocol's ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from broker.spec import PipelineIO
+from gateway.backends import Backend, Backends, known_io
+from gateway.http.native import PARTITION_KEY_HEADER, Pending, request_bound_s
+from gateway.http.oip import (
+    HEADER_LENGTH,
+    Gather,
+    Inference,
+    error_reply,
+    failure_reply,
+    json_reply,
+    model_metadata,
+    server_metadata,
+)
+from gateway.http.tensors import TensorError
+from gateway.http.types import HttpError, Reply, Request
+from gateway.monitor.metrics import PipelineStatusLike
+
+__all__ = ["V2"]
+
+VERSION = "1"
+Statuses = Callable[[], Awaitable[Mapping[str, PipelineStatusLike]]]
+
+
+def _reply_of(future: Any) -> Reply:
+    result: Reply = future.result()
+    return result
+
+
+class V2:
+    """The handlers; ``statuses`` reads every served pipeline's status (and feeds the metrics)."""
+
+    def __init__(self, backends: Backends, statuses: Statuses, draining: Callable[[], bool]) -> None:
+        self.backends = backends
+        self._statuses = statuses
+        self._draining = draining
+
+    def server(self, request: Request, params: tuple[str, ...]) -> Reply:
+        return json_reply(server_metadata())
+
+    def live(self, request: Request, params: tuple[str, ...]) -> Reply:
+        return json_reply({"live": True})
+
+    def ready(self, request: Request, params: tuple[str, ...]) -> Pending:
+        return _later(self._ready())
+
+    async def _ready(self) -> Reply:
+        if self._draining():
+            return Reply(503, b'{"ready":false}', outcome="not_ready")
+        statuses = await self._statuses()
+        ready = bool(statuses) and all(s.ready for s in statuses.values())
+        return json_reply({"ready": ready}, 200 if ready else 503)
+
+    def _model(self, params: tuple[str, ...]) -> tuple[str, Backend] | Reply:
+        """The model a path names (``params``: its name, and its version if the path has one)."""
+        name = params[0]
+        backend = self.backends.get(name)
+        if backend is None:
+            served = ", ".join(self.backends.names())
+            return error_reply(404, f"no model {name!r} here (this gateway serves: {served})", "not_found")
+        if len(params) > 1 and params[1] != VERSION:
+            return error_reply(404, f"model {name!r} has no version {params[1]!r} (its one version is "
+                                    f"{VERSION!r})", "not_found")
+        return name, backend
+
+    def metadata(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
+        found = self._model(params)
+        if isinstance(found, Reply):
+            return found
+        name, backend = found
+        io = known_io(backend)
+        if io is not None:
+            return json_reply(model_metadata(name, io))
+        return _later(self._metadata_later(name, backend))
+
+    async def _metadata_later(self, name: str, backend: Backend) -> Reply:
+        try:
+            return json_reply(model_metadata(name, await backend.pipeline_io()))
+        except Exception as exc:  # UnknownPipeline, TimeoutError, a lost connection: said as the protocol says errors
+            return failure_reply(exc)
+
+    def model_ready(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
+        found = self._model(params)
+        if isinstance(found, Reply):
+            return found
+        return _later(self._model_ready(*found))
+
+    async def _model_ready(self, name: str, backend: Backend) -> Reply:
+        ready = False
+        if not self._draining():
+            statuses = await self._statuses()
+            status = statuses.get(name)
+            ready = status is not None and status.ready
+        return json_reply({"name": name, "ready": ready}, 200 if ready else 503)
+
+    def infer(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
+        found = self._model(params)
+        if isinstance(found, Reply):
+            return found
+        name, backend = found
+        io = known_io(backend)
+        if io is None:  # the pipeline's spec not seen yet (rare: a gateway started before its workers)
+            return _later(self._infer_later(request, name, backend))
+        return self._infer(request, name, backend, io)
+
+    async def _infer_later(self, request: Request, name: str, backend: Backend) -> Reply:
+        try:
+            io = await backend.pipeline_io(request_bound_s(request.headers))
+        except HttpError as exc:
+            return error_reply(exc.status, exc.message, exc.outcome)
+        except Exception as exc:  # UnknownPipeline, TimeoutError, a lost connection
+            return failure_reply(exc)
+        answer = self._infer(request, name, backend, io)
+        if isinstance(answer, Reply):
+            return answer
+        await asyncio.wait([_as_future(answer.future)])
+        return answer.finish(answer.future)
+
+    def _infer(self, request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
+        """Refused before Redis when the tensors do not fit; else one item (or one per row) submitted."""
+        headers = request.headers
+        try:
+            inference = Inference(name, io, request.body, headers.get(HEADER_LENGTH))
+            items = inference.items()
+            bound_s = request_bound_s(headers)
+            key = headers.get(PARTITION_KEY_HEADER)
+            waiters = [backend.submit(x, bound_s, key, direct=True) for x in items]
+        except HttpError as exc:
+            return error_reply(exc.status, exc.message, exc.outcome)
+        except TensorError as exc:
+            return error_reply(400, str(exc), "bad_request")
+        except Exception as exc:  # the backend refused at once: Overloaded, PayloadTooLarge, CodecError, ...
+            return failure_reply(exc)
+        if not waiters:  # a batch of zero rows
+            return inference.respond([])
+        if not io.batched:
+            return Pending(waiters[0], lambda w: _respond(inference, w, single=True))
+        gather = Gather(asyncio.get_running_loop(), waiters)
+        return Pending(gather.slot, lambda w: _respond(inference, w, single=False))
+
+
+def _respond(inference: Inference, waiter: Any, single: bool) -> Reply:
+    try:
+        answer = waiter.result()
+    except Exception as exc:
+        return failure_reply(exc)
+    return inference.respond([answer] if single else answer)
+
+
+def _later(coro: Awaitable[Reply]) -> Pending:
+    return Pending(asyncio.ensure_future(coro), _reply_of)
+
+
+def _as_future(waiter: Any) -> asyncio.Future[Any]:
+    """A `Slot` as a future to await (a future as it is)."""
+    if isinstance(waiter, asyncio.Future):
+        return waiter
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(_: Any) -> None:
+        if not future.done():
+            future.set_result(None)
+
+    waiter.add_done_callback(done)
+    return future

@@ -1,0 +1,258 @@
+"""The Open Inference Protocol end to end, spoken by a client nobody here wrote (``tritonclient``).
+
+Real processes: a private Redis, ``conveyor worker`` for two pipelines (tests/oip_stages.py), and
+one ``conveyor gateway t-echo t-rows`` serving both. Every numpy datatype goes through ``t-echo``
+and back, in JSON and in the binary extension, and must come back exact.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.helpers import REPO_ROOT, conveyor_env, http_call, wait_for
+from tests.ops_stages import Proc, free_port, start_conveyor, stop_all
+from workers.embedded.server import EmbeddedRedis
+
+pytestmark = pytest.mark.system
+
+APP = "tests.oip_stages"
+
+
+@dataclass
+class Stack:
+    url: str
+    port: int
+    procs: dict[str, Proc]
+    log_dir: Path
+
+    def report(self) -> str:
+        return "\n".join(p.report() for p in self.procs.values())
+
+    def client(self) -> triton.InferenceServerClient:
+        return triton.InferenceServerClient(f"127.0.0.1:{self.port}", network_timeout=20.0)
+
+    def gateway(self, name: str, *args: str) -> tuple[Proc, int]:
+        port = free_port()
+        proc = start_conveyor(self.log_dir, name, "gateway", *args, "--redis", self.url, "--port", str(port),
+                              redis_url=self.url)
+        self.procs[name] = proc
+        return proc, port
+
+
+def _status(port: int, path: str) -> int:
+    try:
+        return http_call(port, "GET", path, timeout_s=5)[0]
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    server = EmbeddedRedis()
+    server.start()
+    log_dir = tmp_path_factory.mktemp("oip")
+    s = Stack(server.url, free_port(), {}, log_dir)
+    try:
+        s.procs["gateway"] = start_conveyor(log_dir, "gateway", "gateway", "t-echo", "t-rows", "--redis", server.url,
+                                            "--port", str(s.port), redis_url=server.url)
+        for name, stage in (("echo", "Echo"), ("rows", "Rows")):
+            s.procs[name] = start_conveyor(log_dir, name, "worker", f"{APP}:{name}", "--stage", stage,
+                                           "--workers", "1", redis_url=server.url)
+
+        def ready() -> bool:
+            for proc in s.procs.values():
+                proc.check_running()
+            return _status(s.port, "/readyz") == 200
+
+        wait_for(ready, 60, "the gateway and both pipelines to be ready", s.report)
+        yield s
+    finally:
+        stop_all(list(s.procs.values()))
+        server.stop()
+
+
+# Every datatype with values at its edges (exactly representable: equality is exact).
+SAMPLES: dict[str, np.ndarray[Any, Any]] = {
+    "BOOL": np.array([[True, False], [False, True]]),
+    "INT8": np.array([-128, 0, 127], dtype=np.int8),
+    "INT16": np.array([-32768, 1, 32767], dtype=np.int16),
+    "INT32": np.array([[-2**31, 2], [3, 2**31 - 1]], dtype=np.int32),
+    "INT64": np.array([-2**63, 0, 2**63 - 1], dtype=np.int64),
+    "UINT8": np.array([0, 255], dtype=np.uint8),
+    "UINT16": np.array([0, 65535], dtype=np.uint16),
+    "UINT32": np.array([0, 2**32 - 1], dtype=np.uint32),
+    "UINT64": np.array([0, 2**64 - 1], dtype=np.uint64),
+    "FP16": np.array([-65504.0, 0.5, 65504.0], dtype=np.float16),
+    "FP32": np.array([[1.5, -3.25e-20], [3.4028235e38, 0.0]], dtype=np.float32),
+    "FP64": np.array([-1.7976931348623157e308, 5e-324, 0.1], dtype=np.float64),
+    "BYTES": np.array([b"hello", "h\u00e9llo".encode(), b"", b"tail\x00"], dtype=object),
+}
+
+
+def _infer(client: triton.InferenceServerClient, model: str, name: str, array: np.ndarray[Any, Any],
+           datatype: str, binary: bool) -> Any:
+    tensor = triton.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return client.infer(model, [tensor], outputs=[triton.InferRequestedOutput("output", binary_data=binary)])
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_every_datatype_round_trips_exactly(stack: Stack, binary: bool) -> None:
+    client = stack.client()
+    for datatype, array in SAMPLES.items():
+        if datatype == "BYTES" and not binary:
+            array = np.array([b"hello", "h\u00e9llo".encode(), b""], dtype=object)  # JSON carries text
+        answer = _infer(client, "t-echo", "input", array, datatype, binary).as_numpy("output")
+        assert answer.dtype == array.dtype and answer.shape == array.shape, (datatype, answer)
+        if datatype == "BYTES" and not binary:  # tritonclient reads JSON strings as str (against Triton too)
+            answer = np.array([a.encode() for a in answer], dtype=object)
+        assert np.array_equal(answer, array), (datatype, answer, array)
+
+
+def test_health_metadata_and_readiness(stack: Stack) -> None:
+    client = stack.client()
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("t-echo") and client.is_model_ready("t-rows")
+    assert client.is_model_ready("t-rows", "1") and not client.is_model_ready("t-rows", "2")
+    meta = client.get_model_metadata("t-rows")
+    assert meta["name"] == "t-rows" and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}]
+    assert [o["name"] for o in meta["outputs"]] == ["sum", "double"]
+    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_a_batch_of_rows_is_items_gathered_in_order(stack: Stack, binary: bool) -> None:
+    x = np.arange(30, dtype=np.float32).reshape(10, 3)
+    tensor = triton.InferInput("x", [10, 3], "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    result = stack.client().infer("t-rows", [tensor], request_id="req-7", outputs=[
+        triton.InferRequestedOutput("sum", binary_data=binary), triton.InferRequestedOutput("double")])
+    assert np.array_equal(result.as_numpy("sum"), x.sum(axis=1))
+    assert np.array_equal(result.as_numpy("double"), x * 2)
+    assert result.get_response()["id"] == "req-7"
+
+
+def test_a_failing_item_fails_the_request_naming_it(stack: Stack) -> None:
+    x = np.ones((5, 3), dtype=np.float32)
+    x[3] = -1
+    tensor = triton.InferInput("x", [5, 3], "FP32")
+    tensor.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as caught:
+        stack.client().infer("t-rows", [tensor])
+    assert caught.value.status() == "400" and "item 3" in caught.value.message()
+    assert "negative row sum" in caught.value.message()
+
+
+def test_bad_requests_are_refused_naming_what_was_expected(stack: Stack) -> None:
+    client = stack.client()
+    wrong_shape = triton.InferInput("x", [2, 4], "FP32")
+    wrong_shape.set_data_from_numpy(np.zeros((2, 4), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("t-rows", [wrong_shape])
+    assert caught.value.status() == "400" and "shape [2, 4], expected [-1, 3]" in caught.value.message()
+    wrong_type = triton.InferInput("x", [1, 3], "FP64")
+    wrong_type.set_data_from_numpy(np.zeros((1, 3)))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("t-rows", [wrong_type])
+    assert "datatype FP64, expected FP32" in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("t-nope", [wrong_type])
+    assert caught.value.status() == "404" and "t-echo, t-rows" in caught.value.message()
+
+
+def test_plain_json_over_http(stack: Stack) -> None:
+    body = {"id": "j1", "parameters": {"trace": "on"},
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3], "data": [[1, 2, 3], [4, 5, 6]]}]}
+    status, raw = http_call(stack.port, "POST", "/v2/models/t-rows/infer", json.dumps(body).encode())
+    reply = json.loads(raw)
+    assert status == 200, reply
+    assert reply["id"] == "j1" and reply["parameters"] == {"trace": "on"} and reply["model_name"] == "t-rows"
+    outputs = {o["name"]: o for o in reply["outputs"]}
+    assert outputs["sum"] == {"name": "sum", "datatype": "FP32", "shape": [2], "data": [6.0, 15.0]}
+    assert outputs["double"]["data"] == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    status, raw = http_call(stack.port, "POST", "/v2/models/t-rows/infer", b'{"inputs": 3}')
+    assert status == 400 and "error" in json.loads(raw)
+
+
+def test_one_gateway_serves_both_pipelines_natively_too(stack: Stack) -> None:
+    status, raw = http_call(stack.port, "POST", "/v1/pipelines/t-echo/predict", b'{"a": [1, 2]}')
+    assert (status, json.loads(raw)) == (200, {"result": {"a": [1, 2]}})
+    status, raw = http_call(stack.port, "POST", "/v1/predict", b"1")
+    assert status == 404 and b"/v1/pipelines/NAME/predict" in raw  # which one? the gateway serves two
+    assert json.loads(http_call(stack.port, "GET", "/v1/pipelines")[1]) == {"pipelines": ["t-echo", "t-rows"]}
+    metrics = http_call(stack.port, "GET", "/metrics")[1].decode()
+    assert 'conveyor_pipeline_ready{pipeline="t-echo"} 1.0' in metrics
+    assert 'conveyor_stage_live_workers{index="0",pipeline="t-rows",stage="Rows"} 1.0' in metrics
+    assert 'route="infer"' in metrics
+
+
+def test_readyz_names_the_pipeline_that_is_not_ready(stack: Stack) -> None:
+    proc, port = stack.gateway("gateway-missing", "t-echo", "t-missing")
+    try:
+        wait_for(lambda: _status(port, "/healthz") == 200, 30, "the gateway to listen", stack.report)
+        status, raw = http_call(port, "GET", "/readyz")
+        body = json.loads(raw)
+        assert status == 503 and body["pipelines"]["t-echo"]["ready"] and not body["pipelines"]["t-missing"]["ready"]
+        assert body["error"].startswith("t-missing:")
+        assert _status(port, "/v2/models/t-echo/ready") == 200 and _status(port, "/v2/models/t-missing/ready") == 503
+    finally:
+        stop_all([proc])
+
+
+def test_all_serves_pipelines_registered_later(stack: Stack) -> None:
+    """``--all``: every pipeline registered under the prefix, and one whose workers start later."""
+    proc, port = stack.gateway("gateway-all", "--all")
+    late = None
+    try:
+        wait_for(lambda: _status(port, "/v2/models/t-rows/ready") == 200, 30, "--all to serve t-rows", stack.report)
+        assert _status(port, "/v2/models/t-late/ready") == 404  # not registered: not served
+        late = start_conveyor(stack.log_dir, "late", "worker", "tests.oip_stages:late", "--stage", "Echo",
+                              "--workers", "1", redis_url=stack.url)
+        stack.procs["late"] = late
+        wait_for(lambda: _status(port, "/v2/models/t-late/ready") == 200, 30, "t-late to be served", stack.report)
+        status, raw = http_call(port, "POST", "/v1/pipelines/t-late/predict", b'"hi"')
+        assert (status, json.loads(raw)) == (200, {"result": "hi"})
+    finally:
+        stop_all([proc, *([late] if late else [])])
+        stack.procs.pop("late", None)
+
+
+def test_conveyor_run_runs_every_pipeline_of_a_module(tmp_path: Path) -> None:
+    """``conveyor run MODULE``: an embedded Redis, the workers of every pipeline the module defines,
+    and one gateway serving all of them; Ctrl-C stops it all, exit 0."""
+    port = free_port()
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", APP, "--port", str(port),
+                                "--redis-dir", str(tmp_path / "redis")], cwd=REPO_ROOT, env=conveyor_env(),
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: run.poll() is not None or _status(port, "/readyz") == 200, 90, "conveyor run to be ready",
+                 lambda: log.read_text())
+        assert run.poll() is None, log.read_text()
+        names = json.loads(http_call(port, "GET", "/v1/pipelines")[1])["pipelines"]
+        assert sorted(names) == ["t-echo", "t-late", "t-rows"]
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+        status, raw = http_call(port, "POST", "/v2/models/t-rows/infer", json.dumps(body).encode())
+        assert status == 200 and json.loads(raw)["outputs"][0]["data"] == [6.0]
+        assert http_call(port, "POST", "/v1/pipelines/t-echo/predict", b"5") == (200, b'{"result":5}')
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=60) == 0, log.read_text()
+        assert "3 pipelines ('t-echo', 't-rows', 't-late')" in log.read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
