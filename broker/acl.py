@@ -149,7 +149,7 @@ COMMAND_ACCESS: dict[str, str] = {
     "xlen": R, "xgroup|create": W, "xgroup|delconsumer": W, "xautoclaim": W, "xclaim": W, "xadd": W,
     "xack": W, "xdel": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW,
-    "sadd": W, "smembers": R,
+    "sadd": W, "smembers": R, "exists": R,
     "evalsha": RW, "eval": RW,
 }
 # Commands whose access depends on their arguments (SET ... GET reads): kept in a selector of their own,
@@ -198,7 +198,10 @@ PINS_SCRIPT = Script("pins.lua", (PINS,), (
 SUBMIT = Script("submit.lua", (FIRST_STREAM, MAX_BACKLOG, RESULTS), (
     ("get", (MAX_BACKLOG,)), ("xlen", (FIRST_STREAM,)), ("xadd", (FIRST_STREAM,)), ("unlink", (RESULTS,))),
     "broker/submit.py Submitter.__call__, once per turn of submissions")
-SCRIPTS = {s.name: s for s in (COMMIT, SHARE, JANITOR, PINS_SCRIPT, SUBMIT)}
+AUDIT = Script("audit.lua", (STREAMS, RESULTS), (("exists", (RESULTS,)), ("xrange", (STREAMS,))),
+               "broker/audit.py forgotten, from gateway/client/recall.py Recall.audit: requests older than "
+               "audit_after_s")
+SCRIPTS = {s.name: s for s in (COMMIT, SHARE, JANITOR, PINS_SCRIPT, SUBMIT, AUDIT)}
 
 SCRIPT_LOAD = "broker/commit.py Committer._with_script, broker/submit.py Submitter.load and redis-py's Script " \
               "objects (broker/pins.py, share.py, janitor.py): at start or after NOSCRIPT"
@@ -247,7 +250,8 @@ STATUS_USES = (
 )
 
 GATEWAY_USES = (
-    Use("info", (), "broker/server_info.py acheck_server, from gateway/client/hub.py Hub.start"),
+    Use("info", (), "broker/server_info.py acheck_server, from gateway/client/hub.py Hub.start; arun_id, from "
+                    "gateway/client/recall.py Recall.check_run after a reconnect"),
     Use("script|load", (), "gateway/client/hub.py Hub.start and Hub._send, at start and after NOSCRIPT"),
     Use("get", (SPEC,), "gateway/client/registration.py Registration.check; gateway/client/gateway.py "
                         "read_partition_count"),
@@ -289,7 +293,7 @@ ROLES = {role.name: role for role in (
     Role(WORKER, "conveyor worker (supervisor and worker processes): one pipeline's keys", WORKER_USES,
          (COMMIT, SHARE, JANITOR, PINS_SCRIPT)),
     Role(GATEWAY, "conveyor gateway and the Python Gateway: submit to first stages, read replies, results, status",
-         GATEWAY_USES, (SUBMIT,)),
+         GATEWAY_USES, (SUBMIT, AUDIT)),
     Role(PRODUCER, "a foreign producer (docs/protocol.md): submit to first stages, read its replies and results",
          PRODUCER_USES, (SUBMIT,)),
     Role(MONITOR, "conveyor status, a metrics reader, an operator: read only", MONITOR_USES),

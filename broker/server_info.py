@@ -25,6 +25,7 @@ __all__ = [
     "ServerInfo",
     "UnsupportedServer",
     "acheck_server",
+    "arun_id",
     "check_server",
     "parse_version",
     "server_info_from_info",
@@ -114,3 +115,14 @@ async def acheck_server(client: redis.asyncio.Redis) -> ServerInfo:
     """Async twin of :func:`check_server`, for the gateway and the workers' event loops."""
     info = await client.info("server")
     return server_info_from_info(info)
+
+
+async def arun_id(client: Any, key: str) -> str:
+    """The run id of the server that holds ``key`` (on a Redis Cluster, the node serving its slot
+    now): it changes when that server restarts or a failover promotes another node."""
+    if hasattr(client, "get_node_from_key"):  # a cluster client: ask the slot's node, not every node
+        await client.initialize()  # the slot map (once: a no-op for a client already in use)
+        info = await client.info("server", target_nodes=client.get_node_from_key(key))
+    else:
+        info = await client.info("server")
+    return str(info["run_id"])

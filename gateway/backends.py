@@ -66,6 +66,7 @@ class Single:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.name = str(getattr(backend, "pipeline", "default"))
+        self.hub = getattr(backend, "hub", None)  # a Gateway's: its counters reach the metrics
 
     @property
     def in_flight(self) -> int:

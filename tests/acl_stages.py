@@ -12,7 +12,8 @@ test must see every command conveyor sends): they take their cues from files in
   writing its pid to ``hang.pid`` (the test kills its whole ``conveyor worker``, and a peer claims
   the entry); ``"slow"`` writes ``slow.started`` and waits for ``slow.go`` (meanwhile the heartbeat
   renews the batch's lease, and an entry queued behind it is read at once, its batch window then
-  ended by ``CLIENT UNBLOCK``).
+  ended by ``CLIENT UNBLOCK``); ``"audited"`` waits for ``audited.go`` (meanwhile the gateway's
+  audit of old requests finds it in its stream).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class Tail(Stage):
             if x == "slow":
                 _announce("slow.started")
                 _wait_for_file("slow.go")
+            if x == "audited":  # held until the gateway has audited it (tests/test_security.py)
+                _wait_for_file("audited.go")
         return [["done", x] for x in xs]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -160,6 +161,19 @@ class LocalCluster:
         proc = self.procs[port]
         proc.kill()
         proc.wait(timeout=5)
+
+    def replica_of(self, master: int) -> int:
+        """The port of a replica of the master on ``master``."""
+        with self.node(master) as client:
+            info = client.info("replication")
+        return int(info["slave0"]["port"])
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP the node: a replica paused this way falls behind its master (nothing replicates)."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
 
     def pids(self) -> dict[int, int]:
         return {port: proc.pid for port, proc in self.procs.items() if proc.poll() is None}

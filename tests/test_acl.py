@@ -163,7 +163,9 @@ def test_least_privilege_on_redis_7() -> None:
     writes = {c for c, a in COMMAND_ACCESS.items() if "W" in a}
     by_command = {c: s for s in gateway.selectors for c in s.commands}
     assert [p for p, _ in by_command["xadd"].keys] == ["conveyor:{*}:stream:0"]  # first stages only
-    assert [p for p, _ in by_command["xrange"].keys] == ["conveyor:{*}:stats:*"]  # never a request's data
+    # stream entries read only by the audit of forgotten requests (broker/audit.lua), and stats
+    assert [p for p, _ in by_command["xrange"].keys] == ["conveyor:{*}:stream:*", "conveyor:{*}:stats:*"]
+    assert all(a == "R" for p, a in by_command["xrange"].keys)
     assert [p for p, _ in by_command["unlink"].keys] == ["conveyor:{*}:result:*"]  # never the spec
     # reply lists: per partition (Cluster), and a process's one list on one Redis
     assert [p for p, _ in by_command["blpop"].keys] == ["conveyor:{*}:reply:*", "conveyor:reply:*"]
@@ -363,7 +365,10 @@ def seed(admin: redis.Redis) -> None:
 PROBES: dict[str, list[tuple[tuple[Any, ...], bool, bool]]] = {
     "gateway": [
         (("XADD", P.stream(1), "*", "id", "skip"), True, False),  # skipping a stage: 7 only
-        (("XRANGE", P.stream(0), "-", "+"), True, False),  # another producer's requests: 7 only
+        # Stream entries: read (never written past stage 0), for the audit of requests Redis may
+        # have forgotten (broker/audit.lua, gateway/client/recall.py).
+        (("XRANGE", P.stream(1), "-", "+"), False, False),
+        (("XDEL", P.stream(1), "0-1"), True, True),
         (("UNLINK", P.spec), True, False),
         (("EVAL", UNLINK_FIRST_KEY, 1, P.spec), True, True),
         (("SET", P.result("r9"), b"forged"), True, True),

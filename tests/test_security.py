@@ -219,8 +219,23 @@ def _serve(life: Life) -> None:
             values = list(range(80))  # past 64 answered requests, the next turn unlinks their result keys
             assert await asyncio.gather(*(gw.predict(v) for v in values)) == [["done", v] for v in values]
             assert await gw.predict("last") == ["done", "last"]
+        # The audit of old requests (gateway.client.recall) under the gateway user: it finds the
+        # held request in its stream and sends nothing again.
+        settings = GatewaySettings(timeout_s=T, audit_after_s=0.2)
+        async with Gateway(life.urls["gateway"], NAME, settings) as gw:
+            held = asyncio.ensure_future(gw.predict("audited"))
+            await _until(lambda: gw.hub.recall.audits >= 2, "two audits of the held request")
+            (life.tmp / "audited.go").touch()
+            assert await held == ["done", "audited"] and gw.hub.recall.resubmitted == 0
 
     asyncio.run(bursts())
+
+
+async def _until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + T
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 def _produce(life: Life) -> None:

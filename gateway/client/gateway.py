@@ -98,12 +98,15 @@ class Gateway:
             if count is None:
                 count = await read_partition_count(self.hub.client, self.keys)
                 self._counted = count is not None
-            self.lanes = [self.hub.lane(keys) for keys in self.keys.partitions(count or 1)]
+            self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count or 1)]
             await self.registration.log_if_missing()
         except BaseException:
             if self._own_hub:
                 await self.hub.close()
             raise
+
+    def _stage_count(self) -> int:
+        return self.registration.stages
 
     def _check_count(self) -> None:
         """Started before any worker wrote the spec: look for it every 2 s (in the background)
@@ -118,7 +121,7 @@ class Gateway:
             count = await read_partition_count(self.hub.client, self.keys)
             if count is not None:
                 if count > len(self.lanes):
-                    self.lanes = [self.hub.lane(keys) for keys in self.keys.partitions(count)]
+                    self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count)]
                     log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
                 self._counted = True
         except CONNECTION_OR_REPLY_ERRORS as exc:

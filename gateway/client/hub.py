@@ -38,6 +38,7 @@ from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import SUBMIT_LUA, Submission, Submitter, is_overloaded, submit_connection
 from gateway.client.deadlines import Deadlines
+from gateway.client.recall import Recall
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Slot, Waiter
 from gateway.errors import Overloaded, StageError
@@ -56,8 +57,9 @@ class Lane:
     its outbox, and the result keys its answered requests left to unlink."""
 
     def __init__(self, keys: Keys, submitter: Submitter, reply_key: bytes, id_prefix: bytes,
-                 wake: asyncio.Event) -> None:
+                 wake: asyncio.Event, stages: Callable[[], int]) -> None:
         self.keys = keys
+        self.stages = stages  # the pipeline's stage count, once its spec was read (0 before)
         self.submitter = submitter
         self.reply_key = reply_key
         self.id_prefix = id_prefix  # every request id of this lane starts with it: answers find their lane
@@ -94,6 +96,8 @@ class Hub:
         self.pending: dict[bytes, Waiter] = {}
         self.deadlines = Deadlines(self.pending, self._expire)
         self.late_answers = 0  # answers to requests already answered (a duplicate run) or expired
+        # Every request until it is answered, to send again what Redis forgot.
+        self.recall = Recall(self._resend, self.settings.audit_after_s, self.settings.resend_forgotten)
         self._lanes: dict[bytes, Lane] = {}  # by id prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -105,6 +109,7 @@ class Hub:
         self._closing = False
         self._tasks = []
         self._lanes = {}
+        self.recall.held.clear()
         self._loop = asyncio.get_running_loop()  # the clients and tasks live on this loop
         self._client = self.client = self.redis.async_client(self.settings.max_connections)
         self._reply_client = self.redis.async_client(1)
@@ -122,6 +127,8 @@ class Hub:
             self._wake = asyncio.Event()
             self._spawn(self._flusher(lambda: list(self._lanes.values()), self._wake), "conveyor-flusher")
             self._spawn(self._reader(self._shared_reply, self._reply_client), "conveyor-reader")
+        if self.settings.resend_forgotten and self.settings.audit_after_s > 0:
+            self._spawn(self.recall.audit_forever(self._client), "conveyor-audit")
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -141,15 +148,16 @@ class Hub:
     def in_flight(self) -> int:
         return len(self.pending)
 
-    def lane(self, keys: Keys) -> Lane:
-        """The lane of one pipeline partition (made at its first use)."""
+    def lane(self, keys: Keys, stages: Callable[[], int] = lambda: 0) -> Lane:
+        """The lane of one pipeline partition (made at its first use); ``stages``: the pipeline's
+        stage count once known (for the audit of old requests)."""
         for lane in self._lanes.values():
             if lane.keys == keys:
                 return lane
         reply_key = keys.reply(self.gateway_id).encode() if self._cluster else self._shared_reply
         wake = asyncio.Event() if self._cluster else self._wake
         lane = Lane(keys, Submitter(self._client, keys, reply_key, self.settings.max_backlog), reply_key,
-                    f"{self.gateway_id}-{len(self._lanes)}-".encode(), wake)
+                    f"{self.gateway_id}-{len(self._lanes)}-".encode(), wake, stages)
         self._lanes[lane.id_prefix] = lane
         if self._cluster:
             # Each lane on its own: a partition whose master is down (a failover) holds up only its
@@ -169,6 +177,7 @@ class Hub:
             if not waiter.done():
                 waiter.set_exception(ConnectionError("gateway closed"))
         self.pending.clear()
+        self.recall.held.clear()
         if self._submit_conn is not None:
             await self._submit_conn.close()
         await self._client.aclose()
@@ -190,15 +199,27 @@ class Hub:
         pending[request_id] = waiter
         self.deadlines.add(loop, request_id, timeout_s)
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)
-        lane.outbox.append(lane.submitter.entry(request_id, data, b"%d" % deadline_ms))
+        submission = lane.submitter.entry(request_id, data, b"%d" % deadline_ms)
+        lane.outbox.append(submission)
+        self.recall.hold(request_id, lane, submission, loop.time())
         lane.wake.set()
         return waiter
+
+    def _resend(self, lane: Lane, submissions: list[Submission]) -> None:
+        """Queue again requests Redis forgot (gateway.client.recall): first in the lane's next turn.
+        Their result keys are left to expire, so that a late first run's SET NX loses."""
+        live = [s for s in submissions if s[0] in self.pending]
+        lane.outbox[:0] = live
+        lane.sent_twice.update(s[0] for s in live)
+        if live:
+            lane.wake.set()
 
     def _lane_of(self, request_id: bytes) -> Lane | None:
         return self._lanes.get(request_id[:request_id.rfind(b"-") + 1])
 
     def _expire(self, request_id: bytes, timeout_s: float) -> None:
         waiter = self.pending.pop(request_id, None)
+        self.recall.release(request_id)
         lane = self._lane_of(request_id)
         if lane is not None:
             lane.sent_twice.discard(request_id)
@@ -212,6 +233,7 @@ class Hub:
         if waiter is None:
             self.late_answers += 1  # expired, or a duplicate answer: the first one won
             return
+        self.recall.release(request_id)
         lane = self._lane_of(request_id)
         if lane is not None:
             if lane.sent_twice and request_id in lane.sent_twice:
@@ -314,6 +336,7 @@ class Hub:
             if lane is not None:
                 lane.sent_twice.discard(request_id)
             waiter = self.pending.pop(request_id, None)
+            self.recall.release(request_id)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error())
 
@@ -321,8 +344,8 @@ class Hub:
 
     async def _reader(self, reply_key: bytes, client: Any) -> None:
         conn = None if self._cluster else AsyncHeldConnection(client)
-        backoff = Backoff()
-        recovering = False
+        backoff = Backoff(cap_s=1.0)  # back within a second of Redis: the requests it forgot wait on it
+        recovering = True  # at start: records the server's run id (gateway.client.recall)
         try:
             while not self._closing:
                 try:
@@ -374,9 +397,12 @@ class Hub:
                 self._resolve(record)
 
     async def _recover(self, reply_key: bytes, client: Any) -> None:
-        """Re-read the durable result keys of the requests in flight whose answers come to
-        ``reply_key`` (a popped reply may have been lost with the connection)."""
-        for lane in [lane for lane in self._lanes.values() if lane.reply_key == reply_key]:
+        """After a reconnect: send again what the server forgot if it is another run; re-read the
+        durable result keys of the requests in flight whose answers come to ``reply_key`` (a
+        popped reply may have been lost with the connection)."""
+        lanes = [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
+        await self.recall.check_run(client, reply_key, lanes)
+        for lane in lanes:
             ids = [i for i in self.pending if i.startswith(lane.id_prefix)]
             for start in range(0, len(ids), 500):
                 values = await client.mget([lane.keys.result_key(i) for i in ids[start:start + 500]])

@@ -35,6 +35,7 @@ class Registration:
         self.registered = False  # once true, it stays true (no more round trips)
         self.max_payload_bytes: int | None = None  # the first stage's workers' limit, from the spec
         self.io = PipelineIO()  # the tensors the pipeline declares (the Open Inference Protocol's view)
+        self.stages = 0  # how many stages the pipeline has (0: not known yet)
         self._poll: asyncio.Future[bool | None] | None = None
         self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
@@ -60,6 +61,7 @@ class Registration:
                     stages = decode_spec(protocol.as_bytes(raw))
                     self.max_payload_bytes = stages[0].max_payload_bytes if stages else None
                     self.io = PipelineIO.of(stages)
+                    self.stages = len(stages)
         return self.registered
 
     async def log_if_missing(self) -> None:

@@ -21,3 +21,8 @@ class GatewaySettings:
     # Inputs larger than this once encoded are refused before Redis, unless the pipeline's spec
     # gives the workers' own limit (--max-payload-bytes of conveyor worker/run).
     max_payload_bytes: int = 16 * 1024 * 1024
+    # Hold every request until answered, to send again what Redis forgot (gateway.client.recall).
+    resend_forgotten: bool = True
+    # Requests older than this are audited (gateway.client.recall): those Redis forgot are sent again.
+    # 0 turns the audit off; a restarted or failed-over Redis is still noticed at the reconnect.
+    audit_after_s: float = 5.0

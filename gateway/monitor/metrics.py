@@ -152,6 +152,12 @@ class Metrics:
         self.rejected_connections = Counter(f"{ns}_gateway_rejected_connections",
                                             "Connections answered 503 at once (connection cap or draining).",
                                             registry=reg)
+        self.resent = Gauge(f"{ns}_gateway_requests_resent", "Requests sent again because Redis lost them "
+                            "(gateway.client.recall), since start.", registry=reg)
+        self.resent.set_function(lambda: self._hub_count("resent"))
+        self.late_answers = Gauge(f"{ns}_gateway_late_answers", "Answers that came after their request was "
+                                  "answered (a request run twice) or expired, since start.", registry=reg)
+        self.late_answers.set_function(lambda: self._hub_count("late"))
         self.connections = Gauge(f"{ns}_gateway_open_connections", "Open HTTP connections.", registry=reg)
         self.connections.set_function(lambda: float(self._open_connections))
         self.reachable = Gauge(f"{ns}_redis_reachable", "1 if the last status read reached Redis.",
@@ -190,6 +196,12 @@ class Metrics:
                                     buckets=BATCH_SIZE_BUCKETS, registry=reg)
         self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
                                         STAGE_LABELS, buckets=BATCH_DURATION_BUCKETS, registry=reg)
+
+    def _hub_count(self, which: str) -> float:
+        hub = getattr(self.backend, "hub", None)  # gateway.client.Pipelines, or a Single Gateway's
+        if hub is None:
+            return 0.0
+        return float(hub.recall.resubmitted if which == "resent" else hub.late_answers)
 
     def _read_in_flight(self) -> float:
         """Gauge callback: a broken backend must not break the whole scrape."""

@@ -144,6 +144,15 @@ class EmbeddedRedis:
         """Whether the server process is alive (it may not be answering yet)."""
         return self.pid is not None
 
+    def exit_status(self) -> str:
+        """How the last server process ended, for a log line ("running" if it has not)."""
+        if self._proc is None:
+            return "not started"
+        code = self._proc.poll()
+        if code is None:
+            return "running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
     @property
     def binary(self) -> str | None:
         """The redis-server binary in use: as given, or as found by the first start."""

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Protocol
 
 from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
@@ -54,6 +55,11 @@ class SupervisorSettings:
     grace_s: float = 10.0  # on stop, how long workers may take to finish their batch
     drain_s: float = 30.0  # on stop, how long companions (the gateway) may take to drain, first
     hurry_s: float = 5.0  # after a companion's drain was cut short, how long before SIGKILL
+
+
+class Keeper(Protocol):
+    def keep(self) -> None:
+        """Bring back what is kept if it died; never blocks for long."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,13 @@ class Slot:
 
 class Supervisor:
     def __init__(self, units: Sequence[Unit], child: ChildSettings, settings: SupervisorSettings | None = None,
-                 cpu_offset: int = 0, companions: Sequence[subprocess.Popen[bytes]] = ()) -> None:
-        """``units``: the stages to run, of one pipeline or of several (``conveyor run`` of a module)."""
+                 cpu_offset: int = 0, companions: Sequence[subprocess.Popen[bytes]] = (),
+                 keepers: Sequence[Keeper] = ()) -> None:
+        """``units``: the stages to run, of one pipeline or of several (``conveyor run`` of a module).
+        ``keepers``: asked at least every second to bring back what they keep (``conveyor run``'s
+        embedded Redis)."""
         self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
+        self.keepers = list(keepers)
         self.units = list(units)
         self.child = child
         self._child_record = child.to_json()
@@ -171,6 +181,8 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             self._step(self._next_timeout())
+            for keeper in self.keepers:
+                keeper.keep()
             gone = [p for p in self.companions if p.poll() is not None]
             if gone:  # checked at least every second: the selector never sleeps longer
                 log.error("process %s exited with code %s: stopping", gone[0].args, gone[0].returncode)

@@ -1,0 +1,44 @@
+"""Runs ``audit.lua``: which requests Redis forgot (in no stage's stream, without a result).
+
+The owner of the script for any producer that holds its requests until they are answered (the
+gateway's :mod:`gateway.client.recall`; a foreign producer may run the same script, see
+docs/guarantees.md). On a Redis Cluster every key of a pipeline partition shares its hash tag, so
+the call goes to that partition's node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import redis
+
+from broker import protocol
+from broker.keys import Keys
+
+AUDIT_LUA = resources.files("broker").joinpath("audit.lua").read_text()
+AUDIT_SHA = hashlib.sha1(AUDIT_LUA.encode()).hexdigest()
+
+# Ids per call: one script call holds Redis for its scan; a bounded number of ids keeps the
+# KEYS list (one result key each) small.
+AUDIT_BATCH = 500
+
+
+async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[bytes]) -> list[bytes]:
+    """Of ``request_ids`` (submitted to this partition of a pipeline of ``stages`` stages), those
+    in no stage's stream and without a result."""
+    missing: list[bytes] = []
+    streams = [keys.stream(i) for i in range(stages)]
+    for start in range(0, len(request_ids), AUDIT_BATCH):
+        ids = request_ids[start:start + AUDIT_BATCH]
+        script_keys = [*streams, *(keys.result_key(i) for i in ids)]
+        args = [stages, *ids]
+        try:
+            reply = await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)
+        except redis.exceptions.NoScriptError:  # a restarted Redis (or a failover): load it, once
+            await client.script_load(AUDIT_LUA)
+            reply = await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)
+        missing += [protocol.as_bytes(r) for r in reply or []]
+    return missing

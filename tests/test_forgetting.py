@@ -1,0 +1,218 @@
+"""Nothing lost when Redis itself forgets: the gateway sends again what a restarted Redis lost.
+
+Real kills: a Redis without persistence SIGKILLed and started again empty on the same socket,
+several times, under 64 requests in flight; ``conveyor run``'s own embedded Redis SIGKILLed under
+HTTP load (it brings it back). Each request gets its right answer exactly once, and nothing is left
+in Redis afterwards. (A Redis Cluster master killed while its replica lagged: tests/test_cluster.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from broker.keys import GROUP, Keys
+from gateway import Gateway, GatewaySettings
+from tests.helpers import REPO_ROOT, conveyor_env, running_workers, wait_for
+from tests.ops_stages import free_port
+from tests.test_chaos import CountingGateway
+from workers.embedded.server import EmbeddedRedis
+
+pytestmark = pytest.mark.system
+
+APP = "tests.chaos_stages"
+T = 30.0
+
+
+def _left_in_redis(url: str, pipeline: str, stages: int) -> list[tuple[str, int, int]]:
+    """(stream, entries, pending) of every stage stream that still holds something."""
+    client = redis.Redis.from_url(url)
+    try:
+        left = []
+        for i in range(stages):
+            stream = Keys(pipeline).stream(i)
+            entries = client.xlen(stream)
+            pending = client.xpending(stream, GROUP)["pending"] if entries else 0
+            if entries or pending:
+                left.append((stream, entries, pending))
+        return left
+    finally:
+        client.close()
+
+
+def test_redis_restarted_empty_under_load_loses_nothing(private_redis: EmbeddedRedis) -> None:
+    """64 in flight; Redis SIGKILLed and started again empty three times: every request answered
+    right, once; the gateway sent again what each restart lost."""
+    url = private_redis.url
+    in_flight, restarts = 64, 3
+    with running_workers(url, f"{APP}:reconnect", ["Square", "Neg"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+        workers.wait_ready("c-reconnect", T)
+
+        async def main() -> tuple[dict[int, Any], int, int]:
+            answers: dict[int, Any] = {}
+            async with CountingGateway(url, "c-reconnect", GatewaySettings(timeout_s=T)) as gw:
+                numbers = iter(range(10_000_000))
+                calm = asyncio.Event()
+
+                async def client() -> None:
+                    while not calm.is_set():  # requests all along, until the last restart is behind
+                        x = next(numbers)
+                        try:
+                            answers[x] = await gw.predict(x)
+                        except Exception as exc:  # recorded: the assertion below names it
+                            answers[x] = exc
+
+                async def chaos() -> None:
+                    for _ in range(restarts):
+                        await asyncio.sleep(1.0)
+                        private_redis.kill()  # SIGKILL: everything in it is gone
+                        await asyncio.sleep(0.3)
+                        await asyncio.to_thread(private_redis.start)  # same socket, empty
+                    await asyncio.sleep(1.0)
+                    calm.set()
+
+                await asyncio.gather(chaos(), *(client() for _ in range(in_flight)))
+                assert gw.in_flight == 0
+                duplicates = sum(n - 1 for n in gw.hub.pushed.values() if n > 1)
+                return answers, gw.hub.recall.resubmitted, duplicates
+
+        answers, resubmitted, duplicates = asyncio.run(asyncio.wait_for(main(), 6 * T))
+        wrong = {x: a for x, a in answers.items() if a != -x * x}
+        assert not wrong, f"{len(wrong)} of {len(answers)} wrong or failed: {list(wrong.items())[:3]}"
+        print(f"\n{len(answers)} requests, {restarts} restarts: {resubmitted} requests sent again, {duplicates} "
+              "answered twice by Redis (dropped by the gateway)")
+        assert resubmitted > 0, "nothing was in flight at a restart: the test did not test"
+        wait_for(lambda: not _left_in_redis(url, "c-reconnect", 2), T, "nothing left pending",
+                 lambda: str(_left_in_redis(url, "c-reconnect", 2)))
+        workers.check_alive()
+
+
+def test_the_audit_finds_what_redis_dropped_without_a_restart(private_redis: EmbeddedRedis) -> None:
+    """FLUSHALL (as an operator, or eviction, might) while requests wait in a stream: no reconnect
+    says so, the audit of requests older than ``audit_after_s`` does."""
+    url = private_redis.url
+    with running_workers(url, f"{APP}:reconnect", ["Square", "Neg"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+        workers.wait_ready("c-reconnect", T)
+
+        N = 100
+
+        async def main() -> tuple[list[Any], int]:
+            settings = GatewaySettings(timeout_s=T, audit_after_s=0.5)
+            async with Gateway(url, "c-reconnect", settings) as gw:
+                await gw.predict(1)  # the spec is read: the audit knows the stages
+                admin = redis.asyncio.Redis.from_url(url)
+                try:
+                    # Suspend the first stage's workers so that requests stay in its stream.
+                    for proc in _stage_processes(workers, "Square"):
+                        proc.suspend()
+                    futures = [asyncio.ensure_future(gw.predict(x)) for x in range(N)]
+                    await _until(lambda: admin.xlen(Keys("c-reconnect").stream(0)), N)
+                    await admin.flushall()  # the entries, the groups, the spec: gone, Redis still up
+                finally:
+                    for proc in _stage_processes(workers, "Square"):
+                        proc.resume()
+                    await admin.aclose()
+                answers = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), T)
+                return answers, gw.hub.recall.resubmitted
+
+        answers, resubmitted = asyncio.run(asyncio.wait_for(main(), 3 * T))
+        assert answers == [-x * x for x in range(N)], [a for a in answers if isinstance(a, BaseException)][:3]
+        # Entries already delivered to a (suspended) worker's socket are answered by it; the rest,
+        # beyond what two batches can hold, existed only in the flushed stream.
+        assert resubmitted >= N - 2 * 16
+
+
+def _stage_processes(workers: Any, stage: str) -> list[psutil.Process]:
+    return [psutil.Process(p.pid) for p in workers.stage(stage).children()]
+
+
+async def _until(read: Any, at_least: int, timeout_s: float = T) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await read() < at_least:
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_conveyor_run_brings_its_redis_back_and_loses_nothing(tmp_path: Path) -> None:
+    """``conveyor run``'s embedded Redis is SIGKILLed twice under HTTP load: it is started again on
+    the same socket, and every request gets its answer."""
+    port = free_port()
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", "examples.scale_shift:pipeline",
+                                "--port", str(port), "--redis-dir", str(tmp_path / "redis")], cwd=REPO_ROOT,
+                               env=conveyor_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    results: dict[int, Any] = {}
+    try:
+        wait_for(lambda: run.poll() is not None or _ready(port), 60, "conveyor run to be ready", log.read_text)
+        assert run.poll() is None, log.read_text()
+        stop = threading.Event()
+        counter = iter(range(1_000_000))
+
+        def client() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=T)
+            try:
+                while not stop.is_set():
+                    x = next(counter)
+                    conn.request("POST", "/v1/predict", body=str(x), headers={"Content-Type": "application/json"})
+                    response = conn.getresponse()
+                    results[x] = (response.status, json.loads(response.read()))
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=client) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        try:
+            for _ in range(2):
+                time.sleep(1.0)
+                server = _redis_server_of(run.pid)
+                assert server is not None, log.read_text()
+                server.kill()  # SIGKILL, as the OOM killer would
+                server.wait(timeout=10)
+                wait_for(lambda s=server: (now := _redis_server_of(run.pid)) is not None and now.pid != s.pid, 20,
+                         "conveyor run to start its Redis again", log.read_text)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=2 * T)
+        assert run.poll() is None, log.read_text()
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
+    wrong = {x: r for x, r in results.items() if r != (200, {"result": 2 * x + 3})}
+    assert results and not wrong, f"{len(wrong)} of {len(results)} wrong: {list(wrong.items())[:3]}"
+    text = log.read_text()
+    assert "embedded Redis exited" in text and "another run than before" in text, text
+
+
+def _ready(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/readyz")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+
+
+def _redis_server_of(pid: int) -> psutil.Process | None:
+    """The redis-server ``conveyor run`` (pid) started, if one runs now."""
+    servers = [p for p in psutil.Process(pid).children(recursive=True)
+               if p.name() == "redis-server" and p.status() != psutil.STATUS_ZOMBIE]
+    return servers[0] if servers else None
