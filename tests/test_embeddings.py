@@ -167,6 +167,25 @@ def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedde
     assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > 0.9999
 
 
+def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
+    """The README's call: BYTES [N] in, FP32 [N, 384] out, each text batched on its own (binary and JSON)."""
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(f"127.0.0.1:{stack.port}", network_timeout=T)
+    meta = client.get_model_metadata(NAME)
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]}]
+    texts = [*SIMILAR, UNRELATED]
+    want = embed_direct(direct, texts)
+    for binary in (True, False):
+        text = triton.InferInput("text", [len(texts)], "BYTES")
+        text.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object), binary_data=binary)
+        out = triton.InferRequestedOutput("embedding", binary_data=binary)
+        got = client.infer(NAME, [text], outputs=[out]).as_numpy("embedding")
+        assert got.dtype == np.float32 and got.shape == (len(texts), DIM)
+        assert np.sum(got * want, axis=1).min() > 0.9999
+
+
 def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:
     """The example tokenizes with the Rust tokenizer under transformers' fast one: the ids must be
     exactly what transformers' own call gives (special tokens, truncation at 256, odd input)."""

@@ -3,6 +3,8 @@
 Run it:  pip install -e '.[embeddings]' && conveyor run examples.embeddings:pipeline
 Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d '"A sentence."'
          -> {"result": [0.0123, ...]}   (384 floats, L2 norm 1)
+or over the Open Inference Protocol (tritonclient, KServe): input "text" BYTES [N], output "embedding"
+FP32 [N, 384]; each text batches on its own (docs/inference-protocol.md).
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
 The embed stage runs ONNX Runtime by default (``CONVEYOR_EMBED_ENGINE=torch`` for eager torch).
@@ -12,8 +14,13 @@ See docs/embeddings.md for the stage split, the figures and the options.
 import os
 
 from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, check_engine
+from examples.embeddings.model import DIM
 from examples.embeddings.stages import Embed, Tokenize
-from workers import Pipeline
+from workers import Pipeline, Tensor
+
+# What the Open Inference Protocol serves: a batch of texts in, one embedding per text out.
+INPUTS = [Tensor("text", "BYTES", (-1,))]
+OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM))]
 
 
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
@@ -26,7 +33,7 @@ def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_worke
         embed_options["engine"] = check_engine(engine)
     if not grouped:
         embed_options["batch_key"] = None
-    return (Pipeline(name)
+    return (Pipeline(name, inputs=INPUTS, outputs=OUTPUTS, batched=True)
             .add(Tokenize, name="tokenize", workers=1)
             .add(embed, name="embed", **embed_options))
 
