@@ -163,10 +163,11 @@ class ConveyorRun(Server):
         _wait(self.name, lambda: http_get(f"http://127.0.0.1:{self.port}/readyz") == 200, self.proc, self.log)
 
     def path_and_body(self, text: str) -> tuple[str, bytes]:
-        return "/v1/predict", json.dumps(text).encode()
+        """The OpenAI-compatible route, as infinity is called: the same API on both sides."""
+        return "/v1/embeddings", json.dumps({"model": "embeddings", "input": [text]}).encode()
 
     def vector(self, body: bytes) -> list[float]:
-        return list(json.loads(body)["result"])
+        return list(json.loads(body)["data"][0]["embedding"])
 
 
 class Infinity(Server):

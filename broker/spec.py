@@ -80,6 +80,7 @@ class StageInfo:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     batched: bool = False
+    task: str = ""  # what the pipeline declares itself (first stage only): "" or one of TASKS
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
@@ -96,6 +97,8 @@ def encode_spec(stages: Sequence[StageInfo]) -> bytes:
                 del item[io]
         if not item["batched"]:
             del item["batched"]
+        if not item["task"]:
+            del item["task"]
     return codec.encode(maps)
 
 
@@ -123,7 +126,7 @@ def _stage(position: int, item: Any) -> StageInfo:
             partitions=max(1, int(item.get("partitions") or 1)),
             max_payload_bytes=None if max_payload is None else int(max_payload),
             inputs=_tensors(item.get("inputs")), outputs=_tensors(item.get("outputs")),
-            batched=bool(item.get("batched", False)),
+            batched=bool(item.get("batched", False)), task=str(item.get("task") or ""),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc
@@ -136,11 +139,39 @@ class PipelineIO:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     batched: bool = False
+    task: str = ""
 
     @classmethod
     def of(cls, stages: Sequence[StageInfo]) -> PipelineIO:
-        return cls(stages[0].inputs, stages[-1].outputs, stages[0].batched) if stages else cls()
+        return cls(stages[0].inputs, stages[-1].outputs, stages[0].batched, stages[0].task) if stages else cls()
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
 
     @property
     def declared(self) -> bool:
         return bool(self.inputs and self.outputs)
+
+
+# Tasks a pipeline may declare itself (``Pipeline(task=...)``), each a contract on its tensors that a
+# protocol of the gateway relies on. "embeddings" (the OpenAI-compatible POST /v1/embeddings): batched,
+# one BYTES [-1] input (a text per item), an output "embedding" FP32 or FP16 [-1, D]; an optional output
+# "tokens" INT32 or INT64 [-1] (the item's token count, for the response's usage).
+EMBEDDINGS = "embeddings"
+TASKS = (EMBEDDINGS,)
+
+
+def task_error(io: PipelineIO) -> str | None:
+    """Why ``io`` does not fulfil its task's contract (None: it does, or declares no task)."""
+    if not io.task:
+        return None
+    if io.task not in TASKS:
+        return f"task must be one of {', '.join(map(repr, TASKS))}, got {io.task!r}"
+    embedding, tokens = io.output("embedding"), io.output("tokens")
+    if not io.batched or len(io.inputs) != 1 or io.inputs[0].datatype != "BYTES" or io.inputs[0].shape != (-1,):
+        return "an embeddings pipeline takes one input BYTES [-1] (a text per item), batched=True"
+    if embedding is None or embedding.datatype not in ("FP32", "FP16") or len(embedding.shape) != 2:
+        return "an embeddings pipeline has an output 'embedding' FP32 (or FP16) [-1, D]"
+    if tokens is not None and (tokens.datatype not in ("INT32", "INT64") or tokens.shape != (-1,)):
+        return "an embeddings pipeline's optional output 'tokens' is INT32 or INT64 [-1]"
+    return None

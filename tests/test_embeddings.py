@@ -12,6 +12,7 @@ Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import tempfile
@@ -68,11 +69,13 @@ class Stack:
         self.url, self.port, self.workers = url, port, workers
 
     def predict_all(self, inputs: list[Any]) -> list[Any]:
+        """Each input's vector (the answer's "embedding"), or its exception."""
         async def main() -> list[Any]:
             async with Gateway(self.url, NAME) as gw:
                 return await asyncio.gather(*(gw.predict(x, timeout_s=T) for x in inputs), return_exceptions=True)
 
-        return asyncio.run(asyncio.wait_for(main(), T))
+        answers = asyncio.run(asyncio.wait_for(main(), T))
+        return [a["embedding"] if isinstance(a, dict) else a for a in answers]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +165,9 @@ def test_empty_and_huge_texts_are_answered_and_bad_inputs_refused(stack: Stack,
 def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
     status, body = http_call(stack.port, "POST", "/v1/predict", json.dumps(SIMILAR[0]).encode(), timeout_s=T)
     assert status == 200, body
-    vector = np.asarray(json.loads(body)["result"], dtype=np.float32)
+    result = json.loads(body)["result"]
+    assert result["tokens"] == len(direct[0]([SIMILAR[0]])[0])  # the token ids, special ones included
+    vector = np.asarray(result["embedding"], dtype=np.float32)
     assert vector.shape == (DIM,)
     assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > 0.9999
 
@@ -174,7 +179,8 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
     client = triton.InferenceServerClient(f"127.0.0.1:{stack.port}", network_timeout=T)
     meta = client.get_model_metadata(NAME)
     assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]}]
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]},
+                               {"name": "tokens", "datatype": "INT64", "shape": [-1]}]
     texts = [*SIMILAR, UNRELATED]
     want = embed_direct(direct, texts)
     for binary in (True, False):
@@ -184,6 +190,35 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
         got = client.infer(NAME, [text], outputs=[out]).as_numpy("embedding")
         assert got.dtype == np.float32 and got.shape == (len(texts), DIM)
         assert np.sum(got * want, axis=1).min() > 0.9999
+
+
+def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
+    """``openai.OpenAI(base_url=...).embeddings.create``: float and base64, a list and one text, usage
+    from the tokenize stage; the same vectors as /v1/predict; errors in OpenAI's shape."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="unused", timeout=T, max_retries=0)
+    texts = [*SIMILAR, UNRELATED, ""]
+    native = np.stack(stack.predict_all(texts))
+    for encoding in ("float", "base64"):
+        response = client.embeddings.create(model=NAME, input=texts, encoding_format=encoding)  # type: ignore[arg-type]
+        assert [d.index for d in response.data] == list(range(len(texts))) and response.model == NAME
+        got = np.array([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") if encoding == "base64"
+                        else d.embedding for d in response.data], dtype=np.float32)
+        assert got.shape == (len(texts), DIM) and np.sum(got * native, axis=1).min() > 0.9999
+        tokens = sum(len(ids) for ids in direct[0](texts))
+        assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
+    one = client.embeddings.create(model=NAME, input=SIMILAR[0])
+    assert float(np.asarray(one.data[0].embedding) @ native[0]) > 0.9999
+    assert [m.id for m in client.models.list()] == [NAME]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.embeddings.create(model="no-such-model", input="x")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as wrong:
+        client.embeddings.create(model=NAME, input="x", dimensions=128)
+    assert "dimensions" in str(wrong.value) and wrong.value.param == "dimensions"
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=NAME, input=[[101, 2023, 102]])  # token ids: the pipeline tokenizes
 
 
 def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:

@@ -182,3 +182,21 @@ def test_failures_map_to_the_protocols_status_codes() -> None:
     assert failure_reply(StageError("DeadlineExceeded", "late", "s", "")).status == 504
     assert failure_reply(Overloaded("full")).status == 503
     assert failure_reply(RuntimeError("bug")).status == 500
+
+
+def test_a_pipeline_declaring_a_task_must_fulfil_its_contract() -> None:
+    from workers import Pipeline, PipelineError, Tensor
+
+    text, vector = Tensor("text", "BYTES", (-1,)), Tensor("embedding", "FP32", (-1, 8))
+    Pipeline("ok", inputs=[text], outputs=[vector, Tensor("tokens", "INT64", (-1,))], batched=True, task="embeddings")
+    for why, kwargs in (
+        ("one input BYTES", {"inputs": [text], "outputs": [vector], "batched": False}),
+        ("output 'embedding'", {"inputs": [text], "outputs": [Tensor("vec", "FP32", (-1, 8))], "batched": True}),
+        ("'tokens' is INT32 or INT64", {"inputs": [text], "outputs": [vector, Tensor("tokens", "FP32", (-1,))],
+                                        "batched": True}),
+        ("one input BYTES", {}),
+    ):
+        with pytest.raises(PipelineError, match=why):
+            Pipeline("bad", task="embeddings", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match="task must be one of 'embeddings'"):
+        Pipeline("bad", task="chat")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
-from broker.spec import StageInfo, TensorSpec
+from broker.spec import PipelineIO, StageInfo, TensorSpec, task_error
 from workers.options import STAGE_KNOBS, PipelineError, check_options, check_stage_class
 from workers.stage import Stage
 
@@ -142,7 +142,8 @@ class Pipeline:
     """An ordered list of stages; ``add`` returns the pipeline so calls chain."""
 
     def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1,
-                 inputs: Sequence[TensorSpec] = (), outputs: Sequence[TensorSpec] = (), batched: bool = False) -> None:
+                 inputs: Sequence[TensorSpec] = (), outputs: Sequence[TensorSpec] = (), batched: bool = False,
+                 task: str = "") -> None:
         """``partitions``: how many hash slots the pipeline spreads over on a Redis Cluster (each
         partition a full copy of the key layout; see :mod:`broker.keys`). Pipeline-wide, not per
         stage, because a stage forwards into the next stage's stream in the same atomic script.
@@ -150,8 +151,16 @@ class Pipeline:
         ``inputs``, ``outputs``, ``batched``: how the Open Inference Protocol serves the pipeline
         (``POST /v2/models/NAME/infer``; docs/inference-protocol.md): its tensors' names, datatypes
         and shapes, and whether their first dimension is a batch of independent items (a request of
-        shape ``[N, ...]`` becomes N items, gathered into one answer of shape ``[N, ...]``)."""
+        shape ``[N, ...]`` becomes N items, gathered into one answer of shape ``[N, ...]``).
+
+        ``task``: what the pipeline declares itself, for the protocols that need one: "embeddings"
+        (the OpenAI-compatible ``POST /v1/embeddings``; its tensors' contract in
+        :func:`broker.spec.task_error`)."""
         self.inputs, self.outputs, self.batched = _check_io(tuple(inputs), tuple(outputs), batched)
+        error = task_error(PipelineIO(self.inputs, self.outputs, self.batched, task))
+        if error is not None:
+            raise PipelineError(error)
+        self.task = task
         self.keys = Keys(name, prefix)  # validates the name
         self.name = name
         self.prefix = prefix
@@ -199,7 +208,8 @@ class Pipeline:
         last = len(self.stages) - 1
         return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions,
                           max_payload_bytes, self.inputs if s.index == 0 else (),
-                          self.outputs if s.index == last else (), self.batched and s.index == 0)
+                          self.outputs if s.index == last else (), self.batched and s.index == 0,
+                          self.task if s.index == 0 else "")
                 for s in self.stages]
 
     def __repr__(self) -> str:

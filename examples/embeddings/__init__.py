@@ -2,9 +2,11 @@
 
 Run it:  pip install -e '.[embeddings]' && conveyor run examples.embeddings:pipeline
 Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d '"A sentence."'
-         -> {"result": [0.0123, ...]}   (384 floats, L2 norm 1)
-or over the Open Inference Protocol (tritonclient, KServe): input "text" BYTES [N], output "embedding"
-FP32 [N, 384]; each text batches on its own (docs/inference-protocol.md).
+         -> {"result": {"embedding": [0.0123, ...], "tokens": 5}}   (384 floats, L2 norm 1)
+with the openai SDK: OpenAI(base_url="http://localhost:8000/v1", api_key="-").embeddings.create(
+         model="embeddings", input=["A sentence.", ...])
+or over the Open Inference Protocol (tritonclient, KServe): input "text" BYTES [N], outputs "embedding"
+FP32 [N, 384] and "tokens" INT64 [N]; each text batches on its own (docs/inference-protocol.md).
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
 The embed stage runs ONNX Runtime by default (``CONVEYOR_EMBED_ENGINE=torch`` for eager torch).
@@ -20,7 +22,7 @@ from workers import Pipeline, Tensor
 
 # What the Open Inference Protocol serves: a batch of texts in, one embedding per text out.
 INPUTS = [Tensor("text", "BYTES", (-1,))]
-OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM))]
+OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM)), Tensor("tokens", "INT64", (-1,))]
 
 
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
@@ -33,7 +35,7 @@ def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_worke
         embed_options["engine"] = check_engine(engine)
     if not grouped:
         embed_options["batch_key"] = None
-    return (Pipeline(name, inputs=INPUTS, outputs=OUTPUTS, batched=True)
+    return (Pipeline(name, inputs=INPUTS, outputs=OUTPUTS, batched=True, task="embeddings")
             .add(Tokenize, name="tokenize", workers=1)
             .add(embed, name="embed", **embed_options))
 

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Slot", "Waiter"]
+__all__ = ["Slot", "Waiter", "awaitable"]
 
 _PENDING, _DONE, _CANCELLED = 0, 1, 2
 
@@ -97,3 +97,18 @@ class Slot:
 
 # What a pending request's consumer waits on: a future (the Python API), or a `Slot` (the HTTP front).
 Waiter = asyncio.Future[Any] | Slot
+
+
+def awaitable(waiter: Waiter) -> asyncio.Future[Any]:
+    """A future done when ``waiter`` is (``waiter`` itself if it is one), for a coroutine that must
+    await a `Slot` (a rare path: the usual one adds a callback)."""
+    if isinstance(waiter, asyncio.Future):
+        return waiter
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def done(_: Any) -> None:
+        if not future.done():
+            future.set_result(None)
+
+    waiter.add_done_callback(done)
+    return future

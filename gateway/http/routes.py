@@ -5,6 +5,7 @@ Routes (the protocols' own modules say their bodies and status codes)::
     POST /v1/pipelines/NAME/predict   conveyor's predict (gateway.http.native)
     POST /v1/predict                  the same, on a gateway serving exactly one pipeline
     GET  /v1/pipelines                the pipelines served: {"pipelines": [names]}
+    POST /v1/embeddings, GET /v1/models   the OpenAI-compatible embeddings API (gateway.http.openai)
     /v2/...                           the Open Inference Protocol (gateway.http.v2)
     GET  /healthz                     200 while the process runs
     GET  /readyz                      200 if Redis is reachable and every stage of every pipeline
@@ -25,6 +26,7 @@ from urllib.parse import unquote
 
 from gateway.backends import Backend, Backends, as_backends
 from gateway.http.native import Pending, Predict, internal
+from gateway.http.openai import OpenAI
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Reply, Request, ok
 from gateway.http.v2 import V2
@@ -109,6 +111,9 @@ class Router:
         table.add("/v1/predict", POST, "predict", self._predict_only)
         table.add("/v1/pipelines/{name}/predict", POST, "predict", self._predict_named)
         table.add("/v1/pipelines", GET, "pipelines", self._pipelines)
+        openai = OpenAI(self.backends)
+        table.add("/v1/embeddings", POST, "embeddings", openai.embeddings)
+        table.add("/v1/models", GET, "models", openai.models)
         table.add("/healthz", GET, "healthz", lambda request, params: ok({"status": "ok"}))
         table.add("/readyz", GET, "readyz", lambda request, params: _later(self._readyz()))
         table.add("/metrics", GET, "metrics", lambda request, params: _later(self._metrics()))

@@ -22,6 +22,7 @@ from typing import Any
 
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
+from gateway.client.slot import awaitable
 from gateway.http.native import PARTITION_KEY_HEADER, Pending, request_bound_s
 from gateway.http.oip import (
     HEADER_LENGTH,
@@ -134,7 +135,7 @@ class V2:
         answer = self._infer(request, name, backend, io)
         if isinstance(answer, Reply):
             return answer
-        await asyncio.wait([_as_future(answer.future)])
+        await awaitable(answer.future)
         return answer.finish(answer.future)
 
     def _infer(self, request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
@@ -170,17 +171,3 @@ def _respond(inference: Inference, waiter: Any, single: bool) -> Reply:
 
 def _later(coro: Awaitable[Reply]) -> Pending:
     return Pending(asyncio.ensure_future(coro), _reply_of)
-
-
-def _as_future(waiter: Any) -> asyncio.Future[Any]:
-    """A `Slot` as a future to await (a future as it is)."""
-    if isinstance(waiter, asyncio.Future):
-        return waiter
-    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    def done(_: Any) -> None:
-        if not future.done():
-            future.set_result(None)
-
-    waiter.add_done_callback(done)
-    return future

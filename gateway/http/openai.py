@@ -1,0 +1,203 @@
+"""The OpenAI-compatible embeddings API, for pipelines that declare ``task="embeddings"``.
+
+::
+
+    POST /v1/embeddings   {"model": NAME, "input": str | [str, ...], "encoding_format": "float" | "base64",
+                           "dimensions": D (only the model's own)}
+        -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...] | "base64"}],
+            "model": NAME, "usage": {"prompt_tokens": n, "total_tokens": n}}
+    GET  /v1/models       {"object": "list", "data": [{"id": NAME, "object": "model", "created": 0,
+                           "owned_by": "conveyor"}]}: every pipeline served
+
+What the ``openai`` SDK, LangChain and LlamaIndex call. A list input is one item per text, each
+submitted on its own so that it batches with everyone else's, gathered in order. ``base64`` is the
+float32 little-endian bytes of each vector, as OpenAI sends them. Token counts come from the
+pipeline's ``tokens`` output (0 without one). Token-id inputs (lists of integers) are refused: the
+tokenizer is a stage of the pipeline, which takes text. Errors have OpenAI's shape, ``{"error":
+{"message", "type", "param", "code"}}``, with the status codes of the other routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+import orjson
+
+from broker.spec import EMBEDDINGS, PipelineIO
+from gateway.backends import Backend, Backends, known_io
+from gateway.client.slot import awaitable
+from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
+from gateway.http.native import PARTITION_KEY_HEADER, Pending, request_bound_s
+from gateway.http.oip import Gather, ItemFailed
+from gateway.http.types import HttpError, Reply, Request
+
+__all__ = ["OpenAI"]
+
+MAX_INPUTS = 2048  # OpenAI's own bound on one request's list
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, outcome: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.outcome = (
+            status, message, type_, param, code, outcome)
+
+    def reply(self) -> Reply:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return Reply(self.status, orjson.dumps(body), outcome=self.outcome)
+
+
+def _failure(exc: BaseException) -> OpenAIError:
+    """An item's (or a submission's) exception in OpenAI's terms."""
+    prefix = ""
+    if isinstance(exc, ItemFailed):
+        prefix, exc = f"input {exc.index}: ", exc.error
+    if isinstance(exc, StageError) and exc.type != "DeadlineExceeded":
+        return OpenAIError(400, prefix + str(exc), param="input", code="stage_error", outcome="stage_error")
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError | StageError):  # StageError here: DeadlineExceeded
+        return OpenAIError(504, prefix + (str(exc) or "no answer before the deadline"), "timeout", outcome="timeout")
+    if isinstance(exc, Overloaded | UnknownPipeline):
+        return OpenAIError(503, prefix + str(exc), "server_error", code="overloaded", outcome="overloaded")
+    if isinstance(exc, PayloadTooLarge):
+        return OpenAIError(413, prefix + str(exc), param="input", outcome="too_large")
+    if isinstance(exc, ValueError):  # CodecError: an input that cannot travel
+        return OpenAIError(400, prefix + str(exc), param="input")
+    return OpenAIError(500, prefix + f"{type(exc).__name__}: {exc}", "server_error", outcome="error")
+
+
+class Query:
+    """One embeddings request, checked against the model's contract."""
+
+    def __init__(self, body: bytes) -> None:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise OpenAIError(400, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        model = doc.get("model")
+        if not isinstance(model, str) or not model:
+            raise OpenAIError(400, "'model' is required: the name of an embeddings pipeline", param="model")
+        self.model = model
+        self.texts = _texts(doc.get("input"))
+        self.encoding = doc.get("encoding_format") or "float"
+        if self.encoding not in ("float", "base64"):
+            raise OpenAIError(400, f"encoding_format must be 'float' or 'base64', got {self.encoding!r}",
+                              param="encoding_format")
+        self.dimensions = doc.get("dimensions")
+
+    def check(self, io: PipelineIO) -> None:
+        if io.task != EMBEDDINGS:
+            raise OpenAIError(404, f"the model {self.model!r} is not an embeddings model (its pipeline does not "
+                                   "declare task='embeddings')", param="model", code="model_not_found",
+                              outcome="not_found")
+        embedding = io.output("embedding")
+        size = embedding.shape[1] if embedding is not None else -1
+        if self.dimensions is not None and (self.dimensions != size or size == -1):
+            raise OpenAIError(400, f"dimensions={self.dimensions!r} is not supported: the model {self.model!r} "
+                                   f"answers {size if size != -1 else 'its own number of'} dimensions; leave "
+                                   "dimensions out", param="dimensions")
+
+    def respond(self, answers: list[Any]) -> Reply:
+        data, tokens = [], 0
+        for index, answer in enumerate(answers):
+            vector, count = (answer.get("embedding"), answer.get("tokens", 0)) if isinstance(answer, dict) \
+                else (answer, 0)
+            array = np.asarray(vector, dtype=np.float32).reshape(-1)
+            if not bool(np.isfinite(array).all()) and self.encoding == "float":
+                raise OpenAIError(500, f"input {index}: the embedding holds NaN or Infinity, which JSON cannot "
+                                       "carry (ask for encoding_format='base64')", "server_error", outcome="error")
+            embedding: Any = (base64.b64encode(array.astype("<f4").tobytes()).decode() if self.encoding == "base64"
+                              else array)
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+            tokens += int(count or 0)
+        body = {"object": "list", "data": data, "model": self.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return Reply(200, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
+
+
+def _texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise OpenAIError(400, "'input' must be a string or a non-empty list of strings", param="input")
+    if len(value) > MAX_INPUTS:
+        raise OpenAIError(400, f"'input' holds {len(value)} texts; at most {MAX_INPUTS} per request", param="input")
+    if not all(isinstance(v, str) for v in value):
+        if all(isinstance(v, int) or (isinstance(v, list) and all(isinstance(i, int) for i in v)) for v in value):
+            raise OpenAIError(400, "token ids are not supported as input: send text (the pipeline tokenizes it)",
+                              param="input")
+        raise OpenAIError(400, "'input' must be a string or a list of strings", param="input")
+    return value
+
+
+class OpenAI:
+    """The handlers of ``/v1/embeddings`` and ``/v1/models``."""
+
+    def __init__(self, backends: Backends) -> None:
+        self.backends = backends
+
+    def models(self, request: Request, params: tuple[str, ...]) -> Reply:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor"} for name in self.backends.names()]
+        return Reply(200, orjson.dumps({"object": "list", "data": data}))
+
+    def embeddings(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
+        try:
+            query = Query(request.body)
+            backend = self.backends.get(query.model)
+            if backend is None:
+                raise OpenAIError(404, f"the model {query.model!r} does not exist here (served: "
+                                       f"{', '.join(self.backends.names())})", param="model", code="model_not_found",
+                                  outcome="not_found")
+            io = known_io(backend)
+            if io is None:  # the spec not seen yet: wait for the pipeline's registration first
+                return Pending(asyncio.ensure_future(self._later(request, query, backend)), _reply_of)
+            return self._submit(request, query, backend, io)
+        except OpenAIError as exc:
+            return exc.reply()
+
+    async def _later(self, request: Request, query: Query, backend: Backend) -> Reply:
+        try:
+            io = await backend.pipeline_io(request_bound_s(request.headers))
+        except HttpError as exc:
+            return OpenAIError(exc.status, exc.message, outcome=exc.outcome).reply()
+        except Exception as exc:  # UnknownPipeline, TimeoutError, a lost connection
+            return _failure(exc).reply()
+        answer = self._submit(request, query, backend, io)
+        if isinstance(answer, Reply):
+            return answer
+        await awaitable(answer.future)
+        return answer.finish(answer.future)
+
+    def _submit(self, request: Request, query: Query, backend: Backend, io: PipelineIO) -> Reply | Pending:
+        try:
+            query.check(io)
+            bound_s = request_bound_s(request.headers)
+            key = request.headers.get(PARTITION_KEY_HEADER)
+            waiters = [backend.submit(text, bound_s, key, direct=True) for text in query.texts]
+        except OpenAIError as exc:
+            return exc.reply()
+        except HttpError as exc:
+            return OpenAIError(exc.status, exc.message, outcome=exc.outcome).reply()
+        except Exception as exc:  # refused at once: Overloaded, PayloadTooLarge, CodecError
+            return _failure(exc).reply()
+        gather = Gather(asyncio.get_running_loop(), waiters)
+        return Pending(gather.slot, lambda slot: _finish(query, slot))
+
+
+def _finish(query: Query, slot: Any) -> Reply:
+    try:
+        return query.respond(slot.result())
+    except OpenAIError as exc:
+        return exc.reply()
+    except Exception as exc:
+        return _failure(exc).reply()
+
+
+def _reply_of(future: Any) -> Reply:
+    result: Reply = future.result()
+    return result

@@ -1,0 +1,112 @@
+"""The OpenAI-compatible embeddings route without a server: requests, answers and errors in OpenAI's shape.
+
+(tests/test_embeddings.py calls it with the ``openai`` package against the real model.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker.spec import PipelineIO, TensorSpec
+from gateway.errors import StageError
+from gateway.http.native import Pending
+from gateway.http.routes import Router
+from gateway.http.settings import HttpSettings
+from gateway.http.types import Reply, Request
+from gateway.monitor.metrics import Metrics
+from tests.test_http import FakeBackend, ready_status
+from tests.test_routes import Several
+
+pytestmark = pytest.mark.unit
+
+EMBEDDINGS = PipelineIO((TensorSpec("text", "BYTES", (-1,)),),
+                        (TensorSpec("embedding", "FP32", (-1, 3)), TensorSpec("tokens", "INT64", (-1,))),
+                        batched=True, task="embeddings")
+
+
+@dataclass
+class Registered:
+    io: PipelineIO
+    registered: bool = True
+
+
+class Embedder(FakeBackend):
+    """A fake embeddings pipeline: "bad" raises in the stage; else a 3-d vector and a token count."""
+
+    def __init__(self, name: str, io: PipelineIO = EMBEDDINGS) -> None:
+        super().__init__(status=ready_status())
+        self.pipeline = name
+        self.registration = Registered(io)
+
+    async def _predict(self, x: Any) -> Any:
+        if x == "bad":
+            raise StageError("ValueError", "bad text", "tokenize", "")
+        return {"embedding": np.array([len(x), 1.0, -0.5], dtype=np.float32), "tokens": len(x.split()) + 2}
+
+
+def _call(backends: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    router = Router(backends, HttpSettings(), Metrics(backends), lambda: False)
+
+    async def main() -> Reply:
+        raw = b"" if body is None else json.dumps(body).encode()
+        _, answer = router.start(Request(method.encode(), path.encode(), {}, raw))
+        if isinstance(answer, Pending):
+            while not answer.future.done():
+                await asyncio.sleep(0.001)
+            answer = answer.finish(answer.future)
+        return answer
+
+    reply = asyncio.run(asyncio.wait_for(main(), 5))
+    return reply.status, json.loads(reply.body)
+
+
+def test_a_list_of_texts_is_answered_in_order_with_usage() -> None:
+    served = Several(Embedder("emb"))
+    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a b", "abcd", ""]})
+    assert status == 200 and body["object"] == "list" and body["model"] == "emb"
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert [d["embedding"][0] for d in body["data"]] == [3.0, 4.0, 0.0]
+    assert body["usage"] == {"prompt_tokens": 4 + 3 + 2, "total_tokens": 9}
+
+
+def test_base64_is_the_float32_bytes() -> None:
+    status, body = _call(Several(Embedder("emb")), "POST", "/v1/embeddings",
+                         {"model": "emb", "input": "abc", "encoding_format": "base64"})
+    assert status == 200
+    vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert vector.tolist() == [3.0, 1.0, -0.5]
+
+
+@pytest.mark.parametrize(("request_body", "status", "param", "words"), [
+    ({"model": "emb"}, 400, "input", "non-empty list"),
+    ({"model": "emb", "input": []}, 400, "input", "non-empty list"),
+    ({"model": "emb", "input": [[1, 2, 3]]}, 400, "input", "token ids"),
+    ({"model": "emb", "input": [1, "a"]}, 400, "input", "list of strings"),
+    ({"input": "a"}, 400, "model", "'model' is required"),
+    ({"model": "emb", "input": "a", "encoding_format": "int8"}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"model": "emb", "input": "a", "dimensions": 2}, 400, "dimensions", "answers 3 dimensions"),
+    ({"model": "nope", "input": "a"}, 404, "model", "does not exist here"),
+    ({"model": "plain", "input": "a"}, 404, "model", "not an embeddings model"),
+    ({"model": "emb", "input": ["ok", "bad"]}, 400, "input", "input 1: "),
+])
+def test_errors_have_openais_shape(request_body: dict[str, Any], status: int, param: str, words: str) -> None:
+    served = Several(Embedder("emb"), Embedder("plain", PipelineIO()))
+    got, body = _call(served, "POST", "/v1/embeddings", request_body)
+    assert got == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and words in body["error"]["message"], body
+
+
+def test_the_models_own_dimensions_are_accepted_and_models_are_listed() -> None:
+    served = Several(Embedder("emb"), Embedder("plain", PipelineIO()))
+    assert _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": "a", "dimensions": 3})[0] == 200
+    status, body = _call(served, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["emb", "plain"]
+    assert all(m["object"] == "model" for m in body["data"])
