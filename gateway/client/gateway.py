@@ -31,7 +31,8 @@ from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
 from broker.spec import PipelineIO, SpecError, decode_spec
-from gateway.client.hub import Hub, Lane
+from gateway.client.hub import Hub
+from gateway.client.lane import Lane
 from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Waiter

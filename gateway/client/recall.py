@@ -25,16 +25,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker.acl import log_refusal_once
 from broker.audit import forgotten
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.server_info import arun_id
 from broker.submit import Submission
-
-if TYPE_CHECKING:
-    from gateway.client.hub import Lane
+from gateway.client.lane import Lane
 
 log = logging.getLogger("conveyor.gateway")
 
