@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from bench.peers import inproc
+from bench.peers import inproc, report
 from bench.peers.__main__ import main as peers_main
 from bench.peers.load import WRK_MARK, LoadError, parse_wrk, run_builtin, wrk_script
 from bench.peers.report import API, HTTP, MOSEC, REDIS, payload_table, peers_table, redis_table, summarise
@@ -62,7 +62,8 @@ def run(system: str, connections: int, rnd: int, rps: float, p50: float, errors:
         **extra: Any) -> dict[str, Any]:
     return {"system": system, "connections": connections, "round": rnd, "rps": rps, "p50_ms": p50,
             "p99_ms": p50 * 2, "p999_ms": p50 * 3, "errors": errors, "cpu": {"gateway": rps / 100},
-            "requests": int(rps * 2), "duration_s": 2.0, "redis_usec": {"evalsha": int(rps * 2) * 150}, **extra}
+            "requests": int(rps * 2), "duration_s": 2.0, "redis_usec": {"evalsha": int(rps * 2) * 150},
+            "redis_calls": {"evalsha": int(rps * 2) // 10, "xadd": int(rps * 2) * 2, "config|resetstat": 1}, **extra}
 
 
 def test_summary_takes_medians_over_rounds_and_tables_show_ratios() -> None:
@@ -74,7 +75,10 @@ def test_summary_takes_medians_over_rounds_and_tables_show_ratios() -> None:
     assert http["rps"] == 2000 and http["errors"] == 3 and http["rounds"] == 3 and http["cpu"] == {"gateway": 20}
     assert http["cpu_ms_per_request"] == pytest.approx(0.1)  # 20 % of a core at 2000 req/s
     assert http["redis_ms_per_request"] == {"evalsha": pytest.approx(0.15)}
-    assert "| 256 | conveyor HTTP | evalsha 0.15 |" in redis_table(rows, "connections")
+    assert http["cpu_us_per_request"] == {"gateway": pytest.approx(100.0)}
+    assert "| 256 | conveyor HTTP | 2,000 | gateway 100.0 (20%) | 100.0 |" in report.cpu_table(rows)
+    assert http["redis_commands_per_request"] == pytest.approx(2.1)  # the benchmark's own commands left out
+    assert "| 256 | conveyor HTTP | 2.10 | evalsha 0.150 (0.100) |" in redis_table(rows, "connections")
     table = peers_table(rows)
     line = next(ln for ln in table.splitlines() if ln.startswith("| 256 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]

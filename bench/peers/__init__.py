@@ -6,7 +6,11 @@ process per stage, in both systems. Systems: conveyor's HTTP front (``conveyor g
 ``Gateway`` in the load generator's process, same workers and Redis), and mosec
 (``bench.peers.mosec_app``). HTTP load: wrk if installed, else a built-in asyncio client; a
 closed loop, one request in flight per keep-alive connection. Per row: req/s, p50/p99/p999,
-errors, CPU per process, ratio conveyor/mosec. ``--payloads``: numpy float32 arrays as input,
-MB/s against raw Redis SET+GET of the same bytes. Results: JSON under ``bench/results/``,
-which ``python -m bench.plot`` draws.
+errors, ratio conveyor/mosec; CPU microseconds per request of each process group (gateway,
+Redis, each stage's worker; mosec's front and workers) over the measured window; Redis commands
+per request (``INFO commandstats``, commands run inside scripts included) and time per command.
+``--payloads``: numpy float32 arrays as input, MB/s against raw Redis SET+GET of the same bytes.
+Results: JSON under ``bench/results/``, which ``python -m bench.plot`` draws.
+``python -m bench.peers.redis_cost``: Redis's side of the protocol alone, without HTTP or
+scheduling noise (commands and Redis time per request, exact counts).
 """

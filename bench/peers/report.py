@@ -15,6 +15,8 @@ from typing import Any
 HTTP, API, MOSEC, REDIS = "conveyor-http", "conveyor-python", "mosec-http", "redis-set-get"
 LABELS = {HTTP: "conveyor HTTP", API: "conveyor Python API", MOSEC: "mosec", REDIS: "Redis SET+GET"}
 _FIGURES = ("rps", "p50_ms", "p99_ms", "p999_ms", "mb_s")
+# The benchmark's own commands (resetting and reading the stats), not the system's.
+_NOT_SERVED = ("config|resetstat", "info", "config")
 
 
 def _median(values: Iterable[float]) -> float:
@@ -38,9 +40,18 @@ def summarise(runs: Sequence[dict[str, Any]], key: str = "connections") -> list[
         row["cpu"] = {label: _median(r["cpu"][label] for r in group if label in r.get("cpu", {}))
                       for label in labels}
         row["cpu_ms_per_request"] = _median(_cpu_ms(r) for r in group)
+        row["cpu_us_per_request"] = {label: _median(_cpu_us(r, label) for r in group if label in r.get("cpu", {}))
+                                     for label in labels}
         commands = sorted({c for r in group for c in r.get("redis_usec", {})})
         row["redis_ms_per_request"] = {c: _median(_per_request(r["redis_usec"].get(c, 0) / 1000, r) for r in group)
                                        for c in commands}
+        called = sorted({c for r in group for c in r.get("redis_calls", {}) if c not in _NOT_SERVED})
+        row["redis_calls_per_request"] = {c: _median(_per_request(r["redis_calls"].get(c, 0), r) for r in group)
+                                          for c in called}
+        if called:
+            row["redis_commands_per_request"] = _median(
+                _per_request(sum(n for c, n in r.get("redis_calls", {}).items() if c not in _NOT_SERVED), r)
+                for r in group)
         rows.append(row)
     return rows
 
@@ -48,6 +59,11 @@ def summarise(runs: Sequence[dict[str, Any]], key: str = "connections") -> list[
 def _cpu_ms(run: dict[str, Any]) -> float:
     """CPU ms all the system's processes spent per request (percent of a core x seconds x 10)."""
     return _per_request(sum(run.get("cpu", {}).values()) * 10 * run.get("duration_s", 0.0), run)
+
+
+def _cpu_us(run: dict[str, Any], label: str) -> float:
+    """CPU microseconds one process group spent per request (percent of a core x seconds x 10^4)."""
+    return _per_request(run["cpu"][label] * 1e4 * run.get("duration_s", 0.0), run)
 
 
 def _per_request(total: float, run: dict[str, Any]) -> float:
@@ -97,27 +113,36 @@ def peers_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def cpu_table(rows: Sequence[dict[str, Any]], key: str = "connections") -> str:
-    """Markdown: % of one core used by each process of each system, per load (medians), and the CPU
-    time all of them spent per request (which starvation on a shared machine does not inflate)."""
-    lines = [f"| {key} | system | CPU % of one core per process | CPU ms per request, all processes |",
-             "|---:|---|---|---:|"]
+    """Markdown: the CPU time each process group spent per request (microseconds, medians over the
+    rounds; in brackets its % of one core), beside req/s. Per request, starvation on a shared
+    machine does not inflate it: a starved process does less and spends less."""
+    lines = [f"| {key} | system | req/s | CPU us per request, by process group (% of one core) "
+             "| all processes, us per request |", "|---:|---|---:|---|---:|"]
     for row in rows:
-        cpu = ", ".join(f"{label} {value:.0f}" for label, value in row["cpu"].items())
-        lines.append(f"| {row[key]} | {LABELS.get(row['system'], row['system'])} | {cpu} "
-                     f"| {row.get('cpu_ms_per_request', float('nan')):.2f} |")
+        us = row.get("cpu_us_per_request", {})
+        groups = ", ".join(f"{label} {us.get(label, float('nan')):.1f} ({pct:.0f}%)"
+                           for label, pct in row["cpu"].items())
+        load = size_label(row[key]) if key == "payload_bytes" else row[key]
+        lines.append(f"| {load} | {LABELS.get(row['system'], row['system'])} | {row.get('rps', float('nan')):,.0f} "
+                     f"| {groups} | {row.get('cpu_ms_per_request', float('nan')) * 1000:.1f} |")
     return "\n".join(lines)
 
 
-def redis_table(rows: Sequence[dict[str, Any]], key: str = "payload_bytes", top: int = 4) -> str:
-    """Markdown: where Redis spent its time per request (INFO commandstats), the largest first."""
-    lines = [f"| {key} | system | Redis ms per request, by command (largest {top}) |", "|---:|---|---|"]
+def redis_table(rows: Sequence[dict[str, Any]], key: str = "payload_bytes", top: int = 6) -> str:
+    """Markdown: what Redis did per request (INFO commandstats): commands per request, counting the
+    commands scripts run (exact, noise-free), and the largest commands by time (``evalsha``'s time
+    holds its inner commands' time: the script's own work is its time less theirs)."""
+    lines = [f"| {key} | system | Redis commands per request | Redis ms per request, by command (largest {top}; "
+             "calls per request) |", "|---:|---|---:|---|"]
     for row in rows:
         spent = sorted(row.get("redis_ms_per_request", {}).items(), key=lambda kv: -kv[1])
-        spent = [(c, ms) for c, ms in spent if not c.startswith("config")][:top]
+        spent = [(c, ms) for c, ms in spent if c not in _NOT_SERVED][:top]
         if spent:
-            text = ", ".join(f"{c} {ms:.2f}" for c, ms in spent)
+            calls = row.get("redis_calls_per_request", {})
+            text = ", ".join(f"{c} {ms:.3f}" + (f" ({calls[c]:.3f})" if c in calls else "") for c, ms in spent)
             load = size_label(row[key]) if key == "payload_bytes" else row[key]
-            lines.append(f"| {load} | {LABELS.get(row['system'], row['system'])} | {text} |")
+            lines.append(f"| {load} | {LABELS.get(row['system'], row['system'])} "
+                         f"| {row.get('redis_commands_per_request', float('nan')):.2f} | {text} |")
     return "\n".join(lines)
 
 

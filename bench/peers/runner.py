@@ -102,6 +102,31 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def metered(groups: dict[str, list[psutil.Process]], work: Callable[[Callable[[], None]], LoadResult],
+            redis_url: str | None) -> dict[str, Any]:
+    """Run ``work``, which calls its argument when its measured part begins (after any warm-up);
+    CPU per process group and Redis's commands (calls and time, ``INFO commandstats``) count from
+    then on."""
+    meter = CpuMeter(groups)
+    client = redis.Redis.from_url(redis_url) if redis_url else None
+
+    def start() -> None:
+        if client is not None:
+            client.config_resetstat()
+        meter.start()
+
+    try:
+        result = work(start)
+        cpu = meter.stop()
+        stats = client.info("commandstats") if client is not None else {}
+    finally:
+        if client is not None:
+            client.close()
+    usec = {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
+    calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+    return {**result.as_dict(), "cpu": cpu, "redis_usec": usec, "redis_calls": calls}
+
+
 class Runner:
     def __init__(self, settings: RunSettings) -> None:
         self.settings = settings
@@ -113,28 +138,6 @@ class Runner:
     def _duration(self, payload_bytes: int) -> float:
         """Longer windows for large payloads (x4 at 16 MiB), so that a window holds several requests."""
         return self.settings.duration_s * max(1.0, math.sqrt(payload_bytes / 2**20))
-
-    def _metered(self, groups: dict[str, list[psutil.Process]], work: Callable[[Callable[[], None]], LoadResult],
-                 redis_url: str | None) -> dict[str, Any]:
-        """Run ``work``, which calls its argument when its measured part begins (after any warm-up);
-        CPU per process and Redis's time per command count from then on."""
-        meter = CpuMeter(groups)
-        client = redis.Redis.from_url(redis_url) if redis_url else None
-
-        def start() -> None:
-            if client is not None:
-                client.config_resetstat()
-            meter.start()
-
-        try:
-            result = work(start)
-            cpu = meter.stop()
-            stats = client.info("commandstats") if client is not None else {}
-        finally:
-            if client is not None:
-                client.close()
-        usec = {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
-        return {**result.as_dict(), "cpu": cpu, "redis_usec": usec}
 
     def _http(self, system: str, conveyor: Conveyor, mosec: Mosec | None, connections: int,
               body: bytes, content_type: str) -> dict[str, Any]:
@@ -148,13 +151,13 @@ class Runner:
             start()
             return run_http(s.generator, host, port, path, body, content_type, connections, self._duration(len(body)))
 
-        return self._metered(groups, work, conveyor.redis_url if system == HTTP else None)
+        return metered(groups, work, conveyor.redis_url if system == HTTP else None)
 
     def _measure(self, system: str, conveyor: Conveyor, mosec: Mosec | None, load: int, x: Any) -> dict[str, Any]:
         s = self.settings
         if system == API:
             groups = conveyor.processes(gateway_in_process=True)
-            return self._metered(groups, lambda start: asyncio.run(inproc.gateway_api(
+            return metered(groups, lambda start: asyncio.run(inproc.gateway_api(
                 conveyor.redis_url, PIPELINE_NAME, x, load, self._duration(getattr(x, "nbytes", 0)), warmup_s=0.5,
                 started=start)),
                 conveyor.redis_url)
@@ -165,7 +168,7 @@ class Runner:
                 start()
                 return asyncio.run(inproc.redis_set_get(conveyor.redis_url, data, load, self._duration(len(data))))
 
-            return self._metered({"redis": conveyor.processes()["redis"]}, raw, conveyor.redis_url)
+            return metered({"redis": conveyor.processes()["redis"]}, raw, conveyor.redis_url)
         if system == MOSEC:
             body, ctype = (mosec_body(x), "application/msgpack") if s.mode == "payloads" else (b"3", "application/json")
         else:

@@ -102,8 +102,12 @@ def _tail(path: Path, limit: int = 3000) -> str:
 class Conveyor:
     """redis-server + ``conveyor worker`` per stage + ``conveyor gateway``; stop() ends them all."""
 
-    def __init__(self, log_dir: Path, gateway_args: Sequence[str] = (), worker_args: Sequence[str] = ()) -> None:
+    def __init__(self, log_dir: Path, gateway_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+                 root: Path = ROOT) -> None:
+        """``root``: the checkout whose code the gateway and workers run (another one than this
+        benchmark's for a paired comparison: ``bench.peers.paired``)."""
         self.log_dir = log_dir
+        self.root = root
         self.gateway_args = list(gateway_args)
         self.worker_args = list(worker_args)
         self.port = 0
@@ -118,8 +122,8 @@ class Conveyor:
         return f"http://127.0.0.1:{self.port}/v1/predict"
 
     def _conveyor(self, *args: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), CONVEYOR_LOG_LEVEL="WARNING")
-        return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=ROOT, env=env,
+        env = dict(os.environ, PYTHONPATH=str(self.root), CONVEYOR_LOG_LEVEL="WARNING")
+        return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=self.root, env=env,
                                 stdout=self._log, stderr=self._log)
 
     def start(self) -> None:

@@ -1,0 +1,153 @@
+"""Two checkouts of conveyor (and mosec) at once, measured in interleaved rounds: a change's effect.
+
+    git worktree add --detach /tmp/conveyor-base <commit>
+    python -m bench.peers.paired --base /tmp/conveyor-base [--rounds 5] [--connections 256] [--no-mosec]
+
+Both conveyors (their own redis-server, gateway and workers, started from each checkout's code)
+and mosec run side by side; every round measures each of them at each load, in an order that
+rotates, so the shared machine's noise falls on all of them alike. Printed: the peers table
+rows, CPU microseconds per request of each process group, Redis commands per request and time
+per command (``bench.peers.report``), then this checkout's figures as ratios to the base's,
+per round and their median (a ratio within one round is the paired figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.peers.load import LoadResult, run_http, which_generator
+from bench.peers.report import cpu_table, redis_table, save, summarise
+from bench.peers.runner import machine, metered
+from bench.peers.servers import ROOT, Conveyor, Mosec
+
+BASE, THIS, MOSEC = "conveyor HTTP (base)", "conveyor HTTP (this)", "mosec"
+DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def _measure(system: str, servers: dict[str, Any], connections: int, duration_s: float,
+             generator: str) -> dict[str, Any]:
+    server = servers[system]
+    path = "/inference" if system == MOSEC else "/v1/predict"
+    groups = server.processes()
+
+    def work(start: Callable[[], None]) -> LoadResult:
+        start()
+        return run_http(generator, "127.0.0.1", server.port, path, b"3", "application/json", connections, duration_s)
+
+    return metered(groups, work, None if system == MOSEC else server.redis_url)
+
+
+def _redis_us(row: dict[str, Any]) -> float:
+    return float(row.get("cpu_us_per_request", {}).get("redis", float("nan")))
+
+
+def _workers_us(row: dict[str, Any]) -> float:
+    return sum(v for k, v in row.get("cpu_us_per_request", {}).items() if k.startswith("worker"))
+
+
+def _gateway_us(row: dict[str, Any]) -> float:
+    return float(row.get("cpu_us_per_request", {}).get("gateway", float("nan")))
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
+    "req/s": lambda row: float(row["rps"]),
+    "Redis CPU us/req": _redis_us,
+    "workers CPU us/req": _workers_us,
+    "gateway CPU us/req": _gateway_us,
+    "all CPU us/req": lambda row: float(row["cpu_ms_per_request"]) * 1000,
+    "Redis commands/req": lambda row: float(row.get("redis_commands_per_request", float("nan"))),
+}
+
+
+def ratios(runs: list[dict[str, Any]], a: str, b: str) -> dict[str, list[float]]:
+    """Per figure, ``a / b`` within each (round, load): the paired ratios."""
+    out: dict[str, list[float]] = {name: [] for name in FIGURES}
+    keyed = {(r["round"], r["connections"], r["system"]): r for r in runs}
+    for (rnd, load, system), run in keyed.items():
+        other = keyed.get((rnd, load, b))
+        if system != a or other is None:
+            continue
+        one, two = summarise([run])[0], summarise([other])[0]
+        for name, figure in FIGURES.items():
+            x, y = figure(one), figure(two)
+            if y and y == y and x == x:
+                out[name].append(x / y)
+    return out
+
+
+def render_ratios(runs: list[dict[str, Any]], a: str, b: str) -> str:
+    lines = [f"| {a} / {b} | median | per round |", "|---|---:|---|"]
+    for name, values in ratios(runs, a, b).items():
+        if values:
+            lines.append(f"| {name} | {statistics.median(values):.3f} | {', '.join(f'{v:.2f}' for v in values)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peers.paired", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="the other checkout (e.g. a git worktree)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--connections", default="256")
+    p.add_argument("--duration-s", type=float, default=5.0)
+    p.add_argument("--no-mosec", action="store_true")
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    args = p.parse_args(argv)
+    generator = which_generator("auto")
+    logs = args.results / "logs"
+    servers: dict[str, Any] = {BASE: Conveyor(logs / "base", root=args.base.resolve()), THIS: Conveyor(logs / "this")}
+    if not args.no_mosec:
+        servers[MOSEC] = Mosec(logs)
+    systems = list(servers)
+    loads = [int(c) for c in args.connections.split(",")]
+    runs: list[dict[str, Any]] = []
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        for server in servers.values():
+            server.start()
+        for system in systems:  # warm-up, not recorded
+            _measure(system, servers, 64, 1.0, generator)
+        step = 0
+        for rnd in range(1, args.rounds + 1):
+            for load in loads:
+                k = step % len(systems)
+                for system in systems[k:] + systems[:k]:
+                    row = _measure(system, servers, load, args.duration_s, generator)
+                    row.update(round=rnd, system=system, connections=load)
+                    runs.append(row)
+                    print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
+                          file=sys.stderr, flush=True)
+                step += 1
+    finally:
+        for server in servers.values():
+            server.stop()
+    rows = summarise(runs)
+    m = machine()
+    path = save(args.results / f"paired-{time.strftime('%Y%m%d-%H%M%S')}.json",
+                {"mode": "paired", "started": started, "machine": m, "base": str(args.base), "this": str(ROOT),
+                 "loadgen": generator, "runs": runs, "summary": rows})
+    print(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']} (shared); "
+          f"{args.rounds} interleaved rounds of {args.duration_s:g} s, medians; load: {generator}\n"
+          f"base: {args.base}   this: {ROOT}\n")
+    print(cpu_table(rows))
+    print()
+    print(redis_table(rows, "connections"))
+    print()
+    print(render_ratios(runs, THIS, BASE))
+    if not args.no_mosec:
+        print()
+        print(render_ratios(runs, THIS, MOSEC))
+        print()
+        print(render_ratios(runs, BASE, MOSEC))
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
