@@ -147,7 +147,7 @@ R, W, RW = "R", "W", "RW"
 COMMAND_ACCESS: dict[str, str] = {
     "xreadgroup": R, "xpending": R, "xinfo|groups": R, "xinfo|consumers": R, "xrange": R, "xrevrange": R,
     "xlen": R, "xgroup|create": W, "xgroup|delconsumer": W, "xautoclaim": W, "xclaim": W, "xadd": W,
-    "xack": W, "xdel": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
+    "xack": W, "xdel": W, "xtrim": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW,
     "sadd": W, "smembers": R, "exists": R,
     "evalsha": RW, "eval": RW,
@@ -184,7 +184,8 @@ class Script:
 COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES, SHARED_REPLIES), (
     ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES, SHARED_REPLIES)),
     ("pexpire", (REPLIES, SHARED_REPLIES)),
-    ("xack", (STREAMS,)), ("xdel", (STREAMS,))), "broker/commit.py Committer.__call__, once per batch")
+    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,))),
+    "broker/commit.py Committer.__call__, once per batch")
 SHARE = Script("share.lua", (STREAMS,), (
     ("xpending", (STREAMS,)), ("xrange", (STREAMS,)), ("xadd", (STREAMS,)), ("xack", (STREAMS,)),
     ("xdel", (STREAMS,))), "broker/share.py Sharer.give_back (workers/batching/sharing.py)")

@@ -2,22 +2,36 @@
 --
 -- Forwards items to the next stage's stream, publishes results and errors (first write
 -- wins: SET NX), notifies each reply list once per batch, dead-letters rejected entries,
--- records batch stats (when the worker hands a period's worth), then XACKs and XDELs the consumed entries. Because everything
--- happens in one script, an entry is acked if and only if its next step is in Redis.
+-- records batch stats (when the worker hands a period's worth), then XACKs the consumed entries
+-- and removes them from the stream. Because everything happens in one script, an entry is acked
+-- and removed if and only if its next step is in Redis.
 --
 -- KEYS[1] in stream   KEYS[2] out stream (unused if no forwards)   KEYS[3] dead-letter stream
--- KEYS[4] stats stream   KEYS[5..] result keys and reply keys, referenced by index below
+-- KEYS[4] stats stream   KEYS[5 .. 4+n_res] the result keys, in the order of the records below
+-- KEYS[5+n_res ..] the reply keys, referenced by index below
 --
 -- ARGV[1] group  ARGV[2] result ttl ms  ARGV[3] reply ttl ms  ARGV[4] stage name
 -- ARGV[5] n_ack  ARGV[6] n_fwd  ARGV[7] n_res  ARGV[8] n_dead
 -- ARGV[9] batch sizes, ARGV[10] durations ms: space-separated, one value per batch since the worker's
 --   last stats entry ('' for no entry now; workers hand them about every 100 ms, not per batch)
+-- ARGV[11] n_groups: the results in groups of one reply key each
 -- then n_fwd x (request id, data, reply or '', deadline ms or '')
--- then n_res x (KEYS index of result key, record, KEYS index of reply key or 0)
+-- then n_groups x (KEYS index of the group's reply key or 0 for none, k), each followed by its
+--   k records (the groups' k add up to n_res; record j of all of them is KEYS[4 + j]'s)
 -- then n_dead x (entry id, request id or '', reason, data excerpt)
 -- then n_ack x entry id
 -- Returns {number of results written (duplicates are not), then the reply keys whose push failed
 -- with something other than WRONGTYPE (a refusal: the worker logs it), each followed by its error}.
+--
+-- Removal of acked entries: a batch of TRIM_FROM entries or more is removed by one XTRIM MINID rather
+-- than one XDEL each (an XDEL seeks its entry through the stream's node and, for the stream's first
+-- entry, past the deleted ones before it: under load that cost more than the rest of the commit).
+-- Every entry older than the oldest one still pending was delivered (a group delivers in id order)
+-- and is not pending, so it was acked: the bound is the oldest entry pending after the ack or, when
+-- every pending entry was this batch's, just past the newest of them. Entries of this batch at or
+-- past the bound (a peer's batch, read before this one, still runs) get an XDEL. So, as before, the
+-- stream holds exactly the undelivered and the pending entries after every commit (its XLEN is the
+-- backlog that admission reads).
 
 local function array_header(n)
   if n < 16 then return string.char(0x90 + n) end
@@ -26,10 +40,23 @@ local function array_header(n)
                      math.floor(n / 256) % 256, n % 256)
 end
 
+-- An entry id's two numbers (ms, seq); nil for numbers too large to count on exactly (and to write
+-- back as digits: Lua writes numbers of 1e14 and more with an exponent).
+local function id_parts(id)
+  local dash = string.find(id, '-', 1, true)
+  local ms, seq = tonumber(string.sub(id, 1, dash - 1)), tonumber(string.sub(id, dash + 1))
+  if ms >= 1e14 or seq >= 1e14 - 1 then return nil end
+  return ms, seq
+end
+
+-- Batches of fewer entries are removed with one XDEL: below this, the XPENDING calls the trim needs
+-- cost more than the XDEL's seeks they save (bench.peers.redis_cost --batch 4 and 32).
+local TRIM_FROM = 8
+
 local group, result_ttl, reply_ttl, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_ack, n_fwd = tonumber(ARGV[5]), tonumber(ARGV[6])
-local n_res, n_dead = tonumber(ARGV[7]), tonumber(ARGV[8])
-local a = 11
+local n_res, n_dead, n_groups = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[11])
+local a = 12
 
 for _ = 1, n_fwd do
   local args = {KEYS[2], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
@@ -39,31 +66,28 @@ for _ = 1, n_fwd do
   a = a + 4
 end
 
-local written, replies, order, failed = 0, {}, {}, {}
-for _ = 1, n_res do
-  local record, rep = ARGV[a + 1], tonumber(ARGV[a + 2])
-  if redis.call('SET', KEYS[tonumber(ARGV[a])], record, 'NX', 'PX', result_ttl) then
-    written = written + 1
-    if rep > 0 then
-      local key = KEYS[rep]
-      if replies[key] == nil then replies[key] = {}; order[#order + 1] = key end
-      local list = replies[key]
-      list[#list + 1] = record
-    end
+local written, failed, k = 0, {}, 5
+for _ = 1, n_groups do
+  local rep, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local records = {}
+  a = a + 2
+  for j = a, a + count - 1 do
+    if redis.call('SET', KEYS[k], ARGV[j], 'NX', 'PX', result_ttl) then records[#records + 1] = ARGV[j] end
+    k = k + 1
   end
-  a = a + 3
-end
-
-for _, key in ipairs(order) do
-  -- A foreign producer may name a key of another type: pcall skips it (WRONGTYPE) rather than
-  -- failing the batch, for one command instead of a TYPE check and the push.
-  local records = replies[key]
-  local pushed = redis.pcall('RPUSH', key, array_header(#records) .. table.concat(records))
-  if type(pushed) == 'number' then
-    redis.call('PEXPIRE', key, reply_ttl)
-  elseif not string.find(pushed['err'], 'WRONGTYPE', 1, true) then
-    failed[#failed + 1] = key
-    failed[#failed + 1] = pushed['err']
+  a = a + count
+  written = written + #records
+  if rep > 0 and #records > 0 then
+    -- A foreign producer may name a key of another type: pcall skips it (WRONGTYPE) rather than
+    -- failing the batch, for one command instead of a TYPE check and the push.
+    local key = KEYS[rep]
+    local pushed = redis.pcall('RPUSH', key, array_header(#records) .. table.concat(records))
+    if type(pushed) == 'number' then
+      redis.call('PEXPIRE', key, reply_ttl)
+    elseif not string.find(pushed['err'], 'WRONGTYPE', 1, true) then
+      failed[#failed + 1] = key
+      failed[#failed + 1] = pushed['err']
+    end
   end
 end
 
@@ -77,12 +101,45 @@ if ARGV[9] ~= '' then
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
 end
 
-local i = 0
-while i < n_ack do
-  local ids = {}
-  for j = 1, math.min(1000, n_ack - i) do ids[j] = ARGV[a + i + j - 1] end
-  redis.call('XACK', KEYS[1], group, unpack(ids))
-  redis.call('XDEL', KEYS[1], unpack(ids))
-  i = i + #ids
+-- ids (a table) in chunks of at most 1000 (unpack's limit).
+local function chunks(ids)
+  if #ids <= 1000 then return {ids} end
+  local out, i = {}, 0
+  while i < #ids do
+    local chunk = {}
+    for j = 1, math.min(1000, #ids - i) do chunk[j] = ids[i + j] end
+    out[#out + 1] = chunk
+    i = i + #chunk
+  end
+  return out
+end
+
+local acks, acked, late = {}, 0, {}
+for j = 1, n_ack do acks[j] = ARGV[a + j - 1] end
+local before = n_ack >= TRIM_FROM and redis.call('XPENDING', KEYS[1], group)  -- count, oldest, newest, consumers
+for _, ids in ipairs(chunks(acks)) do acked = acked + redis.call('XACK', KEYS[1], group, unpack(ids)) end
+if before then
+  local alone = before[1] == acked  -- every pending entry was this batch's: none is pending now
+  local bound_ms, bound_seq
+  if alone and before[3] then
+    bound_ms, bound_seq = id_parts(before[3])
+    if bound_seq then bound_seq = bound_seq + 1 end
+  elseif not alone then
+    bound_ms, bound_seq = id_parts(redis.call('XPENDING', KEYS[1], group)[2])
+  end
+  if bound_seq then
+    redis.call('XTRIM', KEYS[1], 'MINID', bound_ms .. '-' .. bound_seq)
+    for _, id in ipairs(alone and {} or acks) do  -- the entries of this batch the trim leaves
+      local ms, seq = id_parts(id)
+      if not seq or ms > bound_ms or (ms == bound_ms and seq >= bound_seq) then late[#late + 1] = id end
+    end
+  else
+    late = acks
+  end
+else
+  late = acks
+end
+if #late > 0 then
+  for _, ids in ipairs(chunks(late)) do redis.call('XDEL', KEYS[1], unpack(ids)) end
 end
 return {written, unpack(failed)}

@@ -110,37 +110,49 @@ class Committer:
 
     def __call__(self, commit: Commit) -> int:
         """Runs the batch's ``commit.lua``; the number of results it wrote."""
-        result_keys: list[bytes] = []
-        index: dict[bytes, bytes] = {}
-        first = len(self._static_keys) + 1  # Lua is 1-based
-
-        def key_index(key: bytes) -> bytes:
-            if key not in index:
-                index[key] = b"%d" % (first + len(result_keys))
-                result_keys.append(key)
-            return index[key]
-
-        res_args: list[bytes] = []
-        for result_key, record, reply in commit.results:
-            res_args += (key_index(result_key), record, key_index(reply) if reply else b"0")
+        result_keys, reply_keys, n_groups, results = self._results(commit.results)
         counts = [b"%d" % len(commit.acks), b"%d" % (len(commit.forwards) // 4), b"%d" % len(commit.results),
-                  b"%d" % (len(commit.dead) // 4), *commit.stats]
-        n_keys = len(self._static_keys) + len(result_keys)
+                  b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups]
+        n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
         if self._cluster:  # no single pool: redis-py routes by the first key
-            args: list[bytes | str | int] = [*self._constant_head, *counts, *commit.forwards, *res_args,
+            args: list[bytes | str | int] = [*self._constant_head, *counts, *commit.forwards, *results,
                                              *commit.dead, *commit.acks]
-            command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *map(_as_arg, args)]
+            command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
+                       *map(_as_arg, args)]
             return self._with_script(lambda: self._client.execute_command("EVALSHA", self._sha, *command))
-        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(commit.forwards) + len(res_args) \
+        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(commit.forwards) + len(results) \
             + len(commit.dead) + len(commit.acks)
         parts = [b"*%d\r\n" % n_args, self._packed_evalsha, b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys),
                  self._packed_static_keys]
         pack_args(result_keys, parts)
+        pack_args(reply_keys, parts)
         parts.append(self._packed_head)
-        for group in (counts, commit.forwards, res_args, commit.dead, commit.acks):
+        for group in (counts, commit.forwards, results, commit.dead, commit.acks):
             pack_args(group, parts)
         packed = b"".join(parts)
         return self._with_script(lambda: self._execute_packed(packed))
+
+    def _results(self, results: list[tuple[bytes, bytes, bytes | None]]
+                 ) -> tuple[list[bytes], list[bytes], int, list[bytes]]:
+        """The results grouped by reply key, as ``commit.lua`` takes them: the result keys in the
+        groups' order (KEYS after the static ones), the reply keys (KEYS after those), the number of
+        groups and their ARGV (each: its reply key's KEYS index or 0, its count, its records)."""
+        by_reply: dict[bytes | None, tuple[list[bytes], list[bytes]]] = {}
+        for key, record, reply in results:
+            group = by_reply.get(reply)
+            if group is None:
+                group = by_reply[reply] = ([], [])
+            group[0].append(key)
+            group[1].append(record)
+        result_keys = [key for keys, _ in by_reply.values() for key in keys]
+        reply_keys = [reply for reply in by_reply if reply]
+        index = len(self._static_keys) + len(result_keys)  # Lua is 1-based: the first reply key is index + 1
+        args: list[bytes] = []
+        for reply, (_, records) in by_reply.items():
+            if reply:
+                index += 1
+            args += (b"%d" % index if reply else b"0", b"%d" % len(records), *records)
+        return result_keys, reply_keys, len(by_reply), args
 
     def _with_script(self, run: Callable[[], Any]) -> int:
         try:

@@ -1,0 +1,116 @@
+"""commit.lua removes acked entries by one ``XTRIM MINID`` per batch (plus an ``XDEL`` for entries
+newer than the oldest one still pending): after every commit the stream holds exactly the
+undelivered and the pending entries, whatever order consumers commit in (admission's XLEN and the
+gateway's audit count on it), and no pending entry is ever removed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import redis
+
+from broker import codec
+from broker.commit import Commit, Committer, Ttls
+from broker.keys import GROUP, Keys
+from broker.protocol import entry_fields, ok_record
+
+pytestmark = pytest.mark.redis
+
+
+def _setup(client: redis.Redis, name: str, n: int) -> tuple[Keys, list[bytes]]:
+    keys = Keys(name)
+    client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+    ids = [client.xadd(keys.stream(0), entry_fields(b"r%d" % i, codec.encode(i), None, None))  # type: ignore[arg-type]
+           for i in range(n)]
+    return keys, ids
+
+
+def _read(client: redis.Redis, keys: Keys, consumer: str, count: int) -> list[bytes]:
+    reply = client.xreadgroup(GROUP, consumer, {keys.stream(0): ">"}, count=count)
+    return [entry_id for _stream, entries in reply for entry_id, _ in entries]
+
+
+def _ids_in_stream(client: redis.Redis, keys: Keys) -> set[bytes]:
+    return {entry_id for entry_id, _ in client.xrange(keys.stream(0))}
+
+
+def _pending(client: redis.Redis, keys: Keys) -> set[bytes]:
+    return {p["message_id"] for p in client.xpending_range(keys.stream(0), GROUP, "-", "+", 10_000)}
+
+
+def _check(client: redis.Redis, keys: Keys, ids: list[bytes], delivered: int) -> None:
+    """Exactly the undelivered and the pending entries are left, and XLEN says so."""
+    expected = set(ids[delivered:]) | _pending(client, keys)
+    assert _ids_in_stream(client, keys) == expected
+    assert client.xlen(keys.stream(0)) == len(expected)
+
+
+def test_in_order_commits_trim_the_stream(redis_client: redis.Redis) -> None:
+    keys, ids = _setup(redis_client, "t-trim-order", 300)
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    delivered = 0
+    for size in (1, 64, 50, 100, 7):
+        batch = _read(redis_client, keys, "a", size)
+        delivered += len(batch)
+        committer(Commit(acks=batch))
+        _check(redis_client, keys, ids, delivered)
+    assert redis_client.xlen(keys.stream(0)) == 300 - delivered
+
+
+def test_consumers_committing_out_of_order_leave_exactly_the_pending_entries(redis_client: redis.Redis) -> None:
+    """Three consumers hold batches read in turn and commit them in a random order: entries of a
+    batch newer than a peer's pending one are deleted one by one, the rest trimmed."""
+    keys, ids = _setup(redis_client, "t-trim-shuffle", 900)
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    rng = random.Random(22)
+    held: list[list[bytes]] = []
+    delivered = 0
+    while delivered < len(ids) or held:
+        if delivered < len(ids) and (len(held) < 3 or rng.random() < 0.3):
+            batch = _read(redis_client, keys, f"c{len(held)}", rng.randint(1, 70))
+            delivered += len(batch)
+            held.append(batch)
+            continue
+        batch = held.pop(rng.randrange(len(held)))
+        before = _pending(redis_client, keys) - set(batch)
+        committer(Commit(acks=batch))
+        assert _pending(redis_client, keys) == before  # nobody else's entry was acked
+        _check(redis_client, keys, ids, delivered)
+    assert redis_client.xlen(keys.stream(0)) == 0
+
+
+def test_a_batch_acked_twice_or_already_acked_removes_nothing_else(redis_client: redis.Redis) -> None:
+    """A commit whose entries are no longer pending (another consumer's commit of a claimed copy won)
+    leaves undelivered and pending entries alone."""
+    keys, ids = _setup(redis_client, "t-trim-twice", 40)
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    first = _read(redis_client, keys, "a", 10)
+    second = _read(redis_client, keys, "b", 10)
+    committer(Commit(acks=first))
+    committer(Commit(acks=first))  # again: nothing pending of it
+    _check(redis_client, keys, ids, 20)
+    committer(Commit(acks=second))
+    _check(redis_client, keys, ids, 20)
+    assert redis_client.xlen(keys.stream(0)) == 20
+
+
+def test_results_grouped_by_reply_key_keep_first_write_wins(redis_client: redis.Redis) -> None:
+    """Results for two reply keys and none, interleaved, with a duplicate request id in the batch:
+    one element per reply key, in the batch's order, each request answered once."""
+    keys, _ = _setup(redis_client, "t-trim-groups", 6)
+    batch = _read(redis_client, keys, "a", 6)
+    replies = [keys.reply("g1").encode(), keys.reply("g2").encode(), None]
+    commit = Commit(acks=batch)
+    requests = [b"r0", b"r1", b"r2", b"r3", b"r0", b"r5"]  # r0 twice: the second loses
+    for n, rid in enumerate(requests):
+        commit.publish(keys.result_key(rid), ok_record(rid, n), replies[n % 3])
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    assert committer(commit) == 5
+    g1 = [codec.decode(e) for e in redis_client.lrange(replies[0], 0, -1)]  # type: ignore[arg-type]
+    g2 = [codec.decode(e) for e in redis_client.lrange(replies[1], 0, -1)]  # type: ignore[arg-type]
+    assert [[r["id"] for r in g1[0]]] == [["r0", "r3"]] and len(g1) == 1
+    assert [[r["id"] for r in g2[0]]] == [["r1"]] and len(g2) == 1  # r0's second record lost SET NX
+    assert codec.decode(redis_client.get(keys.result("r0"))) == {"id": "r0", "ok": True, "value": 0}
+    assert redis_client.exists(keys.result("r2")) and redis_client.exists(keys.result("r5"))
+    assert redis_client.xlen(keys.stream(0)) == 0
