@@ -58,11 +58,18 @@ class Router:
         return work
 
     def route_all(self, work: Work, outcomes: list[tuple[bool, Any]], commit: Commit, keys: Keys) -> None:
-        """``route`` for each item of ``work`` and its outcome; a forwarded result's common case
-        (encoded, small enough) without a call per item."""
+        """``route`` for each item of ``work`` and its outcome; the common case (a forwarded value
+        or a result record, encoded and small enough) without a call per item."""
         if self.last_stage:
+            record_of, name, limit = protocol.ok_record, self.spec.name, self.max_payload_bytes
+            prefix, results = keys.result_prefix, commit.results
             for (item, _), outcome in zip(work, outcomes, strict=True):
-                self.route(item, outcome, commit, keys)
+                if outcome[0]:
+                    record = record_of(item.request_id, outcome[1], name)
+                    if len(record) <= limit:
+                        results.append((prefix + item.request_id, record, item.reply))  # commit.publish, inlined
+                        continue
+                self.route(item, outcome, commit, keys)  # errors and results too large, said as route says them
             return
         encode, limit, forwards = codec.encode, self.max_payload_bytes, commit.forwards
         for (item, _), outcome in zip(work, outcomes, strict=True):
