@@ -46,6 +46,10 @@ from gateway.errors import Overloaded, StageError
 
 log = logging.getLogger("conveyor.gateway")
 
+# On a Redis Cluster, how often a reply reader asks its node's run id (one INFO): a failover that
+# redis-py followed without an error is seen within this (gateway.client.recall).
+RUN_CHECK_S = 1.0
+
 Turn = tuple[Lane, list[Submission], list[bytes]]
 
 
@@ -308,12 +312,18 @@ class Hub:
         conn = None if self._cluster else AsyncHeldConnection(client)
         backoff = Backoff(cap_s=1.0)  # back within a second of Redis: the requests it forgot wait on it
         recovering = True  # at start: records the server's run id (gateway.client.recall)
+        checked_s = 0.0
         try:
             while not self._closing:
                 try:
                     if recovering:
                         await self._recover(reply_key, client)
-                        recovering = False
+                        recovering, checked_s = False, self._loop.time()
+                    elif self._cluster and self._loop.time() - checked_s > RUN_CHECK_S:
+                        # redis-py follows a failover to the promoted node by itself, without an error
+                        # here: the run id of the slot's node says whether one happened.
+                        await self.recall.check_run(client, reply_key, self._lanes_of(reply_key))
+                        checked_s = self._loop.time()
                     popped = await self._pop(conn, client, reply_key)
                     backoff.reset()
                 except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
@@ -358,11 +368,14 @@ class Hub:
             if isinstance(record, dict):
                 self._resolve(record)
 
+    def _lanes_of(self, reply_key: bytes) -> list[Lane]:
+        return [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
+
     async def _recover(self, reply_key: bytes, client: Any) -> None:
         """After a reconnect: send again what the server forgot if it is another run; re-read the
         durable result keys of the requests in flight whose answers come to ``reply_key`` (a
         popped reply may have been lost with the connection)."""
-        lanes = [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
+        lanes = self._lanes_of(reply_key)
         await self.recall.check_run(client, reply_key, lanes)
         for lane in lanes:
             ids = [i for i in self.pending if i.startswith(lane.id_prefix)]

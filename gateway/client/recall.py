@@ -6,8 +6,9 @@ not yet replicated, and FLUSHALL or eviction drop keys. A request lost there wou
 out its deadline. Two checks find them, neither per request in the steady state:
 
 - **Another run**: after the reply reader reconnects, the run id of the server it talks to (one
-  ``INFO server``). A different one (a restart, or a failover promoted another node) may have lost
-  anything: every request in flight there is sent again at once.
+  ``INFO server``; on a Redis Cluster also every second, since redis-py follows a failover to the
+  promoted node without an error). A different one (a restart, or a failover promoted another node)
+  may have lost anything: every request in flight there is sent again at once.
 - **An audit** (every ``audit_after_s``, only for requests older than that): one ``audit.lua`` per
   pipeline partition finds those in no stage's stream and without a result; they are sent again.
 
