@@ -103,6 +103,7 @@ end
 
 -- ids (a table) in chunks of at most 1000 (unpack's limit).
 local function chunks(ids)
+  if #ids == 0 then return {} end
   if #ids <= 1000 then return {ids} end
   local out, i = {}, 0
   while i < #ids do
@@ -139,7 +140,5 @@ if before then
 else
   late = acks
 end
-if #late > 0 then
-  for _, ids in ipairs(chunks(late)) do redis.call('XDEL', KEYS[1], unpack(ids)) end
-end
+for _, ids in ipairs(chunks(late)) do redis.call('XDEL', KEYS[1], unpack(ids)) end
 return {written, unpack(failed)}

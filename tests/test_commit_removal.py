@@ -114,3 +114,13 @@ def test_results_grouped_by_reply_key_keep_first_write_wins(redis_client: redis.
     assert codec.decode(redis_client.get(keys.result("r0"))) == {"id": "r0", "ok": True, "value": 0}
     assert redis_client.exists(keys.result("r2")) and redis_client.exists(keys.result("r5"))
     assert redis_client.xlen(keys.stream(0)) == 0
+
+
+def test_a_commit_without_entries_to_ack(redis_client: redis.Redis) -> None:
+    """Nothing to ack (stats alone, or nothing at all): no XACK or XDEL without ids (an error reply)."""
+    keys, ids = _setup(redis_client, "t-trim-none", 3)
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    assert committer(Commit()) == 0
+    assert committer(Commit(stats=(b"1", b"0.5"))) == 0
+    assert redis_client.xlen(keys.stats(0)) == 1
+    _check(redis_client, keys, ids, 0)
