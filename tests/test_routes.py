@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from broker.spec import PipelineIO, TensorSpec
+from gateway.errors import StageError
 from gateway.http.native import Pending
 from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
@@ -107,3 +110,35 @@ def test_models_and_versions() -> None:
     assert label == "infer" and reply.status == 500 and b"model 'm'" in reply.body
     assert _call(router, "GET", "/v2/models/m/infer")[1].status == 405
     assert _call(router, "GET", "/v2/models/m/other")[1].status == 404
+
+
+class Declared(Named):
+    """A fake whose pipeline declares x FP64 [-1] -> y FP64 [-1], batched: it doubles each row, and
+    fails a negative one as a stage would."""
+
+    registration = SimpleNamespace(registered=True, io=PipelineIO((TensorSpec("x", "FP64", (-1,)),),
+                                                                  (TensorSpec("y", "FP64", (-1,)),), True))
+
+    async def _predict(self, x: Any) -> Any:
+        if x < 0:
+            raise StageError("ValueError", "negative row", "Double", "")
+        return x * 2
+
+
+def test_one_row_is_answered_as_a_batch_of_one() -> None:
+    """A request of one row skips the Gather (its own waiter answers it): same reply as the general
+    path, a failure naming item 0 as a Gather would."""
+    router = _router(Declared("d"))
+
+    def infer(rows: list[float]) -> Reply:
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP64", "shape": [len(rows)], "data": rows}]})
+        return _call(router, "POST", "/v2/models/d/infer", body.encode())[1]
+
+    for rows in ([3.0], [3.0, 4.5]):
+        reply = infer(rows)
+        assert reply.status == 200
+        assert json.loads(reply.body)["outputs"] == [{"name": "y", "datatype": "FP64", "shape": [len(rows)],
+                                                      "data": [2 * r for r in rows]}]
+    for rows, index in (([-1.0], 0), ([1.0, -1.0], 1)):
+        reply = infer(rows)
+        assert reply.status == 400 and json.loads(reply.body)["error"].startswith(f"item {index}: ")

@@ -99,6 +99,8 @@ class Inference:
                 raise TensorError(f"model {self.model!r} declares no tensors: "
                                   f"send exactly one input, got {len(tensors)}")
             return [_plain(tensors[0].data)]
+        if len(self.io.inputs) == 1 and len(tensors) == 1 and tensors[0].name == self.io.inputs[0].name:
+            return self._rows(tensors[0])
         by_name = {t.name: t for t in tensors}
         expected = {t.name for t in self.io.inputs}
         if set(by_name) != expected:
@@ -113,6 +115,16 @@ class Inference:
                               f"got {sorted(sizes)}")
         n = sizes.pop()
         return [_one_or_dict({s.name: _plain(by_name[s.name].data[i]) for s in self.io.inputs}) for i in range(n)]
+
+    def _rows(self, tensor: Tensor) -> list[Any]:
+        """The one declared input's items, as the general path makes them but without its dicts
+        (the common case, and a small request's cost is mostly per-call overhead): a numeric
+        tensor's rows are its numpy scalars or row arrays, a BYTES tensor's go through `_plain`."""
+        _check(self.io.inputs[0], tensor, "input")
+        data = tensor.data
+        if not self.io.batched:
+            return [_plain(data)]
+        return list(data) if data.dtype.kind != "O" else [_plain(row) for row in data]
 
     def respond(self, answers: Sequence[Any]) -> Reply:
         """The answers (one per item, in order) as the response's tensors."""
@@ -146,7 +158,9 @@ class Inference:
         for spec in self.io.outputs:
             values = [_field(answer, spec.name, len(self.io.outputs)) for answer in answers]
             dtype = DATATYPES[spec.datatype]
-            if self.io.batched:
+            if self.io.batched and values and dtype.kind != "O":  # numeric rows: one conversion, not one per row
+                array = np.asarray(values, dtype=dtype)  # rows of differing shapes raise ValueError, as stack does
+            elif self.io.batched:
                 array = np.stack([np.asarray(v, dtype=dtype) for v in values]) if values else np.zeros((0,), dtype)
             else:
                 array = np.asarray(values[0], dtype=dtype)

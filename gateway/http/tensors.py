@@ -28,6 +28,8 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     "BYTES": np.dtype(object),
 }
 _BY_KIND = {dtype.str.lstrip("<>|="): name for name, dtype in DATATYPES.items() if name != "BYTES"}
+# The wire's byte order, made once (``newbyteorder`` builds a new dtype at every call).
+_LITTLE = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
 
 
 class TensorError(ValueError):
@@ -174,7 +176,7 @@ def _from_binary(name: str, datatype: str, raw: bytes, count: int) -> npt.NDArra
         if pos != len(raw) or len(items) != count:
             raise TensorError(f"input {name!r}: {len(items)} BYTES elements for a shape of {count}")
         return np.array(items, dtype=object)
-    dtype = DATATYPES[datatype].newbyteorder("<")
+    dtype = _LITTLE[datatype]
     if len(raw) != count * dtype.itemsize:
         raise TensorError(f"input {name!r}: {len(raw)} bytes for {count} values of {datatype} "
                           f"({count * dtype.itemsize} needed)")
@@ -188,7 +190,7 @@ def _to_binary(tensor: Tensor) -> bytes:
             raw = item if isinstance(item, bytes) else str(item).encode()
             parts += (struct.pack("<I", len(raw)), raw)
         return b"".join(parts)
-    return np.ascontiguousarray(tensor.data, dtype=DATATYPES[tensor.datatype].newbyteorder("<")).tobytes()
+    return np.ascontiguousarray(tensor.data, dtype=_LITTLE[tensor.datatype]).tobytes()
 
 
 def _to_json(tensor: Tensor) -> list[Any]:

@@ -28,6 +28,7 @@ from gateway.http.oip import (
     HEADER_LENGTH,
     Gather,
     Inference,
+    ItemFailed,
     error_reply,
     failure_reply,
     json_reply,
@@ -157,6 +158,8 @@ class V2:
             return inference.respond([])
         if not io.batched:
             return Pending(waiters[0], lambda w: _respond(inference, w, single=True))
+        if len(waiters) == 1:  # one row: its own waiter, no Gather (a Slot and a callback fewer per request)
+            return Pending(waiters[0], lambda w: _respond_row(inference, w))
         gather = Gather(asyncio.get_running_loop(), waiters)
         return Pending(gather.slot, lambda w: _respond(inference, w, single=False))
 
@@ -167,6 +170,15 @@ def _respond(inference: Inference, waiter: Any, single: bool) -> Reply:
     except Exception as exc:
         return failure_reply(exc)
     return inference.respond([answer] if single else answer)
+
+
+def _respond_row(inference: Inference, waiter: Any) -> Reply:
+    """A batched request of one row: answered as a Gather of one would (a failure names item 0)."""
+    try:
+        answer = waiter.result()
+    except Exception as exc:
+        return failure_reply(ItemFailed(0, exc))
+    return inference.respond([answer])
 
 
 def _later(coro: Awaitable[Reply]) -> Pending:
