@@ -51,11 +51,16 @@ class Route:
 
 
 class RouteTable:
-    """Exact paths in a dict (the hot ones: one lookup), patterned ones (``{name}`` segments) after."""
+    """Exact paths in a dict (the hot ones: one lookup), patterned ones (``{name}`` segments) after;
+    a patterned path once matched is remembered (a gateway sees a handful of pipeline names), so
+    that ``/v2/models/NAME/infer`` costs a lookup too, not a split and a scan per request."""
+
+    MATCHED_MAX = 4096  # remembered patterned paths; past this the memory is cleared (odd clients)
 
     def __init__(self) -> None:
         self.exact: dict[bytes, Route] = {}
         self.patterns: list[tuple[tuple[bytes | None, ...], Route]] = []
+        self._matched: dict[bytes, tuple[Route, tuple[str, ...]]] = {}
 
     def add(self, path: str, methods: frozenset[bytes], label: str, handler: Handler) -> None:
         route = Route(methods, label, handler)
@@ -68,11 +73,18 @@ class RouteTable:
         route = self.exact.get(path)
         if route is not None:
             return route, ()
+        found = self._matched.get(path)
+        if found is not None:
+            return found
         parts = path.split(b"/")
         for pattern, candidate in self.patterns:
             if len(pattern) == len(parts) and all(p is None or p == q for p, q in zip(pattern, parts, strict=True)):
-                return candidate, tuple(unquote(q.decode("latin-1")) for p, q in zip(pattern, parts, strict=True)
-                                        if p is None)
+                found = candidate, tuple(unquote(q.decode("latin-1")) for p, q in zip(pattern, parts, strict=True)
+                                         if p is None)
+                if len(self._matched) >= self.MATCHED_MAX:
+                    self._matched.clear()
+                self._matched[path] = found
+                return found
         return None
 
 
