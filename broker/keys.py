@@ -15,8 +15,9 @@ stage's position in the pipeline, counted from 0.
 =================================  ======  ===================  ==============================
 key                                type    TTL                  written by
 =================================  ======  ===================  ==============================
-``P:stream:<i>``                   stream  none (entries are    gateway / foreign producers
-                                           XDEL'd once acked)   (i=0); stage i-1 workers (i>0)
+``P:stream:<i>``                   stream  none (entries leave  gateway / foreign producers
+                                           once acked: XTRIM    (i=0); stage i-1 workers (i>0)
+                                           MINID or XDEL)
 ``P:dead:<i>``                     stream  none (MAXLEN ~)      stage i workers (dead letters)
 ``P:result:<request id>``          string  ``result_ttl_ms``    the worker that finishes the
                                                                 request (SET NX: first wins)
