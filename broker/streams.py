@@ -139,15 +139,20 @@ def read_any(readers: Sequence[StreamReader], count: int, timeout_s: float) -> l
             reader.close()
             outcomes[i] = exc
     if sent:
-        select.select([readers[i].fileno() for i in sent], [], [], timeout_s)
-    for i in sent:
-        outcomes[i] = _finish(readers[i])
+        fds = {readers[i].fileno(): i for i in sent}
+        readable, _, _ = select.select(list(fds), [], [], timeout_s)
+        answered = {fds[fd] for fd in readable}
+        for i in sent:
+            outcomes[i] = _finish(readers[i], i in answered)
     return outcomes
 
 
-def _finish(reader: StreamReader) -> ReadOutcome:
+def _finish(reader: StreamReader, answered: bool) -> ReadOutcome:
+    """Its reply: at once when its socket had bytes (the reply is under way: no readiness check,
+    which costs a poll, a recv and redis-py's overhead on every read of an idle worker), else after
+    ending the read if it is still blocked."""
     try:
-        return reader.finish_waiting()
+        return reader.finish_read() if answered else reader.finish_waiting()
     except Exception as exc:  # the caller tells a lost node from a bug
         reader.close()
         return exc
