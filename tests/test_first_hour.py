@@ -146,6 +146,21 @@ def test_an_input_too_large_is_refused_before_redis(redis_url: str, redis_client
         assert redis_client.xinfo_stream(stream)["entries-added"] == before + 1  # only the small one
 
 
+@pytest.mark.unit
+def test_a_gateway_used_before_start_says_so() -> None:
+    """A Gateway used outside ``async with`` (or before ``start()``): one clear error in the caller's
+    stack, not an IndexError and a background task that dies on a missing connection."""
+    async def scenario() -> None:
+        gw = Gateway(NOWHERE, "scale-shift")
+        with pytest.raises(RuntimeError, match=r"not started: use `async with Gateway"):
+            await gw.predict(3)
+        await asyncio.sleep(0)  # a background task started by the call would fail here
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await gw.close()
+
+    asyncio.run(scenario())
+
+
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
                           stdin=subprocess.DEVNULL)

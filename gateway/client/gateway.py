@@ -173,8 +173,11 @@ class Gateway:
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
             raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
-        self._check_count()
         lanes = self.lanes
+        if not lanes:
+            raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
+                               "or `await gw.start()` first")
+        self._check_count()
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]

@@ -67,6 +67,7 @@ class Hub:
         self._lanes: dict[bytes, Lane] = {}  # by id prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._started = False  # connected: what `close` has to undo
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class Hub:
             self._spawn(self._reader(self._shared_reply, self._reply_client), "conveyor-reader")
         if self.settings.resend_forgotten and self.settings.audit_after_s > 0:
             self._spawn(self.recall.audit_forever(self._client), "conveyor-audit")
+        self._started = True
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -134,6 +136,10 @@ class Hub:
         return lane
 
     async def close(self) -> None:
+        """Stop the tasks, fail what is still pending, disconnect; nothing to do if never started."""
+        if not self._started:
+            return
+        self._started = False
         self._closing = True
         for task in self._tasks:
             task.cancel()
