@@ -121,7 +121,7 @@ async def paired_single(url: str, pipeline: str, texts: list[str], tokenizer: An
     Within a block each way runs back to back, as one client at 1 in flight does. With
     ``block=1`` every conveyor request instead follows a direct call, so each finds conveyor's
     processes idle for a whole model run (~25 ms here): on this VM a process woken after that long
-    answers ~0.1-0.4 ms later than a warm one (docs/benchmarks.md), which that figure shows too."""
+    answers ~0.1-0.4 ms later than a warm one (docs/benchmarks-archive.md), which that figure shows too."""
     direct_s = [0.0] * len(texts)
     conveyor_s = [0.0] * len(texts)
     async with Gateway(url, pipeline) as gw:
