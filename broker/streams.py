@@ -129,6 +129,8 @@ def read_any(readers: Sequence[StreamReader], count: int, timeout_s: float) -> l
     the error it met) as soon as one has entries, or after ``timeout_s``. Every reply is read:
     entries that won the race on another stream are returned too (they are this consumer's now)."""
     block_ms = max(1, math.ceil(timeout_s * 1000))
+    if len(readers) == 1:  # one lane (every pipeline of one partition): no fan-out to set up
+        return [_read_one(readers[0], count, block_ms, timeout_s)]
     outcomes: list[ReadOutcome] = [[] for _ in readers]
     sent: list[int] = []
     for i, reader in enumerate(readers):
@@ -145,6 +147,16 @@ def read_any(readers: Sequence[StreamReader], count: int, timeout_s: float) -> l
         for i in sent:
             outcomes[i] = _finish(readers[i], i in answered)
     return outcomes
+
+
+def _read_one(reader: StreamReader, count: int, block_ms: int, timeout_s: float) -> ReadOutcome:
+    try:
+        reader.send_read(count, block_ms)
+        readable, _, _ = select.select([reader.fileno()], [], [], timeout_s)
+    except Exception as exc:  # the caller tells a lost node from a bug
+        reader.close()
+        return exc
+    return _finish(reader, bool(readable))
 
 
 def _finish(reader: StreamReader, answered: bool) -> ReadOutcome:

@@ -247,7 +247,8 @@ class Worker:
         claim_due, reap_due = now >= self._next_claim, now >= self._next_reap
         up = [lane for lane in self._lanes if lane.up(now)]
         for lane in up:
-            self._on_lane(lane, lambda lane: self._upkeep(lane, claim_due, reap_due))
+            if lane.recover or claim_due or reap_due:  # most turns have nothing to keep up
+                self._on_lane(lane, lambda lane: self._upkeep(lane, claim_due, reap_due))
         if claim_due:
             self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         if reap_due:
