@@ -26,19 +26,19 @@ import logging
 import math
 import time
 import traceback as tb
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol
 from broker.codec import CodecError
 from gateway.backends import Backend
-from gateway.client.slot import Waiter
+from gateway.client.slot import Waiter, awaitable
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
-__all__ = ["Pending", "Predict", "request_bound_s", "timeout_s"]
+__all__ = ["Pending", "Predict", "later", "once_declared", "request_bound_s", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -54,6 +54,32 @@ class Pending:
 
     future: Waiter
     finish: Callable[[Waiter], Reply]
+
+
+def _reply_of(future: Any) -> Reply:
+    result: Reply = future.result()
+    return result
+
+
+def later(coro: Awaitable[Reply]) -> Pending:
+    """A reply a coroutine makes (a route that must await something first), as a `Pending`."""
+    return Pending(asyncio.ensure_future(coro), _reply_of)
+
+
+async def once_declared(request: Request, backend: Backend, start: Callable[[Any], Reply | Pending],
+                        refused: Callable[[Exception], Reply]) -> Reply:
+    """A pipeline whose spec this gateway has not seen yet (it started before the workers): wait
+    for its declared tensors within the request's own bound, then take the route's synchronous
+    path ``start(io)``; ``refused(exc)`` answers a failure to learn them in the route's error shape."""
+    try:
+        io = await backend.pipeline_io(request_bound_s(request.headers))
+    except Exception as exc:  # HttpError (a bad deadline header), UnknownPipeline, TimeoutError, a lost connection
+        return refused(exc)
+    answer = start(io)
+    if isinstance(answer, Reply):
+        return answer
+    await awaitable(answer.future)
+    return answer.finish(answer.future)
 
 
 def _positive_float(name: bytes, raw: bytes) -> float:

@@ -28,9 +28,8 @@ import orjson
 
 from broker.spec import EMBEDDINGS, PipelineIO
 from gateway.backends import Backend, Backends, known_io
-from gateway.client.slot import awaitable
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
-from gateway.http.native import PARTITION_KEY_HEADER, Pending, request_bound_s
+from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.oip import Gather, ItemFailed
 from gateway.http.types import HttpError, Reply, Request
 
@@ -155,23 +154,11 @@ class OpenAI:
                                   outcome="not_found")
             io = known_io(backend)
             if io is None:  # the spec not seen yet: wait for the pipeline's registration first
-                return Pending(asyncio.ensure_future(self._later(request, query, backend)), _reply_of)
+                return later(once_declared(request, backend, lambda io: self._submit(request, query, backend, io),
+                                           _refused))
             return self._submit(request, query, backend, io)
         except OpenAIError as exc:
             return exc.reply()
-
-    async def _later(self, request: Request, query: Query, backend: Backend) -> Reply:
-        try:
-            io = await backend.pipeline_io(request_bound_s(request.headers))
-        except HttpError as exc:
-            return OpenAIError(exc.status, exc.message, outcome=exc.outcome).reply()
-        except Exception as exc:  # UnknownPipeline, TimeoutError, a lost connection
-            return _failure(exc).reply()
-        answer = self._submit(request, query, backend, io)
-        if isinstance(answer, Reply):
-            return answer
-        await awaitable(answer.future)
-        return answer.finish(answer.future)
 
     def _submit(self, request: Request, query: Query, backend: Backend, io: PipelineIO) -> Reply | Pending:
         try:
@@ -198,6 +185,8 @@ def _finish(query: Query, slot: Any) -> Reply:
         return _failure(exc).reply()
 
 
-def _reply_of(future: Any) -> Reply:
-    result: Reply = future.result()
-    return result
+def _refused(exc: Exception) -> Reply:
+    """The model's tensors could not be learned (not registered in time, Redis lost): OpenAI's shape."""
+    if isinstance(exc, HttpError):
+        return OpenAIError(exc.status, exc.message, outcome=exc.outcome).reply()
+    return _failure(exc).reply()

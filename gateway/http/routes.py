@@ -18,14 +18,13 @@ is closed; 404 unknown path; 405 wrong method; 408 head or body not received in 
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from gateway.backends import Backend, Backends, as_backends
-from gateway.http.native import Pending, Predict, internal
+from gateway.http.native import Pending, Predict, internal, later
 from gateway.http.openai import OpenAI
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Reply, Request, ok
@@ -100,11 +99,6 @@ def status_body(status: PipelineStatusLike) -> dict[str, Any]:
     }
 
 
-def _reply_of(future: Any) -> Reply:
-    result: Reply = future.result()
-    return result
-
-
 class Router:
     """Maps a `Request` to a `Reply` over the pipelines served (a `Backends`, or one `Backend`).
 
@@ -127,8 +121,8 @@ class Router:
         table.add("/v1/embeddings", POST, "embeddings", openai.embeddings)
         table.add("/v1/models", GET, "models", openai.models)
         table.add("/healthz", GET, "healthz", lambda request, params: ok({"status": "ok"}))
-        table.add("/readyz", GET, "readyz", lambda request, params: _later(self._readyz()))
-        table.add("/metrics", GET, "metrics", lambda request, params: _later(self._metrics()))
+        table.add("/readyz", GET, "readyz", lambda request, params: later(self._readyz()))
+        table.add("/metrics", GET, "metrics", lambda request, params: later(self._metrics()))
         table.add("/v2", GET, "v2_metadata", v2.server)
         table.add("/v2/health/live", GET, "v2_live", v2.live)
         table.add("/v2/health/ready", GET, "v2_ready", v2.ready)
@@ -213,7 +207,3 @@ class Router:
     def internal_error(self, exc: BaseException) -> Reply:
         """The reply to a request whose handler failed unexpectedly (a gateway bug)."""
         return internal(exc, self.settings.debug).reply()
-
-
-def _later(coro: Awaitable[Reply]) -> Pending:
-    return Pending(asyncio.ensure_future(coro), _reply_of)

@@ -22,8 +22,7 @@ from typing import Any
 
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
-from gateway.client.slot import awaitable
-from gateway.http.native import PARTITION_KEY_HEADER, Pending, request_bound_s
+from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.oip import (
     HEADER_LENGTH,
     Gather,
@@ -45,11 +44,6 @@ VERSION = "1"
 Statuses = Callable[[], Awaitable[Mapping[str, PipelineStatusLike]]]
 
 
-def _reply_of(future: Any) -> Reply:
-    result: Reply = future.result()
-    return result
-
-
 class V2:
     """The handlers; ``statuses`` reads every served pipeline's status (and feeds the metrics)."""
 
@@ -65,7 +59,7 @@ class V2:
         return json_reply({"live": True})
 
     def ready(self, request: Request, params: tuple[str, ...]) -> Pending:
-        return _later(self._ready())
+        return later(self._ready())
 
     async def _ready(self) -> Reply:
         if self._draining():
@@ -94,7 +88,7 @@ class V2:
         io = known_io(backend)
         if io is not None:
             return json_reply(model_metadata(name, io))
-        return _later(self._metadata_later(name, backend))
+        return later(self._metadata_later(name, backend))
 
     async def _metadata_later(self, name: str, backend: Backend) -> Reply:
         try:
@@ -106,7 +100,7 @@ class V2:
         found = self._model(params)
         if isinstance(found, Reply):
             return found
-        return _later(self._model_ready(*found))
+        return later(self._model_ready(*found))
 
     async def _model_ready(self, name: str, backend: Backend) -> Reply:
         ready = False
@@ -123,21 +117,9 @@ class V2:
         name, backend = found
         io = known_io(backend)
         if io is None:  # the pipeline's spec not seen yet (rare: a gateway started before its workers)
-            return _later(self._infer_later(request, name, backend))
+            return later(once_declared(request, backend, lambda io: self._infer(request, name, backend, io),
+                                       _refused))
         return self._infer(request, name, backend, io)
-
-    async def _infer_later(self, request: Request, name: str, backend: Backend) -> Reply:
-        try:
-            io = await backend.pipeline_io(request_bound_s(request.headers))
-        except HttpError as exc:
-            return error_reply(exc.status, exc.message, exc.outcome)
-        except Exception as exc:  # UnknownPipeline, TimeoutError, a lost connection
-            return failure_reply(exc)
-        answer = self._infer(request, name, backend, io)
-        if isinstance(answer, Reply):
-            return answer
-        await awaitable(answer.future)
-        return answer.finish(answer.future)
 
     def _infer(self, request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
         """Refused before Redis when the tensors do not fit; else one item (or one per row) submitted."""
@@ -164,6 +146,13 @@ class V2:
         return Pending(gather.slot, lambda w: _respond(inference, w, single=False))
 
 
+def _refused(exc: Exception) -> Reply:
+    """The tensors of a pipeline not yet seen could not be learned: said as the protocol says errors."""
+    if isinstance(exc, HttpError):
+        return error_reply(exc.status, exc.message, exc.outcome)
+    return failure_reply(exc)
+
+
 def _respond(inference: Inference, waiter: Any, single: bool) -> Reply:
     try:
         answer = waiter.result()
@@ -179,7 +168,3 @@ def _respond_row(inference: Inference, waiter: Any) -> Reply:
     except Exception as exc:
         return failure_reply(ItemFailed(0, exc))
     return inference.respond([answer])
-
-
-def _later(coro: Awaitable[Reply]) -> Pending:
-    return Pending(asyncio.ensure_future(coro), _reply_of)
