@@ -37,6 +37,8 @@ START_TIMEOUT_S = 60.0
 
 
 def _cpu_s(procs: list[psutil.Process]) -> float:
+    """As bench.oip_load's, repeated: ``--run`` imports only the measured checkout's public API
+    (an older checkout has no bench.oip_load)."""
     total = 0.0
     for proc in procs:
         try:
