@@ -45,8 +45,8 @@ async def _measure(repeat: int) -> dict[str, float]:
     from broker import codec
     from broker.spec import PipelineIO, TensorSpec
     from gateway.client.slot import Slot
+    from gateway.http.infer import Inference
     from gateway.http.native import Pending
-    from gateway.http.oip import Inference
     from gateway.http.routes import Router
     from gateway.http.settings import HttpSettings
     from gateway.http.tensors import parse_request

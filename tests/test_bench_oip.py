@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 def test_bodies_parse_as_the_gateway_parses_them() -> None:
     body, head = oip_binary("x", "FP64", [2], struct.pack("<2d", 3.0, -1.5))
     request = parse_request(body, head)
-    assert request.parameters == {"binary_data_output": True}
+    assert request.head.parameters == {"binary_data_output": True}
     assert np.array_equal(request.inputs[0].data, [3.0, -1.5]) and request.inputs[0].datatype == "FP64"
     texts = ["h\u00e9llo", "", "a sentence."]
     body, head = oip_binary("text", "BYTES", [3], bytes_tensor(texts))

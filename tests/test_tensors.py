@@ -17,7 +17,8 @@ import pytest
 from broker.codec import decode, encode
 from broker.spec import PipelineIO, TensorSpec
 from gateway.errors import Overloaded, StageError
-from gateway.http.oip import Gather, Inference, ItemFailed, failure_reply, model_metadata
+from gateway.http.infer import Inference
+from gateway.http.oip import Gather, ItemFailed, failure_reply, model_metadata
 from gateway.http.tensors import DATATYPES, TensorError, encode_response, parse_request
 
 pytestmark = pytest.mark.unit
@@ -148,7 +149,7 @@ def test_id_and_parameters_are_echoed_binary_request_flag_is_not() -> None:
     doc = {"id": "abc", "parameters": {"binary_data_output": True, "mine": 1},
            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}
     request = parse_request(json.dumps(doc).encode(), None)
-    body, head = encode_response("m", request, [], {"mine": 1})
+    body, head = encode_response("m", request.head, [], {"mine": 1})
     assert head is None and orjson.loads(body) == {"model_name": "m", "model_version": "1", "outputs": [],
                                                     "id": "abc", "parameters": {"mine": 1}}
 

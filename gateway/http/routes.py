@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from gateway.backends import Backend, Backends, as_backends
+from gateway.http.infer import Plans
 from gateway.http.native import Pending, Predict, internal, later
 from gateway.http.openai import OpenAI
 from gateway.http.settings import HttpSettings
@@ -112,7 +113,7 @@ class Router:
         self.metrics = metrics
         self._draining = draining
         self._predict = Predict(settings.debug)
-        v2 = V2(self.backends, self._statuses, draining)
+        v2 = V2(self.backends, self._statuses, draining, Plans(settings.oip_plans))
         table = self.table = RouteTable()
         table.add("/v1/predict", POST, "predict", self._predict_only)
         table.add("/v1/pipelines/{name}/predict", POST, "predict", self._predict_named)

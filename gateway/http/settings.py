@@ -25,6 +25,9 @@ class HttpSettings:
     - ``debug``: include stage tracebacks in 422 bodies (they may reveal code and data).
     - ``reuse_port``: bind with SO_REUSEPORT, so that several gateway processes share the port
       (``conveyor gateway --processes N``); the kernel spreads new connections over them.
+    - ``oip_plans``: how many Open Inference Protocol request heads without data (the binary
+      extension's, which a client repeats for every request of the same shapes) are kept parsed and
+      checked, so that a repeated request skips that work; 0 keeps none.
     """
 
     host: str = "127.0.0.1"
@@ -41,6 +44,7 @@ class HttpSettings:
     status_timeout_s: float = 5.0
     backlog: int = 1024
     reuse_port: bool = False
+    oip_plans: int = 256
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
@@ -49,6 +53,8 @@ class HttpSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        if self.oip_plans < 0:
+            raise ValueError(f"oip_plans must be >= 0, got {self.oip_plans!r}")
         for name in ("max_body_bytes", "max_header_bytes", "max_connections", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -18,7 +18,21 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-__all__ = ["DATATYPES", "InferRequest", "Tensor", "TensorError", "datatype_of", "encode_response", "parse_request"]
+__all__ = [
+    "DATATYPES",
+    "LITTLE_ENDIAN",
+    "InferRequest",
+    "InputHead",
+    "RequestHead",
+    "Tensor",
+    "TensorError",
+    "datatype_of",
+    "encode_response",
+    "parse_head",
+    "parse_request",
+    "split_body",
+    "to_binary",
+]
 
 DATATYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_), "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
@@ -29,7 +43,7 @@ DATATYPES: dict[str, np.dtype[Any]] = {
 }
 _BY_KIND = {dtype.str.lstrip("<>|="): name for name, dtype in DATATYPES.items() if name != "BYTES"}
 # The wire's byte order, made once (``newbyteorder`` builds a new dtype at every call).
-_LITTLE = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
+LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
 
 
 class TensorError(ValueError):
@@ -49,12 +63,29 @@ class Tensor:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class InferRequest:
+@dataclass(slots=True)
+class InputHead:
+    """One input as the request's JSON head gives it: its values are ``data`` (JSON), or
+    ``binary_size`` raw bytes after the head."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    parameters: dict[str, Any]
+    binary_size: int | None
+    data: Any = None
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """A request's JSON head: everything but the binary data. tritonclient sends the same head for
+    every request of the same shapes, so a caller may parse a head once and keep what it decides."""
+
     id: str | None
     parameters: dict[str, Any]
-    inputs: list[Tensor]
-    outputs: list[dict[str, Any]]  # requested outputs: {"name", "parameters"?}
+    inputs: tuple[InputHead, ...]
+    outputs: tuple[dict[str, Any], ...]  # requested outputs: {"name", "parameters"?}
+    holds_data: bool  # some input's values are in the head itself (JSON), not after it
 
     def wants_binary(self, name: str) -> bool:
         """Whether output ``name`` goes back as raw bytes (its own ``binary_data``, else the request's
@@ -63,6 +94,33 @@ class InferRequest:
             if out.get("name") == name and "binary_data" in (out.get("parameters") or {}):
                 return bool(out["parameters"]["binary_data"])
         return bool(self.parameters.get("binary_data_output", False))
+
+    def tensors(self, rest: bytes) -> list[Tensor]:
+        """The inputs' tensors: JSON values from the head, raw ones from ``rest`` (the bytes after it)."""
+        offset = 0
+        tensors = []
+        for spec in self.inputs:
+            count = math.prod(spec.shape)
+            if spec.binary_size is None:
+                data = _from_json(spec.name, spec.datatype, spec.data, count)
+            else:
+                if offset + spec.binary_size > len(rest):
+                    raise TensorError(f"input {spec.name!r}: binary_data_size {spec.binary_size} does not fit the body")
+                data = _from_binary(spec.name, spec.datatype, rest[offset:offset + spec.binary_size], count)
+                offset += spec.binary_size
+            tensors.append(Tensor(spec.name, spec.datatype, list(spec.shape), data.reshape(spec.shape),
+                                  spec.parameters))
+        if offset != len(rest):
+            raise TensorError(f"the body holds {len(rest) - offset} bytes that no input's binary_data_size claims")
+        return tensors
+
+
+@dataclass
+class InferRequest:
+    """A whole request: its head and its inputs' tensors."""
+
+    head: RequestHead
+    inputs: list[Tensor]
 
 
 def datatype_of(array: npt.NDArray[Any]) -> str:
@@ -75,25 +133,31 @@ def datatype_of(array: npt.NDArray[Any]) -> str:
     return name
 
 
+def split_body(body: bytes, header_length: int | None) -> tuple[bytes, bytes]:
+    """A body's JSON head and the raw bytes after it (``header_length``: the binary extension's JSON length)."""
+    if header_length is None:
+        return body, b""
+    if not 0 < header_length <= len(body):
+        raise TensorError(f"Inference-Header-Content-Length {header_length} does not fit a body of {len(body)} bytes")
+    return body[:header_length], body[header_length:]
+
+
 def parse_request(body: bytes, header_length: int | None) -> InferRequest:
     """The inference request of one body (``header_length``: the binary extension's JSON length)."""
-    head, rest = (body, b"") if header_length is None else (body[:header_length], body[header_length:])
-    if header_length is not None and not 0 < header_length <= len(body):
-        raise TensorError(f"Inference-Header-Content-Length {header_length} does not fit a body of {len(body)} bytes")
+    head, rest = split_body(body, header_length)
+    parsed = parse_head(head)
+    return InferRequest(parsed, parsed.tensors(rest))
+
+
+def parse_head(head: bytes) -> RequestHead:
+    """A request's JSON head, checked for form (the values of JSON inputs are checked by `RequestHead.tensors`)."""
     try:
         doc = orjson.loads(head)
     except orjson.JSONDecodeError as exc:
         raise TensorError(f"the request's JSON does not parse: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise TensorError("an inference request is a JSON object with a non-empty 'inputs' list")
-    offset = 0
-    inputs = []
-    for raw in doc["inputs"]:
-        tensor, used = _input(raw, rest, offset)
-        inputs.append(tensor)
-        offset += used
-    if offset != len(rest):
-        raise TensorError(f"the body holds {len(rest) - offset} bytes that no input's binary_data_size claims")
+    inputs = tuple(_input(raw) for raw in doc["inputs"])
     outputs = doc.get("outputs") or []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 for o in outputs):
@@ -102,10 +166,11 @@ def parse_request(body: bytes, header_length: int | None) -> InferRequest:
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise TensorError("'parameters' must be an object")
-    return InferRequest(None if request_id is None else str(request_id), parameters, inputs, outputs)
+    return RequestHead(None if request_id is None else str(request_id), parameters, inputs, tuple(outputs),
+                       any(i.binary_size is None for i in inputs))
 
 
-def _input(raw: Any, rest: bytes, offset: int) -> tuple[Tensor, int]:
+def _input(raw: Any) -> InputHead:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise TensorError("each input is an object with a 'name', a 'datatype' and a 'shape'")
     name = raw["name"]
@@ -116,18 +181,13 @@ def _input(raw: Any, rest: bytes, offset: int) -> tuple[Tensor, int]:
         raise TensorError(f"input {name!r}: 'shape' must be a list of integers >= 0, got {shape!r}")
     parameters = raw.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
-    count = math.prod(shape)
     if size is not None:
-        if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise TensorError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
-        data = _from_binary(name, datatype, rest[offset:offset + size], count)
-        used = size
-    else:
-        if "data" not in raw:
-            raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
-        data = _from_json(name, datatype, raw["data"], count)
-        used = 0
-    return Tensor(name, datatype, shape, data.reshape(shape), parameters), used
+        return InputHead(name, datatype, tuple(shape), parameters, size)
+    if "data" not in raw:
+        raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
+    return InputHead(name, datatype, tuple(shape), parameters, None, raw["data"])
 
 
 def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[Any]:
@@ -176,21 +236,22 @@ def _from_binary(name: str, datatype: str, raw: bytes, count: int) -> npt.NDArra
         if pos != len(raw) or len(items) != count:
             raise TensorError(f"input {name!r}: {len(items)} BYTES elements for a shape of {count}")
         return np.array(items, dtype=object)
-    dtype = _LITTLE[datatype]
+    dtype = LITTLE_ENDIAN[datatype]
     if len(raw) != count * dtype.itemsize:
         raise TensorError(f"input {name!r}: {len(raw)} bytes for {count} values of {datatype} "
                           f"({count * dtype.itemsize} needed)")
     return np.frombuffer(raw, dtype=dtype).astype(DATATYPES[datatype], copy=True)
 
 
-def _to_binary(tensor: Tensor) -> bytes:
+def to_binary(tensor: Tensor) -> bytes:
+    """A tensor's raw bytes, as the binary extension carries them."""
     if tensor.datatype == "BYTES":
         parts: list[bytes] = []
         for item in tensor.data.reshape(-1):
             raw = item if isinstance(item, bytes) else str(item).encode()
             parts += (struct.pack("<I", len(raw)), raw)
         return b"".join(parts)
-    return np.ascontiguousarray(tensor.data, dtype=_LITTLE[tensor.datatype]).tobytes()
+    return np.ascontiguousarray(tensor.data, dtype=LITTLE_ENDIAN[tensor.datatype]).tobytes()
 
 
 def _to_json(tensor: Tensor) -> list[Any]:
@@ -203,7 +264,7 @@ def _to_json(tensor: Tensor) -> list[Any]:
     return list(flat.tolist())
 
 
-def encode_response(model: str, request: InferRequest, outputs: list[Tensor],
+def encode_response(model: str, request: RequestHead, outputs: list[Tensor],
                     parameters: dict[str, Any] | None = None) -> tuple[bytes, int | None]:
     """The response body, and the binary extension's JSON length (None: JSON only)."""
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
@@ -215,7 +276,7 @@ def encode_response(model: str, request: InferRequest, outputs: list[Tensor],
     for tensor in outputs:
         out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if request.wants_binary(tensor.name):
-            raw = _to_binary(tensor)
+            raw = to_binary(tensor)
             out["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:

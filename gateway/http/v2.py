@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
+from gateway.http.infer import Inference, Plan, Plans
 from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.oip import (
     HEADER_LENGTH,
     Gather,
-    Inference,
     ItemFailed,
     error_reply,
     failure_reply,
@@ -47,10 +48,12 @@ Statuses = Callable[[], Awaitable[Mapping[str, PipelineStatusLike]]]
 class V2:
     """The handlers; ``statuses`` reads every served pipeline's status (and feeds the metrics)."""
 
-    def __init__(self, backends: Backends, statuses: Statuses, draining: Callable[[], bool]) -> None:
+    def __init__(self, backends: Backends, statuses: Statuses, draining: Callable[[], bool],
+                 plans: Plans | None = None) -> None:
         self.backends = backends
         self._statuses = statuses
         self._draining = draining
+        self._plans = plans or Plans(0)
 
     def server(self, request: Request, params: tuple[str, ...]) -> Reply:
         return json_reply(server_metadata())
@@ -125,7 +128,7 @@ class V2:
         """Refused before Redis when the tensors do not fit; else one item (or one per row) submitted."""
         headers = request.headers
         try:
-            inference = Inference(name, io, request.body, headers.get(HEADER_LENGTH))
+            inference = Inference(name, io, request.body, headers.get(HEADER_LENGTH), self._plans)
             items = inference.items()
             bound_s = request_bound_s(headers)
             key = headers.get(PARTITION_KEY_HEADER)
@@ -136,14 +139,15 @@ class V2:
             return error_reply(400, str(exc), "bad_request")
         except Exception as exc:  # the backend refused at once: Overloaded, PayloadTooLarge, CodecError, ...
             return failure_reply(exc)
+        plan = inference.plan
         if not waiters:  # a batch of zero rows
-            return inference.respond([])
+            return plan.respond([])
         if not io.batched:
-            return Pending(waiters[0], lambda w: _respond(inference, w, single=True))
+            return Pending(waiters[0], partial(_respond, plan, True))
         if len(waiters) == 1:  # one row: its own waiter, no Gather (a Slot and a callback fewer per request)
-            return Pending(waiters[0], lambda w: _respond_row(inference, w))
+            return Pending(waiters[0], partial(_respond_row, plan))
         gather = Gather(asyncio.get_running_loop(), waiters)
-        return Pending(gather.slot, lambda w: _respond(inference, w, single=False))
+        return Pending(gather.slot, partial(_respond, plan, False))
 
 
 def _refused(exc: Exception) -> Reply:
@@ -153,18 +157,18 @@ def _refused(exc: Exception) -> Reply:
     return failure_reply(exc)
 
 
-def _respond(inference: Inference, waiter: Any, single: bool) -> Reply:
+def _respond(plan: Plan, single: bool, waiter: Any) -> Reply:
     try:
         answer = waiter.result()
     except Exception as exc:
         return failure_reply(exc)
-    return inference.respond([answer] if single else answer)
+    return plan.respond([answer] if single else answer)
 
 
-def _respond_row(inference: Inference, waiter: Any) -> Reply:
+def _respond_row(plan: Plan, waiter: Any) -> Reply:
     """A batched request of one row: answered as a Gather of one would (a failure names item 0)."""
     try:
         answer = waiter.result()
     except Exception as exc:
         return failure_reply(ItemFailed(0, exc))
-    return inference.respond([answer])
+    return plan.respond([answer])

@@ -1,0 +1,278 @@
+"""One ``/infer`` request of the Open Inference Protocol: its tensors as items, their answers as tensors.
+
+Everything a request's JSON head decides (which inputs, checked against the pipeline's declaration;
+how they become items; which outputs go back, in JSON or raw) is worked out once into a `Plan`.
+A head without data (the binary tensor data extension's, which tritonclient sends identically for
+every request of the same shapes) is kept by `Plans`, so a repeated request only decodes its raw
+bytes: at 256 connections that is what keeps the OIP route near ``/v1/predict``'s req/s (see
+docs/benchmarks.md, issue 19). Mapping rules are in :mod:`gateway.http.oip`'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from broker.spec import PipelineIO, TensorSpec
+from gateway.http.oip import JSON_TYPE, binary_reply, error_reply
+from gateway.http.tensors import (
+    DATATYPES,
+    LITTLE_ENDIAN,
+    NonFiniteOutput,
+    RequestHead,
+    Tensor,
+    TensorError,
+    datatype_of,
+    encode_response,
+    parse_head,
+    split_body,
+)
+from gateway.http.types import Reply
+
+__all__ = ["Inference", "Plan", "Plans"]
+
+RESPONSE_HEADS = 8  # response heads a plan keeps, by output shapes (one per batch size seen)
+
+
+class Plan:
+    """What one request head decides for one model (call `check` before use)."""
+
+    def __init__(self, model: str, io: PipelineIO, head: RequestHead) -> None:
+        self.model = model
+        self.io = io
+        self.head = head
+        self.wanted = {o["name"] for o in head.outputs}
+        self.parameters = head.parameters
+        if "binary_data_output" in self.parameters:  # the request's flag, not echoed
+            self.parameters = {k: v for k, v in self.parameters.items() if k != "binary_data_output"}
+        # Noted by check() for a head without data (one that is kept, see `Plans`): whether the
+        # declared outputs all go back raw and numeric, when the response's JSON head depends
+        # only on their shapes and is kept by shapes; and the short ways of `items` and `respond`.
+        self._fixed = False
+        self._response_heads: dict[tuple[tuple[int, ...], ...], bytes] = {}
+        self._rows_in: np.dtype[Any] | None = None  # the one raw 1-D numeric input's dtype
+        self._rows_out: np.dtype[Any] | None = None  # the one raw 1-D numeric output's
+
+    def check(self) -> Plan:
+        """Refuses (`TensorError`) inputs or outputs the declaration does not have, before Redis;
+        notes whether this head takes the short ways (`items`, `respond`)."""
+        inputs = self.head.inputs
+        if not self.io.declared:
+            if len(inputs) != 1:
+                raise TensorError(f"model {self.model!r} declares no tensors: "
+                                  f"send exactly one input, got {len(inputs)}")
+            return self
+        specs = self.io.inputs
+        if len(inputs) == 1 and len(specs) == 1 and inputs[0].name == specs[0].name:  # the common case, quickly
+            _check(specs[0], inputs[0].datatype, inputs[0].shape, "input")
+        else:
+            self._check_inputs()
+        if self.wanted:
+            unknown = sorted(self.wanted - {t.name for t in self.io.outputs})
+            if unknown:
+                raise TensorError(f"model {self.model!r} has no output {unknown[0]!r}")
+        if not self.head.holds_data:
+            self._note_short_ways()
+        return self
+
+    def _check_inputs(self) -> None:
+        inputs = self.head.inputs
+        by_name = {i.name: i for i in inputs}
+        expected = {t.name for t in self.io.inputs}
+        if len(by_name) != len(inputs) or set(by_name) != expected:
+            got = sorted(i.name for i in inputs)
+            raise TensorError(f"model {self.model!r} takes inputs {sorted(expected)}, got {got}")
+        for spec in self.io.inputs:
+            _check(spec, by_name[spec.name].datatype, by_name[spec.name].shape, "input")
+        if self.io.batched and len({i.shape[0] for i in inputs}) != 1:
+            raise TensorError(f"model {self.model!r}: every input's first (batch) dimension must be the same, "
+                              f"got {sorted({i.shape[0] for i in inputs})}")
+
+    def _note_short_ways(self) -> None:
+        """A raw response's head kept when only shapes can change it, and the short ways: a batched
+        pipeline of one 1-D numeric input sent raw (and of one such output asked raw), whose size
+        fits its shape; anything else takes the general path."""
+        head = self.head
+        self._fixed = all(head.wants_binary(t.name) and t.datatype != "BYTES"
+                          for t in self.io.outputs if not self.wanted or t.name in self.wanted)
+        if not self.io.batched or len(self.io.inputs) != 1 or len(self.io.outputs) != 1:
+            return
+        (given,), (out,) = self.head.inputs, self.io.outputs
+        if given.datatype != "BYTES" and len(given.shape) == 1:
+            dtype = LITTLE_ENDIAN[given.datatype]
+            if given.binary_size == given.shape[0] * dtype.itemsize:
+                self._rows_in = dtype
+        if self._fixed and out.datatype != "BYTES" and len(out.shape) == 1:
+            self._rows_out = LITTLE_ENDIAN[out.datatype]
+
+    def items(self, rest: bytes) -> list[Any]:
+        """What to submit: one item per row (batched), else one; ``rest``: the bytes after the head."""
+        if self._rows_in is not None and len(rest) == self.head.inputs[0].binary_size:
+            return list(np.frombuffer(rest, self._rows_in).tolist())  # rows as Python numbers: see _split
+        tensors = self.head.tensors(rest)
+        if not self.io.declared:
+            return [_plain(tensors[0].data)]
+        if len(tensors) == 1:  # the common case, without the dicts (a small request's cost is per-call overhead)
+            data = tensors[0].data
+            return _split(data) if self.io.batched else [_plain(data)]
+        by_name = {t.name: t.data for t in tensors}
+        if not self.io.batched:
+            return [{s.name: _plain(by_name[s.name]) for s in self.io.inputs}]
+        rows = {s.name: _split(by_name[s.name]) for s in self.io.inputs}
+        return [{name: r[i] for name, r in rows.items()} for i in range(tensors[0].data.shape[0])]
+
+    def respond(self, answers: Sequence[Any]) -> Reply:
+        """The answers (one per item, in order) as the response's tensors."""
+        if self._rows_out is not None:
+            reply = self._respond_rows(answers)
+            if reply is not None:
+                return reply
+        try:
+            outputs = self._outputs(answers)
+        except (TensorError, ValueError, TypeError) as exc:  # the pipeline answered what it did not declare
+            return error_reply(500, f"model {self.model!r}: {exc}", "error")
+        if self.wanted:
+            unknown = [n for n in self.wanted if n not in {t.name for t in outputs}]
+            if unknown:  # undeclared: the one output is named after the request's one, else "output"
+                return error_reply(400, f"model {self.model!r} has no output {sorted(unknown)[0]!r}", "bad_request")
+            outputs = [t for t in outputs if t.name in self.wanted]
+        try:
+            body, length = encode_response(self.model, self.head, outputs, self.parameters)
+        except NonFiniteOutput as exc:
+            return error_reply(500, str(exc), "error")
+        if length is None:
+            return Reply(200, body, JSON_TYPE)
+        if self._fixed and len(self._response_heads) < RESPONSE_HEADS:
+            self._response_heads[tuple(tuple(t.shape) for t in outputs)] = body[:length]
+        return binary_reply(body, length)
+
+    def _respond_rows(self, answers: Sequence[Any]) -> Reply | None:
+        """One raw numeric output of rows, its head made before: the array and its bytes only.
+        None: take the general path (which names what is wrong, or makes the head)."""
+        try:
+            array = np.asarray(answers, self._rows_out)  # as the general path converts them
+        except (ValueError, TypeError):
+            return None
+        head = self._response_heads.get((array.shape,))
+        if head is None:
+            return None
+        return binary_reply(head + array.tobytes(), len(head))
+
+    def _outputs(self, answers: Sequence[Any]) -> list[Tensor]:
+        if not self.io.declared:
+            array = np.asarray(answers[0])
+            if array.dtype.kind in "SU":  # text: kept as it came (numpy's bytes dtype drops trailing NULs)
+                array = np.array(answers[0], dtype=object)
+            name = self.head.outputs[0]["name"] if len(self.head.outputs) == 1 else "output"
+            return [_tensor(name, datatype_of(array), array)]
+        tensors = []
+        for spec in self.io.outputs:
+            values = [_field(answer, spec.name, len(self.io.outputs)) for answer in answers]
+            dtype = DATATYPES[spec.datatype]
+            if self.io.batched and values and dtype.kind != "O":  # numeric rows: one conversion, not one per row
+                array = np.asarray(values, dtype=dtype)  # rows of differing shapes raise ValueError, as stack does
+            elif self.io.batched:
+                array = np.stack([np.asarray(v, dtype=dtype) for v in values]) if values else np.zeros((0,), dtype)
+            else:
+                array = np.asarray(values[0], dtype=dtype)
+            tensors.append(_tensor(spec.name, spec.datatype, array))
+            _check(spec, spec.datatype, array.shape, "output")
+        return tensors
+
+
+class Plans:
+    """The checked plans of request heads without data, by model and head: a repeated request
+    skips parsing and checking its head. At most ``size`` (0: none kept); the oldest goes first. A
+    head with an ``id`` is not kept (one per request). A model whose declaration changed gets new plans."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._plans: dict[tuple[str, bytes], Plan] = {}
+
+    def plan(self, model: str, io: PipelineIO, head: bytes) -> Plan:
+        key = (model, head)
+        plan = self._plans.get(key)
+        if plan is not None and plan.io is io:
+            return plan
+        plan = Plan(model, io, parse_head(head)).check()
+        if self.size and not plan.head.holds_data and plan.head.id is None:
+            if len(self._plans) >= self.size:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+        return plan
+
+
+class Inference:
+    """One ``/infer`` request: its plan and the bytes after its head. Refused (`TensorError`) here,
+    before Redis, when the tensors do not fit the declaration."""
+
+    def __init__(self, model: str, io: PipelineIO, body: bytes, header_length: bytes | None,
+                 plans: Plans | None = None) -> None:
+        try:
+            length = None if header_length is None else int(header_length)
+        except ValueError:
+            raise TensorError(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        head, self.rest = split_body(body, length)
+        self.plan = (plans or _NONE_KEPT).plan(model, io, head)
+
+    def items(self) -> list[Any]:
+        return self.plan.items(self.rest)
+
+    def respond(self, answers: Sequence[Any]) -> Reply:
+        return self.plan.respond(answers)
+
+
+_NONE_KEPT = Plans(0)
+
+
+def _field(answer: Any, name: str, outputs: int) -> Any:
+    if outputs == 1 and not isinstance(answer, dict):
+        return answer
+    if not isinstance(answer, dict) or name not in answer:
+        raise ValueError(f"the pipeline's answer lacks output {name!r}: with several outputs it answers a dict")
+    return answer[name]
+
+
+def _tensor(name: str, datatype: str, array: npt.NDArray[Any]) -> Tensor:
+    if datatype == "BYTES":
+        array = np.array([v if isinstance(v, bytes | str) else str(v) for v in array.reshape(-1)],
+                         dtype=object).reshape(array.shape)
+    return Tensor(name, datatype, list(array.shape), array)
+
+
+def _check(spec: TensorSpec, datatype: str, shape: Sequence[int], side: str) -> None:
+    """A tensor against its declaration: datatype, rank, and every fixed dimension."""
+    if datatype != spec.datatype:
+        raise TensorError(f"{side} {spec.name!r}: datatype {datatype}, expected {spec.datatype}")
+    if len(shape) != len(spec.shape) or not all(d == -1 or d == s for d, s in zip(spec.shape, shape, strict=True)):
+        raise TensorError(f"{side} {spec.name!r}: shape {list(shape)}, expected {list(spec.shape)} (-1: any size)")
+
+
+def _split(data: np.ndarray) -> list[Any]:
+    """A batched tensor's rows as items. A 1-D numeric tensor's rows are Python numbers (one C call
+    for all), which travel as msgpack's own numbers: a numpy scalar is an extension type, ~5 us more
+    per item to encode, and again in every worker; every value of these datatypes is exact as a
+    Python number. Higher ranks give row arrays; BYTES rows go through `_plain`."""
+    if data.dtype.kind == "O":
+        return [_plain(row) for row in data]
+    return data.tolist() if data.ndim == 1 else list(data)
+
+
+def _plain(value: Any) -> Any:
+    """What travels for a tensor (or a row of one): a numpy array, or for BYTES text (str when it is
+    UTF-8, else bytes) or nested lists of it (msgpack carries no object arrays)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return _plain(value.tolist()) if value.ndim else _plain(value.item())
+        return value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value
+    return value

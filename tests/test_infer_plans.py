@@ -1,0 +1,103 @@
+"""Kept request plans (gateway.http.infer.Plans): a repeated binary head answers exactly as a new one.
+
+The short ways (rows decoded in one call, the response's head reused) must give the same items
+and the same bytes as the general path, refuse the same things, and never outlive the pipeline's
+declaration. tests/test_oip.py drives the same route with tritonclient against real processes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from broker.spec import PipelineIO, TensorSpec
+from gateway.http.infer import Inference, Plans
+from gateway.http.tensors import DATATYPES, TensorError
+
+pytestmark = pytest.mark.unit
+
+NUMERIC: dict[str, list[Any]] = {
+    "BOOL": [True, False, True], "INT8": [-128, 0, 127], "INT16": [-32768, 1, 32767],
+    "INT32": [-2**31, 2, 2**31 - 1], "INT64": [-2**63, 3, 2**63 - 1], "UINT8": [0, 4, 255],
+    "UINT16": [0, 5, 65535], "UINT32": [0, 6, 2**32 - 1], "UINT64": [0, 7, 2**64 - 1],
+    "FP16": [0.5, -65504.0, 1.0], "FP32": [1.5, 3.4028234663852886e38, -0.0], "FP64": [5e-324, float("nan"), -1.0],
+}
+
+
+def _io(datatype: str) -> PipelineIO:
+    return PipelineIO((TensorSpec("x", datatype, (-1,)),), (TensorSpec("y", datatype, (-1,)),), batched=True)
+
+
+def _binary(datatype: str, values: list[Any], doc: dict[str, Any] | None = None) -> tuple[bytes, bytes]:
+    raw = np.array(values, dtype=DATATYPES[datatype]).astype(DATATYPES[datatype].newbyteorder("<")).tobytes()
+    head = orjson.dumps(doc or {"inputs": [{"name": "x", "datatype": datatype, "shape": [len(values)],
+                                            "parameters": {"binary_data_size": len(raw)}}],
+                                "parameters": {"binary_data_output": True}})
+    return head + raw, str(len(head)).encode()
+
+
+@pytest.mark.parametrize("datatype", list(NUMERIC))
+def test_a_kept_plan_gives_the_same_items_and_bytes_as_a_new_one(datatype: str) -> None:
+    io, plans = _io(datatype), Plans(8)
+    body, length = _binary(datatype, NUMERIC[datatype])
+    fresh = Inference("m", io, body, length)  # nothing kept: the general path
+    expected_items = fresh.items()
+    expected = fresh.respond(expected_items)
+    assert expected.status == 200
+    for turn in range(3):  # the first makes and keeps the plan and the response head; the others use them
+        inference = Inference("m", io, body, length, plans)
+        items = inference.items()
+        assert [(type(i), repr(i)) for i in items] == [(type(i), repr(i)) for i in expected_items], turn  # NaN, -0.0
+        reply = inference.respond(items)
+        assert (reply.status, reply.body, reply.headers) == (expected.status, expected.body, expected.headers), turn
+    assert inference.plan is Inference("m", io, body, length, plans).plan  # kept
+
+
+def test_a_kept_plan_still_refuses_what_the_general_path_refuses() -> None:
+    io, plans = _io("FP64"), Plans(8)
+    body, length = _binary("FP64", [1.0, 2.0])
+    inference = Inference("m", io, body, length, plans)
+    inference.respond(inference.items())  # the response head for two rows is kept
+    broken = inference.respond([[1.0], [2.0]])  # rows where numbers were declared
+    assert broken.status == 500 and b"output 'y'" in broken.body
+    assert inference.respond(["a", "b"]).status == 500
+    assert inference.respond([1.0, 2.0, 3.0]).status == 200  # another batch size: its own head
+    with pytest.raises(TensorError, match="binary_data_size 16 does not fit the body"):
+        Inference("m", io, body[:-8], length, plans).items()  # the same head, its data cut short
+    with pytest.raises(TensorError, match="no input's binary_data_size claims"):
+        Inference("m", io, body + b"\0" * 8, length, plans).items()
+
+
+def test_a_new_declaration_gets_new_plans() -> None:
+    plans = Plans(8)
+    body, length = _binary("FP64", [1.0])
+    assert Inference("m", _io("FP64"), body, length, plans).items() == [1.0]
+    with pytest.raises(TensorError, match="datatype FP64, expected FP32"):
+        Inference("m", _io("FP32"), body, length, plans)  # the pipeline re-registered with FP32
+
+
+def test_plans_keep_only_heads_without_data_or_id_and_at_most_size() -> None:
+    io, plans = _io("INT64"), Plans(2)
+    heads = [_binary("INT64", [1] * n) for n in (1, 2, 3)]
+    kept = [Inference("m", io, body, length, plans).plan for body, length in heads]
+    assert Inference("m", io, *heads[2], plans).plan is kept[2]
+    assert Inference("m", io, *heads[0], plans).plan is not kept[0]  # the oldest went first
+    with_id = _binary("INT64", [1], {"id": "r1", "inputs": [{"name": "x", "datatype": "INT64", "shape": [1],
+                                                               "parameters": {"binary_data_size": 8}}]})
+    assert Inference("m", io, *with_id, plans).plan is not Inference("m", io, *with_id, plans).plan
+    as_json = json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1]}]}).encode()
+    assert Inference("m", io, as_json, None, plans).plan is not Inference("m", io, as_json, None, plans).plan
+    off = Plans(0)
+    assert Inference("m", io, *heads[0], off).plan is not Inference("m", io, *heads[0], off).plan
+
+
+def test_an_output_the_model_does_not_have_is_refused_before_redis() -> None:
+    body, length = _binary("FP64", [1.0], {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1],
+                                                       "parameters": {"binary_data_size": 8}}],
+                                           "outputs": [{"name": "z"}]})
+    with pytest.raises(TensorError, match="has no output 'z'"):
+        Inference("m", _io("FP64"), body, length, Plans(8))
