@@ -45,7 +45,10 @@ async def _measure(repeat: int) -> dict[str, float]:
     from broker import codec
     from broker.spec import PipelineIO, TensorSpec
     from gateway.client.slot import Slot
-    from gateway.http.infer import Inference
+    try:
+        from gateway.http.infer import Inference
+    except ImportError:  # a checkout before gateway.http.infer (--src)
+        from gateway.http.oip import Inference  # type: ignore[attr-defined,no-redef]
     from gateway.http.native import Pending
     from gateway.http.routes import Router
     from gateway.http.settings import HttpSettings

@@ -35,6 +35,7 @@ from gateway.http.types import Reply
 __all__ = ["Inference", "Plan", "Plans"]
 
 RESPONSE_HEADS = 8  # response heads a plan keeps, by output shapes (one per batch size seen)
+_NONE_WANTED: frozenset[str] = frozenset()
 
 
 class Plan:
@@ -44,7 +45,7 @@ class Plan:
         self.model = model
         self.io = io
         self.head = head
-        self.wanted = {o["name"] for o in head.outputs}
+        self.wanted: frozenset[str] = frozenset(o["name"] for o in head.outputs) if head.outputs else _NONE_WANTED
         self.parameters = head.parameters
         if "binary_data_output" in self.parameters:  # the request's flag, not echoed
             self.parameters = {k: v for k, v in self.parameters.items() if k != "binary_data_output"}
@@ -216,16 +217,16 @@ class Inference:
         except ValueError:
             raise TensorError(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
         head, self.rest = split_body(body, length)
-        self.plan = (plans or _NONE_KEPT).plan(model, io, head)
+        if plans is None or length is None:  # a JSON body: its head holds its data, so it is not kept
+            self.plan = Plan(model, io, parse_head(head)).check()
+        else:
+            self.plan = plans.plan(model, io, head)
 
     def items(self) -> list[Any]:
         return self.plan.items(self.rest)
 
     def respond(self, answers: Sequence[Any]) -> Reply:
         return self.plan.respond(answers)
-
-
-_NONE_KEPT = Plans(0)
 
 
 def _field(answer: Any, name: str, outputs: int) -> Any:

@@ -167,7 +167,7 @@ def parse_head(head: bytes) -> RequestHead:
     if not isinstance(parameters, dict):
         raise TensorError("'parameters' must be an object")
     return RequestHead(None if request_id is None else str(request_id), parameters, inputs, tuple(outputs),
-                       any(i.binary_size is None for i in inputs))
+                       None in [i.binary_size for i in inputs])
 
 
 def _input(raw: Any) -> InputHead:
