@@ -47,5 +47,6 @@ def frame(reply: Reply, head_only: bool = False, close: bool = False) -> bytes:
     body = reply.body
     if not reply.headers and not close:
         return b"%b%d\r\n\r\n%b" % (head, len(body), b"" if head_only else body)
-    extra = b"".join(b"%b: %b\r\n" % pair for pair in reply.headers)
+    headers = reply.headers
+    extra = b"%b: %b\r\n" % headers[0] if len(headers) == 1 else b"".join(b"%b: %b\r\n" % pair for pair in headers)
     return b"%b%d\r\n%b%b\r\n%b" % (head, len(body), extra, _CLOSE if close else b"", b"" if head_only else body)

@@ -112,7 +112,8 @@ class Plan:
     def items(self, rest: bytes) -> list[Any]:
         """What to submit: one item per row (batched), else one; ``rest``: the bytes after the head."""
         if self._rows_in is not None and len(rest) == self.head.inputs[0].binary_size:
-            return list(np.frombuffer(rest, self._rows_in).tolist())  # rows as Python numbers: see _split
+            numbers: list[Any] = np.frombuffer(rest, self._rows_in).tolist()  # rows as Python numbers: see _split
+            return numbers
         tensors = self.head.tensors(rest)
         if not self.io.declared:
             return [_plain(tensors[0].data)]
