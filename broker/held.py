@@ -31,6 +31,7 @@ from broker.connection import is_cluster_client, node_client, refresh_slots
 
 # A held connection idle longer than this is checked before it carries a command.
 IDLE_CHECK_S = 1.0
+TIMED_OUT = object()  # read_within: no reply yet
 
 Keep = Callable[[redis.ResponseError], bool]  # an error reply that leaves the connection in use
 
@@ -113,6 +114,24 @@ class HeldConnection:
         """The next reply; waits for it (up to the socket timeout)."""
         try:
             reply = self._sent_on().read_response()
+        except redis.ResponseError as exc:
+            if not self._keep(exc):
+                self.drop()
+            raise
+        except BaseException:
+            self.drop()
+            raise
+        self._used_at = time.monotonic()
+        return reply
+
+    def read_within(self, timeout_s: float) -> Any:
+        """The next reply if it comes within ``timeout_s``, else `TIMED_OUT` with the connection kept
+        in step (the reply is still to come). One poll and one recv when it comes: a ``select``
+        first, or redis-py's readiness check, would cost a syscall or two more per read."""
+        try:
+            reply = self._sent_on().read_response(timeout=timeout_s, disconnect_on_error=False)
+        except redis.TimeoutError:
+            return TIMED_OUT
         except redis.ResponseError as exc:
             if not self._keep(exc):
                 self.drop()
