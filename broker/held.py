@@ -112,25 +112,25 @@ class HeldConnection:
 
     def read(self) -> Any:
         """The next reply; waits for it (up to the socket timeout)."""
-        try:
-            reply = self._sent_on().read_response()
-        except redis.ResponseError as exc:
-            if not self._keep(exc):
-                self.drop()
-            raise
-        except BaseException:
-            self.drop()
-            raise
-        self._used_at = time.monotonic()
-        return reply
+        return self._read(None)
 
     def read_within(self, timeout_s: float) -> Any:
         """The next reply if it comes within ``timeout_s``, else `TIMED_OUT` with the connection kept
         in step (the reply is still to come). One poll and one recv when it comes: a ``select``
         first, or redis-py's readiness check, would cost a syscall or two more per read."""
+        return self._read(timeout_s)
+
+    def _read(self, timeout_s: float | None) -> Any:
+        conn = self._sent_on()
         try:
-            reply = self._sent_on().read_response(timeout=timeout_s, disconnect_on_error=False)
+            if timeout_s is None:
+                reply = conn.read_response()
+            else:
+                reply = conn.read_response(timeout=timeout_s, disconnect_on_error=False)
         except redis.TimeoutError:
+            if timeout_s is None:
+                self.drop()
+                raise
             return TIMED_OUT
         except redis.ResponseError as exc:
             if not self._keep(exc):

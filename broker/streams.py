@@ -22,10 +22,12 @@ import redis
 
 from broker.held import TIMED_OUT, HeldConnection
 from broker.keys import GROUP
+from broker.resp import pack_command
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); None: deleted while pending
 
 _UNBLOCK_TRIES = 3
+_PACKED_MAX = 64  # packed reads kept per reader (a batch window's reads vary their BLOCK)
 
 
 def parse_entries(response: Any) -> list[Entry]:
@@ -55,6 +57,7 @@ class StreamReader:
         self._client_id = 0
         self._held = HeldConnection(client, stream, on_connect=self._identify, keep=_unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
+        self._packed: dict[tuple[int, int | None, str], bytes] = {}
 
     def _identify(self, conn: Any) -> None:
         conn.send_command("CLIENT", "ID")
@@ -77,10 +80,19 @@ class StreamReader:
         return self.finish_read()
 
     def send_read(self, count: int, block_ms: int | None = None, start: str = ">") -> None:
-        """Send a read without waiting for its reply (:meth:`finish_read` takes it)."""
+        """Send a read without waiting for its reply (:meth:`finish_read` takes it). The command is
+        packed once per (count, block, start): a worker sends the same few reads all day."""
         if self._sent:  # a reply never taken (its caller failed): the connection is out of step
             self.close()
-        self._held.send_command(*self._command(count, block_ms, start))
+        key = (count, block_ms, start)
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = pack_command([a if isinstance(a, bytes) else str(a).encode()
+                                   for a in self._command(count, block_ms, start)])
+            if len(self._packed) >= _PACKED_MAX:
+                self._packed.clear()
+            self._packed[key] = packed
+        self._held.send(packed)
         self._sent = True
 
     def finish_read(self) -> list[Entry]:
