@@ -91,6 +91,9 @@ def test_plans_keep_only_heads_without_data_or_id_and_at_most_size() -> None:
     assert Inference("m", io, *with_id, plans).plan is not Inference("m", io, *with_id, plans).plan
     as_json = json.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [1]}]}).encode()
     assert Inference("m", io, as_json, None, plans).plan is not Inference("m", io, as_json, None, plans).plan
+    long_head = _binary("INT64", [1], {"inputs": [{"name": "x", "datatype": "INT64", "shape": [1],
+                                                   "parameters": {"binary_data_size": 8, "note": "x" * 5000}}]})
+    assert Inference("m", io, *long_head, plans).plan is not Inference("m", io, *long_head, plans).plan
     off = Plans(0)
     assert Inference("m", io, *heads[0], off).plan is not Inference("m", io, *heads[0], off).plan
 

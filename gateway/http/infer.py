@@ -35,6 +35,7 @@ from gateway.http.types import Reply
 __all__ = ["Inference", "Plan", "Plans"]
 
 RESPONSE_HEADS = 8  # response heads a plan keeps, by output shapes (one per batch size seen)
+KEPT_HEAD_MAX_BYTES = 4096  # a longer head is not kept (tritonclient's are ~200 bytes): Plans' memory stays small
 _NONE_WANTED: frozenset[str] = frozenset()
 
 
@@ -187,8 +188,9 @@ class Plan:
 
 class Plans:
     """The checked plans of request heads without data, by model and head: a repeated request
-    skips parsing and checking its head. At most ``size`` (0: none kept); the oldest goes first. A
-    head with an ``id`` is not kept (one per request). A model whose declaration changed gets new plans."""
+    skips parsing and checking its head. At most ``size`` (0: none kept), each head at most
+    `KEPT_HEAD_MAX_BYTES`; the oldest goes first. A head with an ``id`` is not kept (one per request).
+    A model whose declaration changed gets new plans."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -200,7 +202,7 @@ class Plans:
         if plan is not None and plan.io is io:
             return plan
         plan = Plan(model, io, parse_head(head)).check()
-        if self.size and not plan.head.holds_data and plan.head.id is None:
+        if self.size and len(head) <= KEPT_HEAD_MAX_BYTES and not plan.head.holds_data and plan.head.id is None:
             if len(self._plans) >= self.size:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
