@@ -65,6 +65,10 @@ def test_a_kept_plan_still_refuses_what_the_general_path_refuses() -> None:
     broken = inference.respond([[1.0], [2.0]])  # rows where numbers were declared
     assert broken.status == 500 and b"output 'y'" in broken.body
     assert inference.respond(["a", "b"]).status == 500
+    as_arrays = inference.respond([np.array([1.0]), np.array([2.0])])  # rows again, as numpy arrays
+    assert as_arrays.status == 500 and b"output 'y'" in as_arrays.body
+    numpy_scalars = inference.respond([np.float32(1.5), np.int64(2)])  # converted as the general path does
+    assert numpy_scalars.body == inference.respond([1.5, 2.0]).body
     assert inference.respond([1.0, 2.0, 3.0]).status == 200  # another batch size: its own head
     with pytest.raises(TensorError, match="binary_data_size 16 does not fit the body"):
         Inference("m", io, body[:-8], length, plans).items()  # the same head, its data cut short

@@ -10,6 +10,7 @@ docs/benchmarks.md, issue 19). Mapping rules are in :mod:`gateway.http.oip`'s do
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,6 @@ from broker.spec import PipelineIO, TensorSpec
 from gateway.http.oip import JSON_TYPE, binary_reply, error_reply
 from gateway.http.tensors import (
     DATATYPES,
-    LITTLE_ENDIAN,
     NonFiniteOutput,
     RequestHead,
     Tensor,
@@ -35,6 +35,11 @@ from gateway.http.types import Reply
 __all__ = ["Inference", "Plan", "Plans"]
 
 RESPONSE_HEADS = 8  # response heads a plan keeps, by output shapes (one per batch size seen)
+# struct's codes of the numeric datatypes (little-endian with "<"): for a few values, struct packs and
+# unpacks in a tenth of numpy's per-call time, to the same values.
+STRUCT_CODES = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B", "UINT16": "H",
+                "UINT32": "I", "UINT64": "Q", "FP16": "e", "FP32": "f", "FP64": "d"}
+_NUMBERS = frozenset({int, float, bool})
 KEPT_HEAD_MAX_BYTES = 4096  # a longer head is not kept (tritonclient's are ~200 bytes): Plans' memory stays small
 _NONE_WANTED: frozenset[str] = frozenset()
 
@@ -55,8 +60,9 @@ class Plan:
         # only on their shapes and is kept by shapes; and the short ways of `items` and `respond`.
         self._fixed = False
         self._response_heads: dict[tuple[tuple[int, ...], ...], bytes] = {}
-        self._rows_in: np.dtype[Any] | None = None  # the one raw 1-D numeric input's dtype
-        self._rows_out: np.dtype[Any] | None = None  # the one raw 1-D numeric output's
+        self._rows_in: struct.Struct | None = None  # the one raw 1-D numeric input's N values
+        self._rows_out: struct.Struct | None = None  # the one raw 1-D numeric output's N values
+        self._rows_shape: tuple[tuple[int, ...], ...] = ()  # that output's shape, as _response_heads keys it
 
     def check(self) -> Plan:
         """Refuses (`TensorError`) inputs or outputs the declaration does not have, before Redis;
@@ -103,18 +109,20 @@ class Plan:
         if not self.io.batched or len(self.io.inputs) != 1 or len(self.io.outputs) != 1:
             return
         (given,), (out,) = self.head.inputs, self.io.outputs
-        if given.datatype != "BYTES" and len(given.shape) == 1:
-            dtype = LITTLE_ENDIAN[given.datatype]
-            if given.binary_size == given.shape[0] * dtype.itemsize:
-                self._rows_in = dtype
-        if self._fixed and out.datatype != "BYTES" and len(out.shape) == 1:
-            self._rows_out = LITTLE_ENDIAN[out.datatype]
+        if len(given.shape) != 1 or given.datatype not in STRUCT_CODES:
+            return
+        n = given.shape[0]
+        rows = struct.Struct(f"<{n}{STRUCT_CODES[given.datatype]}")
+        if given.binary_size == rows.size:
+            self._rows_in = rows
+        if self._fixed and len(out.shape) == 1 and out.datatype in STRUCT_CODES:
+            self._rows_out = struct.Struct(f"<{n}{STRUCT_CODES[out.datatype]}")
+            self._rows_shape = ((n,),)
 
     def items(self, rest: bytes) -> list[Any]:
         """What to submit: one item per row (batched), else one; ``rest``: the bytes after the head."""
-        if self._rows_in is not None and len(rest) == self.head.inputs[0].binary_size:
-            numbers: list[Any] = np.frombuffer(rest, self._rows_in).tolist()  # rows as Python numbers: see _split
-            return numbers
+        if self._rows_in is not None and len(rest) == self._rows_in.size:
+            return list(self._rows_in.unpack(rest))  # rows as Python numbers (see _split), as numpy's tolist gives
         tensors = self.head.tensors(rest)
         if not self.io.declared:
             return [_plain(tensors[0].data)]
@@ -153,16 +161,18 @@ class Plan:
         return binary_reply(body, length)
 
     def _respond_rows(self, answers: Sequence[Any]) -> Reply | None:
-        """One raw numeric output of rows, its head made before: the array and its bytes only.
-        None: take the general path (which names what is wrong, or makes the head)."""
+        """One raw numeric output of N rows, its head made before: the answers packed as they are.
+        Python numbers only, which pack as numpy converts them; anything else (a numpy array, a
+        string, a value the format cannot hold) returns None: the general path converts it, names
+        what is wrong, or makes the head."""
+        head, rows = self._response_heads.get(self._rows_shape), self._rows_out
+        if head is None or rows is None or not set(map(type, answers)) <= _NUMBERS:
+            return None
         try:
-            array = np.asarray(answers, self._rows_out)  # as the general path converts them
-        except (ValueError, TypeError):
+            raw = rows.pack(*answers)
+        except (struct.error, OverflowError):
             return None
-        head = self._response_heads.get((array.shape,))
-        if head is None:
-            return None
-        return binary_reply(head + array.tobytes(), len(head))
+        return binary_reply(head + raw, len(head))
 
     def _outputs(self, answers: Sequence[Any]) -> list[Tensor]:
         if not self.io.declared:
