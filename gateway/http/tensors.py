@@ -20,7 +20,6 @@ import orjson
 
 __all__ = [
     "DATATYPES",
-    "LITTLE_ENDIAN",
     "InferRequest",
     "InputHead",
     "RequestHead",
@@ -43,7 +42,7 @@ DATATYPES: dict[str, np.dtype[Any]] = {
 }
 _BY_KIND = {dtype.str.lstrip("<>|="): name for name, dtype in DATATYPES.items() if name != "BYTES"}
 # The wire's byte order, made once (``newbyteorder`` builds a new dtype at every call).
-LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
+_LITTLE = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
 
 
 class TensorError(ValueError):
@@ -236,7 +235,7 @@ def _from_binary(name: str, datatype: str, raw: bytes, count: int) -> npt.NDArra
         if pos != len(raw) or len(items) != count:
             raise TensorError(f"input {name!r}: {len(items)} BYTES elements for a shape of {count}")
         return np.array(items, dtype=object)
-    dtype = LITTLE_ENDIAN[datatype]
+    dtype = _LITTLE[datatype]
     if len(raw) != count * dtype.itemsize:
         raise TensorError(f"input {name!r}: {len(raw)} bytes for {count} values of {datatype} "
                           f"({count * dtype.itemsize} needed)")
@@ -251,7 +250,7 @@ def to_binary(tensor: Tensor) -> bytes:
             raw = item if isinstance(item, bytes) else str(item).encode()
             parts += (struct.pack("<I", len(raw)), raw)
         return b"".join(parts)
-    return np.ascontiguousarray(tensor.data, dtype=LITTLE_ENDIAN[tensor.datatype]).tobytes()
+    return np.ascontiguousarray(tensor.data, dtype=_LITTLE[tensor.datatype]).tobytes()
 
 
 def _to_json(tensor: Tensor) -> list[Any]:
