@@ -16,7 +16,7 @@ import pytest
 
 from broker.spec import PipelineIO, TensorSpec
 from gateway.http.infer import Inference, Plans
-from gateway.http.tensors import DATATYPES, TensorError
+from gateway.http.tensors import DATATYPES, TensorError, parse_request
 
 pytestmark = pytest.mark.unit
 
@@ -44,8 +44,9 @@ def _binary(datatype: str, values: list[Any], doc: dict[str, Any] | None = None)
 def test_a_kept_plan_gives_the_same_items_and_bytes_as_a_new_one(datatype: str) -> None:
     io, plans = _io(datatype), Plans(8)
     body, length = _binary(datatype, NUMERIC[datatype])
-    fresh = Inference("m", io, body, length)  # nothing kept: the general path
-    expected_items = fresh.items()
+    # The general path: numpy decodes the tensor (what a head with data, or more rows, takes).
+    expected_items = parse_request(body, int(length)).inputs[0].data.tolist()
+    fresh = Inference("m", io, body, length)  # nothing kept: its first reply takes the general path too
     expected = fresh.respond(expected_items)
     assert expected.status == 200
     for turn in range(3):  # the first makes and keeps the plan and the response head; the others use them
@@ -108,3 +109,32 @@ def test_an_output_the_model_does_not_have_is_refused_before_redis() -> None:
                                            "outputs": [{"name": "z"}]})
     with pytest.raises(TensorError, match="has no output 'z'"):
         Inference("m", _io("FP64"), body, length, Plans(8))
+
+
+def test_a_shape_past_the_short_way_is_refused_or_served_as_before() -> None:
+    io = _io("FP64")
+    huge = _binary("FP64", [1.0], {"inputs": [{"name": "x", "datatype": "FP64", "shape": [2**60],
+                                                "parameters": {"binary_data_size": 8}}]})
+    with pytest.raises(TensorError, match="8 bytes for 1152921504606846976 values of FP64"):
+        Inference("m", io, *huge, Plans(8)).items()
+    many = [float(i) for i in range(1000)]  # past SHORT_ROWS_MAX: numpy's way, same items and bytes
+    body, length = _binary("FP64", many)
+    inference = Inference("m", io, body, length, Plans(8))
+    assert inference.items() == many
+    reply = inference.respond(many)
+    head = int(dict(reply.headers)[b"inference-header-content-length"])
+    assert np.frombuffer(reply.body[head:], "<f8").tolist() == many
+
+
+def test_outputs_parameters_that_are_not_an_object_are_a_400_not_a_500() -> None:
+    body, length = _binary("FP64", [1.0], {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1],
+                                                       "parameters": {"binary_data_size": 8}}],
+                                           "outputs": [{"name": "y", "parameters": "binary_data"}]})
+    with pytest.raises(TensorError, match="'parameters' an object"):
+        Inference("m", _io("FP64"), body, length, Plans(8))
+
+
+def test_an_answer_out_of_its_datatypes_range_is_a_500_that_says_so() -> None:
+    body, length = _binary("UINT8", [1])
+    reply = Inference("m", _io("UINT8"), body, length, Plans(8)).respond([-1])
+    assert reply.status == 500 and b"model 'm'" in reply.body

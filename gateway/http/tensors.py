@@ -159,8 +159,8 @@ def parse_head(head: bytes) -> RequestHead:
     inputs = tuple(_input(raw) for raw in doc["inputs"])
     outputs = doc.get("outputs") or []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
-                                                for o in outputs):
-        raise TensorError("'outputs' must be a list of objects with a 'name'")
+                                                and isinstance(o.get("parameters") or {}, dict) for o in outputs):
+        raise TensorError("'outputs' must be a list of objects with a 'name' (and 'parameters' an object)")
     request_id = doc.get("id")
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
