@@ -83,6 +83,11 @@ def test_a_new_declaration_gets_new_plans() -> None:
     assert Inference("m", _io("FP64"), body, length, plans).items() == [1.0]
     with pytest.raises(TensorError, match="datatype FP64, expected FP32"):
         Inference("m", _io("FP32"), body, length, plans)  # the pipeline re-registered with FP32
+    full, other = Plans(2), _binary("FP64", [1.0, 2.0])
+    kept = Inference("m", _io("FP64"), *other, full).plan
+    Inference("m", _io("FP64"), body, length, full)
+    Inference("m", _io("FP64"), body, length, full)  # a new declaration replaces its own plan ...
+    assert Inference("m", kept.io, *other, full).plan is kept  # ... and evicts no other
 
 
 def test_plans_keep_only_heads_without_data_or_id_and_at_most_size() -> None:

@@ -34,7 +34,6 @@ from gateway.http.types import Reply
 
 __all__ = ["Inference", "Plan", "Plans"]
 
-RESPONSE_HEADS = 8  # response heads a plan keeps, by output shapes (one per batch size seen)
 # struct's codes of the numeric datatypes (little-endian with "<"): for a few values, struct packs and
 # unpacks in a tenth of numpy's per-call time, to the same values (one exception: an FP16 NaN answered
 # by the stage goes back as the quiet NaN, its payload bits not kept).
@@ -57,14 +56,14 @@ class Plan:
         self.parameters = head.parameters
         if "binary_data_output" in self.parameters:  # the request's flag, not echoed
             self.parameters = {k: v for k, v in self.parameters.items() if k != "binary_data_output"}
-        # Noted by check() for a head without data (one that is kept, see `Plans`): whether the
-        # declared outputs all go back raw and numeric, when the response's JSON head depends
-        # only on their shapes and is kept by shapes; and the short ways of `items` and `respond`.
-        self._fixed = False
-        self._response_heads: dict[tuple[tuple[int, ...], ...], bytes] = {}
-        self._rows_in: struct.Struct | None = None  # the one raw 1-D numeric input's N values
-        self._rows_out: struct.Struct | None = None  # the one raw 1-D numeric output's N values
-        self._rows_shape: tuple[tuple[int, ...], ...] = ()  # that output's shape, as _response_heads keys it
+        # The short ways of `items` and `respond`, noted by check() for a head without data (one
+        # that is kept, see `Plans`): the one raw 1-D numeric input's N values, the one raw 1-D
+        # numeric output's, and that output's response head once the general path has made it
+        # (it then depends on nothing else).
+        self._rows_in: struct.Struct | None = None
+        self._rows_out: struct.Struct | None = None
+        self._rows_n = 0
+        self._rows_head: bytes | None = None
 
     def check(self) -> Plan:
         """Refuses (`TensorError`) inputs or outputs the declaration does not have, before Redis;
@@ -102,12 +101,8 @@ class Plan:
                               f"got {sorted({i.shape[0] for i in inputs})}")
 
     def _note_short_ways(self) -> None:
-        """A raw response's head kept when only shapes can change it, and the short ways: a batched
-        pipeline of one 1-D numeric input sent raw (and of one such output asked raw), whose size
-        fits its shape; anything else takes the general path."""
-        head = self.head
-        self._fixed = all(head.wants_binary(t.name) and t.datatype != "BYTES"
-                          for t in self.io.outputs if not self.wanted or t.name in self.wanted)
+        """The short ways: a batched pipeline of one 1-D numeric input sent raw (and of one such
+        output asked raw), whose size fits its shape; anything else takes the general path."""
         if not self.io.batched or len(self.io.inputs) != 1 or len(self.io.outputs) != 1:
             return
         (given,), (out,) = self.head.inputs, self.io.outputs
@@ -117,9 +112,8 @@ class Plan:
         rows = struct.Struct(f"<{n}{STRUCT_CODES[given.datatype]}")
         if given.binary_size == rows.size:
             self._rows_in = rows
-        if self._fixed and len(out.shape) == 1 and out.datatype in STRUCT_CODES:
-            self._rows_out = struct.Struct(f"<{n}{STRUCT_CODES[out.datatype]}")
-            self._rows_shape = ((n,),)
+        if self.head.wants_binary(out.name) and len(out.shape) == 1 and out.datatype in STRUCT_CODES:
+            self._rows_out, self._rows_n = struct.Struct(f"<{n}{STRUCT_CODES[out.datatype]}"), n
 
     def items(self, rest: bytes) -> list[Any]:
         """What to submit: one item per row (batched), else one; ``rest``: the bytes after the head."""
@@ -158,8 +152,8 @@ class Plan:
             return error_reply(500, str(exc), "error")
         if length is None:
             return Reply(200, body, JSON_TYPE)
-        if self._fixed and len(self._response_heads) < RESPONSE_HEADS:
-            self._response_heads[tuple(tuple(t.shape) for t in outputs)] = body[:length]
+        if self._rows_out is not None and outputs[0].shape == [self._rows_n]:
+            self._rows_head = body[:length]
         return binary_reply(body, length)
 
     def _respond_rows(self, answers: Sequence[Any]) -> Reply | None:
@@ -167,7 +161,7 @@ class Plan:
         Python numbers only, which pack as numpy converts them; anything else (a numpy array, a
         string, a value the format cannot hold) returns None: the general path converts it, names
         what is wrong, or makes the head."""
-        head, rows = self._response_heads.get(self._rows_shape), self._rows_out
+        head, rows = self._rows_head, self._rows_out
         if head is None or rows is None or not set(map(type, answers)) <= _NUMBERS:
             return None
         try:
@@ -215,7 +209,7 @@ class Plans:
             return plan
         plan = Plan(model, io, parse_head(head)).check()
         if self.size and len(head) <= KEPT_HEAD_MAX_BYTES and not plan.head.holds_data and plan.head.id is None:
-            if len(self._plans) >= self.size:
+            if key not in self._plans and len(self._plans) >= self.size:  # not a replaced plan
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
         return plan
