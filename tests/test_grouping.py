@@ -46,8 +46,30 @@ def test_a_key_that_raises_sorts_last_and_mixed_types_keep_arrival_order() -> No
     assert plan_groups(arrays, lambda x: x, 8) == [[0, 1, 2]]
 
 
+def test_a_spread_ends_a_group_where_a_cost_passes_it_times_the_groups_cheapest() -> None:
+    costs = [30, 10, 12, 26, 13, 40]
+    groups = plan_groups(costs, lambda c: c, 8, 1.25)
+    # sorted 10 12 13 26 30 40: 13 > 1.25 x 10 and 40 > 1.25 x 26 cut, so 10 12 | 13 | 26 30 | 40
+    assert [[costs[i] for i in g] for g in groups] == [[10, 12], [13], [26, 30], [40]]
+    assert plan_groups(costs, lambda c: c, 8, None) == [sorted(range(6), key=costs.__getitem__)]
+    # within a run, group_size still splits evenly; a spread of 1 keeps only equal costs together
+    assert [len(g) for g in plan_groups([5] * 5 + [100] * 3, lambda c: c, 2, 1.5)] == [1, 2, 2, 1, 2]
+    assert [len(g) for g in plan_groups([7, 7, 8, 8, 8], lambda c: c, 8, 1)] == [2, 3]
+
+
+def test_a_spread_leaves_costs_it_cannot_compare_where_they_sort() -> None:
+    def key(x: Any) -> Any:
+        if x == "bad":
+            raise ValueError("no cost")
+        return x
+
+    # a failed key (sorts last) and a zero cost join their neighbours' group instead of cutting it
+    assert plan_groups([0, 1, 100, "bad"], key, 8, 1.5) == [[0, 1], [2, 3]]
+
+
 class _Stage:
     group_size: Any = 2
+    group_spread: Any = None
 
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
@@ -79,6 +101,20 @@ def test_run_grouped_without_a_key_is_one_call_and_a_bad_group_size_is_every_ite
     stage.group_size = 0
     outcomes = run_grouped(stage, [2, 1], 4, run_batch)
     assert all(not ok and isinstance(f, Failure) and "group_size" in f.message for ok, f in outcomes)
+    for bad in (0.5, float("nan"), "1.5", True):
+        stage = _Stage()
+        stage.group_spread = bad
+        outcomes = run_grouped(stage, [2, 1], 4, run_batch)
+        assert all(not ok and isinstance(f, Failure) and "group_spread" in f.message for ok, f in outcomes)
+        assert stage.calls == []
+
+
+def test_run_grouped_with_a_spread_splits_calls_by_cost() -> None:
+    stage = _Stage()
+    stage.group_size, stage.group_spread = 8, 2
+    outcomes = run_grouped(stage, [50, 1, 2, 9, 3], 8, run_batch)
+    assert [o[1] for o in outcomes] == [500, 10, 20, 90, 30]
+    assert stage.calls == [[1, 2], [3], [9], [50]]
 
 
 def test_grouping_in_real_workers(redis_url: str, redis_client: redis.Redis) -> None:

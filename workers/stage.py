@@ -39,9 +39,11 @@ class Stage:
     # Length-aware batching (workers/batching/grouping.py): define ``batch_key(self, x)`` returning a
     # sortable cost of one decoded item (e.g. its token count); each batch read is then sorted by
     # it and run as groups of at most ``group_size`` similar items (default batch_size // 4).
-    # ``Pipeline.add(cls, batch_key=None)`` turns it off for one pipeline.
+    # ``Pipeline.add(cls, batch_key=None)`` turns it off for one pipeline. ``group_spread`` (a number
+    # >= 1) also ends a group where an item costs more than that many times the group's cheapest.
     batch_key: Callable[[Any], Any] | None = None
     group_size: int | None = None
+    group_spread: float | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         for key, value in kwargs.items():

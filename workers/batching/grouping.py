@@ -11,6 +11,13 @@ items, waiting at most ``batch_wait_s`` after the first), and every item it read
 round, so grouping never makes an item wait for a later batch. Reading a larger window to sort
 would hold items away from idle peer workers and delay their commits; sorting 64 texts and
 running them as four groups of 16 recovers most of the padding already (docs/embeddings.md).
+
+``group_spread`` (off by default): a group also ends where an item costs more than ``group_spread``
+times the group's cheapest. Few items per read (8 texts in flight over two workers: reads of 4)
+sort into one group whatever their lengths, and the short ones pay for the longest one's padding:
+on the embeddings example padded groups of 4 to 8 random texts cost 15-35 % more per text than the
+same texts split where a length passes 1.35x the group's shortest (docs/embeddings.md). The cost of
+an extra ``predict`` call is what bounds this: an engine whose calls are dear wants a wider spread.
 """
 
 from __future__ import annotations
@@ -33,6 +40,16 @@ def group_size_of(stage: Any, batch_size: int) -> int:
     return size
 
 
+def group_spread_of(stage: Any) -> float | None:
+    """``stage.group_spread``: None (off), else a number >= 1."""
+    spread = getattr(stage, "group_spread", None)
+    if spread is None:
+        return None
+    if isinstance(spread, bool) or not isinstance(spread, int | float) or not spread >= 1:  # NaN fails too
+        raise ValueError(f"group_spread must be a number >= 1 or None, got {spread!r}")
+    return float(spread)
+
+
 def _cost(key: Callable[[Any], Any], x: Any) -> tuple[bool, Any]:
     """(failed, cost): an item whose key raises sorts last and meets predict alone in its group's
     bisection (runner.run_batch), where it gets its own error; it never fails the others."""
@@ -42,14 +59,34 @@ def _cost(key: Callable[[Any], Any], x: Any) -> tuple[bool, Any]:
         return (True, 0)
 
 
-def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: int) -> list[list[int]]:
-    """Indices of ``inputs`` sorted by cost, in consecutive groups of at most ``group_size``,
-    sized as evenly as possible (64 items in groups of up to 24 -> 21, 21, 22)."""
-    costs = [_cost(key, x) for x in inputs]
-    try:
-        order = sorted(range(len(inputs)), key=costs.__getitem__)
-    except (TypeError, ValueError):  # costs that do not compare (mixed types, arrays): keep arrival order
-        order = list(range(len(inputs)))
+def _number(cost: tuple[bool, Any]) -> float | None:
+    """A cost the spread can compare: a positive real number whose key did not fail."""
+    failed, value = cost
+    if failed or isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return None
+    return float(value)
+
+
+def _runs(order: list[int], costs: list[tuple[bool, Any]], spread: float | None) -> list[list[int]]:
+    """``order`` cut where an item costs more than ``spread`` times its run's first (cheapest) item."""
+    if spread is None or not order:
+        return [order]
+    runs, run = [], [order[0]]
+    floor = _number(costs[order[0]])
+    for i in order[1:]:
+        cost = _number(costs[i])
+        if floor is not None and cost is not None and cost > spread * floor:
+            runs.append(run)
+            run, floor = [i], cost
+        else:
+            run.append(i)
+            floor = cost if floor is None else floor  # after zero costs, the first positive one
+    runs.append(run)
+    return runs
+
+
+def _even(order: list[int], group_size: int) -> list[list[int]]:
+    """``order`` in consecutive groups of at most ``group_size``, sized as evenly as possible."""
     n_groups = -(-len(order) // group_size)
     groups, start = [], 0
     for g in range(n_groups):
@@ -59,6 +96,19 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
     return groups
 
 
+def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: int,
+                spread: float | None = None) -> list[list[int]]:
+    """Indices of ``inputs`` sorted by cost, in consecutive groups of at most ``group_size``,
+    sized as evenly as possible (64 items in groups of up to 24 -> 21, 21, 22); with ``spread``,
+    first cut where a cost passes ``spread`` times the cheapest since the last cut."""
+    costs = [_cost(key, x) for x in inputs]
+    try:
+        order = sorted(range(len(inputs)), key=costs.__getitem__)
+    except (TypeError, ValueError):  # costs that do not compare (mixed types, arrays): keep arrival order
+        return _even(list(range(len(inputs))), group_size)
+    return [group for run in _runs(order, costs, spread) for group in _even(run, group_size)]
+
+
 def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run) -> list[Any]:
     """``run(stage.predict, inputs)``, split by cost when the stage defines ``batch_key``;
     outcomes come back in the order of ``inputs``."""
@@ -66,11 +116,11 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run) -> lis
     if key is None or len(inputs) <= 1:
         return run(stage.predict, inputs)
     try:
-        size = group_size_of(stage, batch_size)
+        size, spread = group_size_of(stage, batch_size), group_spread_of(stage)
     except ValueError as exc:  # a configuration error: each requester learns it, the worker lives on
         return [(False, Failure("ValueError", str(exc), ""))] * len(inputs)
     outcomes: list[Any] = [None] * len(inputs)
-    for group in plan_groups(inputs, key, size):
+    for group in plan_groups(inputs, key, size, spread):
         for i, outcome in zip(group, run(stage.predict, [inputs[i] for i in group]), strict=True):
             outcomes[i] = outcome
     return outcomes
