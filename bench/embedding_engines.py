@@ -1,7 +1,8 @@
 """The embed stage's engines side by side in one process: accuracy against torch fp32, and speed.
 
     python -m bench.embedding_engines [--texts 1024] [--rounds 3] [--engines onnx,onnx-int8,torch,torch-int8]
-                                      [--budgets 128,256,384,512] [--cache-dir DIR]
+                                      [--budgets 128,256,384,512] [--read 32] [--spreads 1.35,1.5]
+                                      [--cache-dir DIR]
 
 - accuracy: every engine's vectors against torch fp32 on the held-out corpus
   (``make_corpus(n, HELD_OUT_SEED)``: texts no setting was tuned on) and on 64 long texts (100-250
@@ -12,7 +13,10 @@
 - ``--budgets``: the same reads grouped by a token budget instead (at most B padded tokens per call,
   ``items x longest``, up to 32 texts: how text-embeddings-inference bounds a batch), against groups of
   8, on every engine. Measured, it did not pay on the default engine, so it is not a stage option
-  (docs/embeddings.md); the planner stays here so that the measurement can be run again.
+  (docs/embeddings.md); the planner stays here so that the measurement can be run again;
+- ``--spreads``: groups of 8 that also end where a text is more than S times its group's shortest
+  (the stage option ``group_spread``), against groups of 8 alone; ``--read 4`` plans reads of 4
+  texts, what each of two workers gets with 8 texts in flight.
 
 Engines run interleaved, ``--rounds`` times, and the medians are printed: compare within one run.
 """
@@ -69,13 +73,14 @@ def budget_groups(read: list[np.ndarray], budget: int, group_size: int = READ) -
     return [g[::-1] for g in reversed(groups)]
 
 
-def grouped(ids: list[np.ndarray], budget: int | None = None) -> Groups:
-    """Reads of READ in arrival order, each planned as the stage plans it (workers.batching.grouping),
-    or by a token budget."""
+def grouped(ids: list[np.ndarray], budget: int | None = None, spread: float | None = None,
+            read_size: int = READ) -> Groups:
+    """Reads of ``read_size`` in arrival order, each planned as the stage plans it
+    (workers.batching.grouping, with ``spread`` as its ``group_spread``), or by a token budget."""
     out: Groups = []
-    for start in range(0, len(ids), READ):
-        read = ids[start:start + READ]
-        plan = plan_groups(read, len, GROUP) if budget is None else budget_groups(read, budget)
+    for start in range(0, len(ids), read_size):
+        read = ids[start:start + read_size]
+        plan = plan_groups(read, len, GROUP, spread) if budget is None else budget_groups(read, budget)
         out += [[read[i] for i in g] for g in plan]
     return out
 
@@ -119,10 +124,12 @@ def accuracy(tokenizer: Any, engines: dict[str, Any], n: int) -> None:
         print(f"  {what}: " + ", ".join(cells), flush=True)
 
 
-def speeds(tokenizer: Any, engines: dict[str, Any], n: int, rounds: int, budgets: list[int]) -> None:
+def speeds(tokenizer: Any, engines: dict[str, Any], n: int, rounds: int, budgets: list[int],
+           spreads: list[float], read_size: int) -> None:
     ids = tokenizer(make_corpus(n))
-    plans: dict[str, Groups] = {f"groups of {GROUP}": grouped(ids)}
-    plans.update({f"budget {b}": grouped(ids, b) for b in budgets})
+    plans: dict[str, Groups] = {f"groups of {GROUP}": grouped(ids, read_size=read_size)}
+    plans.update({f"budget {b}": grouped(ids, b, read_size=read_size) for b in budgets})
+    plans.update({f"spread {s:g}": grouped(ids, spread=s, read_size=read_size) for s in spreads})
     for engine in engines.values():  # warm up: first calls of each shape are slow
         engine(plans[f"groups of {GROUP}"][0])
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -134,7 +141,7 @@ def speeds(tokenizer: Any, engines: dict[str, Any], n: int, rounds: int, budgets
             singles.setdefault(name, []).append(single_p50_ms(engine, ids[:100]))
         print(f"round {r} done", flush=True)
     torch_cpu = statistics.median(c for _, c in rows.get(("torch", f"groups of {GROUP}"), [(0.0, float("nan"))]))
-    print(f"one thread, reads of {READ} ({n} corpus texts), medians of {rounds} rounds:")
+    print(f"one thread, reads of {read_size} ({n} corpus texts), medians of {rounds} rounds:")
     print(f"{'engine':>11} {'grouping':>12} {'texts/s':>8} {'CPU ms/text':>11} {'vs torch CPU':>12} "
           f"{'1-text p50 ms':>13}")
     for (name, plan), values in rows.items():
@@ -150,6 +157,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", default="onnx,onnx-int8,torch,torch-int8")
     parser.add_argument("--budgets", default="", help="token budgets to try against groups of 8, e.g. 128,256,512")
+    parser.add_argument("--spreads", default="", help="group_spread values to try against groups of 8, e.g. 1.35,1.5")
+    parser.add_argument("--read", type=int, default=READ, help="texts per read (the stage's batch; 4 = 8 in flight "
+                        "over two workers)")
     parser.add_argument("--cache-dir", default=None, help="where the ONNX graphs are cached")
     parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args()
@@ -158,7 +168,8 @@ def main() -> None:
     tokenizer, engines = load(args.engines.split(","), args.cache_dir)
     if not args.skip_accuracy:
         accuracy(tokenizer, engines, args.texts)
-    speeds(tokenizer, engines, args.texts, args.rounds, [int(b) for b in args.budgets.split(",") if b])
+    speeds(tokenizer, engines, args.texts, args.rounds, [int(b) for b in args.budgets.split(",") if b],
+           [float(s) for s in args.spreads.split(",") if s], args.read)
 
 
 if __name__ == "__main__":

@@ -145,20 +145,22 @@ class Server:
 class ConveyorRun(Server):
     """``conveyor run examples.embeddings:pipeline`` on a free port, its Redis in a private folder."""
 
-    def __init__(self, work: Path, engine: str, cache_dir: Path) -> None:
-        self.name = f"conveyor-{engine}" if engine != "onnx" else "conveyor"
+    def __init__(self, work: Path, engine: str, cache_dir: Path, root: Path = ROOT, name: str | None = None) -> None:
+        """``root``: the checkout whose code runs (another one than this benchmark's for a paired
+        comparison: the system ``conveyor-base`` with ``--base DIR``)."""
+        self.name = name or (f"conveyor-{engine}" if engine != "onnx" else "conveyor")
         super().__init__(work)
-        self.engine, self.cache_dir = engine, cache_dir
+        self.engine, self.cache_dir, self.root = engine, cache_dir, root
 
     def start(self) -> None:
         self.port = free_port()
         redis_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.work))
         env = dict(os.environ, **OFFLINE, CONVEYOR_EMBED_ENGINE=self.engine, CONVEYOR_CACHE_DIR=str(self.cache_dir),
-                   CONVEYOR_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+                   CONVEYOR_LOG_LEVEL="WARNING", PYTHONPATH=str(self.root))
         argv = [sys.executable, "-m", "workers.cli", "run", "examples.embeddings:pipeline", "--port", str(self.port),
                 "--redis-dir", str(redis_dir / "r")]
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(argv, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         _wait(self.name, lambda: http_get(f"http://127.0.0.1:{self.port}/readyz") == 200, self.proc, self.log)
 
@@ -229,9 +231,13 @@ class Infinity(Server):
         return list(json.loads(body)["data"][0]["embedding"])
 
 
-def make_server(name: str, work: Path, cache_dir: Path) -> Server:
+def make_server(name: str, work: Path, cache_dir: Path, base: Path | None = None) -> Server:
     if name == "infinity":
         return Infinity(work, cache_dir)
+    if name == "conveyor-base":
+        if base is None:
+            raise ValueError("the system conveyor-base needs --base DIR (a checkout to compare with)")
+        return ConveyorRun(work, "onnx", cache_dir, root=base, name=name)
     if name == "conveyor" or name.startswith("conveyor-"):
         return ConveyorRun(work, name.removeprefix("conveyor-") if name != "conveyor" else "onnx", cache_dir)
-    raise ValueError(f"unknown system {name!r}: conveyor, conveyor-torch, conveyor-onnx-int8, infinity")
+    raise ValueError(f"unknown system {name!r}: conveyor, conveyor-torch, conveyor-onnx-int8, conveyor-base, infinity")

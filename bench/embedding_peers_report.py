@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CONVEYOR, PEER, TORCH = "conveyor", "infinity", "conveyor-torch"
+CONVEYOR, PEER, TORCH, BASE = "conveyor", "infinity", "conveyor-torch", "conveyor-base"
 COLORS = {"conveyor": "tab:blue", "conveyor-torch": "tab:cyan", "infinity": "tab:orange"}
 
 
@@ -26,8 +26,12 @@ def _systems(summary: dict[str, Any]) -> list[str]:
 
 
 def _compared(systems: list[str]) -> str:
-    """What conveyor's ratios are against: infinity when it ran, else the torch engine."""
-    return PEER if PEER in systems or TORCH not in systems else TORCH
+    """What conveyor's ratios are against: infinity when it ran, else the torch engine, else the
+    other checkout (``--base``)."""
+    for other in (PEER, TORCH, BASE):
+        if other in systems:
+            return other
+    return PEER
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -52,6 +56,8 @@ def table(summary: dict[str, Any]) -> str:
 def goals(summary: dict[str, Any]) -> str:
     """One line per goal of the issue: met or not, with the figures."""
     out = []
+    if _compared(_systems(summary)) == BASE:
+        return "(a paired run against another checkout: no goal of the issue applies)"
     if _compared(_systems(summary)) == TORCH:
         for level, rows in sorted(summary["levels"].items()):
             c, t = rows.get(CONVEYOR), rows.get(TORCH)

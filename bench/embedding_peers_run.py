@@ -1,7 +1,8 @@
 """conveyor against infinity (and the model called directly) over HTTP, side by side in one run.
 
     python -m bench.embeddings --peers [--texts 2048] [--in-flight 1,8,64,256] [--rounds 3]
-                                       [--systems conveyor,infinity] [--cache-dir DIR] [--out bench/results]
+                                       [--systems conveyor,infinity] [--base DIR] [--cache-dir DIR]
+                                       [--out bench/results]
                                        [--plot-dir DIR]
 
 Both servers run at once on the same 2 cores and the same model files (one idles, blocked, while
@@ -11,7 +12,8 @@ embed worker), infinity with its best CPU engine (ONNX Runtime through optimum).
 (bench/embedding_http.py) sends both the same texts over keep-alive HTTP/1.1 at each in-flight level;
 the systems take turns level by level, in an order that alternates between rounds, and every round
 also measures the model called directly (the example's engine, in this process and in two pinned
-processes: the ceiling). ``conveyor-torch`` adds conveyor with the torch engine.
+processes: the ceiling). ``conveyor-torch`` adds conveyor with the torch engine; ``conveyor-base``
+(with ``--base DIR``) conveyor's default engine run from another checkout, for a paired comparison.
 
 Output: a Markdown table (medians over rounds: texts/s, p50/p99 ms; ratios conveyor/infinity),
 whether the issue's goals are met, a JSON file under ``--out`` and two PNG plots under
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--texts", type=int, default=2048)
     parser.add_argument("--in-flight", default="1,8,64,256")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--systems", default="conveyor,infinity", help="conveyor, conveyor-torch, infinity")
+    parser.add_argument("--systems", default="conveyor,infinity",
+                        help="conveyor, conveyor-torch, conveyor-onnx-int8, conveyor-base, infinity")
+    parser.add_argument("--base", type=Path, default=None, help="the checkout conveyor-base runs (git worktree add)")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct ceiling")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="infinity's venv, the graphs (default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor)")
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(v) for v in args.in_flight.split(",")]
     print(f"machine: {machine()} (shared with other jobs: compare within one run)", flush=True)
     work = Path(tempfile.mkdtemp(prefix="conveyor-emb-peers-"))
-    servers = [make_server(name, work, cache) for name in args.systems.split(",")]
+    servers = [make_server(name, work, cache, args.base) for name in args.systems.split(",")]
     try:
         for server in servers:
             print(f"starting {server.name} (log {server.log})", flush=True)

@@ -91,6 +91,10 @@ def test_int8_loads_from_the_cached_graph_and_stays_close(ids: list[np.ndarray],
 def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written() -> None:
     embed = make_pipeline("t-engines", engine="torch").stage("embed")
     assert embed.kwargs["engine"] == "torch"
+    # each engine's group_spread (engines.GROUP_SPREAD): off for torch's dear calls, unless given
+    assert embed.kwargs["group_spread"] is None
+    assert make_pipeline("t-engines", engine="onnx").stage("embed").kwargs["group_spread"] == 1.25
+    assert make_pipeline("t-engines", engine="torch", group_spread=2).stage("embed").kwargs["group_spread"] == 2
     with pytest.raises(ValueError, match="unknown embeddings engine 'tensorrt'"):
         make_pipeline("t-engines", engine="tensorrt")
     code = "from examples.embeddings import pipeline; print(pipeline.stage('embed').kwargs['engine'])"

@@ -23,6 +23,13 @@ import numpy as np
 ENGINES = ("onnx", "onnx-int8", "torch", "torch-int8")
 DEFAULT_ENGINE = "onnx"
 ENGINE_ENV = "CONVEYOR_EMBED_ENGINE"
+# The embed stage's ``group_spread`` per engine (workers/batching/grouping.py): ONNX Runtime's calls
+# are cheap, so a read's texts run in groups within 1.25x of their shortest's length rather than
+# padded to the longest (6.2 against 7.4 CPU ms per text in reads of 4, 5.6 against 7.5 in reads of
+# 8, 5.3 against 5.7 in reads of 32); torch's eager calls are dear, and more of them cost more than
+# the padding saved (10.2 against 8.6 in reads of 4): off. `python -m bench.embedding_engines --read 4
+# --spreads 1.25,1.5`, docs/embeddings.md.
+GROUP_SPREAD: dict[str, float | None] = {"onnx": 1.25, "onnx-int8": 1.25, "torch": None, "torch-int8": None}
 
 
 class Engine(Protocol):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from examples.embeddings.engines import DEFAULT_ENGINE, check_engine, load_engine
+from examples.embeddings.engines import DEFAULT_ENGINE, GROUP_SPREAD, check_engine, load_engine
 from examples.embeddings.model import Tokenizer
 from workers import Stage
 
@@ -45,6 +45,9 @@ class Embed(Stage):
     batch_wait_s = 0.0
     threads = 1
     group_size = 8  # predict calls per read batch hold up to 8 texts of similar length
+    # ... and within 1.25x of the shortest one's length: the default engine's calls are cheap, padding
+    # is not (engines.GROUP_SPREAD: torch's engines turn it off; make_pipeline picks by engine).
+    group_spread: float | None = GROUP_SPREAD[DEFAULT_ENGINE]
 
     # The code that runs the model (examples/embeddings/engines.py): "onnx" (ONNX Runtime, the graph
     # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8".
