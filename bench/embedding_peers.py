@@ -129,6 +129,10 @@ class Server:
             return [root, *root.children(recursive=True)]
         return []
 
+    def process_groups(self) -> dict[str, list[psutil.Process]]:
+        """Its processes by role, for the CPU table (one group unless the server's roles are known)."""
+        return {"all": self.processes()}
+
     def embed(self, text: str) -> list[float]:
         path, body = self.path_and_body(text)
         status, reply = http_post(f"http://127.0.0.1:{self.port}{path}", body, "application/json", timeout_s=60)
@@ -140,6 +144,15 @@ class Server:
         if self.proc is not None:
             _stop(self.proc)
             self.proc = None
+
+
+def _role(argv: list[str]) -> str:
+    """What a process of ``conveyor run`` is, from its command line."""
+    if argv and "redis-server" in argv[0]:
+        return "redis"
+    if "--stage" in argv[:-1]:
+        return argv[argv.index("--stage") + 1]
+    return "gateway" if "gateway" in argv else "supervisor"
 
 
 class ConveyorRun(Server):
@@ -163,6 +176,14 @@ class ConveyorRun(Server):
             self.proc = subprocess.Popen(argv, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         _wait(self.name, lambda: http_get(f"http://127.0.0.1:{self.port}/readyz") == 200, self.proc, self.log)
+
+    def process_groups(self) -> dict[str, list[psutil.Process]]:
+        """gateway, each stage's workers, Redis and the supervisor (``conveyor run`` itself)."""
+        groups: dict[str, list[psutil.Process]] = {}
+        for proc in self.processes():
+            with contextlib.suppress(psutil.Error):
+                groups.setdefault(_role(proc.cmdline()), []).append(proc)
+        return groups
 
     def path_and_body(self, text: str) -> tuple[str, bytes]:
         """The OpenAI-compatible route, as infinity is called: the same API on both sides."""

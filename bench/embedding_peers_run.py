@@ -15,7 +15,8 @@ also measures the model called directly (the example's engine, in this process a
 processes: the ceiling). ``conveyor-torch`` adds conveyor with the torch engine; ``conveyor-base``
 (with ``--base DIR``) conveyor's default engine run from another checkout, for a paired comparison.
 
-Output: a Markdown table (medians over rounds: texts/s, p50/p99 ms; ratios conveyor/infinity),
+Output: a Markdown table (medians over rounds: texts/s, p50/p99 ms; ratios conveyor/infinity), CPU ms per
+text of each process group (conveyor's gateway, tokenize and embed workers, Redis; infinity as one group),
 whether the issue's goals are met, a JSON file under ``--out`` and two PNG plots under
 ``--plot-dir`` (throughput per level, latency against throughput).
 """
@@ -59,14 +60,23 @@ def check_vectors(servers: list[Server]) -> None:
 
 
 def measure(server: Server, others: list[Server], texts: list[str], in_flight: int) -> dict[str, Any]:
-    meter = CpuMeter({server.name: server.processes(), **{f"idle {o.name}": o.processes() for o in others}})
+    groups = server.process_groups()
+    meter = CpuMeter({**groups, **{f"idle {o.name}": o.processes() for o in others}})
     meter.start()
     closed = run(server.port, texts, in_flight, server.path_and_body, server.vector)
     cpu = meter.stop()
     row = closed.figures()
-    row["cpu_pct"] = cpu.get(server.name, 0.0)
+    row["cpu_groups"] = {label: cpu.get(label, 0.0) for label in groups}  # % of one core, by role
+    row["cpu_pct"] = sum(row["cpu_groups"].values())
     row["idle_cpu_pct"] = sum(v for k, v in cpu.items() if k.startswith("idle "))
     return row
+
+
+def cpu_ms_per_text(row: dict[str, Any]) -> str:
+    """``embed 7.31, gateway 0.40, ...``: CPU ms per text of each process group (% of a core x 10 / rate)."""
+    rate = max(row["rate"], 1e-9)
+    return ", ".join(f"{label} {10 * pct / rate:.2f}" for label, pct in sorted(row["cpu_groups"].items(),
+                                                                          key=lambda kv: -kv[1]))
 
 
 def direct_ceiling(models: Any, texts: list[str], engine: str) -> float:
@@ -91,7 +101,8 @@ def rounds(servers: list[Server], texts: list[str], levels: list[int], n_rounds:
                 rows.append(row)
                 print(f"round {r} {n:>4} in flight {server.name:>16}: {row['rate']:7.1f} texts/s, p50 "
                       f"{row['p50']:7.1f} ms, p99 {row['p99']:7.1f} ms, errors {row['errors']}, "
-                      f"CPU {row['cpu_pct']:.0f} % (others idle {row['idle_cpu_pct']:.0f} %)", flush=True)
+                      f"CPU {row['cpu_pct']:.0f} % (others idle {row['idle_cpu_pct']:.0f} %); CPU ms per text: "
+                      f"{cpu_ms_per_text(row)}", flush=True)
     return rows
 
 
@@ -108,6 +119,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for name, runs in systems.items():
             systems[name] = {k: statistics.median(r[k] for r in runs)
                              for k in ("rate", "p50", "p99", "cpu_pct", "idle_cpu_pct", "errors")}
+            labels = {label for r in runs for label in r.get("cpu_groups", {})}
+            systems[name]["cpu_groups"] = {label: statistics.median(r.get("cpu_groups", {}).get(label, 0.0)
+                                                                     for r in runs) for label in labels}
         out["levels"][level] = systems
     return out
 
@@ -160,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / f"embedding-peers-{stamp}.json"
     path.write_text(json.dumps(document, indent=1, default=str))
     print(table(summary))
+    print("\nCPU ms per text, by process group (medians of the rounds):")
+    for level, systems in sorted(summary["levels"].items()):
+        for name, row in systems.items():
+            print(f"  {level:>4} in flight {name:>16}: {cpu_ms_per_text(row)}")
     print(goals(summary))
     print(f"results: {path}")
     for written in plot(document, args.plot_dir or args.out):
