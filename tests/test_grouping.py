@@ -55,6 +55,8 @@ def test_a_spread_ends_a_group_where_a_cost_passes_it_times_the_groups_cheapest(
     # within a run, group_size still splits evenly; a spread of 1 keeps only equal costs together
     assert [len(g) for g in plan_groups([5] * 5 + [100] * 3, lambda c: c, 2, 1.5)] == [1, 2, 2, 1, 2]
     assert [len(g) for g in plan_groups([7, 7, 8, 8, 8], lambda c: c, 8, 1)] == [2, 3]
+    # numpy's numbers are costs too (a key may return an array's length as np.int64)
+    assert plan_groups([np.int64(c) for c in costs], lambda c: c, 8, np.float64(1.25)) == groups
 
 
 def test_a_spread_leaves_costs_it_cannot_compare_where_they_sort() -> None:
