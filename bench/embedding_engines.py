@@ -1,6 +1,6 @@
 """The embed stage's engines side by side in one process: accuracy against torch fp32, and speed.
 
-    python -m bench.embedding_engines [--texts 1024] [--rounds 3] [--engines onnx,onnx-int8,torch,torch-int8]
+    python -m bench.embedding_engines [--texts 1024] [--rounds 3] [--engines onnx,onnx-int8,torch,torch-int8,torch-bf16]
                                       [--budgets 128,256,384,512] [--read 32] [--spreads 1.35,1.5]
                                       [--cache-dir DIR]
 
@@ -155,7 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.embedding_engines")
     parser.add_argument("--texts", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engines", default="onnx,onnx-int8,torch,torch-int8")
+    parser.add_argument("--engines", default="onnx,onnx-int8,torch,torch-int8,torch-bf16")
     parser.add_argument("--budgets", default="", help="token budgets to try against groups of 8, e.g. 128,256,512")
     parser.add_argument("--spreads", default="", help="group_spread values to try against groups of 8, e.g. 1.35,1.5")
     parser.add_argument("--read", type=int, default=READ, help="texts per read (the stage's batch; 4 = 8 in flight "

@@ -50,7 +50,8 @@ class Embed(Stage):
     group_spread: float | None = GROUP_SPREAD[DEFAULT_ENGINE]
 
     # The code that runs the model (examples/embeddings/engines.py): "onnx" (ONNX Runtime, the graph
-    # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8".
+    # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8",
+    # "torch-bf16" (the fastest under load on a CPU with AVX512-BF16 or AMX, docs/embeddings.md).
     # ONNX Runtime is the default: the fastest engine whose vectors match torch fp32 (docs/embeddings.md).
     engine = DEFAULT_ENGINE
     cache_dir: str | None = None  # where the ONNX graphs are cached (default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor)
