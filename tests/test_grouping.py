@@ -67,6 +67,8 @@ def test_a_spread_leaves_costs_it_cannot_compare_where_they_sort() -> None:
 
     # a failed key (sorts last) and a zero cost join their neighbours' group instead of cutting it
     assert plan_groups([0, 1, 100, "bad"], key, 8, 1.5) == [[0, 1], [2, 3]]
+    # an int past float's range sorts, and joins its neighbours (float() would raise OverflowError)
+    assert plan_groups([10**400, 1, 2], key, 8, 1.5) == [[1], [2, 0]]
 
 
 class _Stage:

@@ -15,7 +15,7 @@ See docs/embeddings.md for the stage split, the figures and the options.
 
 import os
 
-from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, GROUP_SPREAD, check_engine
+from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, check_engine
 from examples.embeddings.model import DIM
 from examples.embeddings.stages import Embed, Tokenize
 from workers import Pipeline, Tensor
@@ -28,13 +28,11 @@ OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM)), Tensor("tokens", "INT64", (-1
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
                   embed: type[Embed] = Embed, engine: str | None = None, **embed_options: object) -> Pipeline:
     """The example's pipeline; ``grouped=False`` turns length-aware batching off (for comparison),
-    ``engine`` picks the embed stage's engine (default ``Embed.engine``: ONNX Runtime) and, unless
-    given, the ``group_spread`` that suits it; other keywords go to the embed stage (``group_size=16``,
-    ``cache_dir=...``)."""
+    ``engine`` picks the embed stage's engine (default ``Embed.engine``: ONNX Runtime), and other
+    keywords go to the embed stage (``group_size=16``, ``group_spread=None``, ``cache_dir=...``)."""
     embed_options["workers"] = embed_workers
     if engine is not None:
         embed_options["engine"] = check_engine(engine)
-        embed_options.setdefault("group_spread", GROUP_SPREAD[embed_options["engine"]])
     if not grouped:
         embed_options["batch_key"] = None
     return (Pipeline(name, inputs=INPUTS, outputs=OUTPUTS, batched=True, task="embeddings")

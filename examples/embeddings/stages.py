@@ -18,6 +18,8 @@ from examples.embeddings.engines import DEFAULT_ENGINE, GROUP_SPREAD, check_engi
 from examples.embeddings.model import Tokenizer
 from workers import Stage
 
+BY_ENGINE = -1.0  # Embed.group_spread's default, never a valid spread: the engine's own, set in setup()
+
 
 class Tokenize(Stage):
     batch_size = 64
@@ -45,9 +47,10 @@ class Embed(Stage):
     batch_wait_s = 0.0
     threads = 1
     group_size = 8  # predict calls per read batch hold up to 8 texts of similar length
-    # ... and within 1.25x of the shortest one's length: the default engine's calls are cheap, padding
-    # is not (engines.GROUP_SPREAD: torch's engines turn it off; make_pipeline picks by engine).
-    group_spread: float | None = GROUP_SPREAD[DEFAULT_ENGINE]
+    # ... and, by default, within the spread that suits the engine (engines.GROUP_SPREAD: 1.25 of the
+    # shortest one's length on ONNX Runtime, whose calls are cheap; off on torch, whose calls are dear),
+    # set in setup() unless given (Pipeline.add(Embed, group_spread=...)).
+    group_spread: float | None = BY_ENGINE
 
     # The code that runs the model (examples/embeddings/engines.py): "onnx" (ONNX Runtime, the graph
     # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8",
@@ -61,6 +64,12 @@ class Embed(Stage):
         # it); ONNX Runtime's own pool takes the same count.
         threads = int(os.environ.get("OMP_NUM_THREADS") or self.threads or 1)
         self._embed = load_engine(check_engine(self.engine), threads=threads, cache_dir=self.cache_dir)
+        self.resolve_group_spread()
+
+    def resolve_group_spread(self) -> None:
+        """The engine's own ``group_spread`` unless one was given."""
+        if self.group_spread == BY_ENGINE:
+            self.group_spread = GROUP_SPREAD[check_engine(self.engine)]
 
     def batch_key(self, ids: Any) -> int:
         """The cost of one item: its token count (padding makes a batch cost its longest item)."""

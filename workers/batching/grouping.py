@@ -66,7 +66,10 @@ def _number(cost: tuple[bool, Any]) -> float | None:
     failed, value = cost
     if failed or isinstance(value, bool) or not isinstance(value, Real):  # numpy's numbers are Real too
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range: sorted, but not compared
+        return None
     return number if number > 0 else None  # NaN is not
 
 
