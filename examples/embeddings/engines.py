@@ -9,8 +9,8 @@
 | ``torch-bf16`` | eager torch, weights and compute in bfloat16 | mean 0.99995; fast only with AVX512-BF16 or AMX |
 
 Measured (docs/embeddings.md): ``onnx`` is the fastest engine that keeps the vectors (mean cosine >=
-0.999 against torch fp32) on every CPU and for lone texts, so it is the default (``torch-bf16`` is about
-twice as fast under load where the CPU has AVX512-BF16 or AMX, and slower elsewhere); ``torch`` stays
+0.999 against torch fp32) on every CPU and for lone texts, so it is the default (``torch-bf16`` is 1.6-2x as
+fast under load where the CPU has AVX512-BF16 or AMX, and slower elsewhere); ``torch`` stays
 for comparison and for models that do not export. Choose with ``Pipeline.add(Embed, engine="torch")`` or, for
 ``conveyor run examples.embeddings:pipeline``, ``CONVEYOR_EMBED_ENGINE=torch``.
 """
