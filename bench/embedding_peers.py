@@ -39,6 +39,7 @@ import psutil
 
 from bench.harness import ROOT
 from bench.peers.servers import ServerError, free_port, http_get, http_post
+from examples.embeddings.engines import DEFAULT_ENGINE
 
 INFINITY_REQUIREMENTS = (
     "infinity-emb[server,optimum,torch]==0.0.78",
@@ -161,7 +162,7 @@ class ConveyorRun(Server):
     def __init__(self, work: Path, engine: str, cache_dir: Path, root: Path = ROOT, name: str | None = None) -> None:
         """``root``: the checkout whose code runs (another one than this benchmark's for a paired
         comparison: the system ``conveyor-base`` with ``--base DIR``)."""
-        self.name = name or (f"conveyor-{engine}" if engine != "onnx" else "conveyor")
+        self.name = name or (f"conveyor-{engine}" if engine != DEFAULT_ENGINE else "conveyor")
         super().__init__(work)
         self.engine, self.cache_dir, self.root = engine, cache_dir, root
 
@@ -260,5 +261,6 @@ def make_server(name: str, work: Path, cache_dir: Path, base: Path | None = None
             raise ValueError("the system conveyor-base needs --base DIR (a checkout to compare with)")
         return ConveyorRun(work, "onnx", cache_dir, root=base, name=name)
     if name == "conveyor" or name.startswith("conveyor-"):
-        return ConveyorRun(work, name.removeprefix("conveyor-") if name != "conveyor" else "onnx", cache_dir)
-    raise ValueError(f"unknown system {name!r}: conveyor, conveyor-torch, conveyor-onnx-int8, conveyor-base, infinity")
+        return ConveyorRun(work, name.removeprefix("conveyor-") if name != "conveyor" else DEFAULT_ENGINE, cache_dir)
+    raise ValueError(f"unknown system {name!r}: conveyor (the default engine), conveyor-ENGINE (conveyor-onnx, "
+                     "conveyor-torch, ...), conveyor-base, infinity")

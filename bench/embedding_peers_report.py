@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 CONVEYOR, PEER, TORCH, BASE = "conveyor", "infinity", "conveyor-torch", "conveyor-base"
-COLORS = {"conveyor": "tab:blue", "conveyor-torch": "tab:cyan", "infinity": "tab:orange"}
+COLORS = {"conveyor": "tab:blue", "conveyor-onnx": "tab:purple", "conveyor-torch": "tab:cyan",
+          "conveyor-torch-bf16": "tab:green", "conveyor-base": "tab:gray", "infinity": "tab:orange"}
 
 
 def _cell(row: dict[str, Any] | None) -> str:

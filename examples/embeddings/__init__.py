@@ -9,7 +9,8 @@ or over the Open Inference Protocol (tritonclient, KServe): input "text" BYTES [
 FP32 [N, 384] and "tokens" INT64 [N]; each text batches on its own (docs/inference-protocol.md).
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
-The embed stage runs ONNX Runtime by default (``CONVEYOR_EMBED_ENGINE=torch`` for eager torch).
+The embed stage's engine is ``auto`` by default: traced torch in bfloat16 on a CPU that computes bf16 in
+hardware (AVX512-BF16 or AMX), else ONNX Runtime (``CONVEYOR_EMBED_ENGINE=onnx`` to pin it).
 See docs/embeddings.md for the stage split, the figures and the options.
 """
 
@@ -28,7 +29,7 @@ OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM)), Tensor("tokens", "INT64", (-1
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,
                   embed: type[Embed] = Embed, engine: str | None = None, **embed_options: object) -> Pipeline:
     """The example's pipeline; ``grouped=False`` turns length-aware batching off (for comparison),
-    ``engine`` picks the embed stage's engine (default ``Embed.engine``: ONNX Runtime), and other
+    ``engine`` picks the embed stage's engine (default ``Embed.engine``: ``auto``), and other
     keywords go to the embed stage (``group_size=16``, ``group_spread=None``, ``cache_dir=...``)."""
     embed_options["workers"] = embed_workers
     if engine is not None:

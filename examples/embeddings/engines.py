@@ -2,37 +2,42 @@
 
 | engine | what | vectors against torch fp32 |
 | --- | --- | --- |
-| ``onnx`` (default) | ONNX Runtime, the graph exported from the packaged weights | cosine 1.0000 |
-| ``onnx-int8`` | the same graph, weights quantized to int8 (dynamic) | mean 0.99, faster |
+| ``auto`` (default) | ``torch-bf16`` on a CPU with AVX512-BF16 or AMX, else ``onnx`` | as the engine it picks |
+| ``onnx`` | ONNX Runtime, the graph exported from the packaged weights | cosine 1.0000 |
+| ``torch-bf16`` | torch, weights and compute in bfloat16, traced (TorchScript) | mean 0.99995, min 0.9999 |
+| ``onnx-int8`` | the same graph as ``onnx``, weights quantized to int8 (dynamic) | mean 0.99, faster |
 | ``torch`` | transformers' model in eager torch | the reference |
 | ``torch-int8`` | torch's dynamic quantization of every Linear | worse and slower than ``onnx-int8`` |
-| ``torch-bf16`` | eager torch, weights and compute in bfloat16 | mean 0.99995; fast only with AVX512-BF16 or AMX |
 
-Measured (docs/embeddings.md): ``onnx`` is the fastest engine that keeps the vectors (mean cosine >=
-0.999 against torch fp32) on every CPU and for lone texts, so it is the default (``torch-bf16`` is 1.6-2x as
-fast under load where the CPU has AVX512-BF16 or AMX, and slower elsewhere); ``torch`` stays
-for comparison and for models that do not export. Choose with ``Pipeline.add(Embed, engine="torch")`` or, for
-``conveyor run examples.embeddings:pipeline``, ``CONVEYOR_EMBED_ENGINE=torch``.
+Measured (docs/embeddings.md): where the CPU computes bf16 in hardware, ``torch-bf16`` is the fastest engine
+for a lone text and in batches (on one thread, 4.0 ms for a lone text against ``onnx``'s 5.0-5.4, and 2.0
+against 5.8 in calls of eight), so ``auto`` picks it there: the fastest engine that keeps mean cosine >=
+0.999. Elsewhere torch emulates bf16, slowly, and ``auto`` picks ``onnx``, the fastest engine that keeps
+torch's vectors exactly. Pin ``onnx`` for vectors identical to fp32's on every CPU. ``torch`` stays for
+comparison and for models that do not export. Choose with ``Pipeline.add(Embed, engine="onnx")`` or, for
+``conveyor run examples.embeddings:pipeline``, ``CONVEYOR_EMBED_ENGINE=onnx``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-ENGINES = ("onnx", "onnx-int8", "torch", "torch-int8", "torch-bf16")
-DEFAULT_ENGINE = "onnx"
+ENGINES = ("auto", "onnx", "torch-bf16", "onnx-int8", "torch", "torch-int8")
+DEFAULT_ENGINE = "auto"
 ENGINE_ENV = "CONVEYOR_EMBED_ENGINE"
 # The embed stage's ``group_spread`` per engine (workers/batching/grouping.py): ONNX Runtime's calls
 # are cheap, so a read's texts run in groups within 1.25x of their shortest's length rather than
 # padded to the longest (6.2 against 7.4 CPU ms per text in reads of 4, 5.6 against 7.5 in reads of
-# 8, 5.3 against 5.7 in reads of 32); torch's eager calls are dear, and more of them cost more than
-# the padding saved (10.2 against 8.6 in reads of 4): off. `python -m bench.embedding_engines --read 4
-# --spreads 1.25,1.5`, docs/embeddings.md.
+# 8, 5.3 against 5.7 in reads of 32); torch's calls cost more than the padding saved, eager (10.2 against
+# 8.6 in reads of 4) and traced in bf16 alike (3.42 against 2.62): off. `python -m bench.embedding_engines
+# --read 4 --spreads 1.25,1.5`, docs/embeddings.md.
 GROUP_SPREAD: dict[str, float | None] = {"onnx": 1.25, "onnx-int8": 1.25, "torch": None, "torch-int8": None,
                                          "torch-bf16": None}
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo's names for bf16 in hardware
 
 
 class Engine(Protocol):
@@ -47,9 +52,33 @@ def check_engine(engine: object) -> str:
     return str(engine)
 
 
+def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 in hardware, from the flags Linux lists in /proc/cpuinfo
+    (``cpuinfo``: that file's text). False where there is no such file: ``auto`` then keeps ``onnx``,
+    right on every CPU. Read here rather than asked of torch, which ``onnx`` does not import."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return not BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
+def resolve_engine(engine: str, cpuinfo: str | None = None) -> str:
+    """The engine ``auto`` stands for on this CPU (``torch-bf16`` where bf16 is in hardware, else
+    ``onnx``); any other engine as it is."""
+    if check_engine(engine) != "auto":
+        return engine
+    return "torch-bf16" if cpu_computes_bf16(cpuinfo) else "onnx"
+
+
 def make_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> Engine:
     """An engine, not loaded yet (``load()`` imports torch or onnxruntime and reads the model)."""
-    engine = check_engine(engine)
+    engine = resolve_engine(engine)
     if engine.startswith("onnx"):
         from examples.embeddings.onnx_engine import OnnxEmbedder
 
@@ -63,3 +92,4 @@ def load_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> 
     loaded = make_engine(engine, threads, cache_dir)
     loaded.load()
     return loaded
+

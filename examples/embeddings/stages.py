@@ -1,22 +1,25 @@
 """The two stages of the embeddings pipeline.
 
 ``Tokenize`` is cheap (about 0.1 ms per text) and turns a text into int32 token ids;
-``Embed`` is the model, answering ``{"embedding": 384 float32, "tokens": n}`` per text (about 9 ms
-of CPU per text on this machine with the default ONNX Runtime
-engine, 12 with torch): batched, one thread per worker, padded per batch, and length-aware
+``Embed`` is the model, answering ``{"embedding": 384 float32, "tokens": n}`` per text (2-4 ms of CPU per
+text on a CPU with AMX with the default engine there, traced torch in bf16; 4.5-6 with ONNX Runtime, the
+default elsewhere; docs/embeddings.md): batched, one thread per worker, padded per batch, and length-aware
 (``batch_key``), so one forward pass holds texts of similar length.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
-from examples.embeddings.engines import DEFAULT_ENGINE, GROUP_SPREAD, check_engine, load_engine
+from examples.embeddings.engines import DEFAULT_ENGINE, GROUP_SPREAD, check_engine, load_engine, resolve_engine
 from examples.embeddings.model import Tokenizer
 from workers import Stage
+
+log = logging.getLogger("conveyor.embeddings")
 
 BY_ENGINE = -1.0  # Embed.group_spread's default, never a valid spread: the engine's own, set in setup()
 
@@ -52,10 +55,10 @@ class Embed(Stage):
     # set in setup() unless given (Pipeline.add(Embed, group_spread=...)).
     group_spread: float | None = BY_ENGINE
 
-    # The code that runs the model (examples/embeddings/engines.py): "onnx" (ONNX Runtime, the graph
-    # exported once from the packaged weights into a cache folder), "onnx-int8", "torch", "torch-int8",
-    # "torch-bf16" (the fastest under load on a CPU with AVX512-BF16 or AMX, docs/embeddings.md).
-    # ONNX Runtime is the default: the fastest engine whose vectors match torch fp32 (docs/embeddings.md).
+    # The code that runs the model (examples/embeddings/engines.py): "auto" (the default: "torch-bf16" on
+    # a CPU with AVX512-BF16 or AMX, else "onnx"; each worker picks for its own CPU), "onnx" (ONNX Runtime,
+    # the graph exported once from the packaged weights into a cache folder), "torch-bf16" (traced torch
+    # in bfloat16), "onnx-int8", "torch", "torch-int8".
     engine = DEFAULT_ENGINE
     cache_dir: str | None = None  # where the ONNX graphs are cached (default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor)
 
@@ -63,13 +66,16 @@ class Embed(Stage):
         # The worker sets OMP_NUM_THREADS from the stage's `threads` (also when Pipeline.add overrides
         # it); ONNX Runtime's own pool takes the same count.
         threads = int(os.environ.get("OMP_NUM_THREADS") or self.threads or 1)
-        self._embed = load_engine(check_engine(self.engine), threads=threads, cache_dir=self.cache_dir)
+        if check_engine(self.engine) == "auto":
+            self.engine = resolve_engine(self.engine)
+            log.info("embed engine auto: %s on this CPU", self.engine)
+        self._embed = load_engine(self.engine, threads=threads, cache_dir=self.cache_dir)
         self.resolve_group_spread()
 
     def resolve_group_spread(self) -> None:
         """The engine's own ``group_spread`` unless one was given."""
         if self.group_spread == BY_ENGINE:
-            self.group_spread = GROUP_SPREAD[check_engine(self.engine)]
+            self.group_spread = GROUP_SPREAD[resolve_engine(self.engine)]
 
     def batch_key(self, ids: Any) -> int:
         """The cost of one item: its token count (padding makes a batch cost its longest item)."""
