@@ -39,7 +39,7 @@ import psutil
 
 from bench.harness import ROOT
 from bench.peers.servers import ServerError, free_port, http_get, http_post
-from examples.embeddings.engines import DEFAULT_ENGINE
+from examples.embeddings.engines import DEFAULT_ENGINE, resolve_engine
 
 INFINITY_REQUIREMENTS = (
     "infinity-emb[server,optimum,torch]==0.0.78",
@@ -259,7 +259,7 @@ def make_server(name: str, work: Path, cache_dir: Path, base: Path | None = None
     if name == "conveyor-base":
         if base is None:
             raise ValueError("the system conveyor-base needs --base DIR (a checkout to compare with)")
-        return ConveyorRun(work, "onnx", cache_dir, root=base, name=name)
+        return ConveyorRun(work, resolve_engine(DEFAULT_ENGINE), cache_dir, root=base, name=name)  # as `conveyor`
     if name == "conveyor" or name.startswith("conveyor-"):
         return ConveyorRun(work, name.removeprefix("conveyor-") if name != "conveyor" else DEFAULT_ENGINE, cache_dir)
     raise ValueError(f"unknown system {name!r}: conveyor (the default engine), conveyor-ENGINE (conveyor-onnx, "

@@ -8,7 +8,7 @@
 Both servers run at once on the same 2 cores and the same model files (one idles, blocked, while
 the other is measured; its CPU is recorded to show it), started as their users would
 (bench/embedding_peers.py): conveyor with its default engine (``auto``: ``torch-bf16`` on a CPU with
-AVX512-BF16 or AMX, else ONNX Runtime; one thread per pinned embed worker), infinity with its best CPU
+AMX, else ONNX Runtime; one thread per pinned embed worker), infinity with its best CPU
 engine (ONNX Runtime through optimum). One client
 (bench/embedding_http.py) sends both the same texts over keep-alive HTTP/1.1 at each in-flight level;
 the systems take turns level by level, in an order that alternates between rounds, and every round

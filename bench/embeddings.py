@@ -12,7 +12,8 @@ On one deterministic corpus (examples/embeddings/corpus.py), side by side in one
   with one thread (what one embed worker does at 1 in flight); CPU time per text on one thread
   (bench/embeddings_direct.py);
 - conveyor: ``tokenize -> embed`` over an embedded Redis (1 tokenize worker, 2 embed workers of one
-  thread, pinned), with the example's default engine (ONNX Runtime) plain (``conveyor``) and with
+  thread, pinned), with the example's default engine (``auto``: traced bf16 on a CPU with AMX, else
+  ONNX Runtime) plain (``conveyor``) and with
   length-aware batching (``bucketed``, the example as shipped), the torch engine bucketed (``torch``)
   and int8 (``int8``: ONNX Runtime int8, also with ``--int8``), the variants chosen with
   ``--variants``; closed loops of
@@ -52,7 +53,7 @@ from broker.connection import RedisSettings
 from broker.keys import Keys
 from examples.embeddings import make_pipeline
 from examples.embeddings.corpus import make_corpus
-from examples.embeddings.engines import DEFAULT_ENGINE, ENGINES
+from examples.embeddings.engines import DEFAULT_ENGINE, ENGINES, resolve_engine
 from gateway import Gateway
 from gateway.monitor.status import read_status
 from gateway.serve import resolve_loop, run_loop
@@ -241,8 +242,14 @@ def print_paired(paired: list[dict[str, Any]]) -> None:
 
 def single_only(texts: list[str], rounds: int, loop: str, engine: str) -> None:
     """``--single-only``: the plain pipeline and the model on one thread here, paired runs only."""
-    _, paired = conveyor(texts, [], rounds, ["conveyor" if engine == DEFAULT_ENGINE else "torch"],
-                         load_models(1, engine), loop, engine=engine)
+    if resolve_engine(engine) == resolve_engine(DEFAULT_ENGINE):
+        variant = "conveyor"
+    elif engine == "torch":
+        variant = "torch"
+    else:  # the pipeline side would run another engine than the direct side
+        raise SystemExit(f"--single-only pairs the default engine ({resolve_engine(DEFAULT_ENGINE)} here) or torch, "
+                         f"not {engine}")
+    _, paired = conveyor(texts, [], rounds, [variant], load_models(1, engine), loop, engine=engine)
     print_paired(paired)
 
 

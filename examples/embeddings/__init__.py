@@ -10,7 +10,7 @@ FP32 [N, 384] and "tokens" INT64 [N]; each text batches on its own (docs/inferen
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
 The embed stage's engine is ``auto`` by default: traced torch in bfloat16 on a CPU that computes bf16 in
-hardware (AVX512-BF16 or AMX), else ONNX Runtime (``CONVEYOR_EMBED_ENGINE=onnx`` to pin it).
+hardware with AMX (recent Intel Xeons), else ONNX Runtime (``CONVEYOR_EMBED_ENGINE=onnx`` to pin it).
 See docs/embeddings.md for the stage split, the figures and the options.
 """
 

@@ -2,20 +2,21 @@
 
 | engine | what | vectors against torch fp32 |
 | --- | --- | --- |
-| ``auto`` (default) | ``torch-bf16`` on a CPU with AVX512-BF16 or AMX, else ``onnx`` | as the engine it picks |
+| ``auto`` (default) | ``torch-bf16`` on a CPU with AMX (bf16 tiles), else ``onnx`` | as the engine it picks |
 | ``onnx`` | ONNX Runtime, the graph exported from the packaged weights | cosine 1.0000 |
 | ``torch-bf16`` | torch, weights and compute in bfloat16, traced (TorchScript) | mean 0.99995, min 0.9999 |
 | ``onnx-int8`` | the same graph as ``onnx``, weights quantized to int8 (dynamic) | mean 0.99, faster |
 | ``torch`` | transformers' model in eager torch | the reference |
 | ``torch-int8`` | torch's dynamic quantization of every Linear | worse and slower than ``onnx-int8`` |
 
-Measured (docs/embeddings.md): where the CPU computes bf16 in hardware, ``torch-bf16`` is the fastest engine
+Measured (docs/embeddings.md): on a CPU with AMX, ``torch-bf16`` is the fastest engine
 for a lone text and in batches (on one thread, 4.0 ms for a lone text against ``onnx``'s 5.0-5.4, and 2.0
 against 5.8 in calls of eight), so ``auto`` picks it there: the fastest engine that keeps mean cosine >=
-0.999. Elsewhere torch emulates bf16, slowly, and ``auto`` picks ``onnx``, the fastest engine that keeps
-torch's vectors exactly. Pin ``onnx`` for vectors identical to fp32's on every CPU. ``torch`` stays for
-comparison and for models that do not export. Choose with ``Pipeline.add(Embed, engine="onnx")`` or, for
-``conveyor run examples.embeddings:pipeline``, ``CONVEYOR_EMBED_ENGINE=onnx``.
+0.999. Elsewhere ``auto`` picks ``onnx`` (without bf16 in hardware torch emulates it, slowly), the
+fastest engine that keeps torch's vectors exactly. Pin ``onnx`` for vectors identical to fp32's on every
+CPU. ``torch`` stays for comparison and for models that do not export. Choose with
+``Pipeline.add(Embed, engine="onnx")`` or, for ``conveyor run examples.embeddings:pipeline``,
+``CONVEYOR_EMBED_ENGINE=onnx``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ ENGINE_ENV = "CONVEYOR_EMBED_ENGINE"
 # --read 4 --spreads 1.25,1.5`, docs/embeddings.md.
 GROUP_SPREAD: dict[str, float | None] = {"onnx": 1.25, "onnx-int8": 1.25, "torch": None, "torch-int8": None,
                                          "torch-bf16": None}
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo's names for bf16 in hardware
+# /proc/cpuinfo's name for AMX's bf16 tiles: every speed figure of torch-bf16 was measured with AMX. CPUs with
+# AVX512-BF16 alone (Cooper Lake, AMD Zen 4) compute bf16 too, but unmeasured here: ``auto`` keeps ``onnx``.
+BF16_FLAGS = frozenset({"amx_bf16"})
+CPUINFO = Path("/proc/cpuinfo")
 
 
 class Engine(Protocol):
@@ -53,12 +57,12 @@ def check_engine(engine: object) -> str:
 
 
 def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 in hardware, from the flags Linux lists in /proc/cpuinfo
+    """Whether this CPU has AMX's bf16 tiles, from the flags Linux lists in /proc/cpuinfo
     (``cpuinfo``: that file's text). False where there is no such file: ``auto`` then keeps ``onnx``,
     right on every CPU. Read here rather than asked of torch, which ``onnx`` does not import."""
     if cpuinfo is None:
         try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+            cpuinfo = CPUINFO.read_text(errors="replace")
         except OSError:
             return False
     for line in cpuinfo.splitlines():
@@ -69,7 +73,7 @@ def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def resolve_engine(engine: str, cpuinfo: str | None = None) -> str:
-    """The engine ``auto`` stands for on this CPU (``torch-bf16`` where bf16 is in hardware, else
+    """The engine ``auto`` stands for on this CPU (``torch-bf16`` where it has AMX, else
     ``onnx``); any other engine as it is."""
     if check_engine(engine) != "auto":
         return engine
@@ -92,4 +96,3 @@ def load_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> 
     loaded = make_engine(engine, threads, cache_dir)
     loaded.load()
     return loaded
-

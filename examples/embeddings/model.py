@@ -122,7 +122,7 @@ class Embedder:
         if self.bf16:
             if not native_bf16(torch):
                 log.warning("this CPU has no bf16 instructions (AVX512-BF16 or AMX): the torch-bf16 engine runs "
-                            "emulated, slower than the default onnx engine")
+                            "emulated, slower than the onnx engine")
             model = model.to(torch.bfloat16)
         self._model = model
         self._torch = torch

@@ -44,8 +44,8 @@ class Embed(Stage):
     # order; sorted, groups of 8 within 32 cost ~5 % more than groups of 16 within 64). Measured:
     # docs/embeddings.md.
     batch_size = 32
-    # No window: a text costs ~10 ms, more than any wait could buy back (on one thread a batch of 8 costs
-    # about as much per text as one of 64), and under load texts queue up while a batch runs. A window
+    # No window: a text costs 2-10 ms by engine and CPU, more than any wait could buy back (on one thread a
+    # batch of 8 costs about as much per text as one of 64), and under load texts queue up while a batch runs. A window
     # would only add its length to the latency at low load.
     batch_wait_s = 0.0
     threads = 1
@@ -56,7 +56,7 @@ class Embed(Stage):
     group_spread: float | None = BY_ENGINE
 
     # The code that runs the model (examples/embeddings/engines.py): "auto" (the default: "torch-bf16" on
-    # a CPU with AVX512-BF16 or AMX, else "onnx"; each worker picks for its own CPU), "onnx" (ONNX Runtime,
+    # a CPU with AMX, else "onnx"; each worker picks for its own CPU), "onnx" (ONNX Runtime,
     # the graph exported once from the packaged weights into a cache folder), "torch-bf16" (traced torch
     # in bfloat16), "onnx-int8", "torch", "torch-int8".
     engine = DEFAULT_ENGINE
