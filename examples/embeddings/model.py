@@ -92,7 +92,7 @@ class Embedder:
     """int32 token ids -> L2-normalized float32 vectors of DIM, padded per batch.
 
     ``bf16``: the weights and the forward pass in bfloat16, pooled in float32, the encoder traced
-    (examples/embeddings/traced.py). On a CPU with AVX512-BF16 or AMX it keeps the vectors (mean cosine
+    (examples/embeddings/traced.py). On a CPU with AMX it keeps the vectors (mean cosine
     0.99995 against fp32) at 0.36x of fp32's CPU time per text in groups of 8 (1.76 against 4.83 ms) and
     3.75 ms for a lone text (9.28 on fp32); on one without, it is emulated and slow (docs/embeddings.md)."""
 
@@ -129,8 +129,8 @@ class Embedder:
         self._encode = eager(model)
         if self.bf16:  # traced: a lone text 4.0 ms against 6.6 eager (examples/embeddings/traced.py)
             graph = traced(torch, model, self._pool)
-            self.traced = graph is not None
-            self._encode = graph or self._encode
+            if graph is not None:
+                self._encode, self.traced = graph, True
 
     def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
         return self._pool(self._encode, batch)

@@ -19,7 +19,7 @@ from examples.embeddings.engines import DEFAULT_ENGINE, GROUP_SPREAD, check_engi
 from examples.embeddings.model import Tokenizer
 from workers import Stage
 
-log = logging.getLogger("conveyor.embeddings")
+log = logging.getLogger("conveyor.examples.embeddings")
 
 BY_ENGINE = -1.0  # Embed.group_spread's default, never a valid spread: the engine's own, set in setup()
 

@@ -8,8 +8,9 @@ in bf16 on a CPU with AMX, measured on one thread (docs/embeddings.md), a lone t
 Why it is safe: a trace records one path through transformers' Python. The branches it records do not
 depend on the batch: the attention mask is never dropped while tracing (transformers checks
 ``is_tracing``), and the mask's own padding step depends only on its length, which is always the
-sequence's. Still, before the graph is used, it must give eager torch's vectors on a padded batch and on
-a lone text; otherwise (or where tracing fails) the engine stays eager and says so in the log.
+sequence's. Still, before the graph is used, it must give eager torch's vectors on the traced batch, a
+lone text and a batch of other lengths; otherwise (or where tracing fails) the engine stays eager and says
+so in the log.
 """
 
 from __future__ import annotations
@@ -52,17 +53,14 @@ def traced(torch: Any, model: Any, pool: Callable[[Encoder, list[np.ndarray]], n
         log.warning("the model could not be traced: running it eagerly (slower) error=%r", exc)
         return None
 
-    def run(ids: Any, mask: Any) -> Any:
-        return graph(ids, mask)
-
     try:
         for _ in range(WARM_CALLS):
-            pool(run, list(EXAMPLE))
-        worst = min(float(np.min(np.sum(pool(run, batch) * pool(plain, batch), axis=1))) for batch in _checks())
+            pool(graph, list(EXAMPLE))
+        worst = min(float(np.min(np.sum(pool(graph, batch) * pool(plain, batch), axis=1))) for batch in _checks())
         if worst >= CHECK_COSINE:
             for length in WARM_LENGTHS:
-                pool(run, [np.full(length, EXAMPLE[0][1], dtype=np.int64)])
-            return run
+                pool(graph, [np.full(length, EXAMPLE[0][1], dtype=np.int64)])
+            return graph
         log.warning("the traced model's vectors differ from eager torch's (cosine %.6f): running it eagerly", worst)
     except (RuntimeError, TypeError, ValueError) as exc:
         log.warning("the traced model failed on a check batch: running it eagerly (slower) error=%r", exc)
