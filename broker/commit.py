@@ -101,6 +101,7 @@ class Committer:
         self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))
         self._packed_head = b"".join(pack_args([_as_arg(v) for v in self._constant_head], []))
         self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
+        self._sent: bytes | int | None = None  # the command sent, its reply not yet taken (a cluster's: its result)
 
     def flush_stats(self, stats: BatchStats, now: float) -> None:
         """An idle worker's buffered stats: one XADD of their own (busy ones ride on commits)."""
@@ -110,16 +111,63 @@ class Committer:
 
     def __call__(self, commit: Commit) -> int:
         """Runs the batch's ``commit.lua``; the number of results it wrote."""
+        self.send(commit)
+        return self.finish()
+
+    def send(self, commit: Commit) -> None:
+        """Sends the batch's ``commit.lua`` without waiting for its reply (:meth:`finish` takes it):
+        the worker reads its next batch meanwhile (:mod:`workers.loop.ahead`). On a Redis Cluster
+        redis-py routes each call and waits for its reply: there the commit runs here, in full."""
+        if self._sent is not None:
+            raise RuntimeError("a commit was sent and its reply not taken: finish() it first")
+        if self._cluster:
+            self._sent = self._with_script(lambda: self._call_cluster(commit))
+            return
+        packed = self._pack(commit)
+        self._held.send(packed)  # type: ignore[union-attr]  # not None off a cluster
+        self._sent = packed
+
+    def finish(self) -> int:
+        """The number of results the commit sent wrote (duplicates are not), once its reply is in.
+        NOSCRIPT (Redis restarted or flushed its scripts, or a failover): nothing ran; the script is
+        loaded and the commit sent again."""
+        sent, self._sent = self._sent, None
+        if sent is None:
+            raise RuntimeError("no commit was sent")
+        if isinstance(sent, int):  # a cluster's, run by send()
+            return sent
+        held = self._held
+        if held is None:
+            raise RuntimeError("a cluster client's commits are routed by redis-py")
+        first = True
+
+        def reply() -> Any:  # the reply of the command sent; on the retry after NOSCRIPT, a new call
+            nonlocal first
+            if first:
+                first = False
+                return held.read()
+            return held.call(sent)
+        return self._with_script(reply)
+
+    def _call_cluster(self, commit: Commit) -> Any:
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
-        counts = [b"%d" % len(commit.acks), b"%d" % (len(commit.forwards) // 4), b"%d" % len(commit.results),
-                  b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups]
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
-        if self._cluster:  # no single pool: redis-py routes by the first key
-            args: list[bytes | str | int] = [*self._constant_head, *counts, *commit.forwards, *results,
-                                             *commit.dead, *commit.acks]
-            command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
-                       *map(_as_arg, args)]
-            return self._with_script(lambda: self._client.execute_command("EVALSHA", self._sha, *command))
+        args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups), *commit.forwards,
+                                         *results, *commit.dead, *commit.acks]
+        command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
+                   *map(_as_arg, args)]
+        return self._client.execute_command("EVALSHA", self._sha, *command)
+
+    @staticmethod
+    def _counts(commit: Commit, n_groups: int) -> list[bytes]:
+        return [b"%d" % len(commit.acks), b"%d" % (len(commit.forwards) // 4), b"%d" % len(commit.results),
+                b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups]
+
+    def _pack(self, commit: Commit) -> bytes:
+        """The whole ``EVALSHA`` command, packed from bytes."""
+        result_keys, reply_keys, n_groups, results = self._results(commit.results)
+        counts = self._counts(commit, n_groups)
+        n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
         n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(commit.forwards) + len(results) \
             + len(commit.dead) + len(commit.acks)
         parts = [b"*%d\r\n" % n_args, self._packed_evalsha, b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys),
@@ -129,8 +177,7 @@ class Committer:
         parts.append(self._packed_head)
         for group in (counts, commit.forwards, results, commit.dead, commit.acks):
             pack_args(group, parts)
-        packed = b"".join(parts)
-        return self._with_script(lambda: self._execute_packed(packed))
+        return b"".join(parts)
 
     def _results(self, results: list[tuple[bytes, bytes, bytes | None]]
                  ) -> tuple[list[bytes], list[bytes], int, list[bytes]]:
@@ -169,14 +216,8 @@ class Committer:
                 log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
         return int(reply[0])
 
-    def _execute_packed(self, packed: bytes) -> Any:
-        """One round trip, no retry (a lost reply must not commit twice): a failed call surfaces,
-        and the worker re-reads its pending entries, which tell what was committed."""
-        if self._held is None:
-            raise RuntimeError("a cluster client's commits are routed by redis-py")
-        return self._held.call(packed)
-
     def close(self) -> None:
+        self._sent = None
         if self._held is not None:
             self._held.drop()
 

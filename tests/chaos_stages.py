@@ -339,3 +339,41 @@ class Halve(Stage):
 
 # f(x) = (x + 10) / 2
 hostile = Pipeline("c-hostile").add(AddTen).add(Halve)
+
+
+# -- read-ahead (workers.loop.ahead) ------------------------------------------------------------
+
+AHEAD_HOLD = 13  # the item whose batch waits for the test, once
+AHEAD_WAIT_S = 20.0  # bound of that wait
+
+
+class Holds(Stage):
+    """Batches of 4; the batch holding AHEAD_HOLD waits (once) until the test says go, so the test
+    acts while the batch before it is committed ahead (its reply not yet taken)."""
+
+    batch_size = 4
+    batch_wait_s = 0.001
+    claim_idle_s = 1.0
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        if AHEAD_HOLD in xs:
+            client = _redis()
+            if client.set("t:c-ahead:held", 1, nx=True):
+                deadline = time.monotonic() + AHEAD_WAIT_S
+                while not client.exists("t:c-ahead:go") and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            client.close()
+        return [2 * x for x in xs]
+
+
+class Plus1(Stage):
+    batch_size = 4
+    batch_wait_s = 0.001
+    claim_idle_s = 1.0
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return [x + 1 for x in xs]
+
+
+# f(x) = 2 x + 1
+ahead = Pipeline("c-ahead").add(Holds).add(Plus1)

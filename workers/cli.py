@@ -69,6 +69,10 @@ def _options(func: Any) -> Any:
         click.option("--pin-ttl-s", type=click.FloatRange(min=2.0), envvar="CONVEYOR_PIN_TTL_S",
                      default=_WORKER_DEFAULTS.pin_ttl_ms / 1000, show_default=True, show_envvar=True,
                      help="How long the core of a worker that died stays claimed."),
+        click.option("--read-ahead/--no-read-ahead", envvar="CONVEYOR_READ_AHEAD",
+                     default=_WORKER_DEFAULTS.read_ahead, show_default=True, show_envvar=True,
+                     help="After a full batch, read the next one while Redis runs its commit (more throughput "
+                          "under load; batches that are not full wait for their commit as before)."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -90,7 +94,7 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
     worker = WorkerSettings(result_ttl_ms=int(opts["result_ttl_s"] * 1000),
                             reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
                             max_payload_bytes=opts["max_payload_bytes"], pin=opts["pin"],
-                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000))
+                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000), read_ahead=opts["read_ahead"])
     return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
                          log_level=log_level)
 

@@ -42,11 +42,14 @@ class AdaptiveWait:
             self.gap_s = ewma(self.gap_s, (now - self._last_read_at) / count, self.alpha)
         self._last_read_at = now
 
-    def observe_batch(self, size: int, predict_s: float, commit_s: float) -> None:
+    def observe_batch(self, size: int, predict_s: float, commit_s: float | None) -> None:
         """A read costs about what a commit does (one round trip): count it twice. The estimate
         follows the cheapest recent commits, rising at most 5 % per batch: a commit that waited for
-        a busy CPU says nothing about what batching saves, and must not make lone requests wait."""
-        self.overhead_s = min(2 * commit_s, self.overhead_s * 1.05)
+        a busy CPU says nothing about what batching saves, and must not make lone requests wait.
+        ``commit_s`` None: the commit's reply was taken after the next read (workers.loop.ahead),
+        so its round trip was not measured."""
+        if commit_s is not None:
+            self.overhead_s = min(2 * commit_s, self.overhead_s * 1.05)
 
     def wait_s(self, idle_s: float, have: int, batch_size: int, waited_s: float) -> float:
         """How long to wait for more entries now (0: dispatch what is in hand)."""
@@ -72,7 +75,7 @@ class SingletonReadSize:
     item_s: float | None = None  # measured predict time per item
     live_workers: int = 1
 
-    def observe_batch(self, size: int, predict_s: float, commit_s: float) -> None:
+    def observe_batch(self, size: int, predict_s: float, commit_s: float | None) -> None:
         if size > 0:
             self.item_s = ewma(self.item_s, predict_s / size, self.alpha)
 

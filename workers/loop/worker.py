@@ -16,10 +16,8 @@ it pending, to be drained by this consumer when it restarts or claimed by a live
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +27,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker import protocol
 from broker.acl import log_refusal_once
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient, unreachable
@@ -44,21 +41,22 @@ from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.grouping import run_grouped
 from workers.batching.sharing import BurstSharing
+from workers.loop.ahead import ReadAhead
 from workers.loop.heartbeat import Heartbeat, LiveWorkers
 from workers.loop.lanes import Lane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import Router, Work
+from workers.loop.routing import Router
 from workers.loop.runner import run_batch, run_single
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
-from workers.process.watch import BusyCell
+from workers.process.watch import BusyCell, StatusPipe
 from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
 
-__all__ = ["StatusPipe", "Worker", "WorkerSettings"]
+__all__ = ["Worker", "WorkerSettings"]
 
 
 @dataclass(frozen=True)
@@ -70,21 +68,7 @@ class WorkerSettings:
     max_payload_bytes: int = 16 * 1024 * 1024
     pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.process.pinning)
     pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
-
-
-class StatusPipe:
-    """Tells the supervisor 'ready', 'idle' (after its first batch) and 'drained' with one byte, so
-    it can spot a worker that dies before it is ready (a stuck ``predict`` it sees through the
-    worker's :class:`workers.process.watch.BusyCell`, without a message per batch)."""
-
-    def __init__(self, fd: int | None) -> None:
-        self._fd = fd
-
-    def send(self, code: bytes) -> None:
-        if self._fd is None:
-            return
-        with contextlib.suppress(BlockingIOError, BrokenPipeError):
-            os.write(self._fd, code)
+    read_ahead: bool = True  # after a full batch, read the next one while its commit runs (workers.loop.ahead)
 
 
 class Worker:
@@ -123,6 +107,7 @@ class Worker:
                               self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
         self._policy = self._wait_policy()
+        self._ahead = ReadAhead(self.settings.read_ahead)
         self._read_size = SingletonReadSize()
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
@@ -178,6 +163,7 @@ class Worker:
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
         while not self.stopping:
             self._turn()
+        self._settle()  # the last batch's commit: its reply is taken before the worker says it stopped
 
     def _wait_policy(self) -> WaitPolicy:
         if not self.spec.batched:
@@ -245,6 +231,12 @@ class Worker:
         batch from each lane that had entries, committed in its own partition."""
         now = time.monotonic()
         claim_due, reap_due = now >= self._next_claim, now >= self._next_reap
+        ahead = self._ahead.outstanding
+        if ahead is not None:
+            if len(self._lanes) == 1 and not (claim_due or reap_due or ahead.recover or self.stopping):
+                self._read_ahead(ahead)
+                return
+            self._settle()
         up = [lane for lane in self._lanes if lane.up(now)]
         for lane in up:
             if lane.recover or claim_due or reap_due:  # most turns have nothing to keep up
@@ -260,6 +252,30 @@ class Worker:
             return
         self._tell_drained()
         self._read(up)
+
+    def _read_ahead(self, lane: Lane) -> None:
+        """The next batch, read without blocking while the last one's commit runs; with nothing
+        queued, the commit's reply is taken and the next turn waits on the stream as usual."""
+        asked, sent_at = self._read_count(), time.monotonic()
+        try:
+            entries = lane.reader.read(asked)
+        except Exception as exc:  # the caller tells a lost node from a bug
+            lane.reader.close()
+            self._settle()
+            self._lane_error(lane, exc)
+            return
+        if not entries:
+            self._settle()
+            return
+        first_at = time.monotonic()
+        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked,
+                                              idle_s=first_at - sent_at, first_at=first_at))
+
+    def _settle(self) -> None:
+        """Take the reply of a commit sent ahead, its failure handled as its lane's."""
+        lane = self._ahead.outstanding
+        if lane is not None:
+            self._on_lane(lane, lambda lane: self._ahead.settle())
 
     def _read(self, lanes: list[Lane]) -> None:
         """The first read on every lane at once, then each lane's batch."""
@@ -282,7 +298,8 @@ class Worker:
             if len(kept) < len(entries):  # a shared batch does not wait: its window would only delay it
                 self._process(lane, kept, None)
                 return
-        self._process(lane, fill(lane.reader, self._policy, entries, asked, idle_s, first_at), None)
+        batch = fill(lane.reader, self._policy, entries, asked, idle_s, first_at)
+        self._process(lane, batch, None, full=len(batch) >= asked and len(self._lanes) == 1)
 
     def _idle_wait_s(self) -> float:
         """How long a first read waits with nothing queued: shorter with stats in hand, so that
@@ -334,15 +351,18 @@ class Worker:
 
     # -- one batch ------------------------------------------------------------------------
 
-    def _process(self, lane: Lane, entries: list[Entry], deliveries: dict[bytes, int] | None) -> None:
+    def _process(self, lane: Lane, entries: list[Entry], deliveries: dict[bytes, int] | None,
+                 full: bool = False) -> None:
         """Run ``entries`` (``deliveries``: their delivery counts, for entries delivered before)
-        and commit them as one batch in ``lane``'s partition."""
+        and commit them as one batch in ``lane``'s partition (``full``: a full batch, whose
+        commit's reply may be taken after the next read: :mod:`workers.loop.ahead`)."""
         commit = Commit(acks=[e[0] for e in entries])
         work = self._router.admit(entries, deliveries, commit, lane.keys)
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         if work:
-            self._watch(work)
+            if self._busy is not None:
+                self._busy.batch(self.spec, [item.deadline_ms for item, _ in work])
             outcomes = self._run([x for _, x in work])
             if self._busy is not None:
                 self._busy.idle()
@@ -355,25 +375,14 @@ class Worker:
         now = time.monotonic()
         if lane.stats.due(now):
             commit.stats = lane.stats.take(now)
-        lane.committer(commit)
-        self._observe(len(work), ran - started, time.perf_counter() - ran)
-        self._heartbeat.lease.release()
-        self._recovery.committed(commit.acks)
+        self._heartbeat.lease.release()  # the commit goes now: Redis runs it at once
+        settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
+        self._ahead.commit(lane, commit, full, settled)
 
-    def _watch(self, work: Work) -> None:
-        """Tell the supervisor when this batch becomes stuck: ``max_run_s`` from now if the stage
-        sets one, else ``stuck_grace_s`` after the last deadline of its items (none without deadlines)."""
-        if self._busy is None:
-            return
-        now = protocol.now_ms()
-        deadlines = [item.deadline_ms for item, _ in work]
-        unwanted = 0 if None in deadlines else max(d for d in deadlines if d is not None)
-        stuck = 0
-        if self.spec.max_run_s:
-            stuck = now + int(self.spec.max_run_s * 1000)
-        elif unwanted and self.spec.stuck_grace_s is not None:
-            stuck = unwanted + int(self.spec.stuck_grace_s * 1000)
-        self._busy.busy(stuck, unwanted)
+    def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
+        """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead)."""
+        self._observe(size, predict_s, commit_s)
+        self._recovery.committed(acks)
 
     def _record_stats(self, lane: Lane, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""
@@ -383,7 +392,7 @@ class Worker:
         for _ in range(size):
             lane.stats.add(1, duration_ms / size)
 
-    def _observe(self, size: int, predict_s: float, commit_s: float) -> None:
+    def _observe(self, size: int, predict_s: float, commit_s: float | None) -> None:
         """Feed the measured batch cost to whatever learns from it (adaptive wait, read size, sharing)."""
         if isinstance(self._policy, AdaptiveWait):
             self._policy.observe_batch(size, predict_s, commit_s)

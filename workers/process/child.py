@@ -26,9 +26,9 @@ from typing import IO, Any
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
 from workers.app import AppError, load_pipeline
-from workers.loop.worker import StatusPipe, Worker, WorkerSettings
+from workers.loop.worker import Worker, WorkerSettings
 from workers.process.pinning import limit_torch_threads, pin
-from workers.process.watch import BusyCell
+from workers.process.watch import BusyCell, StatusPipe
 
 EXIT_SETUP_FAILED = 3
 EXIT_BAD_APP = 4

@@ -91,8 +91,34 @@ class BusyCell:
     def busy(self, stuck_at_ms: int, unwanted_at_ms: int) -> None:
         _CELL.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms)
 
+    def batch(self, spec: StageSpec, deadlines: list[int | None]) -> None:
+        """A batch starts (its items' deadlines): it becomes stuck ``max_run_s`` from now if the
+        stage sets one, else ``stuck_grace_s`` after its last deadline (never without deadlines)."""
+        unwanted = 0 if None in deadlines else max(d for d in deadlines if d is not None)
+        stuck = 0
+        if spec.max_run_s:
+            stuck = now_ms() + int(spec.max_run_s * 1000)
+        elif unwanted and spec.stuck_grace_s is not None:
+            stuck = unwanted + int(spec.stuck_grace_s * 1000)
+        self.busy(stuck, unwanted)
+
     def idle(self) -> None:
         _CELL.pack_into(self._map, self._offset, 0, 0)
+
+
+class StatusPipe:
+    """Tells the supervisor 'ready', 'idle' (after its first batch) and 'drained' with one byte, so
+    it can spot a worker that dies before it is ready (a stuck ``predict`` it sees through the
+    worker's :class:`workers.process.watch.BusyCell`, without a message per batch)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def send(self, code: bytes) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(self._fd, code)
 
 
 class StuckWatch:

@@ -1,0 +1,135 @@
+"""Read-ahead (``workers.loop.ahead``): after a full batch a worker reads the next one before taking
+its commit's reply. Real ``conveyor worker`` processes on a private Redis, fed by a foreign producer's
+``XADD`` (docs/protocol.md) so that a backlog is waiting before the workers start.
+
+What is checked: the worker really reads ahead (a ``XREADGROUP`` without ``BLOCK`` on the wire,
+seen by ``MONITOR``) and not with ``--no-read-ahead``; every request gets exactly one correct answer
+when every client connection is dropped while a commit's reply is still to be taken.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+
+from broker import codec
+from broker.keys import GROUP, Keys
+from broker.protocol import entry_fields
+from tests.chaos_stages import AHEAD_HOLD
+from tests.helpers import running_workers, wait_for
+from workers.embedded.server import EmbeddedRedis
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
+APP = "tests.chaos_stages:ahead"
+PIPELINE = "c-ahead"
+REQUESTS = 40  # ten full batches of 4 waiting before the workers start
+T = 30.0  # bound of any single wait here
+
+
+def f(x: int) -> int:
+    return 2 * x + 1
+
+
+def enqueue(client: redis.Redis, keys: Keys, reply: str) -> None:
+    """A backlog of REQUESTS entries on the first stage's stream, as a foreign producer writes them."""
+    pipe = client.pipeline(transaction=False)
+    for x in range(REQUESTS):
+        pipe.xadd(keys.stream(0), entry_fields(b"r-%d" % x, codec.encode(x), reply.encode(), None))
+    pipe.execute()
+
+
+def answers(client: redis.Redis, reply: str) -> Counter[tuple[str, int]]:
+    """(id, value) of every record pushed to the reply list so far (it is left in place)."""
+    seen: Counter[tuple[str, int]] = Counter()
+    for element in client.lrange(reply, 0, -1):
+        for record in codec.decode(element):
+            seen[(record["id"], record["value"] if record["ok"] else record["error"]["type"])] += 1
+    return seen
+
+
+def expected() -> Counter[tuple[str, int]]:
+    return Counter({(f"r-{x}", f(x)): 1 for x in range(REQUESTS)})
+
+
+def drained(client: redis.Redis, keys: Keys) -> bool:
+    return all(client.xlen(keys.stream(i)) == 0 and client.xpending(keys.stream(i), GROUP)["pending"] == 0
+               for i in (0, 1))
+
+
+@contextmanager
+def monitored(url: str) -> Iterator[list[list[str]]]:
+    """Every command Redis runs while the block runs, as its arguments (``MONITOR``)."""
+    seen: list[list[str]] = []
+    stop = threading.Event()
+    client = redis.Redis.from_url(url, socket_timeout=0.2)
+
+    def listen() -> None:
+        with client.monitor() as monitor:
+            while not stop.is_set():
+                try:
+                    seen.append(str(monitor.next_command()["command"]).split())
+                except redis.TimeoutError:
+                    continue
+
+    thread = threading.Thread(target=listen, name="monitor", daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+
+
+def new_reads_without_block(commands: list[list[str]]) -> int:
+    """``XREADGROUP ... STREAMS <stream> >`` sent without ``BLOCK``: only read-ahead sends those."""
+    return sum(1 for c in commands if c and c[0].upper() == "XREADGROUP" and "BLOCK" not in (a.upper() for a in c)
+               and c[-1] == ">")
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["on", "off"])
+def test_a_backlog_is_read_ahead_only_when_on(private_redis: EmbeddedRedis, read_ahead: bool) -> None:
+    url, keys = private_redis.url, Keys(PIPELINE)
+    client = redis.Redis.from_url(url)
+    reply = keys.reply("test")
+    client.set("t:c-ahead:held", 1)  # no batch waits in this test
+    enqueue(client, keys, reply)
+    env = {"CONVEYOR_READ_AHEAD": "1" if read_ahead else "0"}
+    with monitored(url) as commands, running_workers(url, APP, ["Holds", "Plus1"], **env) as workers:
+        wait_for(lambda: sum(answers(client, reply).values()) >= REQUESTS, T, "every answer", workers.report)
+        wait_for(lambda: drained(client, keys), T, "the streams to drain", workers.report)
+    assert answers(client, reply) == expected()
+    reads_ahead = new_reads_without_block(list(commands))
+    if read_ahead:
+        assert reads_ahead > 0, "a backlog of full batches was never read ahead"
+    else:
+        assert reads_ahead == 0, f"{reads_ahead} reads without BLOCK with --no-read-ahead"
+    client.close()
+
+
+def test_connections_dropped_while_a_commit_is_ahead_lose_and_repeat_nothing(private_redis: EmbeddedRedis) -> None:
+    """The batch holding AHEAD_HOLD is read ahead (the batches before it were full) and waits in
+    ``predict``: the commit of the batch before it was sent and its reply not taken. Every client
+    connection is dropped then; every request still gets exactly one correct answer."""
+    url, keys = private_redis.url, Keys(PIPELINE)
+    client = redis.Redis.from_url(url)
+    reply = keys.reply("test")
+    enqueue(client, keys, reply)
+    with running_workers(url, APP, ["Holds", "Plus1"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+        wait_for(lambda: client.exists("t:c-ahead:held"), T, f"the batch of {AHEAD_HOLD} to wait", workers.report)
+        before = {record_id for record_id, _ in answers(client, reply)}
+        assert f"r-{AHEAD_HOLD}" not in before
+        dropped = int(client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))
+        assert dropped > 0
+        client.set("t:c-ahead:go", 1)
+        wait_for(lambda: sum(answers(client, reply).values()) >= REQUESTS, T, "every answer", workers.report)
+        wait_for(lambda: drained(client, keys), T, "the streams to drain", workers.report)
+        workers.check_alive()
+    assert answers(client, reply) == expected()
+    client.close()
