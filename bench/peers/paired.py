@@ -2,6 +2,7 @@
 
     git worktree add --detach /tmp/conveyor-base <commit>
     python -m bench.peers.paired --base /tmp/conveyor-base [--rounds 5] [--connections 256] [--no-mosec]
+    python -m bench.peers.paired --api --base . --base-worker-arg=--no-read-ahead   # a worker switch, on/off
 
 Both conveyors (their own redis-server, gateway and workers, started from each checkout's code)
 and mosec run side by side; every round measures each of them at each load, in an order that
@@ -9,11 +10,17 @@ rotates, so the shared machine's noise falls on all of them alike. Printed: the 
 rows, CPU microseconds per request of each process group, Redis commands per request and time
 per command (``bench.peers.report``), then this checkout's figures as ratios to the base's,
 per round and their median (a ratio within one round is the paired figure).
+
+``--api`` drives each conveyor through its Python API (``Gateway.predict`` in this process, as
+``bench.peers``'s conveyor-python) instead of HTTP; that gateway is this checkout's code for both,
+so use it where the two differ in their workers (``--base-worker-arg``, or another checkout whose
+gateway is the same). mosec is still driven over HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -21,18 +28,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.peers import inproc
 from bench.peers.load import LoadResult, run_http, which_generator
 from bench.peers.report import cpu_table, redis_table, save, summarise
 from bench.peers.runner import machine, metered
-from bench.peers.servers import ROOT, Conveyor, Mosec
+from bench.peers.servers import PIPELINE_NAME, ROOT, Conveyor, Mosec
 
-BASE, THIS, MOSEC = "conveyor HTTP (base)", "conveyor HTTP (this)", "mosec"
+MOSEC = "mosec"
 DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _measure(system: str, servers: dict[str, Any], connections: int, duration_s: float,
-             generator: str) -> dict[str, Any]:
+             generator: str, api: bool = False) -> dict[str, Any]:
     server = servers[system]
+    if api and system != MOSEC:
+        return metered(server.processes(gateway_in_process=True), lambda start: asyncio.run(inproc.gateway_api(
+            server.redis_url, PIPELINE_NAME, 3, connections, duration_s, warmup_s=0.5, started=start)),
+            server.redis_url)
     path = "/inference" if system == MOSEC else "/v1/predict"
     groups = server.processes()
 
@@ -52,7 +64,8 @@ def _workers_us(row: dict[str, Any]) -> float:
 
 
 def _gateway_us(row: dict[str, Any]) -> float:
-    return float(row.get("cpu_us_per_request", {}).get("gateway", float("nan")))
+    cpu = row.get("cpu_us_per_request", {})
+    return float(cpu.get("gateway", cpu.get("gateway (bench process)", float("nan"))))
 
 
 FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
@@ -97,11 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", default="256")
     p.add_argument("--duration-s", type=float, default=5.0)
     p.add_argument("--no-mosec", action="store_true")
+    p.add_argument("--api", action="store_true", help="conveyor through its Python API (see above), not HTTP")
+    p.add_argument("--base-worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the base's `conveyor worker` (repeat), e.g. --no-read-ahead")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = p.parse_args(argv)
     generator = which_generator("auto")
     logs = args.results / "logs"
-    servers: dict[str, Any] = {BASE: Conveyor(logs / "base", root=args.base.resolve()), THIS: Conveyor(logs / "this")}
+    kind = "API" if args.api else "HTTP"
+    base, this = f"conveyor {kind} (base)", f"conveyor {kind} (this)"
+    servers: dict[str, Any] = {base: Conveyor(logs / "base", worker_args=args.base_worker_arg,
+                                              root=args.base.resolve()),
+                               this: Conveyor(logs / "this")}
     if not args.no_mosec:
         servers[MOSEC] = Mosec(logs)
     systems = list(servers)
@@ -112,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.start()
         for system in systems:  # warm-up, not recorded
-            _measure(system, servers, 64, 1.0, generator)
+            _measure(system, servers, 64, 1.0, generator, args.api)
         step = 0
         for rnd in range(1, args.rounds + 1):
             for load in loads:
                 k = step % len(systems)
                 for system in systems[k:] + systems[:k]:
-                    row = _measure(system, servers, load, args.duration_s, generator)
+                    row = _measure(system, servers, load, args.duration_s, generator, args.api)
                     row.update(round=rnd, system=system, connections=load)
                     runs.append(row)
                     print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
@@ -131,20 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     path = save(args.results / f"paired-{time.strftime('%Y%m%d-%H%M%S')}.json",
                 {"mode": "paired", "started": started, "machine": m, "base": str(args.base), "this": str(ROOT),
+                 "api": args.api, "base_worker_args": args.base_worker_arg,
                  "loadgen": generator, "runs": runs, "summary": rows})
     print(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']} (shared); "
           f"{args.rounds} interleaved rounds of {args.duration_s:g} s, medians; load: {generator}\n"
-          f"base: {args.base}   this: {ROOT}\n")
+          f"base: {args.base} {' '.join(args.base_worker_arg)}   this: {ROOT}\n")
     print(cpu_table(rows))
     print()
     print(redis_table(rows, "connections"))
     print()
-    print(render_ratios(runs, THIS, BASE))
+    print(render_ratios(runs, this, base))
     if not args.no_mosec:
         print()
-        print(render_ratios(runs, THIS, MOSEC))
+        print(render_ratios(runs, this, MOSEC))
         print()
-        print(render_ratios(runs, BASE, MOSEC))
+        print(render_ratios(runs, base, MOSEC))
     print(f"\nresults: {path}")
     return 0
 
