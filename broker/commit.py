@@ -96,6 +96,8 @@ class Committer:
         self._stats_key = keys.stats(stage)
         self._cluster = is_cluster_client(client)
         self._held = None if self._cluster else HeldConnection(client)
+        # Whether send() returns before the commit has run (not on a cluster: redis-py routes and waits).
+        self.sends_ahead = not self._cluster
         # The command's constant pieces, on the wire already: one batch only adds its own.
         self._constant_head: list[bytes | str | int] = [GROUP, ttls.result_ttl_ms, ttls.reply_ttl_ms, stage_name]
         self._packed_static_keys = b"".join(pack_args([_as_arg(k) for k in self._static_keys], []))

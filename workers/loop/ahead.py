@@ -11,7 +11,8 @@ Python API, about 1.1x the req/s (1.15x, and 1.08x with the sides swapped; docs/
 
 When: only after a **full** batch (a backlog is likely, the read finds entries) and on a worker
 with one lane (a partitioned worker blocks on several streams at once, and a failure must be
-its own lane's).
+its own lane's), off a Redis Cluster (redis-py routes each commit there and waits for it: nothing
+would overlap). Not for a singleton stage's read of one item either.
 Batches that are not full (low load, a lone request) commit and wait as before, so a read that
 finds nothing costs no extra round trip where latency matters. ``WorkerSettings.read_ahead``
 (``--no-read-ahead``) turns it off.
@@ -61,7 +62,7 @@ class ReadAhead:
         self.settle()
         started = time.perf_counter()
         lane.committer.send(commit)
-        if self.enabled and full:
+        if self.enabled and full and lane.committer.sends_ahead:  # a cluster's commit ran in send()
             self._sent = _Sent(lane, settled)
             return
         lane.committer.finish()

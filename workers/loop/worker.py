@@ -256,20 +256,25 @@ class Worker:
     def _read_ahead(self, lane: Lane) -> None:
         """The next batch, read without blocking while the last one's commit runs; with nothing
         queued, the commit's reply is taken and the next turn waits on the stream as usual."""
-        asked, sent_at = self._read_count(), time.monotonic()
+        asked = self._read_count()
         try:
             entries = lane.reader.read(asked)
         except Exception as exc:  # the caller tells a lost node from a bug
             lane.reader.close()
-            self._settle()
-            self._lane_error(lane, exc)
+            failure = exc
+            try:
+                self._ahead.settle()
+            except Exception as commit_exc:  # the lane's one failure: the commit's says more
+                failure = commit_exc
+            self._lane_error(lane, failure)
             return
         if not entries:
             self._settle()
             return
-        first_at = time.monotonic()
-        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked,
-                                              idle_s=first_at - sent_at, first_at=first_at))
+        # idle_s 0: the worker did not wait for these (the time Redis spent on the commit is not
+        # idleness; a burst shared with idle peers is one that came while this worker waited).
+        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0,
+                                              first_at=time.monotonic()))
 
     def _settle(self) -> None:
         """Take the reply of a commit sent ahead, its failure handled as its lane's."""
@@ -299,7 +304,9 @@ class Worker:
                 self._process(lane, kept, None)
                 return
         batch = fill(lane.reader, self._policy, entries, asked, idle_s, first_at)
-        self._process(lane, batch, None, full=len(batch) >= asked and len(self._lanes) == 1)
+        # Full: a backlog is likely. Not a singleton stage's read of one (its next read would mostly
+        # find nothing), nor a partitioned worker's (a late failure must be its own lane's).
+        self._process(lane, batch, None, full=len(batch) >= asked > 1 and len(self._lanes) == 1)
 
     def _idle_wait_s(self) -> float:
         """How long a first read waits with nothing queued: shorter with stats in hand, so that
@@ -375,14 +382,10 @@ class Worker:
         now = time.monotonic()
         if lane.stats.due(now):
             commit.stats = lane.stats.take(now)
-        self._heartbeat.lease.release()  # the commit goes now: Redis runs it at once
+        self._ahead.settle()  # the last batch's commit first: if it failed, this one stays pending
+        self._heartbeat.lease.release()  # this batch's commit goes now: Redis runs it at once
         settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
         self._ahead.commit(lane, commit, full, settled)
-
-    def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
-        """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead)."""
-        self._observe(size, predict_s, commit_s)
-        self._recovery.committed(acks)
 
     def _record_stats(self, lane: Lane, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""
@@ -392,8 +395,10 @@ class Worker:
         for _ in range(size):
             lane.stats.add(1, duration_ms / size)
 
-    def _observe(self, size: int, predict_s: float, commit_s: float | None) -> None:
-        """Feed the measured batch cost to whatever learns from it (adaptive wait, read size, sharing)."""
+    def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
+        """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead):
+        its measured cost feeds whatever learns from it (adaptive wait, read size, sharing)."""
+        self._recovery.committed(acks)
         if isinstance(self._policy, AdaptiveWait):
             self._policy.observe_batch(size, predict_s, commit_s)
         self._read_size.observe_batch(size, predict_s, commit_s)
