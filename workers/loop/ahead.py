@@ -9,13 +9,12 @@ does not block), runs what it got, and takes the commit's reply only before send
 commit: the two overlap. Measured on the peers pipeline at 256 requests in flight through the
 Python API, about 1.1x the req/s (1.15x, and 1.08x with the sides swapped; docs/benchmarks.md).
 
-When: only after a **full** batch (a backlog is likely, the read finds entries) and on a worker
-with one lane (a partitioned worker blocks on several streams at once, and a failure must be
-its own lane's), off a Redis Cluster (redis-py routes each commit there and waits for it: nothing
-would overlap). Not for a singleton stage's read of one item either.
-Batches that are not full (low load, a lone request) commit and wait as before, so a read that
-finds nothing costs no extra round trip where latency matters. ``WorkerSettings.read_ahead``
-(``--no-read-ahead``) turns it off.
+When: only after a **full** batch of more than one item (a backlog is likely: the read finds
+entries), on a worker with one lane (a partitioned worker blocks on several streams at once, and a
+failure must be its own lane's), and off a Redis Cluster (redis-py routes each commit there and
+waits for it: nothing would overlap). Batches that are not full (low load, a lone request) commit
+and wait as before, so a read that finds nothing costs no extra round trip where latency matters.
+``WorkerSettings.read_ahead`` (``--no-read-ahead``, ``CONVEYOR_READ_AHEAD=0``) turns it off.
 
 Safety is unchanged: a commit still forwards and acks its batch atomically, the commit is on the
 wire before the next read is sent, and commits leave in order on one connection. A failure found
