@@ -141,15 +141,7 @@ class Committer:
         held = self._held
         if held is None:
             raise RuntimeError("a cluster client's commits are routed by redis-py")
-        first = True
-
-        def reply() -> Any:  # the reply of the command sent; on the retry after NOSCRIPT, a new call
-            nonlocal first
-            if first:
-                first = False
-                return held.read()
-            return held.call(sent)
-        return self._with_script(reply)
+        return self._with_script(held.read, again=lambda: held.call(sent))
 
     def _call_cluster(self, commit: Commit) -> Any:
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
@@ -203,12 +195,14 @@ class Committer:
             args += (b"%d" % index if reply else b"0", b"%d" % len(records), *records)
         return result_keys, reply_keys, len(by_reply), args
 
-    def _with_script(self, run: Callable[[], Any]) -> int:
+    def _with_script(self, run: Callable[[], Any], again: Callable[[], Any] | None = None) -> int:
+        """``run()``'s reply, checked; after NOSCRIPT the script is loaded and ``again()`` (by default
+        ``run`` itself) calls it once more."""
         try:
             reply = run()
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             self._client.script_load(COMMIT_LUA)
-            reply = run()
+            reply = (again or run)()
         except redis.ResponseError as exc:
             log_refusal_once(exc, "commit.lua", self._static_keys[0])
             raise

@@ -366,14 +366,5 @@ class Holds(Stage):
         return [2 * x for x in xs]
 
 
-class Plus1(Stage):
-    batch_size = 4
-    batch_wait_s = 0.001
-    claim_idle_s = 1.0
-
-    def predict(self, xs: list[Any]) -> list[Any]:
-        return [x + 1 for x in xs]
-
-
 # f(x) = 2 x + 1
-ahead = Pipeline("c-ahead").add(Holds).add(Plus1)
+ahead = Pipeline("c-ahead").add(Holds).add(Inc, batch_size=4)

@@ -103,7 +103,7 @@ def test_a_backlog_is_read_ahead_only_when_on(private_redis: EmbeddedRedis, read
     client.set("t:c-ahead:held", 1)  # no batch waits in this test
     enqueue(client, keys, reply)
     env = {"CONVEYOR_READ_AHEAD": "1" if read_ahead else "0"}
-    with monitored(url) as commands, running_workers(url, APP, ["Holds", "Plus1"], **env) as workers:
+    with monitored(url) as commands, running_workers(url, APP, ["Holds", "Inc"], **env) as workers:
         wait_for(lambda: sum(answers(client, reply).values()) >= REQUESTS, T, "every answer", workers.report)
         wait_for(lambda: drained(client, keys), T, "the streams to drain", workers.report)
     assert answers(client, reply) == expected()
@@ -126,7 +126,7 @@ def test_connections_dropped_while_a_commit_is_ahead_lose_and_repeat_nothing(pri
     client = redis.Redis.from_url(url)
     reply = keys.reply("test")
     enqueue(client, keys, reply)
-    with running_workers(url, APP, ["Holds", "Plus1"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+    with running_workers(url, APP, ["Holds", "Inc"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
         wait_for(lambda: client.exists("t:c-ahead:held"), T, f"the batch of {AHEAD_HOLD} to wait", workers.report)
         before = {record_id for record_id, _ in answers(client, reply)}
         assert f"r-{AHEAD_HOLD}" not in before

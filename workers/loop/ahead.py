@@ -1,10 +1,10 @@
 """Read-ahead: a full batch's commit goes out without waiting for its reply, and the worker reads
 its next batch while Redis runs it.
 
-Why: under load a worker's turn was read, run, commit, each round trip waited for in turn, and
-the commit of a batch of 64 is Redis's longest call (a forward or a result per item). So the
-worker sat idle while Redis ran its commit, and Redis sat idle while the worker ran the next batch.
-With read-ahead the worker sends the commit, reads on its stream's own connection (a read that
+Why: without it a worker's turn is read, run, commit, each round trip waited for in turn, and
+the commit of a batch of 64 is Redis's longest call (a forward or a result per item): the worker
+idles while Redis runs its commit, and Redis idles while the worker runs the next batch. With
+read-ahead the worker sends the commit, reads on its stream's own connection (a read that
 does not block), runs what it got, and takes the commit's reply only before sending the next
 commit: the two overlap. Measured on the peers pipeline at 256 requests in flight through the
 Python API, about 1.1x the req/s (1.15x, and 1.08x with the sides swapped; docs/benchmarks.md).
