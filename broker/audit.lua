@@ -1,10 +1,10 @@
 -- audit.lua: which of a producer's requests Redis forgot: in no stage's stream and without a result.
 --
--- A request is, at every moment, an entry of exactly one stage's stream (waiting, or pending with a
--- worker: workers XDEL only as they forward or answer, in one script), or answered (its result key
--- is set in the same script). A request that is neither was lost by Redis itself (a restart without
--- persistence, an AOF's last second, a replica promoted before it replicated, FLUSHALL, eviction):
--- its producer should submit it again (same id, same deadline; the result's SET NX keeps one answer).
+-- A request is, at every moment, an entry of exactly one stage's stream, alone or in a batch entry
+-- (waiting, or pending with a worker: workers XDEL only as they forward or answer, in one script),
+-- or answered (its result key is set in the same script). A request that is neither was lost by
+-- Redis itself (a restart without persistence, an AOF's last second, a replica promoted before it
+-- replicated, FLUSHALL, eviction): its producer should submit it again (same id, same deadline; the result's SET NX keeps one answer).
 --
 -- KEYS[1..n]   the pipeline partition's stage streams, in order (n = ARGV[1])
 -- KEYS[n+1..]  the result keys of the requests asked about, in the order of their ids below
@@ -24,6 +24,13 @@ for i = 2, #ARGV do
   end
 end
 
+local function found(id)
+  if wanted[id] then
+    wanted[id] = nil
+    left = left - 1
+  end
+end
+
 for s = 1, n do
   if left == 0 then break end
   local start = '-'
@@ -33,9 +40,12 @@ for s = 1, n do
       local fields = entry[2]
       for f = 1, #fields, 2 do
         if fields[f] == 'id' then
-          if wanted[fields[f + 1]] then
-            wanted[fields[f + 1]] = nil
-            left = left - 1
+          found(fields[f + 1])
+          break
+        elseif fields[f] == 'items' then  -- a batch entry: ids at 1, 5, 9, ... of its msgpack array
+          local ok, items = pcall(cmsgpack.unpack, fields[f + 1])
+          if ok and type(items) == 'table' then
+            for i = 1, #items, 4 do found(items[i]) end
           end
           break
         end

@@ -1,6 +1,7 @@
 -- commit.lua: one atomic step for a whole batch of one stage.
 --
--- Forwards items to the next stage's stream, publishes results and errors (first write
+-- Forwards items to the next stage's stream (one entry each, or batch entries of several: see
+-- broker/protocol.py), publishes results and errors (first write
 -- wins: SET NX), notifies each reply list once per batch, dead-letters rejected entries,
 -- records batch stats (when the worker hands a period's worth), then XACKs the consumed entries
 -- and removes them from the stream. Because everything happens in one script, an entry is acked
@@ -15,7 +16,12 @@
 -- ARGV[9] batch sizes, ARGV[10] durations ms: space-separated, one value per batch since the worker's
 --   last stats entry ('' for no entry now; workers hand them about every 100 ms, not per batch)
 -- ARGV[11] n_groups: the results in groups of one reply key each
+-- ARGV[12] n_packed: batch entries forwarded   ARGV[13] n_back: items put back on the in stream
 -- then n_fwd x (request id, data, reply or '', deadline ms or '')
+-- then n_packed x a batch entry's items (its 'items' field)
+-- then n_back x (request id, data, reply or '', deadline ms or ''): a batch entry delivered again,
+--   split into single entries of its own stage (so that one item that kills its worker does not take
+--   the batch's other items to the dead-letter stream with it); the batch entry is among the acks
 -- then n_groups x (KEYS index of the group's reply key or 0 for none, k), each followed by its
 --   k records (the groups' k add up to n_res; record j of all of them is KEYS[4 + j]'s)
 -- then n_dead x (entry id, request id or '', reason, data excerpt)
@@ -56,15 +62,25 @@ local TRIM_FROM = 8
 local group, result_ttl, reply_ttl, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_ack, n_fwd = tonumber(ARGV[5]), tonumber(ARGV[6])
 local n_res, n_dead, n_groups = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[11])
-local a = 12
+local n_packed, n_back = tonumber(ARGV[12]), tonumber(ARGV[13])
+local a = 14
 
-for _ = 1, n_fwd do
-  local args = {KEYS[2], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
-  if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
-  if ARGV[a + 3] ~= '' then args[#args + 1] = 'deadline_ms'; args[#args + 1] = ARGV[a + 3] end
-  redis.call('XADD', unpack(args))
-  a = a + 4
+local function add_singles(stream, n)
+  for _ = 1, n do
+    local args = {stream, '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
+    if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
+    if ARGV[a + 3] ~= '' then args[#args + 1] = 'deadline_ms'; args[#args + 1] = ARGV[a + 3] end
+    redis.call('XADD', unpack(args))
+    a = a + 4
+  end
 end
+
+add_singles(KEYS[2], n_fwd)
+for _ = 1, n_packed do
+  redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'v', '1')
+  a = a + 1
+end
+add_singles(KEYS[1], n_back)
 
 local written, failed, k = 0, {}, 5
 for _ = 1, n_groups do

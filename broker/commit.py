@@ -19,6 +19,7 @@ from broker.acl import log_refusal_once
 from broker.connection import is_cluster_client
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
+from broker.protocol import pack_items
 from broker.resp import pack_args
 
 log = logging.getLogger("conveyor.worker")
@@ -31,6 +32,8 @@ class Commit:
 
     acks: list[bytes] = field(default_factory=list)
     forwards: list[bytes] = field(default_factory=list)  # flat: id, data, reply, deadline
+    forward_entries: int = 0  # the forwards as this many batch entries (0: one entry each)
+    back: list[bytes] = field(default_factory=list)  # flat as forwards: single entries put back on the in stream
     results: list[tuple[bytes, bytes, bytes | None]] = field(default_factory=list)  # key, record, reply
     dead: list[bytes] = field(default_factory=list)  # flat: entry id, request id, reason, data
     stats: tuple[bytes, bytes] = (b"", b"")  # sizes, durations: see BatchStats
@@ -146,30 +149,33 @@ class Committer:
     def _call_cluster(self, commit: Commit) -> Any:
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
-        args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups), *commit.forwards,
-                                         *results, *commit.dead, *commit.acks]
+        singles, packed = _forward_args(commit)
+        args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups, packed), *singles,
+                                         *packed, *commit.back, *results, *commit.dead, *commit.acks]
         command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
                    *map(_as_arg, args)]
         return self._client.execute_command("EVALSHA", self._sha, *command)
 
     @staticmethod
-    def _counts(commit: Commit, n_groups: int) -> list[bytes]:
-        return [b"%d" % len(commit.acks), b"%d" % (len(commit.forwards) // 4), b"%d" % len(commit.results),
-                b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups]
+    def _counts(commit: Commit, n_groups: int, packed: list[bytes]) -> list[bytes]:
+        return [b"%d" % len(commit.acks), b"%d" % (0 if packed else len(commit.forwards) // 4),
+                b"%d" % len(commit.results), b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups,
+                b"%d" % len(packed), b"%d" % (len(commit.back) // 4)]
 
     def _pack(self, commit: Commit) -> bytes:
         """The whole ``EVALSHA`` command, packed from bytes."""
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
-        counts = self._counts(commit, n_groups)
+        singles, packed = _forward_args(commit)
+        counts = self._counts(commit, n_groups, packed)
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
-        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(commit.forwards) + len(results) \
-            + len(commit.dead) + len(commit.acks)
+        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(singles) + len(packed) \
+            + len(commit.back) + len(results) + len(commit.dead) + len(commit.acks)
         parts = [b"*%d\r\n" % n_args, self._packed_evalsha, b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys),
                  self._packed_static_keys]
         pack_args(result_keys, parts)
         pack_args(reply_keys, parts)
         parts.append(self._packed_head)
-        for group in (counts, commit.forwards, results, commit.dead, commit.acks):
+        for group in (counts, singles, packed, commit.back, results, commit.dead, commit.acks):
             pack_args(group, parts)
         return b"".join(parts)
 
@@ -216,6 +222,21 @@ class Committer:
         self._sent = None
         if self._held is not None:
             self._held.drop()
+
+
+def _forward_args(commit: Commit) -> tuple[list[bytes], list[bytes]]:
+    """The forwards as ``commit.lua`` takes them: single entries' values, or batch entries' items
+    (``commit.forward_entries`` of them, as even as can be, in order)."""
+    n_items = len(commit.forwards) // 4
+    n_entries = min(commit.forward_entries, n_items)
+    if n_entries < 1:
+        return commit.forwards, []
+    packed, start = [], 0
+    for i in range(n_entries):
+        end = start + n_items // n_entries + (i < n_items % n_entries)
+        packed.append(pack_items(commit.forwards[4 * start:4 * end]))
+        start = end
+    return [], packed
 
 
 def _text(value: bytes | str) -> str:

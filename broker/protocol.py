@@ -9,6 +9,13 @@ A stage stream entry carries these fields (bytes values):
 - ``deadline_ms``  optional: absolute Unix time in ms after which nobody wants the answer.
 - ``v``            optional: protocol version, ``1``.
 
+A **batch entry** carries several requests in one entry instead: the fields ``items`` and ``v``.
+``items`` is a msgpack array of 4k strings (raw bytes), four per request: id, data, reply (empty: none)
+and deadline_ms as decimal digits (empty: none). Workers forward a batch to the next stage this way
+(one ``XADD``, one entry to read and ack, instead of k): each stage reads both kinds, and
+:func:`expand` turns a batch entry into one entry per request, all with the batch entry's id.
+Producers write single entries (admission counts the first stage's entries).
+
 A result record is a msgpack map ``{"id": str, "ok": true, "value": any}`` or
 ``{"id": str, "ok": false, "error": {"type", "message", "stage", "traceback"}}``. The
 result key holds one record; a reply list element is a msgpack *array* of records
@@ -22,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from broker.codec import CodecError, array_header, encode
 from broker.keys import PROTOCOL_VERSION, Keys
 
@@ -29,6 +38,7 @@ _ID_RE = re.compile(rb"[A-Za-z0-9_.:\-]{1,128}")  # fullmatch: `$` would let a t
 MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a week is a bug
 
 F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
+F_ITEMS = b"items"  # a batch entry's requests, 4 values each (see above)
 _VERSION = str(PROTOCOL_VERSION).encode()
 
 # Error types conveyor itself reports (besides the user's own exception names).
@@ -101,6 +111,12 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     """:func:`parse_entry` one check at a time, naming the first that fails."""
     if fields is None:
         return Rejected(entry_id, "entry was deleted while pending", None, None, b"")
+    if F_ITEMS in fields:  # left whole by expand(): not a batch entry this worker can read
+        version = fields.get(F_VERSION, _VERSION)
+        reason = (f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}"
+                  if version != _VERSION else "malformed batch entry: 'items' must be a msgpack array of 4k "
+                  "strings (id, data, reply, deadline_ms)")
+        return Rejected(entry_id, reason, None, None, fields[F_ITEMS][:1024])
     raw_id = fields.get(F_ID)
     request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.fullmatch(raw_id) else None
     reply = _valid_reply(fields.get(F_REPLY), keys)
@@ -145,6 +161,39 @@ def _parse_deadline(raw: bytes | None, at_ms: int) -> int | str | None:
     if deadline <= 0 or deadline > at_ms + MAX_DEADLINE_AHEAD_MS:
         return f"absurd 'deadline_ms' {deadline}: must be Unix ms within a week from now"
     return deadline
+
+
+def pack_items(flat: list[bytes]) -> bytes:
+    """A batch entry's ``items`` field from its requests' values, four each (id, data, reply or b"",
+    deadline_ms digits or b"")."""
+    return msgpack.packb(flat, use_bin_type=False)  # str types, not bin: Redis's cmsgpack reads no bin (audit.lua)
+
+
+def expand(entry_id: bytes, fields: dict[bytes, bytes]) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    """A batch entry as one entry per request (the batch entry's id each), as a single entry would
+    carry it; a batch entry that cannot be read is returned whole, for :func:`parse_entry` to reject."""
+    try:
+        flat = msgpack.unpackb(fields[F_ITEMS], raw=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return [(entry_id, fields)]
+    if (fields.get(F_VERSION, _VERSION) != _VERSION or not isinstance(flat, list) or not flat or len(flat) % 4
+            or not all(isinstance(value, bytes) for value in flat)):
+        return [(entry_id, fields)]
+    entries: list[tuple[bytes, dict[bytes, bytes] | None]] = []
+    for i in range(0, len(flat), 4):
+        one = {F_ID: flat[i], F_DATA: flat[i + 1]}
+        if flat[i + 2]:
+            one[F_REPLY] = flat[i + 2]
+        if flat[i + 3]:
+            one[F_DEADLINE] = flat[i + 3]
+        entries.append((entry_id, one))
+    return entries
+
+
+def item_values(fields: dict[bytes, bytes]) -> tuple[bytes, bytes, bytes, bytes]:
+    """One request's four values as a batch entry (and ``commit.lua``'s forwards) hold them."""
+    get = fields.get
+    return get(F_ID, b""), get(F_DATA, b""), get(F_REPLY, b""), get(F_DEADLINE, b"")
 
 
 def entry_fields(request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None) -> dict[bytes, bytes]:

@@ -22,6 +22,7 @@ import redis
 
 from broker.held import TIMED_OUT, HeldConnection
 from broker.keys import GROUP
+from broker.protocol import F_ITEMS, expand
 from broker.resp import pack_command
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); None: deleted while pending
@@ -31,12 +32,20 @@ _PACKED_MAX = 64  # packed reads kept per reader (a batch window's reads vary th
 
 
 def parse_entries(response: Any) -> list[Entry]:
-    """The entries of an ``XREADGROUP`` reply (RESP3 answers a map of streams, RESP2 a list of pairs)."""
+    """The entries of an ``XREADGROUP`` reply (RESP3 answers a map of streams, RESP2 a list of pairs),
+    a batch entry as one entry per request (:func:`broker.protocol.expand`)."""
+    return _parse_counted(response)[0]
+
+
+def _parse_counted(response: Any) -> tuple[list[Entry], int]:
+    """:func:`parse_entries`, and how many stream entries the reply held."""
     if not response:
-        return []
+        return [], 0
     streams = response.items() if isinstance(response, dict) else response
     entries: list[Entry] = []
+    read = 0
     for _stream, items in streams:
+        read += len(items)
         for entry_id, fields in items:
             if fields is None:
                 entries.append((entry_id, None))
@@ -44,8 +53,12 @@ def parse_entries(response: Any) -> list[Entry]:
             if len(fields) % 2:
                 raise ValueError(f"stream entry {entry_id!r} with an odd number of field items")
             it = iter(fields)
-            entries.append((entry_id, dict(zip(it, it, strict=False))))  # an even count, checked above
-    return entries
+            one = dict(zip(it, it, strict=False))  # an even count, checked above
+            if F_ITEMS in one:
+                entries += expand(entry_id, one)
+            else:
+                entries.append((entry_id, one))
+    return entries, read
 
 
 class StreamReader:
@@ -58,6 +71,7 @@ class StreamReader:
         self._held = HeldConnection(client, stream, on_connect=self._identify, keep=_unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
         self._packed: dict[tuple[int, int | None, str], bytes] = {}
+        self.per_entry = 1.0  # requests per stream entry lately (batch entries hold several)
 
     def _identify(self, conn: Any) -> None:
         conn.send_command("CLIENT", "ID")
@@ -84,21 +98,33 @@ class StreamReader:
         packed once per (count, block, start): a worker sends the same few reads all day."""
         if self._sent:  # a reply never taken (its caller failed): the connection is out of step
             self.close()
-        key = (count, block_ms, start)
+        key = (self.entries_for(count), block_ms, start)
         packed = self._packed.get(key)
         if packed is None:
             packed = pack_command([a if isinstance(a, bytes) else str(a).encode()
-                                   for a in self._command(count, block_ms, start)])
+                                   for a in self._command(*key)])
             if len(self._packed) >= _PACKED_MAX:
                 self._packed.clear()
             self._packed[key] = packed
         self._held.send(packed)
         self._sent = True
 
+    def entries_for(self, count: int) -> int:
+        """Stream entries to read for about ``count`` requests: fewer where batch entries came lately
+        (a read of ``count`` batch entries of 64 would hand one worker 64 batches)."""
+        return count if self.per_entry == 1.0 else max(1, round(count / self.per_entry))
+
+    def _parse(self, response: Any) -> list[Entry]:
+        entries, read = _parse_counted(response)
+        if read and (len(entries) != read or self.per_entry != 1.0):
+            per_entry = 0.5 * self.per_entry + 0.5 * len(entries) / read
+            self.per_entry = 1.0 if per_entry < 1.05 else per_entry  # single entries again: exactly 1
+        return entries
+
     def finish_read(self) -> list[Entry]:
         self._sent = False
         try:
-            return parse_entries(self._held.read())
+            return self._parse(self._held.read())
         except redis.ResponseError as exc:
             if _unblocked(exc):  # CLIENT UNBLOCK ... ERROR from someone else: an empty read, no more
                 return []
@@ -119,7 +145,7 @@ class StreamReader:
             self.unblock()
             return self.finish_read()
         self._sent = False
-        return parse_entries(reply)
+        return self._parse(reply)
 
     def read_until(self, count: int, timeout_s: float) -> list[Entry]:
         """New entries, waiting at most ``timeout_s`` by the client's clock."""

@@ -17,7 +17,7 @@ ENTRY_FIELDS = {protocol.F_ID, protocol.F_DATA, protocol.F_REPLY, protocol.F_DEA
 def _xadds_to_stage_streams(script: str) -> list[str]:
     """The field lists of the XADDs that write stage stream entries (not dead letters or stats)."""
     text = resources.files("broker").joinpath(script).read_text()
-    calls = re.findall(r"(?:XADD', |args = \{)(KEYS\[\d\]), '\*', (.*?)[})]", text, flags=re.S)
+    calls = re.findall(r"(?:XADD', |args = \{)(KEYS\[\d\]|stream), '\*', (.*?)[})]", text, flags=re.S)
     return [fields for _key, fields in calls]
 
 
@@ -34,8 +34,16 @@ def test_lua_entry_fields_are_the_protocols(script: str) -> None:
     assert calls, f"no stage-stream XADD found in {script}"
     for fields in calls:
         names = set(_field_names(fields))
+        if names == {protocol.F_ITEMS, protocol.F_VERSION}:  # a batch entry
+            continue
         assert names <= ENTRY_FIELDS, f"{script} writes fields {names - ENTRY_FIELDS} unknown to broker.protocol"
         assert {protocol.F_ID, protocol.F_DATA, protocol.F_VERSION} <= names
+
+
+def test_commit_lua_writes_single_and_batch_entries() -> None:
+    kinds = {frozenset(_field_names(fields)) for fields in _xadds_to_stage_streams("commit.lua")}
+    assert frozenset({protocol.F_ITEMS, protocol.F_VERSION}) in kinds
+    assert any(protocol.F_ID in kind for kind in kinds)
 
 
 @pytest.mark.parametrize("script", ["submit.lua", "commit.lua"])

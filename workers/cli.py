@@ -73,6 +73,11 @@ def _options(func: Any) -> Any:
                      default=_WORKER_DEFAULTS.read_ahead, show_default=True, show_envvar=True,
                      help="After a full batch, read the next one while Redis runs its commit (more throughput "
                           "under load; batches that are not full wait for their commit as before)."),
+        click.option("--batch-entries/--no-batch-entries", envvar="CONVEYOR_BATCH_ENTRIES",
+                     default=_WORKER_DEFAULTS.batch_entries, show_default=True, show_envvar=True,
+                     help="Forward a batch to the next (batched) stage as batch entries, several requests "
+                          "each, rather than one stream entry per request (less Redis work under load). "
+                          "Workers read both kinds either way."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -94,7 +99,8 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
     worker = WorkerSettings(result_ttl_ms=int(opts["result_ttl_s"] * 1000),
                             reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
                             max_payload_bytes=opts["max_payload_bytes"], pin=opts["pin"],
-                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000), read_ahead=opts["read_ahead"])
+                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000), read_ahead=opts["read_ahead"],
+                            batch_entries=opts["batch_entries"])
     return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
                          log_level=log_level)
 

@@ -15,7 +15,8 @@ asks Redis which peers are idle (live by their heartbeat, nothing pending: one r
 gives each an even share back (``share.lua``, :mod:`broker.share`; this worker keeps at least as
 many as any). They are blocked on the stream and take it at once; the batch that was shared does
 not wait out its window. Nothing is lost: the script moves an entry
-back whole, and only while it is still pending for this consumer.
+back whole, and only while it is still pending for this consumer. A batch entry (several requests,
+forwarded by the stage before: :mod:`workers.loop.packing`) is given whole or kept whole.
 
 Off with the stage option ``share_bursts=False``; cheap stages never get here (no part would be
 worth ``SHARE_MIN_S``, so not even the question is asked). docs/benchmarks.md has the figures.
@@ -77,12 +78,7 @@ class BurstSharing:
             parts = parts_to_share(size, asked, self._sharer.idle_peers(stream, keys.heartbeats(stage)), self._item_s)
             if not parts:
                 return entries
-            start = size - sum(parts)
-            groups = []
-            for part in parts:
-                groups.append([entry_id for entry_id, _ in entries[start:start + part]])
-                start += part
-            given = self._sharer.give_back(stream, groups)
+            given = self._sharer.give_back(stream, _groups(entries, parts))
         except redis.ResponseError as exc:
             if not is_refusal(exc):
                 raise  # OOM, LOADING, ...: the loop waits it out and drains what is still ours
@@ -91,3 +87,17 @@ class BurstSharing:
             self._refused = True
             return entries
         return [entry for entry in entries if entry[0] not in given]
+
+
+def _groups(entries: list[Entry], parts: list[int]) -> list[list[bytes]]:
+    """The entry ids of each part, the parts taken from the end of ``entries``. A batch entry's items
+    (consecutive, one id) go whole, with the part its first item falls in (none: this worker keeps it)."""
+    groups: list[list[bytes]] = [[] for _ in parts]
+    part, end = -1, len(entries) - sum(parts)
+    for i, (entry_id, _) in enumerate(entries):
+        while part + 1 < len(parts) and i >= end:
+            part += 1
+            end += parts[part]
+        if part >= 0 and (i == 0 or entries[i - 1][0] != entry_id):
+            groups[part].append(entry_id)
+    return groups

@@ -4,7 +4,9 @@ A worker first drains its own pending list (entries it held when it died, or whe
 Redis), then now and then claims entries that other consumers have held for ``claim_idle_s``
 (``XAUTOCLAIM``). Such entries run one at a time once delivered more than once: if one of them
 crashed or hung a worker, it alone pays for it again, and past ``max_deliveries`` it goes to
-the dead-letter stream (:mod:`workers.loop.routing`).
+the dead-letter stream (:mod:`workers.loop.routing`). A batch entry delivered again is not run:
+it is split into single entries of the same stage (:mod:`workers.loop.packing`), which then go
+the same way, so an item that kills its worker does not take its batch's others with it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 import redis
 
 from broker import protocol
+from broker.commit import Commit
 from broker.keys import GROUP
 from broker.streams import Entry
 from workers.loop.lanes import Lane
@@ -63,8 +66,12 @@ class Recovery:
             deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
             # Redis 6.2 answers a bare nil (no id) for an entry deleted while pending, yet claims it:
             # it is ours now, and reading our own history below names it.
-            entries: list[Entry] = [(eid, fields or None) for eid, fields in claimed if eid is not None]
-            unnamed = unnamed or len(entries) < len(claimed)
+            entries: list[Entry] = []
+            for eid, fields in claimed:
+                if eid is not None:  # a batch entry as the requests it carries, as a read gives them
+                    entries += protocol.expand(eid, fields) if fields and protocol.F_ITEMS in fields else \
+                        [(eid, fields or None)]
+            unnamed = unnamed or len({eid for eid, _ in entries}) < len(claimed)
             entries += [(eid, None) for eid in deleted]
             if entries:
                 log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(entries))
@@ -85,9 +92,22 @@ class Recovery:
         fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
         if fresh:
             self._process(lane, fresh, deliveries)
-        for entry in entries:
-            if deliveries.get(entry[0], 1) > 1:
-                self._process(lane, [entry], deliveries)
+        for group in _by_entry([e for e in entries if deliveries.get(e[0], 1) > 1]):
+            if len(group) > 1:
+                self._split(lane, group)  # a batch entry, expanded (its items follow each other)
+            else:
+                self._process(lane, group, deliveries)
+
+    def _split(self, lane: Lane, items: list[Entry]) -> None:
+        """A batch entry delivered again (``items``: its requests), put back on its stream as single
+        entries and acked, in one commit. (Recovery runs with no commit of the lane outstanding.)"""
+        commit = Commit(acks=[items[0][0]])
+        for _, fields in items:
+            if fields is not None:
+                commit.back += protocol.item_values(fields)
+        log.warning("batch entry delivered again, split into single entries stage=%s entry=%r items=%d",
+                    self._spec.name, items[0][0], len(items))
+        lane.committer(commit)
 
     def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
         ids = sorted((e[0] for e in entries), key=_id_key)
@@ -98,6 +118,17 @@ class Recovery:
             entry_id = protocol.as_bytes(row["message_id"])  # type: ignore[arg-type]
             counts[entry_id] = int(row["times_delivered"]) - self._own_rereads.get(entry_id, 0)
         return counts
+
+
+def _by_entry(entries: list[Entry]) -> list[list[Entry]]:
+    """Runs of consecutive items of one stream entry (a batch entry expands to several)."""
+    groups: list[list[Entry]] = []
+    for entry in entries:
+        if groups and groups[-1][0][0] == entry[0]:
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+    return groups
 
 
 def _id_key(entry_id: bytes) -> tuple[int, int]:

@@ -42,9 +42,10 @@ from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.grouping import run_grouped
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
-from workers.loop.heartbeat import Heartbeat, LiveWorkers
+from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import Lane, lane_failure
 from workers.loop.loading import LoadingBeacon
+from workers.loop.packing import ForwardPacking
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import Router
@@ -69,6 +70,7 @@ class WorkerSettings:
     pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.process.pinning)
     pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
     read_ahead: bool = True  # after a full batch, read the next one while its commit runs (workers.loop.ahead)
+    batch_entries: bool = True  # forward a batch as batch entries, not one entry per item (workers.loop.packing)
 
 
 class Worker:
@@ -100,7 +102,9 @@ class Worker:
         # twice). A failed call surfaces instead, and the lane re-reads this consumer's pending
         # entries, which tells exactly what was committed and what was not.
         self._client.set_retry(Retry(NoBackoff(), 0))
-        last_stage = self.pipeline.next_of(self.spec) is None
+        next_stage = self.pipeline.next_of(self.spec)
+        last_stage = next_stage is None
+        self._packing = ForwardPacking(self.settings.batch_entries, next_stage)
         self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
         self._run_batch = functools.partial(run_batch, wrong_length=self._problems.wrong_length)
         self._router = Router(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
@@ -121,10 +125,13 @@ class Worker:
             self._client.close()
             return  # asked to stop before Redis could be reached: never "ready"
         index = self.spec.index
-        live = LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live)
+        hooks: list[BeatHook] = [LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live),
+                                 self._problems]
+        if not last_stage:  # how many batch entries a forward becomes
+            hooks.append(LiveWorkers(self.pipeline.keys.heartbeats(index + 1), None, self._packing.on_live_next))
         self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
                                     self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
-                                    [live, self._problems])
+                                    hooks)
         claim = self._claim_core()
         self._heartbeat.start(*([claim] if claim is not None else []))  # renews the claim from now on
         try:
@@ -363,7 +370,7 @@ class Worker:
         """Run ``entries`` (``deliveries``: their delivery counts, for entries delivered before)
         and commit them as one batch in ``lane``'s partition (``full``: a full batch, whose
         commit's reply may be taken after the next read: :mod:`workers.loop.ahead`)."""
-        commit = Commit(acks=[e[0] for e in entries])
+        commit = Commit(acks=list(dict.fromkeys(e[0] for e in entries)))  # a batch entry's items share its id
         work = self._router.admit(entries, deliveries, commit, lane.keys)
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
@@ -382,6 +389,7 @@ class Worker:
         now = time.monotonic()
         if lane.stats.due(now):
             commit.stats = lane.stats.take(now)
+        commit.forward_entries = self._packing.entries(len(commit.forwards) // 4)
         self._ahead.settle()  # the last batch's commit first: if it failed, this one stays pending
         self._heartbeat.lease.release()  # this batch's commit goes now: Redis runs it at once
         settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
