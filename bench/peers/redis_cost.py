@@ -36,6 +36,7 @@ from broker.keys import GROUP, Keys
 from broker.streams import StreamReader
 from broker.submit import SUBMIT_LUA, Submitter
 from workers.embedded.server import EmbeddedRedis
+from workers.loop.packing import ForwardPacking
 from workers.loop.routing import Router
 
 UNLINK_BATCH = 64  # as gateway.client.hub: consumed result keys ride on a turn once this many wait
@@ -57,17 +58,20 @@ class Stage:
     reader: StreamReader
     router: Router
     committer: Committer
+    packing: ForwardPacking
 
 
-def _stages(client: redis.Redis, keys: Keys) -> list[Stage]:
+def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]:
     stages = []
     for spec in scale_shift.stages:
         last = spec.index == len(scale_shift.stages) - 1
+        next_spec = None if last else scale_shift.stages[spec.index + 1]
         with contextlib.suppress(redis.ResponseError):  # made by an earlier run
             client.xgroup_create(keys.stream(spec.index), GROUP, id="0", mkstream=True)
         stages.append(Stage(StreamReader(client, keys.stream(spec.index), f"bench-{spec.index}"),
                             Router(spec, last, 16 * 2**20),
-                            Committer(client, keys, spec.index, spec.name, not last, Ttls())))
+                            Committer(client, keys, spec.index, spec.name, not last, Ttls()),
+                            ForwardPacking(batch_entries, next_spec)))
     return stages
 
 
@@ -82,10 +86,11 @@ def _turn(gw: Gateway, keys: Keys, batch: int, deadline: bytes) -> None:
 
 def _run_stage(stage: Stage, keys: Keys, count: int) -> int:
     entries = stage.reader.read(count)
-    commit = Commit(acks=[e[0] for e in entries])
+    commit = Commit(acks=list(dict.fromkeys(e[0] for e in entries)))
     work = stage.router.admit(entries, None, commit, keys)
     fn = (lambda x: x * 2) if stage.router.spec.index == 0 else (lambda x: x + 3)
     stage.router.route_all(work, [(True, fn(x)) for _, x in work], commit, keys)
+    commit.forward_entries = stage.packing.entries(len(commit.forwards) // 4)
     stage.committer(commit)
     return len(entries)
 
@@ -99,11 +104,12 @@ def _pop(gw: Gateway, keys: Keys) -> int:
     return got
 
 
-def measure(url: str, batch: int, requests: int, n_gateways: int, pid: int | None) -> dict[str, float]:
+def measure(url: str, batch: int, requests: int, n_gateways: int, pid: int | None,
+            batch_entries: bool = True) -> dict[str, float]:
     """Drive ``requests`` requests through; Redis's figures per request (commandstats, CPU)."""
     client = redis.Redis.from_url(url)
     keys = Keys(scale_shift.name)
-    stages = _stages(client, keys)
+    stages = _stages(client, keys, batch_entries)
     async_client = aredis.Redis.from_url(url)
     gateways = []
     for g in range(n_gateways):
@@ -171,15 +177,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32, help="submissions per gateway turn (= a worker's batch)")
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--gateways", type=int, default=1, help="gateways, each with its own reply list")
+    p.add_argument("--entries", choices=("batch", "single", "both"), default="batch",
+                   help="forwards as batch entries (the default), one entry each (--no-batch-entries), or both "
+                        "in turn on one server, --rounds times each, with their ratio")
+    p.add_argument("--rounds", type=int, default=1, help="with --entries both: turns of each")
     args = p.parse_args(argv)
+    kinds = {"batch": [True], "single": [False], "both": [False, True] * args.rounds}[args.entries]
     server = EmbeddedRedis()
     url = server.start()
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     try:
-        figures = measure(url, args.batch, args.requests, args.gateways, server.pid)
+        for on in kinds:
+            runs[on].append(measure(url, args.batch, args.requests, args.gateways, server.pid, on))
     finally:
         server.stop()
     print(f"bench.peers.redis_cost: batch {args.batch}, {args.requests} requests, {args.gateways} gateway(s)")
-    print(render(figures))
+    for on in (False, True):
+        if runs[on]:
+            print(f"\nforwards as {'batch entries' if on else 'single entries'} (the median run by CPU):")
+            print(render(_median(runs[on])))
+    if runs[True] and runs[False]:
+        pairs = list(zip(runs[True], runs[False], strict=True))
+        print("\nbatch / single entries, per round: redis-server CPU " +
+              " ".join(f"{a['cpu_us'] / b['cpu_us']:.2f}" for a, b in pairs) + "; Redis time " +
+              " ".join(f"{top_level_us(a) / top_level_us(b):.2f}" for a, b in pairs))
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(runs, key=lambda r: r["cpu_us"])[len(runs) // 2]
 
 
 if __name__ == "__main__":
