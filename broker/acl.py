@@ -223,10 +223,13 @@ WORKER_USES = (
     Use("xclaim", (STREAMS,), "workers/loop/heartbeat.py Heartbeat._queue_beat: the lease of a long batch (JUSTID)"),
     Use("xinfo|consumers", (STREAMS,), "broker/share.py Sharer.idle_peers; broker/janitor.py reap_dead_consumers"),
     Use("xadd", (STATS,), "broker/commit.py Committer.flush_stats: an idle worker's batch stats"),
+    Use("xrevrange", (STATS,), "workers/loop/packing.py NextStage.queue (a heartbeat hook): the next stage's "
+        "latest batch stats"),
     Use("zadd", (HEARTBEATS,), "workers/loop/heartbeat.py Heartbeat._queue_beat, every heartbeat_s"),
     Use("zremrangebyscore", (HEARTBEATS,), "workers/loop/heartbeat.py Heartbeat._queue_beat"),
-    Use("zrange", (HEARTBEATS,), "workers/loop/heartbeat.py LiveWorkers.queue; broker/share.py Sharer.idle_peers; "
-                                 "broker/janitor.py reap_dead_consumers"),
+    Use("zrange", (HEARTBEATS,), "workers/loop/heartbeat.py LiveWorkers.queue; workers/loop/packing.py "
+                                 "NextStage.queue; broker/share.py Sharer.idle_peers; broker/janitor.py "
+                                 "reap_dead_consumers"),
     Use("zadd", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat, while setup() runs"),
     Use("zremrangebyscore", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat"),
     Use("zrem", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat, when setup() ends"),

@@ -110,9 +110,11 @@ class StreamReader:
         self._sent = True
 
     def entries_for(self, count: int) -> int:
-        """Stream entries to read for about ``count`` requests: fewer where batch entries came lately
-        (a read of ``count`` batch entries of 64 would hand one worker 64 batches)."""
-        return count if self.per_entry == 1.0 else max(1, round(count / self.per_entry))
+        """Stream entries to read for at most about ``count`` requests: fewer where batch entries came
+        lately (a read of ``count`` batch entries of 64 would hand one worker 64 batches). Rounded down:
+        a read past ``count`` would take entries that an idle peer, blocked on the same stream, would
+        have run meanwhile (one at least, which the stage before keeps within this stage's batch)."""
+        return count if self.per_entry == 1.0 else max(1, int(count / self.per_entry))
 
     def _parse(self, response: Any) -> list[Entry]:
         entries, read = _parse_counted(response)

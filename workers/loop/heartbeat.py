@@ -58,11 +58,9 @@ class Lease:
 
 
 class LiveWorkers:
-    """Counts a stage's live workers at each beat (``on_count(n)``): this worker's own stage (the
-    singleton read size; ``consumer`` counts from its first beat on), or the next stage's
-    (``consumer`` None: how many batch entries a forward becomes)."""
+    """Counts the stage's live workers at each beat (``on_count(n)``: the singleton read size)."""
 
-    def __init__(self, hb_key: str, consumer: str | None, on_count: Callable[[int], None]) -> None:
+    def __init__(self, hb_key: str, consumer: str, on_count: Callable[[int], None]) -> None:
         self._hb_key = hb_key
         self._consumer = consumer
         self._on_count = on_count
@@ -73,9 +71,7 @@ class LiveWorkers:
 
     def take(self, replies: list[Any]) -> None:
         if replies and not isinstance(replies[0], Exception):
-            live = {protocol.as_bytes(m) for m in replies[0]}
-            if self._consumer is not None:
-                live.add(self._consumer.encode())  # its first beat
+            live = {protocol.as_bytes(m) for m in replies[0]} | {self._consumer.encode()}  # its first beat
             self._on_count(len(live))
 
     def stop(self, client: redis.Redis) -> None:

@@ -45,7 +45,7 @@ from workers.loop.ahead import ReadAhead
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import Lane, lane_failure
 from workers.loop.loading import LoadingBeacon
-from workers.loop.packing import ForwardPacking
+from workers.loop.packing import ForwardPacking, NextStage
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import Router
@@ -127,8 +127,8 @@ class Worker:
         index = self.spec.index
         hooks: list[BeatHook] = [LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live),
                                  self._problems]
-        if not last_stage:  # how many batch entries a forward becomes
-            hooks.append(LiveWorkers(self.pipeline.keys.heartbeats(index + 1), None, self._packing.on_live_next))
+        if self._packing.enabled:  # how many batch entries a forward becomes
+            hooks.append(NextStage(self.pipeline.keys, index + 1, self._packing))
         self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
                                     self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
                                     hooks)
