@@ -44,9 +44,14 @@ class Recovery:
 
         ``own_retry``: this same process re-reads after losing Redis, not after a crash. Each
         re-read counts as a delivery in Redis; it is subtracted, so flapping Redis never sends
-        innocent entries to the dead-letter stream."""
+        innocent entries to the dead-letter stream.
+
+        After a crash they are read one at a time: a read of this consumer's history counts a delivery
+        for every entry it returns, so a read of several would count one, for each crash, against every
+        entry still waiting behind an input that kills the worker, and take them to the dead-letter
+        stream with it."""
         while not self._stopping():
-            entries = lane.reader.read(self._spec.batch_size, start="0")
+            entries = lane.reader.read(self._spec.batch_size if own_retry else 1, start="0")
             if not entries:
                 return
             if own_retry:
