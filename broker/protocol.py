@@ -96,7 +96,7 @@ def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, 
         raw_id, data, reply = fields.get(F_ID), fields.get(F_DATA), fields.get(F_REPLY)
         if (isinstance(raw_id, bytes) and data is not None and len(data) <= limits.max_payload_bytes
                 and fields.get(F_VERSION, _VERSION) == _VERSION and _ID_RE.fullmatch(raw_id)
-                and (reply is None or _valid_reply(reply, keys) is not None)):
+                and (reply is None or _valid_reply(reply, keys) is not None) and F_ITEMS not in fields):
             raw_deadline = fields.get(F_DEADLINE)
             if not raw_deadline:
                 return Item(entry_id, raw_id, data, reply, None)
@@ -111,15 +111,11 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     """:func:`parse_entry` one check at a time, naming the first that fails."""
     if fields is None:
         return Rejected(entry_id, "entry was deleted while pending", None, None, b"")
-    if F_ITEMS in fields:  # left whole by expand(): not a batch entry this worker can read
-        version = fields.get(F_VERSION, _VERSION)
-        reason = (f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}"
-                  if version != _VERSION else "malformed batch entry: 'items' must be a msgpack array of 4k "
-                  "strings (id, data, reply, deadline_ms)")
-        return Rejected(entry_id, reason, None, None, fields[F_ITEMS][:1024])
     raw_id = fields.get(F_ID)
     request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.fullmatch(raw_id) else None
     reply = _valid_reply(fields.get(F_REPLY), keys)
+    if F_ITEMS in fields:  # left whole by the reader: not a batch entry this worker can read
+        return Rejected(entry_id, _unread_batch(fields), request_id, reply, fields[F_ITEMS][:1024])
     data = fields.get(F_DATA, b"")
 
     def reject(reason: str) -> Rejected:
@@ -140,6 +136,16 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     if isinstance(deadline, str):
         return reject(deadline)
     return Item(entry_id, request_id, data, reply, deadline)
+
+
+def _unread_batch(fields: dict[bytes, bytes]) -> str:
+    """Why an entry with ``items`` was not read as a batch entry."""
+    version = fields.get(F_VERSION, _VERSION)
+    if F_ID in fields:
+        return "an entry carries either 'id' and 'data' (one request) or 'items' (a batch entry), not both"
+    if version != _VERSION:
+        return f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}"
+    return "malformed batch entry: 'items' must be a msgpack array of 4k strings (id, data, reply, deadline_ms)"
 
 
 def _valid_reply(raw: bytes | None, keys: Keys) -> bytes | None:

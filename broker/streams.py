@@ -22,7 +22,7 @@ import redis
 
 from broker.held import TIMED_OUT, HeldConnection
 from broker.keys import GROUP
-from broker.protocol import F_ITEMS, expand
+from broker.protocol import F_ID, F_ITEMS, expand
 from broker.resp import pack_command
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); None: deleted while pending
@@ -54,7 +54,7 @@ def _parse_counted(response: Any) -> tuple[list[Entry], int]:
                 raise ValueError(f"stream entry {entry_id!r} with an odd number of field items")
             it = iter(fields)
             one = dict(zip(it, it, strict=False))  # an even count, checked above
-            if F_ITEMS in one:
+            if F_ITEMS in one and F_ID not in one:  # both: left whole, to be rejected with its reason
                 entries += expand(entry_id, one)
             else:
                 entries.append((entry_id, one))
@@ -64,14 +64,16 @@ def _parse_counted(response: Any) -> tuple[list[Entry], int]:
 class StreamReader:
     """Reads one stream as one consumer, on a connection of its own."""
 
-    def __init__(self, client: redis.Redis, stream: str, consumer: str) -> None:
+    def __init__(self, client: redis.Redis, stream: str, consumer: str, per_entry: float = 1.0) -> None:
+        """``per_entry``: requests per entry to expect until reads tell (a stage fed batch entries:
+        its ``batch_size``, their largest, so that its first read is of one entry, not of a batch of them)."""
         self.stream = stream
         self._consumer = consumer
         self._client_id = 0
         self._held = HeldConnection(client, stream, on_connect=self._identify, keep=_unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
         self._packed: dict[tuple[int, int | None, str], bytes] = {}
-        self.per_entry = 1.0  # requests per stream entry lately (batch entries hold several)
+        self.per_entry = per_entry  # requests per stream entry lately (batch entries hold several)
 
     def _identify(self, conn: Any) -> None:
         conn.send_command("CLIENT", "ID")

@@ -33,3 +33,18 @@ class IncOrDie(Stage):
 
 
 packed = Pipeline("c-packed").add(Pass).add(IncOrDie)
+
+
+class Small(Stage):
+    """Refuses (raises) a call of more than its batch_size: what a model with a fixed largest batch does."""
+
+    batch_size = 4
+    batch_wait_s = 0.005
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        if len(xs) > self.batch_size:
+            raise ValueError(f"predict got {len(xs)} inputs, more than batch_size={self.batch_size}")
+        return [x + 1 for x in xs]
+
+
+small = Pipeline("c-small").add(Pass).add(Small)

@@ -23,6 +23,7 @@ from broker import codec, protocol
 from broker.audit import forgotten
 from broker.commit import Commit, _forward_args
 from broker.keys import GROUP, Keys
+from broker.streams import parse_entries
 from tests.helpers import running_workers, wait_for
 from tests.packing_stages import POISON, IncOrDie
 from workers.batching.sharing import _groups
@@ -70,6 +71,15 @@ def test_a_batch_entry_that_cannot_be_read_is_rejected_with_its_reason(items: by
     rejected = protocol.parse_entry(entry_id, fields, KEYS, protocol.Limits(), protocol.now_ms())
     assert isinstance(rejected, protocol.Rejected) and reason in rejected.reason
     assert rejected.entry_id == b"7-0" and rejected.data == items[:1024]
+
+
+def test_an_entry_with_both_a_request_and_items_is_rejected_and_its_requester_told() -> None:
+    reply = KEYS.reply_prefix + b"gw"
+    fields = [b"id", b"r-1", b"data", codec.encode(1), b"reply", reply, b"items", protocol.pack_items(_item(2))]
+    [(entry_id, one)] = parse_entries([[KEYS.stream(1).encode(), [(b"3-0", fields)]]])
+    rejected = protocol.parse_entry(entry_id, one, KEYS, protocol.Limits(), protocol.now_ms())
+    assert isinstance(rejected, protocol.Rejected) and "not both" in rejected.reason
+    assert (rejected.request_id, rejected.reply) == (b"r-1", reply)
 
 
 def test_a_forward_is_split_into_even_batch_entries_in_order() -> None:
@@ -202,6 +212,23 @@ def test_a_batch_entry_left_by_a_dead_consumer_is_claimed_split_and_answered(red
         log = workers.stage("IncOrDie").log(100_000)
     assert _answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
     assert "claimed stale entries" in log and "split into single entries" in log, log
+
+
+@pytest.mark.system
+def test_predict_never_gets_more_than_its_batch_size(redis_url: str, redis_client: redis.Redis) -> None:
+    """A stage of batch_size 4 fed by one of 16, started after a backlog formed, and given a foreign
+    batch entry of 10 requests: each predict call holds at most 4 (the stage raises otherwise)."""
+    keys, reply, n = Keys("c-small"), Keys("c-small").reply_prefix + b"t", 48
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(keys.stream(0), protocol.entry_fields(b"r-%d" % i, codec.encode(i), reply, None))
+    pipe.execute()
+    with running_workers(redis_url, "tests.packing_stages:small", ["Pass", "Small"]) as workers:
+        workers.wait_ready("c-small", T)
+        flat = [value for i in range(n, n + 10) for value in _item(i, reply)]
+        redis_client.xadd(keys.stream(1), {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
+        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= n + 10, T, "every answer", workers.report)
+    assert _answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n + 10)})
 
 
 @pytest.mark.system

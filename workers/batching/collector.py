@@ -46,7 +46,7 @@ def fill(reader: StreamReader, policy: WaitPolicy, entries: list[Entry], asked: 
     """``entries`` (what the batch's first read got, at ``first_at``, after waiting ``idle_s``)
     and more, up to ``asked``, for as long as ``policy`` says waiting pays."""
     policy.observe_read(len(entries), first_at)
-    while len(entries) < asked:
+    while asked - len(entries) >= reader.per_entry:  # room for an entry as large as they come lately
         wait_s = policy.wait_s(idle_s, len(entries), asked, time.monotonic() - first_at)
         if wait_s <= 0:
             break

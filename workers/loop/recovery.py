@@ -55,7 +55,7 @@ class Recovery:
             if not entries:
                 return
             if own_retry:
-                for entry_id, _ in entries:
+                for entry_id in dict.fromkeys(entry_id for entry_id, _ in entries):  # a batch entry's once
                     self._own_rereads[entry_id] = self._own_rereads.get(entry_id, 0) + 1
             self._redelivered(lane, entries)
 
@@ -74,8 +74,8 @@ class Recovery:
             entries: list[Entry] = []
             for eid, fields in claimed:
                 if eid is not None:  # a batch entry as the requests it carries, as a read gives them
-                    entries += protocol.expand(eid, fields) if fields and protocol.F_ITEMS in fields else \
-                        [(eid, fields or None)]
+                    batch = fields and protocol.F_ITEMS in fields and protocol.F_ID not in fields
+                    entries += protocol.expand(eid, fields) if batch else [(eid, fields or None)]
             unnamed = unnamed or len({eid for eid, _ in entries}) < len(claimed)
             entries += [(eid, None) for eid in deleted]
             if entries:
@@ -113,6 +113,7 @@ class Recovery:
         log.warning("batch entry delivered again, split into single entries stage=%s entry=%r items=%d",
                     self._spec.name, items[0][0], len(items))
         lane.committer(commit)
+        self.committed(commit.acks)
 
     def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
         ids = sorted((e[0] for e in entries), key=_id_key)

@@ -48,7 +48,7 @@ from workers.loop.loading import LoadingBeacon
 from workers.loop.packing import ForwardPacking, NextStage
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import Router
+from workers.loop.routing import Router, Work
 from workers.loop.runner import run_batch, run_single
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
@@ -115,7 +115,8 @@ class Worker:
         self._read_size = SingletonReadSize()
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
-        self._lanes = [Lane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer),
+        self._lanes = [Lane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
+                                               self._fed_per_entry()),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
                        for keys in self.pipeline.partition_keys]
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
@@ -141,6 +142,13 @@ class Worker:
             for lane in self._lanes:
                 lane.close()
             self._client.close()
+
+    def _fed_per_entry(self) -> float:
+        """Requests per entry this stage's reads expect at first: batch entries of up to its batch
+        from a batched stage before it (workers.loop.packing), else single entries."""
+        index = self.spec.index
+        fed = index > 0 and self.spec.batched and self.pipeline.stages[index - 1].batched
+        return float(self.spec.batch_size) if fed else 1.0
 
     def _live(self, count: int) -> None:
         self._read_size.live_workers = count
@@ -375,17 +383,12 @@ class Worker:
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         if work:
-            if self._busy is not None:
-                self._busy.batch(self.spec, [item.deadline_ms for item, _ in work])
-            outcomes = self._run([x for _, x in work])
-            if self._busy is not None:
-                self._busy.idle()
+            outcomes = self._run_work(lane, work)
             if not self._told_idle:
                 self.status.send(b"I")
                 self._told_idle = True
             self._router.route_all(work, outcomes, commit, lane.keys)
         ran = time.perf_counter()
-        self._record_stats(lane, len(work), (ran - started) * 1000)
         now = time.monotonic()
         if lane.stats.due(now):
             commit.stats = lane.stats.take(now)
@@ -394,6 +397,22 @@ class Worker:
         self._heartbeat.lease.release()  # this batch's commit goes now: Redis runs it at once
         settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
         self._ahead.commit(lane, commit, full, settled)
+
+    def _run_work(self, lane: Lane, work: Work) -> list[tuple[bool, Any]]:
+        """``predict`` on ``work`` in slices of at most ``batch_size`` (a read of batch entries may
+        bring more), each watched for its deadlines and counted in the stats as one batch."""
+        size = self.spec.batch_size if self.spec.batched else len(work)
+        outcomes: list[tuple[bool, Any]] = []
+        for start in range(0, len(work), size):
+            part = work[start:start + size]
+            began = time.perf_counter()
+            if self._busy is not None:
+                self._busy.batch(self.spec, [item.deadline_ms for item, _ in part])
+            outcomes += self._run([x for _, x in part])
+            self._record_stats(lane, len(part), (time.perf_counter() - began) * 1000)
+        if self._busy is not None:
+            self._busy.idle()
+        return outcomes
 
     def _record_stats(self, lane: Lane, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""
