@@ -22,7 +22,7 @@ import redis
 
 from broker import protocol
 from broker.keys import LIVE_AFTER_MS, Keys
-from workers.pipeline import StageSpec
+from workers.pipeline import Pipeline, StageSpec
 
 # Batch entries only while the next stage's predict takes at most this per item (its latest stats
 # entry): below it the ~5 us saved per request and hop is 1 % of the item's cost or more.
@@ -83,3 +83,10 @@ def item_time_s(fields: dict[bytes, bytes]) -> float | None:
     except ValueError:
         return None
     return ms / 1000 / items if items > 0 else None
+
+
+def fed_per_entry(pipeline: Pipeline, spec: StageSpec) -> float:
+    """Requests per entry a stage's reads expect at first: batch entries of up to its batch from a
+    batched stage before it, else single entries (:class:`broker.streams.StreamReader`)."""
+    fed = spec.index > 0 and spec.batched and pipeline.stages[spec.index - 1].batched
+    return float(spec.batch_size) if fed else 1.0

@@ -39,21 +39,19 @@ from broker.spec import encode_spec
 from broker.streams import Entry, StreamReader, read_any
 from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
-from workers.batching.grouping import run_grouped
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import Lane, lane_failure
 from workers.loop.loading import LoadingBeacon
-from workers.loop.packing import ForwardPacking, NextStage
+from workers.loop.packing import ForwardPacking, NextStage, fed_per_entry
+from workers.loop.predicting import Predictor
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import Router, Work
-from workers.loop.runner import run_batch, run_single
+from workers.loop.routing import Router
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
 from workers.process.watch import BusyCell, StatusPipe
-from workers.stage import Stage
 
 log = logging.getLogger("conveyor.worker")
 
@@ -106,7 +104,6 @@ class Worker:
         last_stage = next_stage is None
         self._packing = ForwardPacking(self.settings.batch_entries, next_stage)
         self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
-        self._run_batch = functools.partial(run_batch, wrong_length=self._problems.wrong_length)
         self._router = Router(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
                               self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
@@ -116,7 +113,7 @@ class Worker:
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
         self._lanes = [Lane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
-                                               self._fed_per_entry()),
+                                               fed_per_entry(self.pipeline, self.spec)),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
                        for keys in self.pipeline.partition_keys]
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
@@ -143,13 +140,6 @@ class Worker:
                 lane.close()
             self._client.close()
 
-    def _fed_per_entry(self) -> float:
-        """Requests per entry this stage's reads expect at first: batch entries of up to its batch
-        from a batched stage before it (workers.loop.packing), else single entries."""
-        index = self.spec.index
-        fed = index > 0 and self.spec.batched and self.pipeline.stages[index - 1].batched
-        return float(self.spec.batch_size) if fed else 1.0
-
     def _live(self, count: int) -> None:
         self._read_size.live_workers = count
 
@@ -167,7 +157,7 @@ class Worker:
         with LoadingBeacon(self.redis_settings, self.pipeline.keys, self.spec.index, self.consumer,
                            self.settings.heartbeat_s):
             stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
-        self._stage: Stage = stage
+        self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length)
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
@@ -383,7 +373,7 @@ class Worker:
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         if work:
-            outcomes = self._run_work(lane, work)
+            outcomes = self._predictor.run(work, lane.stats)
             if not self._told_idle:
                 self.status.send(b"I")
                 self._told_idle = True
@@ -398,30 +388,6 @@ class Worker:
         settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
         self._ahead.commit(lane, commit, full, settled)
 
-    def _run_work(self, lane: Lane, work: Work) -> list[tuple[bool, Any]]:
-        """``predict`` on ``work`` in slices of at most ``batch_size`` (a read of batch entries may
-        bring more), each watched for its deadlines and counted in the stats as one batch."""
-        size = self.spec.batch_size if self.spec.batched else len(work)
-        outcomes: list[tuple[bool, Any]] = []
-        for start in range(0, len(work), size):
-            part = work[start:start + size]
-            began = time.perf_counter()
-            if self._busy is not None:
-                self._busy.batch(self.spec, [item.deadline_ms for item, _ in part])
-            outcomes += self._run([x for _, x in part])
-            self._record_stats(lane, len(part), (time.perf_counter() - began) * 1000)
-        if self._busy is not None:
-            self._busy.idle()
-        return outcomes
-
-    def _record_stats(self, lane: Lane, size: int, duration_ms: float) -> None:
-        """One stats value per predict call: a singleton stage's read of k entries is k calls."""
-        if self.spec.batched or size <= 1:
-            lane.stats.add(size, duration_ms)
-            return
-        for _ in range(size):
-            lane.stats.add(1, duration_ms / size)
-
     def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
         """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead):
         its measured cost feeds whatever learns from it (adaptive wait, read size, sharing)."""
@@ -431,8 +397,3 @@ class Worker:
         self._read_size.observe_batch(size, predict_s, commit_s)
         if self._sharing is not None:
             self._sharing.observe(size, predict_s)
-
-    def _run(self, inputs: list[Any]) -> list[tuple[bool, Any]]:
-        if self.spec.batched:
-            return run_grouped(self._stage, inputs, self.spec.batch_size, self._run_batch)  # length-aware, if asked
-        return run_single(self._stage.predict, inputs)
