@@ -4,7 +4,9 @@
 -- (waiting, or pending with a worker: workers XDEL only as they forward or answer, in one script),
 -- or answered (its result key is set in the same script). A request that is neither was lost by
 -- Redis itself (a restart without persistence, an AOF's last second, a replica promoted before it
--- replicated, FLUSHALL, eviction): its producer should submit it again (same id, same deadline; the result's SET NX keeps one answer).
+-- replicated, FLUSHALL, eviction): its producer should submit it again (same id, same deadline; the
+-- result's SET NX keeps one answer). A batch entry's ids are read by unpacking its 'items' (cmsgpack):
+-- a copy of its payloads inside Redis, paid only when an audit runs.
 --
 -- KEYS[1..n]   the pipeline partition's stage streams, in order (n = ARGV[1])
 -- KEYS[n+1..]  the result keys of the requests asked about, in the order of their ids below

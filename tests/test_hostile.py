@@ -24,7 +24,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker import codec
+from broker import codec, protocol
 from broker.keys import GROUP, Keys
 from broker.protocol import now_ms
 from gateway import Gateway, GatewaySettings
@@ -135,6 +135,8 @@ CASES: list[tuple[str, dict[bytes, bytes], str]] = [
     ("deadline beyond int64", {b"deadline_ms": b"9" * 40}, "absurd 'deadline_ms'"),
     ("protocol version 2", {b"v": b"2"}, "unknown protocol version b'2'; this worker speaks v1"),
     ("protocol version empty", {b"v": b""}, "unknown protocol version b''"),
+    ("a request with a batch entry's items", {b"items": protocol.pack_items([b"h-x", b"\x01", b"", b""])},
+     "an entry carries either 'id' and 'data' (one request) or 'items' (a batch entry), not both"),
 ]
 
 
@@ -304,8 +306,22 @@ def deadline_verdict(raw: bytes, at_ms: int) -> str | None:
     return EXPIRED if deadline <= at_ms else None
 
 
+BATCH = "batch entry"  # read as several requests: not checked one by one here (assert_unharmed still is)
+
+
+def batch_verdict(fields: dict[bytes, bytes]) -> str:
+    """An entry with ``items``: a batch entry (docs/protocol.md), or one the reader keeps whole and rejects."""
+    if b"id" in fields:
+        return "an entry carries either 'id' and 'data'"
+    if protocol.expand(b"0-0", fields)[0][1] is not fields:
+        return BATCH
+    return "unknown protocol version" if fields.get(b"v", b"1") != b"1" else "malformed batch entry"
+
+
 def expected_rejection(fields: dict[bytes, bytes], at_ms: int) -> str | None:
     """What the protocol says about an entry, in its order of checks; None when it is valid."""
+    if b"items" in fields:
+        return batch_verdict(fields)
     if not ID_RE.fullmatch(fields.get(b"id", b"")):
         return "missing or invalid 'id'"
     prefix = KEYS.reply("").encode()
@@ -337,10 +353,12 @@ def check_one(env: Env, entry: dict[str, Any]) -> None:
     entry_id = xadd_raw(env.client, stage, pairs)
     request_id = fields.get(b"id", b"")
     diagnostics = lambda: f"{pairs!r} at stage {stage}\n{env.workers.report()}"  # noqa: E731
+    if rejection == BATCH:
+        return
     if rejection is not None:
         letter = wait_for(lambda: env.dead_letter(stage, entry_id), 10, "a dead letter", diagnostics)
         assert letter[b"reason"].decode().startswith(rejection), (letter, pairs)
-        if rejection.startswith("missing or invalid 'id'"):
+        if not ID_RE.fullmatch(request_id) or b"id" not in fields:  # nobody to tell
             return
         record = wait_for(lambda: result_of(env.client, request_id), 10, "the error record", diagnostics)
         assert record["error"]["type"] == "DeadLettered" and record["error"]["message"] == letter[b"reason"].decode()
