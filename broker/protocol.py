@@ -177,7 +177,10 @@ def pack_items(flat: list[bytes]) -> bytes:
 
 def expand(entry_id: bytes, fields: dict[bytes, bytes]) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
     """A batch entry as one entry per request (the batch entry's id each), as a single entry would
-    carry it; a batch entry that cannot be read is returned whole, for :func:`parse_entry` to reject."""
+    carry it; one that cannot be read, or that carries an ``id`` too, is returned whole, for
+    :func:`parse_entry` to reject with its reason."""
+    if F_ID in fields:
+        return [(entry_id, fields)]
     try:
         flat = msgpack.unpackb(fields[F_ITEMS], raw=True, use_list=True)
     except (ValueError, TypeError, msgpack.UnpackException):

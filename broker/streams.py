@@ -22,7 +22,7 @@ import redis
 
 from broker.held import TIMED_OUT, HeldConnection
 from broker.keys import GROUP
-from broker.protocol import F_ID, F_ITEMS, expand
+from broker.protocol import F_ITEMS, expand
 from broker.resp import pack_command
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); None: deleted while pending
@@ -54,7 +54,7 @@ def _parse_counted(response: Any) -> tuple[list[Entry], int]:
                 raise ValueError(f"stream entry {entry_id!r} with an odd number of field items")
             it = iter(fields)
             one = dict(zip(it, it, strict=False))  # an even count, checked above
-            if F_ITEMS in one and F_ID not in one:  # with an 'id' too: kept whole, rejected with its reason
+            if F_ITEMS in one:
                 entries += expand(entry_id, one)
             else:
                 entries.append((entry_id, one))

@@ -26,6 +26,7 @@ from broker.keys import GROUP, Keys
 from broker.streams import parse_entries
 from tests.helpers import running_workers, wait_for
 from tests.packing_stages import POISON, IncOrDie
+from tests.test_read_ahead import answers
 from workers.batching.sharing import _groups
 from workers.loop.packing import ForwardPacking, NextStage, item_time_s
 from workers.pipeline import StageSpec
@@ -137,14 +138,6 @@ def _enqueue(client: redis.Redis, values: list[int], reply: bytes) -> None:
     pipe.execute()
 
 
-def _answers(client: redis.Redis, reply: bytes) -> Counter[tuple[str, object]]:
-    seen: Counter[tuple[str, object]] = Counter()
-    for element in client.lrange(reply, 0, -1):
-        for record in codec.decode(element):
-            seen[(record["id"], record["value"] if record["ok"] else record["error"]["type"])] += 1
-    return seen
-
-
 def _added(client: redis.Redis, stage: int) -> int:
     """Entries ever added to a stage's stream (XINFO STREAM's entries-added, Redis >= 7)."""
     return int(client.xinfo_stream(KEYS.stream(stage))["entries-added"])
@@ -163,9 +156,9 @@ def test_forwards_become_batch_entries_and_every_request_is_answered_once(redis_
     _enqueue(redis_client, list(range(n)), reply)
     env = {} if on else {"CONVEYOR_BATCH_ENTRIES": "0"}
     with running_workers(redis_url, APP, ["Pass", "IncOrDie"], **env) as workers:
-        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
+        wait_for(lambda: sum(answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
         wait_for(lambda: _drained(redis_client), T, "the streams drained", workers.report)
-    assert _answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
+    assert answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
     added = _added(redis_client, 1)
     if on:  # batches of at most 16 read from a backlog of 64: a few batch entries
         assert 4 <= added < n // 2, f"{added} entries for {n} requests"
@@ -185,12 +178,12 @@ def test_a_batch_entry_whose_worker_died_is_split_and_only_the_killer_is_dead_le
     values[5] = POISON
     _enqueue(redis_client, values, reply)
     with running_workers(redis_url, APP, ["Pass", "IncOrDie"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
-        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
+        wait_for(lambda: sum(answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
         wait_for(lambda: _drained(redis_client), T, "the streams drained", workers.report)
         log = workers.stage("IncOrDie").log(100_000)
     expected = Counter({(f"r-{i}", i + 1): 1 for i in range(n) if i != 5})
     expected[("r-5", protocol.E_DEAD_LETTER)] = 1
-    assert _answers(redis_client, reply) == expected
+    assert answers(redis_client, reply) == expected
     assert "split into single entries" in log, log
     [letter] = [fields for _, fields in redis_client.xrange(KEYS.dead(1))]
     assert letter[b"id"] == b"r-5" and b"max_deliveries=2" in letter[b"reason"]
@@ -207,10 +200,10 @@ def test_a_batch_entry_left_by_a_dead_consumer_is_claimed_split_and_answered(red
     redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
     assert redis_client.xreadgroup(GROUP, "ghost", {KEYS.stream(1): ">"}, count=1)  # pending with "ghost"
     with running_workers(redis_url, APP, ["Pass", "IncOrDie"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
-        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
+        wait_for(lambda: sum(answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
         wait_for(lambda: _drained(redis_client), T, "the streams drained", workers.report)
         log = workers.stage("IncOrDie").log(100_000)
-    assert _answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
+    assert answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
     assert "claimed stale entries" in log and "split into single entries" in log, log
 
 
@@ -227,8 +220,8 @@ def test_predict_never_gets_more_than_its_batch_size(redis_url: str, redis_clien
         workers.wait_ready("c-small", T)
         flat = [value for i in range(n, n + 10) for value in _item(i, reply)]
         redis_client.xadd(keys.stream(1), {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
-        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= n + 10, T, "every answer", workers.report)
-    assert _answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n + 10)})
+        wait_for(lambda: sum(answers(redis_client, reply).values()) >= n + 10, T, "every answer", workers.report)
+    assert answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n + 10)})
 
 
 @pytest.mark.system
@@ -240,10 +233,10 @@ def test_a_malformed_batch_entry_is_dead_lettered_and_the_stage_goes_on(redis_ur
         redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: b"\xc1 not msgpack", protocol.F_VERSION: b"1"})
         wait_for(lambda: redis_client.xlen(KEYS.dead(1)) == 1, T, "the dead letter", workers.report)
         _enqueue(redis_client, [1, 2], reply)
-        wait_for(lambda: sum(_answers(redis_client, reply).values()) >= 2, T, "the answers", workers.report)
+        wait_for(lambda: sum(answers(redis_client, reply).values()) >= 2, T, "the answers", workers.report)
     [letter] = [fields for _, fields in redis_client.xrange(KEYS.dead(1))]
     assert b"malformed batch entry" in letter[b"reason"]
-    assert _answers(redis_client, reply) == Counter({("r-0", 2): 1, ("r-1", 3): 1})
+    assert answers(redis_client, reply) == Counter({("r-0", 2): 1, ("r-1", 3): 1})
 
 
 def test_audit_finds_requests_inside_batch_entries(redis_url: str, redis_client: redis.Redis) -> None:

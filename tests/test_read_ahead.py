@@ -44,9 +44,9 @@ def enqueue(client: redis.Redis, keys: Keys, reply: str) -> None:
     pipe.execute()
 
 
-def answers(client: redis.Redis, reply: str) -> Counter[tuple[str, int]]:
-    """(id, value) of every record pushed to the reply list so far (it is left in place)."""
-    seen: Counter[tuple[str, int]] = Counter()
+def answers(client: redis.Redis, reply: str | bytes) -> Counter[tuple[str, object]]:
+    """(id, value, or error type) of every record pushed to the reply list so far (it is left in place)."""
+    seen: Counter[tuple[str, object]] = Counter()
     for element in client.lrange(reply, 0, -1):
         for record in codec.decode(element):
             seen[(record["id"], record["value"] if record["ok"] else record["error"]["type"])] += 1

@@ -7,11 +7,11 @@ entry pays those once. What that costs: the next stage's workers share work by w
 So a forward becomes at least one entry per live worker of the next stage, and none larger
 than its ``batch_size``; and only while the next stage's items are cheap (``PACK_MAX_ITEM_S``):
 for a stage that computes for milliseconds per item, 5 us is nothing, and how finely its workers
-share a burst is what counts (with batch entries the embeddings example's p99 at 64 in flight
-was 1.3x). Both come from the heartbeat (:class:`NextStage`, once per beat). Not for a singleton
-next stage (``batch_size`` 1: it sizes its reads one request at a time, for slow models), nor for
-a forward of one request (the low-load path keeps single entries). Off:
-``WorkerSettings.batch_entries`` (``--no-batch-entries``); readers take both kinds regardless.
+share a burst is what counts (on the embeddings example, batch entries to its embed stage cost
+1.3x the p99 at 64 in flight: docs/benchmarks.md). Both come from the heartbeat (:class:`NextStage`,
+once per beat). Not for a singleton next stage (``batch_size`` 1: it sizes its reads one request at
+a time, for slow models), nor for a forward of one request (the low-load path keeps single
+entries). Off: ``WorkerSettings.batch_entries`` (``--no-batch-entries``); readers take both kinds regardless.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Recovery:
             entries: list[Entry] = []
             for eid, fields in claimed:
                 if eid is not None:  # a batch entry as the requests it carries, as a read gives them
-                    batch = fields and protocol.F_ITEMS in fields and protocol.F_ID not in fields
+                    batch = fields and protocol.F_ITEMS in fields
                     entries += protocol.expand(eid, fields) if batch else [(eid, fields or None)]
             unnamed = unnamed or len({eid for eid, _ in entries}) < len(claimed)
             entries += [(eid, None) for eid in deleted]
