@@ -264,6 +264,9 @@ GATEWAY_USES = (
     Use("mget", (RESULTS,), "gateway/client/hub.py Hub._recover, after a lost reply connection"),
     Use("smembers", (REGISTRY,), "gateway/client/registration.py registered_pipelines: `conveyor gateway --all`, "
                                  "and the hint for a mistyped pipeline name"),
+    Use("zrange", (HEARTBEATS,), "gateway/client/sizing.py FirstStage._refresh: the first stage's live workers "
+                                 "(how many batch entries a turn becomes)"),
+    Use("xrevrange", (STATS,), "gateway/client/sizing.py FirstStage._refresh: the first stage's latest batch stats"),
     *STATUS_USES,
 )
 

@@ -7,6 +7,12 @@
 --           memory until their TTL; may be none)
 -- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)
 -- then n x (request id, data, reply key, deadline ms)
+-- ARGV[3 + 4n] (optional) at most this many requests per batch entry ('' or absent: single entries)
+--
+-- Batch entries (docs/protocol.md): with no limit in force and a per-entry size of 2 or more, the
+-- admitted requests go as entries of fields `items` (a msgpack array of their 4n values, in order)
+-- and `v`, each of up to that many requests; the last may hold fewer. With a limit they stay single
+-- entries, because admission counts entries (XLEN) and must count requests.
 --
 -- Admission: the stream holds the undelivered plus the pending entries (workers XDEL what they
 -- ack), so XLEN is the first stage's backlog. The first min(n, limit - XLEN) entries are added,
@@ -28,10 +34,23 @@ if limit ~= nil and n > 0 then
 end
 
 local a = 3
-for _ = 1, admit do
-  redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
-             'deadline_ms', ARGV[a + 3], 'v', '1')
-  a = a + 4
+local per_entry = tonumber(ARGV[3 + 4 * n] or '')
+if limit == nil and per_entry ~= nil and per_entry >= 2 and admit >= 2 then
+  local left = admit
+  while left > 0 do
+    local flat = {}
+    for i = a, a + 4 * math.min(per_entry, left) - 1 do flat[#flat + 1] = ARGV[i] end
+    local items = cmsgpack.pack(flat)
+    redis.call('XADD', KEYS[1], '*', 'items', items, 'v', '1')
+    a = a + #flat
+    left = left - #flat / 4
+  end
+else
+  for _ = 1, admit do
+    redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
+               'deadline_ms', ARGV[a + 3], 'v', '1')
+    a = a + 4
+  end
 end
 
 if #KEYS > 2 then

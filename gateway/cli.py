@@ -56,6 +56,10 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=_HTTP_DEFAULTS.drain_timeout_s,
               show_default=True, envvar="CONVEYOR_DRAIN_TIMEOUT_S", show_envvar=True,
               help="On SIGTERM/SIGINT, how long requests already admitted may finish.")
+@click.option("--batch-entries/--no-batch-entries", envvar="CONVEYOR_BATCH_ENTRIES", default=True,
+              show_default=True, show_envvar=True,
+              help="Submit a turn of several requests to a batched first stage as batch entries, several requests "
+                   "each (less Redis work under load); single entries where a max_backlog is in force.")
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
               help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
@@ -65,7 +69,8 @@ _HTTP_DEFAULTS = HttpSettings()
               envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
-            max_connections: int, drain_timeout_s: float, processes: int, loop: str, log_format: str) -> None:
+            max_connections: int, drain_timeout_s: float, batch_entries: bool, processes: int, loop: str,
+            log_format: str) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
     Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
@@ -76,8 +81,8 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, p
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s)
-    job = GatewayJob(names, redis_url, GatewaySettings(timeout_s=timeout_s, prefix=prefix), http, loop,
-                     log_format.lower(), discover)
+    settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries)
+    job = GatewayJob(names, redis_url, settings, http, loop, log_format.lower(), discover)
     try:
         check_loop(loop)
         if processes > 1:

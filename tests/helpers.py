@@ -24,6 +24,7 @@ from typing import TypeVar
 import psutil
 import redis
 
+from broker import protocol
 from broker.connection import RedisSettings
 from broker.keys import Keys
 from gateway.monitor.status import PipelineStatus, read_status
@@ -31,6 +32,12 @@ from gateway.monitor.status import PipelineStatus, read_status
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
 T = TypeVar("T")
+
+
+def requests_in(entries: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> int:
+    """Requests in an ``XRANGE`` reply: a batch entry counts the requests it carries (a gateway's
+    turn and a forward may be batch entries: docs/protocol.md)."""
+    return sum(len(protocol.expand(entry_id, fields)) for entry_id, fields in entries)
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str,

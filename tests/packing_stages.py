@@ -48,3 +48,6 @@ class Small(Stage):
 
 
 small = Pipeline("c-small").add(Pass).add(Small)
+
+# The same stages the other way round: the stage that dies on POISON is the first, fed by a gateway.
+first = Pipeline("c-first").add(IncOrDie).add(Pass)

@@ -23,12 +23,13 @@ from broker import codec, protocol
 from broker.audit import forgotten
 from broker.commit import Commit, _forward_args
 from broker.keys import GROUP, Keys
+from broker.packing import item_time_s
 from broker.streams import parse_entries
 from tests.helpers import running_workers, wait_for
 from tests.packing_stages import POISON, IncOrDie
 from tests.test_read_ahead import answers
 from workers.batching.sharing import _groups
-from workers.loop.packing import ForwardPacking, NextStage, item_time_s
+from workers.loop.packing import ForwardPacking, NextStage
 from workers.pipeline import StageSpec
 
 APP = "tests.packing_stages:packed"
@@ -98,9 +99,9 @@ def test_how_many_batch_entries_a_forward_becomes() -> None:
     packing = ForwardPacking(True, batched)
     assert packing.entries(1) == 0  # one request: a single entry, as at low load
     assert packing.entries(10) == 1 and packing.entries(40) == 3  # none larger than the next batch
-    packing.live_next = 4
+    packing.live = 4
     assert packing.entries(10) == 4  # one at least for each live worker of the next stage
-    packing.next_item_s = 0.002
+    packing.item_s = 0.002
     assert packing.entries(10) == 0  # a next stage of milliseconds per item: single entries
     assert ForwardPacking(False, batched).entries(10) == 0
     assert ForwardPacking(True, StageSpec(name="One", index=1, cls=IncOrDie, batch_size=1)).entries(10) == 0
@@ -111,9 +112,9 @@ def test_the_next_stages_workers_and_cost_come_with_the_heartbeat() -> None:
     packing = ForwardPacking(True, StageSpec(name="Next", index=1, cls=IncOrDie, batch_size=16))
     hook = NextStage(KEYS, 1, packing)
     hook.take([[b"w1", b"w2", b"w3"], [(b"9-0", {b"n": b"16 4", b"ms": b"10.0 2.5"})]])
-    assert packing.live_next == 3 and packing.next_item_s == pytest.approx(0.0125 / 20)
+    assert packing.live == 3 and packing.item_s == pytest.approx(0.0125 / 20)
     hook.take([redis.ConnectionError("gone"), []])  # a failed or empty reply changes nothing
-    assert packing.live_next == 3 and packing.next_item_s == pytest.approx(0.0125 / 20)
+    assert packing.live == 3 and packing.item_s == pytest.approx(0.0125 / 20)
     assert item_time_s({b"n": b"x", b"ms": b"1"}) is None and item_time_s({}) is None
 
 

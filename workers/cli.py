@@ -232,7 +232,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         gateway = subprocess.Popen(
             [sys.executable, "-m", "gateway", *names, "--host", host, "--port", str(port),
              "--prefix", pipelines[0][1].prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
-             "--debug" if debug else "--no-debug"],
+             "--debug" if debug else "--no-debug",
+             "--batch-entries" if child.worker.batch_entries else "--no-batch-entries"],
             env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
         units = [Unit(path, spec, spec.workers, pipeline.keys) for path, pipeline in pipelines
                  for spec in pipeline.stages]

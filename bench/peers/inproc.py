@@ -65,11 +65,12 @@ async def closed_loop(call: Call, in_flight: int, duration_s: float, timeout_s: 
 
 
 async def gateway_api(redis_url: str, pipeline: str, x: Any, in_flight: int, duration_s: float,
-                      warmup_s: float = 0.0, started: Callable[[], None] | None = None) -> LoadResult:
+                      warmup_s: float = 0.0, started: Callable[[], None] | None = None,
+                      batch_entries: bool = True) -> LoadResult:
     """conveyor's Python API: one `Gateway` in this process, ``in_flight`` coroutines on it;
     ``started`` is called when the measured part begins, after the warm-up."""
     want = expected(x)
-    async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=60.0)) as gw:
+    async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=60.0, batch_entries=batch_entries)) as gw:
 
         async def call(n: int) -> bool:
             return same(await gw.predict(x, CALL_TIMEOUT_S), want)  # the gateway's own deadline, no wait_for

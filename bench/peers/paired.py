@@ -3,6 +3,7 @@
     git worktree add --detach /tmp/conveyor-base <commit>
     python -m bench.peers.paired --base /tmp/conveyor-base [--rounds 5] [--connections 256] [--no-mosec]
     python -m bench.peers.paired --api --base . --base-worker-arg=--no-read-ahead   # a worker switch, on/off
+    python -m bench.peers.paired --base . --base-gateway-arg=--no-batch-entries     # a gateway switch
 
 Both conveyors (their own redis-server, gateway and workers, started from each checkout's code)
 and mosec run side by side; every round measures each of them at each load, in an order that
@@ -14,7 +15,8 @@ per round and their median (a ratio within one round is the paired figure).
 ``--api`` drives each conveyor through its Python API (``Gateway.predict`` in this process, as
 ``bench.peers``'s conveyor-python) instead of HTTP; that gateway is this checkout's code for both,
 so use it where the two differ in their workers (``--base-worker-arg``, or another checkout whose
-gateway is the same). mosec is still driven over HTTP.
+gateway is the same); of ``--base-gateway-arg`` it understands ``--no-batch-entries`` (the base's
+``GatewaySettings.batch_entries``). mosec is still driven over HTTP.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def _measure(system: str, servers: dict[str, Any], connections: int, duration_s:
              generator: str, api: bool = False) -> dict[str, Any]:
     server = servers[system]
     if api and system != MOSEC:
+        batch_entries = "--no-batch-entries" not in server.gateway_args
         return metered(server.processes(gateway_in_process=True), lambda start: asyncio.run(inproc.gateway_api(
-            server.redis_url, PIPELINE_NAME, 3, connections, duration_s, warmup_s=0.5, started=start)),
-            server.redis_url)
+            server.redis_url, PIPELINE_NAME, 3, connections, duration_s, warmup_s=0.5, started=start,
+            batch_entries=batch_entries)), server.redis_url)
     path = "/inference" if system == MOSEC else "/v1/predict"
     groups = server.processes()
 
@@ -113,14 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api", action="store_true", help="conveyor through its Python API (see above), not HTTP")
     p.add_argument("--base-worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the base's `conveyor worker` (repeat), e.g. --no-read-ahead")
+    p.add_argument("--base-gateway-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the base's `conveyor gateway` (repeat), e.g. --no-batch-entries")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = p.parse_args(argv)
     generator = which_generator("auto")
     logs = args.results / "logs"
     kind = "API" if args.api else "HTTP"
     base, this = f"conveyor {kind} (base)", f"conveyor {kind} (this)"
-    servers: dict[str, Any] = {base: Conveyor(logs / "base", worker_args=args.base_worker_arg,
-                                              root=args.base.resolve()),
+    servers: dict[str, Any] = {base: Conveyor(logs / "base", gateway_args=args.base_gateway_arg,
+                                              worker_args=args.base_worker_arg, root=args.base.resolve()),
                                this: Conveyor(logs / "this")}
     if not args.no_mosec:
         servers[MOSEC] = Mosec(logs)
@@ -151,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     path = save(args.results / f"paired-{time.strftime('%Y%m%d-%H%M%S')}.json",
                 {"mode": "paired", "started": started, "machine": m, "base": str(args.base), "this": str(ROOT),
-                 "api": args.api, "base_worker_args": args.base_worker_arg,
+                 "api": args.api, "base_worker_args": args.base_worker_arg, "base_gateway_args": args.base_gateway_arg,
                  "loadgen": generator, "runs": runs, "summary": rows})
     print(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']} (shared); "
           f"{args.rounds} interleaved rounds of {args.duration_s:g} s, medians; load: {generator}\n"
-          f"base: {args.base} {' '.join(args.base_worker_arg)}   this: {ROOT}\n")
+          f"base: {args.base} {' '.join(args.base_worker_arg + args.base_gateway_arg)}   this: {ROOT}\n")
     print(cpu_table(rows))
     print()
     print(redis_table(rows, "connections"))

@@ -75,13 +75,13 @@ def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]
     return stages
 
 
-def _turn(gw: Gateway, keys: Keys, batch: int, deadline: bytes) -> None:
+def _turn(gw: Gateway, keys: Keys, batch: int, deadline: bytes, per_entry: int) -> None:
     entries = []
     for _ in range(batch):
         gw.counter += 1
         entries.append(gw.submitter.entry(b"%s-%d" % (gw.reply_key[-8:], gw.counter), codec.encode(3), deadline))
     unlink, gw.unlink = (gw.unlink, []) if len(gw.unlink) >= UNLINK_BATCH else ([], gw.unlink)
-    gw.held.call(gw.submitter.pack(entries, unlink))
+    gw.held.call(gw.submitter.pack(entries, unlink, per_entry))
 
 
 def _run_stage(stage: Stage, keys: Keys, count: int) -> int:
@@ -123,7 +123,7 @@ def measure(url: str, batch: int, requests: int, n_gateways: int, pid: int | Non
         deadline = b"%d" % (time.time() * 1000 + 600_000)
         while done < n:
             for gw in gateways:
-                _turn(gw, keys, batch, deadline)
+                _turn(gw, keys, batch, deadline, batch if batch_entries else 0)
             for stage in stages:
                 while _run_stage(stage, keys, batch * n_gateways):
                     pass
@@ -178,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--gateways", type=int, default=1, help="gateways, each with its own reply list")
     p.add_argument("--entries", choices=("batch", "single", "both"), default="batch",
-                   help="forwards as batch entries (the default), one entry each (--no-batch-entries), or both "
-                        "in turn on one server, --rounds times each, with their ratio")
+                   help="forwards and submissions as batch entries (the default), one entry each "
+                        "(--no-batch-entries on workers and gateway), or both in turn on one server, --rounds "
+                        "times each, with their ratio")
     p.add_argument("--rounds", type=int, default=1, help="with --entries both: turns of each")
     args = p.parse_args(argv)
     kinds = {"batch": [True], "single": [False], "both": [False, True] * args.rounds}[args.entries]

@@ -35,6 +35,7 @@ from gateway.client.hub import Hub
 from gateway.client.lane import Lane
 from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
+from gateway.client.sizing import FirstStage
 from gateway.client.slot import Waiter
 from gateway.errors import Overloaded, PayloadTooLarge
 from gateway.monitor.status import PipelineStatus, read_all_partitions
@@ -83,6 +84,7 @@ class Gateway:
         self.hub = hub or Hub(redis_url, self.settings)
         self._own_hub = hub is None
         self.registration = Registration(self.keys, self.settings.register_wait_s)
+        self.first_stage = FirstStage(self.settings.batch_entries, self.registration)
         self.lanes: list[Lane] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
@@ -132,7 +134,8 @@ class Gateway:
             self._growing = None
 
     async def close(self) -> None:
-        tasks: list[asyncio.Future[Any]] = [*([self._growing] if self._growing else []), *self.registration.polls()]
+        tasks: list[asyncio.Future[Any]] = [*([self._growing] if self._growing else []), *self.registration.polls(),
+                                            *([self.first_stage.task] if self.first_stage.task else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -178,6 +181,7 @@ class Gateway:
             raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
                                "or `await gw.start()` first")
         self._check_count()
+        self.first_stage.check(self.hub.client, lanes)
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable
 
 from broker.keys import Keys
+from broker.packing import EntrySizing
 from broker.submit import Submission, Submitter
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
@@ -37,6 +38,8 @@ class Lane:
         self.sent_twice: set[bytes] = set()
         self.counter = 0
         self.wake = wake  # set when the lane has something to send: its flusher's signal
+        # Its first stage as batch entries see it (gateway.client.sizing): until known, single entries.
+        self.sizing = EntrySizing()
 
     def take_turn(self) -> tuple[list[Submission], list[bytes]]:
         """This turn's submissions, and the consumed result keys that ride on them (or go alone)."""

@@ -26,3 +26,5 @@ class GatewaySettings:
     # Requests older than this are audited (gateway.client.recall): those Redis forgot are sent again.
     # 0 turns the audit off; a restarted or failed-over Redis is still noticed at the reconnect.
     audit_after_s: float = 5.0
+    # A turn of several submissions goes to a batched first stage as batch entries (gateway.client.sizing).
+    batch_entries: bool = True
