@@ -18,6 +18,7 @@ from bench.peers.load import LoadError, which_generator
 from bench.peers.report import save
 from bench.peers.runner import Runner, RunSettings, parse_sizes
 from bench.peers.servers import ServerError
+from gateway.http.settings import LOOPS
 
 DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
 MISSING = ("mosec is not installed in this environment. Install the benchmark extra:\n"
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--in-flight", type=int, default=4, help="requests in flight for --payloads")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `conveyor gateway` (repeat), e.g. --gateway-arg=--processes=2")
+    p.add_argument("--api-loop", choices=LOOPS, default="auto",
+                   help="the Python API's event loop (auto: uvloop where installed, as `conveyor gateway --loop`)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the JSON results go")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 1 s, small loads and sizes")
     args = p.parse_args(argv)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = RunSettings(mode=mode, systems=systems, rounds=args.rounds, duration_s=args.duration_s,
                            connections=[int(c) for c in args.connections.split(",")],
                            sizes=parse_sizes(args.sizes), in_flight=args.in_flight, generator=generator,
-                           gateway_args=list(args.gateway_arg), log_dir=args.results / "logs")
+                           gateway_args=list(args.gateway_arg), log_dir=args.results / "logs", api_loop=args.api_loop)
     runner = Runner(settings)
     try:
         document = runner.run()

@@ -22,7 +22,6 @@ gateway is the same); of ``--base-gateway-arg`` it understands ``--no-batch-entr
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -35,19 +34,21 @@ from bench.peers.load import LoadResult, run_http, which_generator
 from bench.peers.report import cpu_table, redis_table, save, summarise
 from bench.peers.runner import machine, metered
 from bench.peers.servers import PIPELINE_NAME, ROOT, Conveyor, Mosec
+from gateway.http.settings import LOOPS
+from gateway.serve import run_loop
 
 MOSEC = "mosec"
 DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _measure(system: str, servers: dict[str, Any], connections: int, duration_s: float,
-             generator: str, api: bool = False) -> dict[str, Any]:
+             generator: str, api: bool = False, api_loop: str = "auto") -> dict[str, Any]:
     server = servers[system]
     if api and system != MOSEC:
         batch_entries = "--no-batch-entries" not in server.gateway_args
-        return metered(server.processes(gateway_in_process=True), lambda start: asyncio.run(inproc.gateway_api(
+        return metered(server.processes(gateway_in_process=True), lambda start: run_loop(inproc.gateway_api(
             server.redis_url, PIPELINE_NAME, 3, connections, duration_s, warmup_s=0.5, started=start,
-            batch_entries=batch_entries)), server.redis_url)
+            batch_entries=batch_entries), api_loop), server.redis_url)
     path = "/inference" if system == MOSEC else "/v1/predict"
     groups = server.processes()
 
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=5.0)
     p.add_argument("--no-mosec", action="store_true")
     p.add_argument("--api", action="store_true", help="conveyor through its Python API (see above), not HTTP")
+    p.add_argument("--api-loop", choices=LOOPS, default="auto",
+                   help="with --api, the event loop (auto: uvloop where installed, as `conveyor gateway --loop`)")
     p.add_argument("--base-worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the base's `conveyor worker` (repeat), e.g. --no-read-ahead")
     p.add_argument("--base-gateway-arg", action="append", default=[], metavar="ARG",
@@ -137,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.start()
         for system in systems:  # warm-up, not recorded
-            _measure(system, servers, 64, 1.0, generator, args.api)
+            _measure(system, servers, 64, 1.0, generator, args.api, args.api_loop)
         step = 0
         for rnd in range(1, args.rounds + 1):
             for load in loads:
                 k = step % len(systems)
                 for system in systems[k:] + systems[:k]:
-                    row = _measure(system, servers, load, args.duration_s, generator, args.api)
+                    row = _measure(system, servers, load, args.duration_s, generator, args.api, args.api_loop)
                     row.update(round=rnd, system=system, connections=load)
                     runs.append(row)
                     print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",

@@ -42,6 +42,7 @@ from bench.peers.report import (
 )
 from bench.peers.servers import PIPELINE_NAME, ROOT, Conveyor, CpuMeter, Mosec, ServerError, http_post
 from broker import codec
+from gateway.serve import resolve_loop, run_loop
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _LARGE_ARGS = ["--max-body-bytes", str(256 * 2**20)]  # 16 MiB arrays plus their header
@@ -70,6 +71,8 @@ class RunSettings:
     generator: str
     gateway_args: list[str] = field(default_factory=list)
     log_dir: Path = Path("bench/results/logs")
+    # The Python API's event loop in this process: auto is uvloop where installed, as `conveyor gateway --loop`.
+    api_loop: str = "auto"
 
 
 def machine() -> dict[str, Any]:
@@ -157,9 +160,9 @@ class Runner:
         s = self.settings
         if system == API:
             groups = conveyor.processes(gateway_in_process=True)
-            return metered(groups, lambda start: asyncio.run(inproc.gateway_api(
+            return metered(groups, lambda start: run_loop(inproc.gateway_api(
                 conveyor.redis_url, PIPELINE_NAME, x, load, self._duration(getattr(x, "nbytes", 0)), warmup_s=0.5,
-                started=start)),
+                started=start), s.api_loop),
                 conveyor.redis_url)
         if system == REDIS:
             data = x.tobytes()
@@ -254,7 +257,7 @@ class Runner:
                 row = self._measure(system, conveyor, mosec, load, 3)
                 row.update(connections=load)
             row.update(round=rnd, system=system,
-                       loadgen=s.generator if system in (HTTP, MOSEC) else "in-process asyncio")
+                       loadgen=s.generator if system in (HTTP, MOSEC) else f"in-process {resolve_loop(s.api_loop)}")
             self.runs.append(row)
             at = size_label(load) if s.mode == "payloads" else f"{load} conn"
             _progress(f"[{i}/{len(plan)} {time.perf_counter() - self._t0:.0f}s] round {rnd} "
@@ -265,7 +268,8 @@ class Runner:
         m = document["machine"]
         head = (f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']}, {m['os']} "
                 f"(shared)\nversions: {document['versions']}\nload generator (HTTP): {document['loadgen']}; "
-                f"{self.settings.rounds} interleaved rounds of {self.settings.duration_s:g} s, medians\n")
+                f"{self.settings.rounds} interleaved rounds of {self.settings.duration_s:g} s, medians; "
+                f"the Python API on {resolve_loop(self.settings.api_loop)}\n")
         rows = document["summary"]
         if document["mode"] == "payloads":
             return (f"{head}payloads, {self.settings.in_flight} in flight; MB/s = 10^6 bytes of input array per s; "
