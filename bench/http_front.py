@@ -5,7 +5,10 @@
 Starts one redis-server, one worker per stage of ``bench.pipelines:scale_shift`` (x*2 then +3,
 batch 64, wait 2 ms), and one gateway per front on its own port: ``asyncio`` and ``uvloop``
 (this checkout), plus ``old`` (``python -m gateway`` from ``--old-src``, e.g. a ``git worktree``
-of an earlier commit) when given. Rounds are interleaved (every front at every load, then
+of an earlier commit) when given. With ``--backend echo`` the front may also be ``granian``: the
+Rust HTTP server (hyper, tokio) calling a Python RSGI app that does the echo front's work (JSON in,
+``{"result": x}`` out), one worker, one runtime thread (its lowest CPU per request here), on uvloop:
+what a Rust front costs where each request still reaches Python. Rounds are interleaved (every front at every load, then
 again) so that a shared machine's noise spreads over all of them. Per row: req/s, p50, and the
 gateway's CPU time per request (psutil, user+system, over the wrk run). Needs ``wrk`` on PATH.
 """
@@ -40,7 +43,7 @@ class Echo:
     in_flight = 0
     async def predict(self, x, timeout_s=None):
         return x
-    def submit(self, x, timeout_s=None):
+    def submit(self, x, timeout_s=None, key=None, *, direct=False):
         f = asyncio.get_running_loop().create_future()
         f.set_result(x)
         return f
@@ -53,6 +56,20 @@ if sys.argv[2] == "uvloop":
     uvloop.run(coro)
 else:
     asyncio.run(coro)
+"""
+# ``--fronts granian`` with ``--backend echo``: the same work as the echo front, behind granian's RSGI.
+GRANIAN_ECHO = """
+import json
+HEADERS = [("content-type", "application/json")]
+
+async def app(scope, proto):
+    if scope.proto != "http":
+        return
+    if scope.method == "GET":
+        proto.response_bytes(200, HEADERS, b'{"status":"ok"}')
+        return
+    x = json.loads(await proto())
+    proto.response_bytes(200, HEADERS, json.dumps({"result": x}).encode())
 """
 WRK_LUA = 'wrk.method = "POST"\nwrk.body = "3"\nwrk.headers["Content-Type"] = "application/json"\n'
 
@@ -136,7 +153,14 @@ def _start_gateway(front: str, env: dict[str, str], old_src: Path | None, tmp: P
     if front == "old":
         genv["PYTHONPATH"] = str(old_src)
         cwd = old_src
-    if echo:
+    if front == "granian":
+        if not echo:
+            raise SystemExit("--fronts granian needs --backend echo (it has no conveyor behind it)")
+        (tmp / "granian_echo.py").write_text(GRANIAN_ECHO)
+        cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--loop", "uvloop", "--workers", "1",
+               "--runtime-threads", "1", "--port", str(port), "--log-level", "warning", "granian_echo:app"]
+        cwd = tmp
+    elif echo:
         cmd = [sys.executable, "-c", ECHO_RUNNER, str(port), "asyncio" if front == "old" else front]
     elif front == "old":
         pass
@@ -201,7 +225,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("pipeline", "echo"), default="pipeline",
                         help="pipeline: Redis + 2 workers; echo: the front alone, answered in-process")
     parser.add_argument("--fronts", default="old,asyncio,uvloop",
-                        help="comma-separated: old, asyncio, uvloop, asynciox2, uvloopx2 (x2: --processes 2)")
+                        help="comma-separated: old, asyncio, uvloop, asynciox2, uvloopx2 (x2: --processes 2), "
+                             "granian (--backend echo only; pip install granian, in the [bench] extra)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (apt-get install wrk)")
