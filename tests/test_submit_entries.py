@@ -83,6 +83,29 @@ def test_the_submit_script_packs_a_turn_only_where_no_limit_counts_entries(
     assert first is not None and first[protocol.F_REPLY] == reply and codec.decode(first[protocol.F_DATA]) == 0
 
 
+@pytest.mark.redis
+def test_a_turn_with_a_large_payload_stays_single_entries(redis_url: str, redis_client: redis.Redis) -> None:
+    """A payload of 64 KiB or more would be copied once more into a batch entry: not worth 5 us."""
+    reply = KEYS.reply_prefix + b"gw"
+
+    async def submit() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            submitter = Submitter(client, KEYS, reply)
+            await submitter.load()
+            batch = [submitter.entry(b"r-%d" % i, codec.encode(b"x" * (100_000 if i == 1 else 1)), b"")
+                     for i in range(4)]
+            admitted = await submitter(batch, [], 4)
+            await submitter.close()
+            return admitted
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(submit()) == 4
+    assert _sizes(redis_client) == [1, 1, 1, 1]
+    assert _requests(redis_client) == [b"r-%d" % i for i in range(4)]
+
+
 async def _burst(redis_url: str, values: list[int], batch_entries: bool) -> list[Any]:
     """One warm-up request (which starts the gateway's first read of the first stage's workers), then
     ``values`` at once: one turn of submissions."""
