@@ -42,20 +42,16 @@ class EntrySizing:
             return 0
         return max(self.live, -(-n_items // self.batch_size))
 
-    def per_entry(self, n_items: int) -> int:
-        """Requests per batch entry for a hop of ``n_items`` (the last entry may hold fewer); 0:
-        single entries."""
-        entries = self.entries(n_items)
-        return -(-n_items // entries) if entries else 0
-
-    def take(self, live: Any, stats: Any) -> None:
-        """The replies of :func:`queue_reads`' two commands (an exception where one failed)."""
+    def take(self, live: Any, stats: Any) -> bool:
+        """The replies of :func:`queue_reads`' two commands (an exception where one failed); whether
+        both could be read (if not, the caller should not pack: the stage's cost is not known)."""
         if isinstance(live, list):
             self.live = max(1, len(live))
         if isinstance(stats, list) and stats:
             item_s = item_time_s(stats[0][1])
             if item_s is not None:
                 self.item_s = item_s
+        return isinstance(live, list) and isinstance(stats, list)
 
 
 def queue_reads(pipe: Any, keys: Keys, index: int) -> None:

@@ -14,7 +14,8 @@ A **batch entry** carries several requests in one entry instead: the fields ``it
 and deadline_ms as decimal digits (empty: none). Workers forward a batch to the next stage this way
 (one ``XADD``, one entry to read and ack, instead of k): each stage reads both kinds, and
 :func:`expand` turns a batch entry into one entry per request, all with the batch entry's id.
-Producers write single entries (admission counts the first stage's entries).
+Gateways submit a turn to the first stage this way too where no ``max_backlog`` is in force
+(``submit.lua``: admission counts entries); other producers may, or write single entries.
 
 A result record is a msgpack map ``{"id": str, "ok": true, "value": any}`` or
 ``{"id": str, "ok": false, "error": {"type", "message", "stage", "traceback"}}``. The

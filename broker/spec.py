@@ -81,6 +81,9 @@ class StageInfo:
     outputs: tuple[TensorSpec, ...] = ()
     batched: bool = False
     task: str = ""  # what the pipeline declares itself (first stage only): "" or one of TASKS
+    # Its workers read batch entries (docs/protocol.md): workers write true; a spec without the key was
+    # written by workers older than batch entries, to which gateways submit single entries.
+    batch_entries: bool = False
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
@@ -99,6 +102,8 @@ def encode_spec(stages: Sequence[StageInfo]) -> bytes:
             del item["batched"]
         if not item["task"]:
             del item["task"]
+        if not item["batch_entries"]:
+            del item["batch_entries"]
     return codec.encode(maps)
 
 
@@ -127,6 +132,7 @@ def _stage(position: int, item: Any) -> StageInfo:
             max_payload_bytes=None if max_payload is None else int(max_payload),
             inputs=_tensors(item.get("inputs")), outputs=_tensors(item.get("outputs")),
             batched=bool(item.get("batched", False)), task=str(item.get("task") or ""),
+            batch_entries=bool(item.get("batch_entries", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc

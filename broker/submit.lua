@@ -7,18 +7,19 @@
 --           memory until their TTL; may be none)
 -- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)
 -- then n x (request id, data, reply key, deadline ms)
--- ARGV[3 + 4n] (optional) at most this many requests per batch entry ('' or absent: single entries)
+-- ARGV[3 + 4n] (optional) k: into how many batch entries to split the requests ('', absent, 0, or
+--         k >= n: single entries; a fraction is rounded down)
 --
--- Batch entries (docs/protocol.md): with no limit in force and a per-entry size of 2 or more, the
--- admitted requests go as entries of fields `items` (a msgpack array of their 4n values, in order)
--- and `v`, each of up to that many requests; the last may hold fewer. With a limit they stay single
--- entries, because admission counts entries (XLEN) and must count requests.
+-- Batch entries (docs/protocol.md): with no limit in force and 1 <= k < n, the requests go as k
+-- entries of fields `items` (a msgpack array of their 4 values each, in order) and `v`, split evenly
+-- (sizes differ by one at most, the larger first). With a limit they stay single entries, because
+-- admission counts entries (XLEN) and must count requests.
 --
 -- Admission: the stream holds the undelivered plus the pending entries (workers XDEL what they
 -- ack), so XLEN is the first stage's backlog. The first min(n, limit - XLEN) entries are added,
 -- in order; the rest are not. Because the check and the XADDs run in one script, the bound holds
 -- for every producer at once, whatever their number.
--- Returns the number of entries added; if entries were offered and none was added, an error
+-- Returns the number of requests added; if requests were offered and none was added, an error
 -- reply starting with OVERLOADED instead (what a foreign producer submitting one entry sees).
 
 local n = tonumber(ARGV[1])
@@ -34,16 +35,17 @@ if limit ~= nil and n > 0 then
 end
 
 local a = 3
-local per_entry = tonumber(ARGV[3 + 4 * n] or '')
-if limit == nil and per_entry ~= nil and per_entry >= 2 and admit >= 2 then
-  local left = admit
-  while left > 0 do
+local entries = math.floor(tonumber(ARGV[3 + 4 * n] or '') or 0)
+if limit == nil and entries >= 1 and entries < admit then
+  local base, extra = math.floor(admit / entries), admit % entries
+  for e = 1, entries do
+    local size = base
+    if e <= extra then size = base + 1 end
     local flat = {}
-    for i = a, a + 4 * math.min(per_entry, left) - 1 do flat[#flat + 1] = ARGV[i] end
+    for i = a, a + 4 * size - 1 do flat[#flat + 1] = ARGV[i] end
     local items = cmsgpack.pack(flat)
     redis.call('XADD', KEYS[1], '*', 'items', items, 'v', '1')
-    a = a + #flat
-    left = left - #flat / 4
+    a = a + 4 * size
   end
 else
   for _ = 1, admit do

@@ -79,50 +79,52 @@ class Submitter:
         return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
                 b"%d" % len(batch), self._own_limit]
 
-    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes], per_entry: int = 0) -> list[bytes]:
+    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> list[bytes]:
         args = self._head(batch, unlink)
         for request_id, data, deadline, _ in batch:
             args += (request_id, data, self._reply_key, deadline)
-        return args + _tail(per_entry)
+        return args + _tail(batch, entries)
 
-    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], per_entry: int = 0) -> bytes:
+    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> bytes:
         """The turn's command: its head packed here, each entry as packed by :meth:`entry`.
-        ``per_entry``: at most this many requests per batch entry (``broker.packing``; 0: single
-        entries; the script makes single entries anyway where a ``max_backlog`` is in force). A turn
-        with a large payload stays single entries: a batch entry would copy it once more in Redis
-        and again in the worker, for a saving of a few microseconds per request."""
+        ``entries``: split the turn into this many batch entries (``broker.packing``; 0: single
+        entries; the script makes single entries anyway where a ``max_backlog`` is in force)."""
         if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
-            return pack_command(self._args(batch, unlink))
+            return pack_command(self._args(batch, unlink, entries))
         head = self._head(batch, unlink)
-        tail = _tail(per_entry)
+        tail = _tail(batch, entries)
         parts = [b"*%d\r\n" % (len(head) + 4 * len(batch) + len(tail))]
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in head]
         parts += [s[3] for s in batch]
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in tail]
         return b"".join(parts)
 
-    async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes], per_entry: int = 0) -> int:
+    async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> int:
         """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
         were admitted. Raises ``redis.ResponseError`` (see :func:`is_overloaded`) if none was."""
         try:
-            return int(await self._run(batch, unlink, per_entry))
+            return int(await self._run(batch, unlink, entries))
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
             await self.load()
-            return int(await self._run(batch, unlink, per_entry))
+            return int(await self._run(batch, unlink, entries))
 
-    async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes], per_entry: int) -> Any:
+    async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int) -> Any:
         if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
-            return await self.run_routed(batch, unlink, per_entry)
-        return await self._held.call(self.pack(batch, unlink, per_entry))
+            return await self.run_routed(batch, unlink, entries)
+        return await self._held.call(self.pack(batch, unlink, entries))
 
-    async def run_routed(self, batch: Sequence[Submission], unlink: Sequence[bytes], per_entry: int = 0) -> Any:
+    async def run_routed(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> Any:
         """The call through redis-py's routing (a cluster client), not a held connection."""
-        return await self._client.execute_command("EVALSHA", *self._args(batch, unlink, per_entry)[1:])
+        return await self._client.execute_command("EVALSHA", *self._args(batch, unlink, entries)[1:])
 
     async def close(self) -> None:
         await self._held.close()
 
 
-def _tail(per_entry: int) -> list[bytes]:
-    """The script's optional last argument: requests per batch entry (none: single entries)."""
-    return [b"%d" % per_entry] if per_entry >= 2 else []
+def _tail(batch: Sequence[Submission], entries: int) -> list[bytes]:
+    """The script's optional last argument: into how many batch entries to split the turn (none:
+    single entries). A turn with a large payload stays single entries: a batch entry would copy it
+    once more in Redis and again in the worker, for a saving of a few microseconds per request."""
+    if entries < 1 or entries >= len(batch) or not all(s[3] for s in batch):
+        return []
+    return [b"%d" % entries]

@@ -103,17 +103,16 @@ def test_redis_restarted_empty_under_load_loses_nothing(private_redis: EmbeddedR
 def test_the_audit_finds_what_redis_dropped_without_a_restart(private_redis: EmbeddedRedis,
                                                               batch_entries: bool) -> None:
     """FLUSHALL (as an operator, or eviction, might) while requests wait in a stream: no reconnect
-    says so, the audit of requests older than ``audit_after_s`` does. With single entries a worker's
-    read takes at most a batch, so most requests exist only in the flushed stream and must be sent
-    again; with batch entries one read may take the whole turn into the (suspended) worker, which
-    answers it: either way every request is answered right, once."""
+    says so, the audit of requests older than ``audit_after_s`` does. A first turn may be taken whole
+    by the (suspended) worker's blocked read, with batch entries; a second turn then waits in the
+    stream, undelivered, and exists nowhere else once it is flushed: the audit must send it again."""
     url = private_redis.url
     with running_workers(url, f"{APP}:reconnect", ["Square", "Neg"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
         workers.wait_ready("c-reconnect", T)
 
-        N = 100
+        N, TURNS = 100, 4
 
-        async def main() -> tuple[list[Any], int]:
+        async def main() -> tuple[list[Any], int, int]:
             settings = GatewaySettings(timeout_s=T, audit_after_s=0.5, batch_entries=batch_entries)
             async with Gateway(url, "c-reconnect", settings) as gw:
                 await gw.predict(1)  # the spec is read: the audit knows the stages
@@ -124,24 +123,35 @@ def test_the_audit_finds_what_redis_dropped_without_a_restart(private_redis: Emb
                     # Suspend the first stage's workers so that requests stay in its stream.
                     for proc in _stage_processes(workers, "Square"):
                         proc.suspend()
-                    futures = [asyncio.ensure_future(gw.predict(x)) for x in range(N)]
-                    # Requests, not entries: a turn may reach the first stage as batch entries.
-                    await _until(lambda: _requests(admin, Keys("c-reconnect").stream(0)), N)
-                    entries = await admin.xlen(Keys("c-reconnect").stream(0))
-                    assert (entries < N) if batch_entries else (entries == N), entries
+                    stream = Keys("c-reconnect").stream(0)
+                    futures: list[asyncio.Future[Any]] = []
+                    waiting = 0
+                    # Turns of N until one waits undelivered: each suspended consumer's blocked read
+                    # may take a turn whole (with batch entries).
+                    for turn in range(TURNS):
+                        futures += [asyncio.ensure_future(gw.predict(x)) for x in range(turn * N, (turn + 1) * N)]
+                        # Requests, not entries: a turn may reach the first stage as batch entries.
+                        await _until(lambda: _requests(admin, stream), len(futures))
+                        [group] = await admin.xinfo_groups(stream)
+                        waiting = requests_in(await admin.xrange(stream, min=b"(" + group["last-delivered-id"]))
+                        if waiting:
+                            break
+                    entries = await admin.xlen(stream)
+                    assert (entries < len(futures)) if batch_entries else (entries == len(futures)), entries
                     await admin.flushall()  # the entries, the groups, the spec: gone, Redis still up
                 finally:
                     for proc in _stage_processes(workers, "Square"):
                         proc.resume()
                     await admin.aclose()
                 answers = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), T)
-                return answers, gw.hub.recall.resubmitted
+                return answers, gw.hub.recall.resubmitted, waiting
 
-        answers, resubmitted = asyncio.run(asyncio.wait_for(main(), 3 * T))
-        assert answers == [-x * x for x in range(N)], [a for a in answers if isinstance(a, BaseException)][:3]
-        # Entries already delivered to a (suspended) worker's socket are answered by it; the rest,
-        # beyond what two batches of single entries can hold, existed only in the flushed stream.
-        assert resubmitted >= (0 if batch_entries else N - 2 * 16)
+        answers, resubmitted, waiting = asyncio.run(asyncio.wait_for(main(), 3 * T))
+        failed = [a for a in answers if isinstance(a, BaseException)][:3]
+        assert answers == [-x * x for x in range(len(answers))], failed
+        # Entries already delivered to a (suspended) worker's socket are answered by it; those never
+        # delivered (a turn at least) existed only in the flushed stream.
+        assert waiting > 0 and resubmitted >= waiting, (waiting, resubmitted)
 
 
 def _stage_processes(workers: Any, stage: str) -> list[psutil.Process]:

@@ -12,6 +12,7 @@ dead-lettered.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -21,8 +22,11 @@ import redis.asyncio as aioredis
 
 from broker import codec, protocol
 from broker.keys import Keys
-from broker.submit import Submitter
+from broker.spec import StageInfo, encode_spec
+from broker.submit import SUBMIT_LUA, Submitter
 from gateway import Gateway, GatewaySettings
+from gateway.client.lane import Lane
+from gateway.client.sizing import FirstStage
 from gateway.errors import StageError
 from tests.helpers import running_workers
 from tests.packing_stages import POISON
@@ -48,19 +52,10 @@ def _requests(client: redis.Redis) -> list[bytes]:
             for _, f in protocol.expand(entry_id, fields) if f is not None]
 
 
-@pytest.mark.redis
-@pytest.mark.parametrize(("per_entry", "stage_limit", "own_limit", "sizes"), [
-    (3, None, None, [3, 3, 1]),
-    (8, None, None, [7]),
-    (3, 100, None, [1] * 7),  # a max_backlog in force: admission counts entries, so single ones
-    (3, None, 100, [1] * 7),  # the producer's own limit: the same
-    (0, None, None, [1] * 7),  # no last argument: a foreign producer's documented call
-], ids=["3-per-entry", "one-entry", "max-backlog", "own-limit", "foreign-call"])
-def test_the_submit_script_packs_a_turn_only_where_no_limit_counts_entries(
-        redis_url: str, redis_client: redis.Redis, per_entry: int, stage_limit: int | None, own_limit: int | None,
-        sizes: list[int]) -> None:
-    if stage_limit is not None:
-        redis_client.set(KEYS.max_backlog, stage_limit)
+def _submit(redis_url: str, count: int, entries: int, own_limit: int | None = None,
+            size: Callable[[int], int] = lambda i: 1) -> int:
+    """``count`` requests in one turn of ``submit.lua`` (``entries``: its last argument), as a gateway's
+    Submitter sends them; how many it admitted."""
     reply = KEYS.reply_prefix + b"gw"
 
     async def submit() -> int:
@@ -68,42 +63,113 @@ def test_the_submit_script_packs_a_turn_only_where_no_limit_counts_entries(
         try:
             submitter = Submitter(client, KEYS, reply, own_limit)
             await submitter.load()
-            batch = [submitter.entry(b"r-%d" % i, codec.encode(i), b"") for i in range(7)]
-            admitted = await submitter(batch, [], per_entry)
+            batch = [submitter.entry(b"r-%d" % i, codec.encode(b"x" * size(i)), b"") for i in range(count)]
+            admitted = await submitter(batch, [], entries)
             await submitter.close()
             return admitted
         finally:
             await client.aclose()
 
-    assert asyncio.run(submit()) == 7
+    return asyncio.run(submit())
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("entries", "stage_limit", "own_limit", "sizes"), [
+    (3, None, None, [3, 2, 2]),  # split evenly, in order, the larger first
+    (1, None, None, [7]),
+    (7, None, None, [1] * 7),  # as many entries as requests: single entries
+    (3, 100, None, [1] * 7),  # a max_backlog in force: admission counts entries, so single ones
+    (3, None, 100, [1] * 7),  # the producer's own limit: the same
+    (3, None, 5, [1] * 5),  # admitted in part: the head of the turn, single entries
+    (0, None, None, [1] * 7),  # no last argument: a foreign producer's documented call
+], ids=["3-entries", "one-entry", "7-entries", "max-backlog", "own-limit", "partial", "foreign-call"])
+def test_the_submit_script_packs_a_turn_only_where_no_limit_counts_entries(
+        redis_url: str, redis_client: redis.Redis, entries: int, stage_limit: int | None, own_limit: int | None,
+        sizes: list[int]) -> None:
+    if stage_limit is not None:
+        redis_client.set(KEYS.max_backlog, stage_limit)
+    assert _submit(redis_url, 7, entries, own_limit) == sum(sizes)
     assert _sizes(redis_client) == sizes
-    assert _requests(redis_client) == [b"r-%d" % i for i in range(7)]
+    assert _requests(redis_client) == [b"r-%d" % i for i in range(sum(sizes))]
     [(entry_id, fields)] = redis_client.xrange(KEYS.stream(0), count=1)
     [(_, first)] = protocol.expand(entry_id, fields)[:1]
-    assert first is not None and first[protocol.F_REPLY] == reply and codec.decode(first[protocol.F_DATA]) == 0
+    assert first is not None and first[protocol.F_REPLY] == KEYS.reply_prefix + b"gw"
+    assert codec.decode(first[protocol.F_DATA]) == b"x"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("last", "sizes"), [(b"2.5", [4, 3]), (b"-1", [1] * 7), (b"x", [1] * 7), (b"99", [1] * 7)])
+def test_a_foreign_producers_odd_last_argument_never_splits_a_request(redis_client: redis.Redis, last: bytes,
+                                                                      sizes: list[int]) -> None:
+    """The documented call with a last argument that is not a whole number of entries: a fraction is
+    rounded down; anything else means single entries. Every request stays whole and in order."""
+    args: list[bytes] = []
+    for i in range(7):
+        args += [b"r-%d" % i, codec.encode(i), KEYS.reply_prefix + b"p", b""]
+    assert redis_client.eval(SUBMIT_LUA, 2, KEYS.stream(0), KEYS.max_backlog, 7, b"", *args, last) == 7
+    assert _sizes(redis_client) == sizes
+    assert _requests(redis_client) == [b"r-%d" % i for i in range(7)]
 
 
 @pytest.mark.redis
 def test_a_turn_with_a_large_payload_stays_single_entries(redis_url: str, redis_client: redis.Redis) -> None:
     """A payload of 64 KiB or more would be copied once more into a batch entry: not worth 5 us."""
-    reply = KEYS.reply_prefix + b"gw"
+    assert _submit(redis_url, 4, 2, size=lambda i: 100_000 if i == 1 else 1) == 4
+    assert _sizes(redis_client) == [1, 1, 1, 1]
+    assert _requests(redis_client) == [b"r-%d" % i for i in range(4)]
 
-    async def submit() -> int:
-        client = aioredis.Redis.from_url(redis_url)
+
+def _first_stage_registered(client: redis.Redis, batch_entries: bool, item_ms: float = 0.01) -> None:
+    """What two live workers of a first stage of batch 16 leave in Redis: spec, heartbeats, a stats entry."""
+    info = StageInfo(index=0, name="First", batch_size=16, batch_entries=batch_entries)
+    client.set(KEYS.spec, encode_spec([info]))
+    now = protocol.now_ms()
+    client.zadd(KEYS.heartbeats(0), {"w1": now, "w2": now})
+    client.xadd(KEYS.stats(0), {"n": "16 16", "ms": f"{16 * item_ms} {16 * item_ms}"})
+
+
+def _refreshed_entries(redis_url: str, n: int, username: str | None = None) -> int:
+    """A gateway lane's batch entries for a turn of ``n`` after one refresh of its first stage's view."""
+
+    async def refresh() -> int:
+        client = aioredis.Redis.from_url(redis_url, username=username)
         try:
-            submitter = Submitter(client, KEYS, reply)
-            await submitter.load()
-            batch = [submitter.entry(b"r-%d" % i, codec.encode(b"x" * (100_000 if i == 1 else 1)), b"")
-                     for i in range(4)]
-            admitted = await submitter(batch, [], 4)
-            await submitter.close()
-            return admitted
+            lane = Lane(KEYS, Submitter(client, KEYS, KEYS.reply_prefix + b"gw"), KEYS.reply_prefix + b"gw",
+                        b"gw-0-", asyncio.Event(), lambda: 1)
+            first = FirstStage(True, KEYS)
+            first.check(client, [lane])
+            assert first.task is not None
+            await asyncio.wait_for(first.task, T)
+            return lane.sizing.entries(n)
         finally:
             await client.aclose()
 
-    assert asyncio.run(submit()) == 4
-    assert _sizes(redis_client) == [1, 1, 1, 1]
-    assert _requests(redis_client) == [b"r-%d" % i for i in range(4)]
+    return asyncio.run(refresh())
+
+
+@pytest.mark.redis
+def test_a_gateway_packs_only_for_first_stage_workers_that_read_batch_entries(redis_url: str,
+                                                                               redis_client: redis.Redis) -> None:
+    _first_stage_registered(redis_client, batch_entries=True)
+    assert _refreshed_entries(redis_url, 40) == 3  # at least one per live worker (2), none over 16
+    assert _refreshed_entries(redis_url, 1) == 0
+    _first_stage_registered(redis_client, batch_entries=False)  # workers older than batch entries
+    assert _refreshed_entries(redis_url, 40) == 0
+    _first_stage_registered(redis_client, batch_entries=True, item_ms=2.0)  # items of 2 ms: not worth it
+    assert _refreshed_entries(redis_url, 40) == 0
+
+
+@pytest.mark.redis
+def test_a_gateway_that_cannot_read_the_first_stages_stats_submits_single_entries(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A gateway user made before batch entries (no XREVRANGE): the stage's cost is unknown, so no packing."""
+    _first_stage_registered(redis_client, batch_entries=True, item_ms=2.0)
+    redis_client.acl_setuser("old-gateway", enabled=True, nopass=True, keys=["*"], commands=["+@all", "-xrevrange"])
+    try:
+        assert _refreshed_entries(redis_url, 40, username="old-gateway") == 0
+        assert _refreshed_entries(redis_url, 40) == 0  # full rights: the 2 ms items say the same
+    finally:
+        redis_client.acl_deluser("old-gateway")
 
 
 async def _burst(redis_url: str, values: list[int], batch_entries: bool) -> list[Any]:

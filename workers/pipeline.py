@@ -209,7 +209,7 @@ class Pipeline:
         return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions,
                           max_payload_bytes, self.inputs if s.index == 0 else (),
                           self.outputs if s.index == last else (), self.batched and s.index == 0,
-                          self.task if s.index == 0 else "")
+                          self.task if s.index == 0 else "", batch_entries=True)
                 for s in self.stages]
 
     def __repr__(self) -> str:

@@ -75,13 +75,13 @@ def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]
     return stages
 
 
-def _turn(gw: Gateway, keys: Keys, batch: int, deadline: bytes, per_entry: int) -> None:
+def _turn(gw: Gateway, keys: Keys, batch: int, deadline: bytes, n_entries: int) -> None:
     entries = []
     for _ in range(batch):
         gw.counter += 1
         entries.append(gw.submitter.entry(b"%s-%d" % (gw.reply_key[-8:], gw.counter), codec.encode(3), deadline))
     unlink, gw.unlink = (gw.unlink, []) if len(gw.unlink) >= UNLINK_BATCH else ([], gw.unlink)
-    gw.held.call(gw.submitter.pack(entries, unlink, per_entry))
+    gw.held.call(gw.submitter.pack(entries, unlink, n_entries))
 
 
 def _run_stage(stage: Stage, keys: Keys, count: int) -> int:
@@ -123,7 +123,7 @@ def measure(url: str, batch: int, requests: int, n_gateways: int, pid: int | Non
         deadline = b"%d" % (time.time() * 1000 + 600_000)
         while done < n:
             for gw in gateways:
-                _turn(gw, keys, batch, deadline, batch if batch_entries else 0)
+                _turn(gw, keys, batch, deadline, 1 if batch_entries else 0)
             for stage in stages:
                 while _run_stage(stage, keys, batch * n_gateways):
                     pass

@@ -84,7 +84,7 @@ class Gateway:
         self.hub = hub or Hub(redis_url, self.settings)
         self._own_hub = hub is None
         self.registration = Registration(self.keys, self.settings.register_wait_s)
-        self.first_stage = FirstStage(self.settings.batch_entries, self.registration)
+        self.first_stage = FirstStage(self.settings.batch_entries, self.keys)
         self.lanes: list[Lane] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
@@ -135,7 +135,7 @@ class Gateway:
 
     async def close(self) -> None:
         tasks: list[asyncio.Future[Any]] = [*([self._growing] if self._growing else []), *self.registration.polls(),
-                                            *([self.first_stage.task] if self.first_stage.task else [])]
+                                            *self.first_stage.close()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

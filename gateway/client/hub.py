@@ -249,13 +249,13 @@ class Hub:
         Returns the turns whose call may or may not have run (the connection was lost)."""
         if self._submit_conn is not None:
             try:
-                replies = await self._submit_conn.call_many([lane.submitter.pack(b, u, lane.sizing.per_entry(len(b)))
+                replies = await self._submit_conn.call_many([lane.submitter.pack(b, u, lane.sizing.entries(len(b)))
                                                                  for lane, b, u in turns])
             except CONNECTION_ERRORS as exc:
                 log.warning("redis unavailable for submissions error=%r", exc)
                 return turns
         else:
-            replies = list(await asyncio.gather(*(lane.submitter.run_routed(b, u, lane.sizing.per_entry(len(b)))
+            replies = list(await asyncio.gather(*(lane.submitter.run_routed(b, u, lane.sizing.entries(len(b)))
                                                   for lane, b, u in turns),
                                                 return_exceptions=True))
         again: list[Turn] = []

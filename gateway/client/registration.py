@@ -36,7 +36,6 @@ class Registration:
         self.max_payload_bytes: int | None = None  # the first stage's workers' limit, from the spec
         self.io = PipelineIO()  # the tensors the pipeline declares (the Open Inference Protocol's view)
         self.stages = 0  # how many stages the pipeline has (0: not known yet)
-        self.first_batch_size = 0  # the first stage's batch_size (0: not known yet)
         self._poll: asyncio.Future[bool | None] | None = None
         self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
 
@@ -63,7 +62,6 @@ class Registration:
                     self.max_payload_bytes = stages[0].max_payload_bytes if stages else None
                     self.io = PipelineIO.of(stages)
                     self.stages = len(stages)
-                    self.first_batch_size = stages[0].batch_size if stages else 0
         return self.registered
 
     async def log_if_missing(self) -> None:
