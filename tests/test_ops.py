@@ -141,7 +141,8 @@ def test_status_json_and_text_after_traffic(server: EmbeddedRedis, workers: dict
         assert 1 <= stage["batches_last_minute"] <= stage["items_last_minute"]
         assert stage["stats_window_s"] == 60.0
         assert stage["throughput_per_s"] == pytest.approx(stage["items_last_minute"] / 60.0, abs=0.01)
-        assert 0 < stage["batch_p50_s"] <= stage["batch_p99_s"] < 5.0
+        # Durations are kept to the microsecond (P:stats): a one-item call of x * 2 may round to 0.
+        assert 0 <= stage["batch_p50_s"] <= stage["batch_p99_s"] < 5.0
         for consumer in stage["consumer_details"]:
             assert consumer["live"] is True and consumer["pending"] == 0
             assert consumer["heartbeat_age_ms"] <= LIVE_AFTER_MS
