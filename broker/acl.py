@@ -257,8 +257,8 @@ GATEWAY_USES = (
     Use("info", (), "broker/server_info.py acheck_server, from gateway/client/hub.py Hub.start; arun_id, from "
                     "gateway/client/recall.py Recall.check_run after a reconnect"),
     Use("script|load", (), "gateway/client/hub.py Hub.start and Hub._send, at start and after NOSCRIPT"),
-    Use("get", (SPEC,), "gateway/client/registration.py Registration.check; gateway/client/gateway.py "
-                        "read_partition_count"),
+    Use("get", (SPEC,), "gateway/client/registration.py Registration.check and read_first_stage (from "
+                        "gateway/client/gateway.py read_partition_count and gateway/client/sizing.py FirstStage)"),
     Use("blpop", (REPLIES, SHARED_REPLIES), "gateway/client/hub.py Hub._pop: its reply list, <prefix>:reply:<gateway "
                                             "id> on one Redis, P:reply:<gateway id> per partition on a Cluster"),
     Use("mget", (RESULTS,), "gateway/client/hub.py Hub._recover, after a lost reply connection"),

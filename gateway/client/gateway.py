@@ -30,10 +30,10 @@ from broker import codec, protocol
 from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
-from broker.spec import PipelineIO, SpecError, decode_spec
+from broker.spec import PipelineIO
 from gateway.client.hub import Hub
 from gateway.client.lane import Lane
-from gateway.client.registration import Registration
+from gateway.client.registration import Registration, read_first_stage
 from gateway.client.settings import GatewaySettings
 from gateway.client.sizing import FirstStage
 from gateway.client.slot import Waiter
@@ -51,14 +51,8 @@ def partition_of(key: str | bytes, partitions: int) -> int:
 
 async def read_partition_count(client: Any, keys: Keys) -> int | None:
     """The partition count from partition 0's spec; None if no worker wrote one yet."""
-    raw = await client.get(keys.spec)
-    if not raw:
-        return None
-    try:
-        spec = decode_spec(protocol.as_bytes(raw))
-    except SpecError:
-        return None
-    return spec[0].partitions if spec else None
+    first = await read_first_stage(client, keys)
+    return None if first is None else first.partitions
 
 
 class Gateway:

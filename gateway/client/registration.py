@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 import redis
 
@@ -19,7 +20,7 @@ from broker import protocol
 from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import Keys
-from broker.spec import PipelineIO, SpecError, decode_spec
+from broker.spec import PipelineIO, SpecError, StageInfo, decode_spec
 from gateway.errors import UnknownPipeline
 
 log = logging.getLogger("conveyor.gateway")
@@ -117,6 +118,19 @@ class Registration:
             log_refusal_once(exc, "smembers", self.keys.registry)
             return []
         return names[:limit]
+
+
+async def read_first_stage(client: Any, keys: Keys) -> StageInfo | None:
+    """The first stage as the pipeline's spec (partition 0's) describes it; None if no worker wrote a
+    readable one yet."""
+    raw = await client.get(keys.spec)
+    if not raw:
+        return None
+    try:
+        stages = decode_spec(protocol.as_bytes(raw))
+    except SpecError:
+        return None
+    return stages[0] if stages else None
 
 
 async def registered_pipelines(client: redis.asyncio.Redis, prefix: str) -> list[str]:

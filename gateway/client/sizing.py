@@ -15,7 +15,6 @@ Off: ``GatewaySettings.batch_entries`` (``conveyor gateway --no-batch-entries``)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -23,12 +22,11 @@ from collections.abc import Sequence
 import redis
 import redis.asyncio as aredis
 
-from broker import protocol
 from broker.acl import log_refusal_once
 from broker.keys import Keys
 from broker.packing import queue_reads
-from broker.spec import SpecError, decode_spec
 from gateway.client.lane import Lane
+from gateway.client.registration import read_first_stage
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -74,12 +72,8 @@ class FirstStage:
 
     async def _batch_size(self, client: aredis.Redis) -> int:
         """The first stage's batch_size if its workers read batch entries (the spec says), else 0."""
-        raw = await client.get(self._keys.spec)
-        stages = []
-        if raw:
-            with contextlib.suppress(SpecError):
-                stages = decode_spec(protocol.as_bytes(raw))
-        return stages[0].batch_size if stages and stages[0].batch_entries else 0
+        first = await read_first_stage(client, self._keys)
+        return first.batch_size if first is not None and first.batch_entries else 0
 
 
 async def _read_stage(client: aredis.Redis, lane: Lane) -> bool:
