@@ -159,7 +159,8 @@ def test_status_json_and_text_after_traffic(server: EmbeddedRedis, workers: dict
     assert set(rows) == {"Scale", "Shift"}
     index, _, backlog, pending, live, consumers, dead, per_s, batches, p50, p99 = rows["Scale"]
     assert (index, backlog, pending, live, consumers, dead) == ("0", "0", "0", "2", "2", "0")
-    assert float(per_s) > 0 and int(batches) >= len(inputs) and 0 < float(p50) <= float(p99)
+    # Printed in ms to two decimals: Scale's one-item x * 2 may show 0.00 on a fast machine.
+    assert float(per_s) > 0 and int(batches) >= len(inputs) and 0 <= float(p50) <= float(p99)
     assert sum(" live heartbeat " in line for line in lines) == 3  # one line per consumer
     assert lines[-1].startswith("items/s, batches, p50/p99")
 
