@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,23 +89,49 @@ def now_ms() -> int:
 
 def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, limits: Limits,
                 at_ms: int) -> Item | Rejected:
-    """Validate one entry as read from Redis; never raises on hostile input.
+    """Validate one entry as read from Redis; never raises on hostile input (:func:`parse_entries`)."""
+    return parse_entries(((entry_id, fields),), keys, limits, at_ms)[0]
+
+
+def parse_entries(entries: Iterable[tuple[bytes, dict[bytes, bytes] | None]], keys: Keys, limits: Limits,
+                  at_ms: int) -> list[Item | Rejected]:
+    """Validate a batch of entries as read from Redis, in order; never raises on hostile input.
 
     Every entry of every batch comes through here, so the common case (every check passes) is
     tested first, in one expression, without building the reasons a rejection needs; anything
-    else takes :func:`_parse_checked`, which finds the reason (or accepts the entry as well)."""
-    if fields is not None:
-        raw_id, data, reply = fields.get(F_ID), fields.get(F_DATA), fields.get(F_REPLY)
-        if (isinstance(raw_id, bytes) and data is not None and len(data) <= limits.max_payload_bytes
-                and fields.get(F_VERSION, _VERSION) == _VERSION and _ID_RE.fullmatch(raw_id)
-                and (reply is None or _valid_reply(reply, keys) is not None) and F_ITEMS not in fields):
-            raw_deadline = fields.get(F_DEADLINE)
-            if not raw_deadline:
-                return Item(entry_id, raw_id, data, reply, None)
-            deadline = _parse_deadline(raw_deadline, at_ms)
-            if isinstance(deadline, int):
-                return Item(entry_id, raw_id, data, reply, deadline)
-    return _parse_checked(entry_id, fields, keys, limits, at_ms)
+    else takes :func:`_parse_checked`, which finds the reason (or accepts the entry as well).
+    Why a batch at once: what each entry shares is looked up once, and a reply key is checked
+    once per run of equal ones (a batch entry's requests all name their gateway's), which halves
+    the cost per entry; the checks themselves are those of :func:`_parse_checked`."""
+    fullmatch, max_bytes = _ID_RE.fullmatch, limits.max_payload_bytes
+    latest_ms = at_ms + MAX_DEADLINE_AHEAD_MS
+    good_reply = None  # the last reply key found valid
+    parsed: list[Item | Rejected] = []
+    append = parsed.append
+    for entry_id, fields in entries:
+        if fields is not None and F_ITEMS not in fields and fields.get(F_VERSION, _VERSION) == _VERSION:
+            raw_id, data, reply = fields.get(F_ID), fields.get(F_DATA), fields.get(F_REPLY)
+            if (isinstance(raw_id, bytes) and data is not None and len(data) <= max_bytes and fullmatch(raw_id)
+                    and (reply is None or reply == good_reply or _valid_reply(reply, keys) is not None)):
+                good_reply = good_reply if reply is None else reply
+                raw_deadline = fields.get(F_DEADLINE)
+                if not raw_deadline:
+                    append(Item(entry_id, raw_id, data, reply, None))
+                    continue
+                deadline = _deadline_or_zero(raw_deadline)
+                if 0 < deadline <= latest_ms:  # _parse_deadline's bounds
+                    append(Item(entry_id, raw_id, data, reply, deadline))
+                    continue
+        append(_parse_checked(entry_id, fields, keys, limits, at_ms))
+    return parsed
+
+
+def _deadline_or_zero(raw: bytes) -> int:
+    """``deadline_ms`` as :func:`_parse_deadline` reads it; 0 (out of bounds) where it is no integer."""
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
 
 
 def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, limits: Limits,

@@ -1,17 +1,19 @@
 """The protocol's hot paths give what the plain ones give: parse_entry's (every check at once) the
-same Item or the same rejection as the checks one at a time, on valid and hostile entries alike;
+same Item or the same rejection as the checks one at a time, on valid and hostile entries alike, and
+so does parse_entries over a whole batch of them in any order (its reply key check is shared);
 ok_record's joined bytes the msgpack of the record's map."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
 
 from broker.codec import decode, encode
 from broker.keys import Keys
-from broker.protocol import E_UNENCODABLE, Limits, _parse_checked, ok_record, parse_entry
+from broker.protocol import E_UNENCODABLE, Limits, _parse_checked, ok_record, parse_entries, parse_entry
 
 pytestmark = pytest.mark.unit
 
@@ -41,6 +43,39 @@ def test_fast_path_agrees_with_the_checks_one_at_a_time() -> None:
         assert _as_tuple(fast) == _as_tuple(checked), fields
     assert _as_tuple(parse_entry(b"1-0", None, KEYS, LIMITS, NOW)) == _as_tuple(
         _parse_checked(b"1-0", None, KEYS, LIMITS, NOW))
+
+
+def _entries() -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    names = list(VALUES)
+    entries: list[tuple[bytes, dict[bytes, bytes] | None]] = [(b"0-0", None)]
+    for n, combo in enumerate(itertools.product(*VALUES.values())):
+        entries.append((b"%d-0" % n, {name: value for name, value in zip(names, combo, strict=True)
+                                      if value is not None}))
+    return entries
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_a_batch_is_parsed_as_its_entries_one_at_a_time(seed: int | None) -> None:
+    """In product order a valid reply key is followed by each invalid one; shuffled, by anything."""
+    entries = _entries()
+    if seed is not None:
+        random.Random(seed).shuffle(entries)
+    batch = parse_entries(entries, KEYS, LIMITS, NOW)
+    assert len(batch) == len(entries)
+    for (entry_id, fields), got in zip(entries, batch, strict=True):
+        assert _as_tuple(got) == _as_tuple(_parse_checked(entry_id, fields, KEYS, LIMITS, NOW)), fields
+
+
+def test_a_reply_key_checked_once_is_not_taken_for_another() -> None:
+    good, bad = b"conveyor:{p}:reply:gw1", b"conveyor:{q}:reply:gw1"
+    entries = [(b"1-0", {b"id": b"a", b"data": b"\x01", b"reply": good}),
+               (b"1-0", {b"id": b"b", b"data": b"\x01", b"reply": bad}),
+               (b"1-0", {b"id": b"c", b"data": b"\x01"}),
+               (b"1-0", {b"id": b"d", b"data": b"\x01", b"reply": good})]
+    first, second, third, fourth = parse_entries(entries, KEYS, LIMITS, NOW)
+    assert _as_tuple(first)[0] == "Item" and _as_tuple(fourth)[0] == "Item"
+    assert _as_tuple(second)[0] == "Rejected" and "reply" in second.reason  # type: ignore[union-attr]
+    assert _as_tuple(third)[0] == "Item" and third.reply is None  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("request_id", [b"r", b"x" * 31, b"x" * 32, b"x" * 128, b"a.b:c_d-9", "caf\u00e9".encode()])

@@ -38,14 +38,12 @@ class Router:
         """Validate, decode and drop what must not reach user code; answer those at once."""
         at = protocol.now_ms()
         work: Work = []
-        parse, limits, decode = protocol.parse_entry, self.limits, codec.decode
-        max_deliveries = self.spec.max_deliveries
-        for entry_id, fields in entries:
-            item = parse(entry_id, fields, keys, limits, at)
+        decode, max_deliveries = codec.decode, self.spec.max_deliveries
+        for item in protocol.parse_entries(entries, keys, self.limits, at):
             if isinstance(item, protocol.Rejected):
                 self._reject(item, item.reason, commit, keys)
                 continue
-            count = deliveries.get(entry_id, 1) if deliveries else 1
+            count = deliveries.get(item.entry_id, 1) if deliveries else 1
             if count > max_deliveries:
                 self._reject(item, self._redelivery_reason(count), commit, keys)
             elif item.deadline_ms is not None and at >= item.deadline_ms:  # item.expired(at), inlined
