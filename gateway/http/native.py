@@ -33,7 +33,7 @@ from typing import Any
 from broker import protocol
 from broker.codec import CodecError
 from gateway.backends import Backend
-from gateway.client.slot import Waiter, awaitable
+from gateway.client.slot import Waiter, awaitable, failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
@@ -181,18 +181,14 @@ class Predict:
         return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec))
 
     def _finish(self, codec: Codec, future: Waiter) -> Reply:
+        exc = failure(future)  # not raised: see gateway.client.slot.failure
+        if exc is not None:
+            return backend_error(exc, self.debug).reply(codec)
         try:
-            try:
-                result = future.result()
-            except Exception as exc:
-                raise backend_error(exc, self.debug) from exc
-            try:
-                return ok({"result": result}, codec)
-            except (TypeError, ValueError, RecursionError) as exc:  # CodecError is a ValueError
-                raise HttpError(500, "UnencodableResult", f"result cannot be sent as {codec.name}: {exc}",
-                                outcome="error") from exc
-        except HttpError as exc:
-            return exc.reply(codec)
+            return ok({"result": future.result()}, codec)
+        except (TypeError, ValueError, RecursionError) as err:  # CodecError is a ValueError
+            return HttpError(500, "UnencodableResult", f"result cannot be sent as {codec.name}: {err}",
+                             outcome="error").reply(codec)
 
 
 def _decode_body(codec: Codec, body: bytes) -> Any:

@@ -28,6 +28,7 @@ import orjson
 
 from broker.spec import EMBEDDINGS, PipelineIO
 from gateway.backends import Backend, Backends, known_io
+from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.oip import Gather, ItemFailed
@@ -177,12 +178,15 @@ class OpenAI:
 
 
 def _finish(query: Query, slot: Any) -> Reply:
+    exc = failure(slot)  # not raised: see gateway.client.slot.failure
+    if exc is not None:
+        return exc.reply() if isinstance(exc, OpenAIError) else _failure(exc).reply()
     try:
         return query.respond(slot.result())
-    except OpenAIError as exc:
-        return exc.reply()
-    except Exception as exc:
-        return _failure(exc).reply()
+    except OpenAIError as err:
+        return err.reply()
+    except Exception as err:
+        return _failure(err).reply()
 
 
 def _refused(exc: Exception) -> Reply:

@@ -23,6 +23,7 @@ from typing import Any
 
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
+from gateway.client.slot import failure
 from gateway.http.infer import Inference, Plan, Plans
 from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.oip import (
@@ -158,17 +159,16 @@ def _refused(exc: Exception) -> Reply:
 
 
 def _respond(plan: Plan, single: bool, waiter: Any) -> Reply:
-    try:
-        answer = waiter.result()
-    except Exception as exc:
+    exc = failure(waiter)  # not raised: see gateway.client.slot.failure
+    if exc is not None:
         return failure_reply(exc)
+    answer = waiter.result()
     return plan.respond([answer] if single else answer)
 
 
 def _respond_row(plan: Plan, waiter: Any) -> Reply:
     """A batched request of one row: answered as a Gather of one would (a failure names item 0)."""
-    try:
-        answer = waiter.result()
-    except Exception as exc:
+    exc = failure(waiter)
+    if exc is not None:
         return failure_reply(ItemFailed(0, exc))
-    return plan.respond([answer])
+    return plan.respond([waiter.result()])
