@@ -18,6 +18,7 @@ from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
 from workers.loop.routing import Work
 from workers.loop.runner import Outcome, run_batch, run_single
+from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
 from workers.stage import Stage
@@ -29,7 +30,8 @@ class Predictor:
         self._stage = stage
         self._spec = spec
         self._busy = busy
-        self._run_batch = functools.partial(run_batch, wrong_length=wrong_length)
+        self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
+        self._run_batch = functools.partial(run_batch, wrong_length=wrong_length, tracebacks=self._tracebacks)
 
     def run(self, work: Work, stats: BatchStats) -> list[Outcome]:
         """The outcome of each item of ``work``, in order."""
@@ -50,7 +52,7 @@ class Predictor:
     def _call(self, inputs: list[Any]) -> list[Outcome]:
         if self._spec.batched:  # length-aware, if the stage asks for it
             return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch)
-        return run_single(self._stage.predict, inputs)
+        return run_single(self._stage.predict, inputs, self._tracebacks)
 
     def _record(self, stats: BatchStats, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""

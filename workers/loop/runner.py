@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workers.loop.tracebacks import Tracebacks
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
@@ -33,17 +35,20 @@ class BatchLengthError(Exception):
 Outcome = tuple[bool, Any]  # (True, value) or (False, Failure)
 
 
-def _failure(exc: BaseException) -> Failure:
-    return Failure(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)))
+def _failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
+    text = tracebacks.format(exc) if tracebacks is not None else "".join(traceback.format_exception(exc))
+    return Failure(type(exc).__name__, str(exc), text)
 
 
-def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any]) -> list[Outcome]:
+def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any],
+               tracebacks: Tracebacks | None = None) -> list[Outcome]:
+    """``predict`` on each item (``tracebacks``: a worker's memo of formatted stacks)."""
     outcomes: list[Outcome] = []
     for x in inputs:
         try:
             outcomes.append((True, predict(x)))
         except Exception as exc:  # user code: any exception is that item's answer
-            outcomes.append((False, _failure(exc)))
+            outcomes.append((False, _failure(exc, tracebacks)))
     return outcomes
 
 
@@ -60,7 +65,8 @@ def _call_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[
 
 
 def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
-              wrong_length: Callable[[int, int], None] | None = None) -> list[Outcome]:
+              wrong_length: Callable[[int, int], None] | None = None,
+              tracebacks: Tracebacks | None = None) -> list[Outcome]:
     """``predict`` on the batch, each failing item isolated; ``wrong_length(expected, returned)``
     hears of each call that returned the wrong number of results (the caller logs and counts it)."""
     if not inputs:
@@ -71,6 +77,7 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         if isinstance(exc, BatchLengthError) and wrong_length is not None:
             wrong_length(len(inputs), exc.returned)
         if len(inputs) == 1:
-            return [(False, _failure(exc))]
+            return [(False, _failure(exc, tracebacks))]
     mid = len(inputs) // 2
-    return run_batch(predict, inputs[:mid], wrong_length) + run_batch(predict, inputs[mid:], wrong_length)
+    return (run_batch(predict, inputs[:mid], wrong_length, tracebacks)
+            + run_batch(predict, inputs[mid:], wrong_length, tracebacks))
