@@ -4,10 +4,13 @@
     python -m bench.peers.paired --base /tmp/conveyor-base [--rounds 5] [--connections 256] [--no-mosec]
     python -m bench.peers.paired --api --base . --base-worker-arg=--no-read-ahead   # a worker switch, on/off
     python -m bench.peers.paired --base . --base-gateway-arg=--no-batch-entries     # a gateway switch
+    python -m bench.peers.paired --base /tmp/conveyor-base --no-mosec --body null   # every request fails
 
 Both conveyors (their own redis-server, gateway and workers, started from each checkout's code)
 and mosec run side by side; every round measures each of them at each load, in an order that
-rotates, so the shared machine's noise falls on all of them alike. Printed: the peers table
+rotates, so the shared machine's noise falls on all of them alike. ``--body`` is the JSON every
+HTTP request sends (``3`` by default; ``null`` fails in the first stage, ``None * 2``: a storm of
+bad requests, each answered 422 with its stage's error). Printed: the peers table
 rows, CPU microseconds per request of each process group, Redis commands per request and time
 per command (``bench.peers.report``), then this checkout's figures as ratios to the base's,
 per round and their median (a ratio within one round is the paired figure).
@@ -42,7 +45,7 @@ DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _measure(system: str, servers: dict[str, Any], connections: int, duration_s: float,
-             generator: str, api: bool = False, api_loop: str = "auto") -> dict[str, Any]:
+             generator: str, api: bool = False, api_loop: str = "auto", body: bytes = b"3") -> dict[str, Any]:
     server = servers[system]
     if api and system != MOSEC:
         batch_entries = "--no-batch-entries" not in server.gateway_args
@@ -54,7 +57,7 @@ def _measure(system: str, servers: dict[str, Any], connections: int, duration_s:
 
     def work(start: Callable[[], None]) -> LoadResult:
         start()
-        return run_http(generator, "127.0.0.1", server.port, path, b"3", "application/json", connections, duration_s)
+        return run_http(generator, "127.0.0.1", server.port, path, body, "application/json", connections, duration_s)
 
     return metered(groups, work, None if system == MOSEC else server.redis_url)
 
@@ -121,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra argument for the base's `conveyor worker` (repeat), e.g. --no-read-ahead")
     p.add_argument("--base-gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the base's `conveyor gateway` (repeat), e.g. --no-batch-entries")
+    p.add_argument("--body", default="3", help="the JSON each HTTP request sends (null: every request fails)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = p.parse_args(argv)
+    body = args.body.encode()
     generator = which_generator("auto")
     logs = args.results / "logs"
     kind = "API" if args.api else "HTTP"
@@ -140,13 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.start()
         for system in systems:  # warm-up, not recorded
-            _measure(system, servers, 64, 1.0, generator, args.api, args.api_loop)
+            _measure(system, servers, 64, 1.0, generator, args.api, args.api_loop, body)
         step = 0
         for rnd in range(1, args.rounds + 1):
             for load in loads:
                 k = step % len(systems)
                 for system in systems[k:] + systems[:k]:
-                    row = _measure(system, servers, load, args.duration_s, generator, args.api, args.api_loop)
+                    row = _measure(system, servers, load, args.duration_s, generator, args.api, args.api_loop, body)
                     row.update(round=rnd, system=system, connections=load)
                     runs.append(row)
                     print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
@@ -159,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     path = save(args.results / f"paired-{time.strftime('%Y%m%d-%H%M%S')}.json",
                 {"mode": "paired", "started": started, "machine": m, "base": str(args.base), "this": str(ROOT),
-                 "api": args.api, "base_worker_args": args.base_worker_arg, "base_gateway_args": args.base_gateway_arg,
+                 "api": args.api, "body": args.body, "base_worker_args": args.base_worker_arg,
+                 "base_gateway_args": args.base_gateway_arg,
                  "loadgen": generator, "runs": runs, "summary": rows})
     print(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, Python {m['python']} (shared); "
-          f"{args.rounds} interleaved rounds of {args.duration_s:g} s, medians; load: {generator}\n"
+          f"{args.rounds} interleaved rounds of {args.duration_s:g} s, medians; load: {generator}, body {args.body}\n"
           f"base: {args.base} {' '.join(args.base_worker_arg + args.base_gateway_arg)}   this: {ROOT}\n")
     print(cpu_table(rows))
     print()
