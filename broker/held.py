@@ -20,6 +20,8 @@ The same rules for every holder:
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -180,13 +182,21 @@ def _closed_by_server(conn: Any) -> bool:
 
 class AsyncHeldConnection:
     """The asyncio twin (gateway side), of a plain (non-cluster) client: a cluster client routes
-    each command itself."""
+    each command itself.
+
+    A call goes straight onto the connection's stream and parser, not through redis-py's
+    ``send_packed_command`` and ``read_response``: those run each write as a task of its own under
+    ``wait_for`` and each read under a timeout of its own (on Python 3.11 a ``getpid`` syscall and a
+    timer each), a few event-loop hops per call where a gateway makes two calls per turn. The whole
+    call is bounded instead by the connection's ``socket_timeout`` through one lazily re-armed timer
+    per connection (`_Watchdog`), which aborts the connection when a call outlives it."""
 
     def __init__(self, client: aredis.Redis, keep: Keep = _never) -> None:
         self._client = client
         self._keep = keep
         self._conn: Any = None
         self._used_at = 0.0
+        self._watchdog: _Watchdog | None = None
 
     async def _connection(self) -> Any:
         """The held connection: made at first use, checked after an idle spell."""
@@ -200,44 +210,94 @@ class AsyncHeldConnection:
 
     async def call(self, packed: bytes) -> Any:
         """One round trip: send ``packed`` (an already packed command), return its reply."""
-        conn = await self._connection()
-        try:
-            await conn.send_packed_command(packed, check_health=False)
-            reply = await conn.read_response()
-        except redis.ResponseError as exc:  # an error reply, read in full
-            if not self._keep(exc):
+        reply = (await self._exchange(packed, 1))[0]
+        if isinstance(reply, redis.ResponseError):  # an error reply, read in full
+            if not self._keep(reply):
                 await self.close()
-            raise
-        except BaseException:
-            await self.close()
-            raise
-        self._used_at = time.monotonic()
+            raise reply
         return reply
 
     async def call_many(self, packed: list[bytes]) -> list[Any]:
         """Several commands in one write, their replies in order: an error reply comes back as its
         exception object (one command's refusal does not hide the others' replies)."""
-        conn = await self._connection()
-        replies: list[Any] = []
-        try:
-            await conn.send_packed_command(b"".join(packed), check_health=False)
-            for _ in packed:
-                try:
-                    replies.append(await conn.read_response())
-                except redis.ResponseError as exc:  # read in full: the connection is in step
-                    replies.append(exc)
-        except BaseException:
-            await self.close()
-            raise
+        replies = await self._exchange(b"".join(packed), len(packed))
         if any(isinstance(r, redis.ResponseError) and not self._keep(r) for r in replies):
             await self.close()
+        return replies
+
+    async def _exchange(self, data: bytes, count: int) -> list[Any]:
+        """Write ``data`` (``count`` packed commands) and read their replies, error replies as
+        their exception objects; any failure drops the connection."""
+        conn = await self._connection()
+        watchdog = self._watchdog
+        if watchdog is None:
+            watchdog = self._watchdog = _Watchdog(asyncio.get_running_loop(), conn.socket_timeout, self._abort)
+        watchdog.start()
+        try:
+            if not conn.is_connected:
+                await conn.connect_check_health(check_health=False)
+            writer = conn._writer
+            writer.write(data)
+            await writer.drain()  # at once, unless the send buffer is over its high-water mark
+            parser = conn._parser
+            replies = [await parser.read_response() for _ in range(count)]
+        except BaseException as exc:
+            timed_out = watchdog.fired
+            watchdog.stop()
+            await self.close()
+            if timed_out:
+                raise redis.TimeoutError(f"no reply within socket_timeout={conn.socket_timeout}s") from exc
+            raise
+        watchdog.stop()
         self._used_at = time.monotonic()
         return replies
+
+    def _abort(self) -> None:
+        """The watchdog's: the call under way outlived the socket timeout; its read fails at once."""
+        writer = getattr(self._conn, "_writer", None)
+        if writer is not None:
+            writer.transport.abort()
 
     async def close(self) -> None:
         if self._conn is not None:
             await self._conn.disconnect()
         self._conn = None
+
+
+class _Watchdog:
+    """Bounds each call on one connection by ``timeout_s`` with one timer, re-armed lazily (as the
+    HTTP front's connections do): starting and stopping a call cost two assignments."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None,
+                 on_timeout: Callable[[], None]) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._on_timeout = on_timeout
+        self._started = math.inf  # loop time the call under way began (inf: none)
+        self._timer: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def start(self) -> None:
+        self.fired = False
+        if self._timeout_s is None:
+            return
+        self._started = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._started + self._timeout_s, self._check)
+
+    def stop(self) -> None:
+        self._started = math.inf
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._started == math.inf or self._timeout_s is None:
+            return  # idle: the next call arms it again
+        due = self._started + self._timeout_s
+        if self._loop.time() >= due:
+            self.fired = True
+            self._on_timeout()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
 
 
 async def _ensure(conn: Any) -> None:

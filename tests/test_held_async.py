@@ -1,0 +1,76 @@
+"""broker.held.AsyncHeldConnection against a real Redis: its calls go straight onto the connection,
+bounded by the socket timeout through one watchdog timer per connection (not a timer per call)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+import redis.asyncio as aredis
+
+from broker.held import AsyncHeldConnection
+from broker.resp import pack_command
+
+TIMEOUT_S = 0.4
+
+
+def _client(url: str) -> aredis.Redis:
+    return aredis.Redis.from_url(url, socket_timeout=TIMEOUT_S)
+
+
+async def _a_call_past_the_timeout_fails_and_the_next_reconnects(url: str) -> None:
+    client = _client(url)
+    held = AsyncHeldConnection(client)
+    try:
+        assert await held.call(pack_command([b"SET", b"k", b"v"])) == b"OK"
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError, match="socket_timeout"):
+            await held.call(pack_command([b"BLPOP", b"nothing", b"3"]))  # blocks 3 s on the server
+        assert time.monotonic() - started < 2.0  # the watchdog ended it, not the server
+        assert not held._conn  # dropped: its state is unknown
+        assert await held.call(pack_command([b"GET", b"k"])) == b"v"  # a new connection
+    finally:
+        await held.close()
+        await client.aclose()
+
+
+async def _calls_within_the_timeout_never_trip_it(url: str) -> None:
+    """Calls of 0.1 s each, back to back for three timeouts' worth: a timer armed by the first
+    call must re-arm for the call under way, never abort it."""
+    client = _client(url)
+    held = AsyncHeldConnection(client)
+    try:
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        calls = 0
+        while time.monotonic() < deadline:
+            assert await held.call(pack_command([b"BLPOP", b"nothing", b"0.1"])) is None
+            calls += 1
+        assert calls >= 5
+    finally:
+        await held.close()
+        await client.aclose()
+
+
+async def _error_replies_in_a_turn(url: str) -> None:
+    client = _client(url)
+    held = AsyncHeldConnection(client, keep=lambda exc: "WRONGTYPE" in str(exc))
+    try:
+        await held.call(pack_command([b"SET", b"s", b"x"]))
+        replies = await held.call_many([pack_command([b"LPUSH", b"s", b"1"]), pack_command([b"GET", b"s"])])
+        assert isinstance(replies[0], redis.ResponseError) and replies[1] == b"x"
+        assert held._conn is not None  # a kept error reply leaves the connection in use
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            await held.call(pack_command([b"NOSUCHCOMMAND"]))
+        assert held._conn is None  # any other drops it
+        assert await held.call(pack_command([b"GET", b"s"])) == b"x"
+    finally:
+        await held.close()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("case", [_a_call_past_the_timeout_fails_and_the_next_reconnects,
+                                  _calls_within_the_timeout_never_trip_it, _error_replies_in_a_turn])
+def test_async_held_connection(case, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    asyncio.run(asyncio.wait_for(case(redis_url), 20))
