@@ -13,7 +13,7 @@ import redis.asyncio as aredis
 from broker.held import AsyncHeldConnection
 from broker.resp import pack_command
 
-TIMEOUT_S = 0.4
+TIMEOUT_S = 0.8
 
 
 def _client(url: str) -> aredis.Redis:
@@ -25,10 +25,8 @@ async def _a_call_past_the_timeout_fails_and_the_next_reconnects(url: str) -> No
     held = AsyncHeldConnection(client)
     try:
         assert await held.call(pack_command([b"SET", b"k", b"v"])) == b"OK"
-        started = time.monotonic()
-        with pytest.raises(redis.TimeoutError, match="socket_timeout"):
-            await held.call(pack_command([b"BLPOP", b"nothing", b"3"]))  # blocks 3 s on the server
-        assert time.monotonic() - started < 2.0  # the watchdog ended it, not the server
+        with pytest.raises(redis.TimeoutError, match="socket_timeout"):  # the server would answer nil at 3 s
+            await held.call(pack_command([b"BLPOP", b"nothing", b"3"]))
         assert not held._conn  # dropped: its state is unknown
         assert await held.call(pack_command([b"GET", b"k"])) == b"v"  # a new connection
     finally:
@@ -37,12 +35,12 @@ async def _a_call_past_the_timeout_fails_and_the_next_reconnects(url: str) -> No
 
 
 async def _calls_within_the_timeout_never_trip_it(url: str) -> None:
-    """Calls of 0.1 s each, back to back for three timeouts' worth: a timer armed by the first
-    call must re-arm for the call under way, never abort it."""
+    """Calls of 0.1-0.2 s each (Redis ends a BLOCK at its next tick), back to back for two and a
+    half timeouts' worth: a timer armed by the first call must re-arm for the call under way."""
     client = _client(url)
     held = AsyncHeldConnection(client)
     try:
-        deadline = time.monotonic() + 3 * TIMEOUT_S
+        deadline = time.monotonic() + 2.5 * TIMEOUT_S
         calls = 0
         while time.monotonic() < deadline:
             assert await held.call(pack_command([b"BLPOP", b"nothing", b"0.1"])) is None
