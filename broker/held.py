@@ -259,6 +259,8 @@ class AsyncHeldConnection:
             writer.transport.abort()
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._conn is not None:
             await self._conn.disconnect()
         self._conn = None
@@ -266,7 +268,7 @@ class AsyncHeldConnection:
 
 class _Watchdog:
     """Bounds each call on one connection by ``timeout_s`` with one timer, re-armed lazily (as the
-    HTTP front's connections do): starting and stopping a call cost two assignments."""
+    HTTP front's connections do): starting a call reads the clock, stopping it is one assignment."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None,
                  on_timeout: Callable[[], None]) -> None:
@@ -287,6 +289,13 @@ class _Watchdog:
 
     def stop(self) -> None:
         self._started = math.inf
+
+    def cancel(self) -> None:
+        """No call under way and no timer left (the connection is closed)."""
+        self._started = math.inf
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _check(self) -> None:
         self._timer = None
