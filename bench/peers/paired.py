@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--body", default="3", help="the JSON each HTTP request sends (null: every request fails)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     args = p.parse_args(argv)
+    if args.api and args.body != "3":
+        p.error("--body is what HTTP requests send; with --api each conveyor is driven through its Python API")
     body = args.body.encode()
     generator = which_generator("auto")
     logs = args.results / "logs"
