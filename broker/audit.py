@@ -16,16 +16,20 @@ from typing import Any
 import redis
 
 from broker import protocol
+from broker.families import RESULTS, STREAMS
 from broker.keys import Keys
+from broker.operations import GATEWAY, Script, sends
 
 AUDIT_LUA = resources.files("broker").joinpath("audit.lua").read_text()
 AUDIT_SHA = hashlib.sha1(AUDIT_LUA.encode()).hexdigest()
+AUDIT = Script("audit.lua", (STREAMS, RESULTS), (("exists", (RESULTS,)), ("xrange", (STREAMS,))))
 
 # Ids per call: one script call holds Redis for its scan; a bounded number of ids keeps the
 # KEYS list (one result key each) small.
 AUDIT_BATCH = 500
 
 
+@sends(GATEWAY, scripts=(AUDIT,), why="requests older than audit_after_s")
 async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[bytes]) -> list[bytes]:
     """Of ``request_ids`` (submitted to this partition of a pipeline of ``stages`` stages), those
     in no stage's stream and without a result."""

@@ -15,15 +15,21 @@ from typing import Any
 
 import redis
 
-from broker.acl import log_refusal_once
 from broker.connection import is_cluster_client
+from broker.families import DEAD, REPLIES, RESULTS, SHARED_REPLIES, STATS, STREAMS
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
+from broker.operations import WORKER, Script, sends
 from broker.protocol import pack_items
+from broker.refusals import log_refusal_once
 from broker.resp import pack_args
 
 log = logging.getLogger("conveyor.worker")
 COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
+COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES, SHARED_REPLIES), (
+    ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES, SHARED_REPLIES)),
+    ("pexpire", (REPLIES, SHARED_REPLIES)),
+    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,))))
 
 
 @dataclass
@@ -108,6 +114,7 @@ class Committer:
         self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
         self._sent: bytes | int | None = None  # the command sent, its reply not yet taken (a cluster's: its result)
 
+    @sends(WORKER, uses={"xadd": STATS}, why="an idle worker's batch stats")
     def flush_stats(self, stats: BatchStats, now: float) -> None:
         """An idle worker's buffered stats: one XADD of their own (busy ones ride on commits)."""
         if stats.sizes:
@@ -119,6 +126,7 @@ class Committer:
         self.send(commit)
         return self.finish()
 
+    @sends(WORKER, scripts=(COMMIT,), why="once per batch")
     def send(self, commit: Commit) -> None:
         """Sends the batch's ``commit.lua`` without waiting for its reply (:meth:`finish` takes it):
         the worker reads its next batch meanwhile (:mod:`workers.loop.ahead`). On a Redis Cluster

@@ -28,9 +28,11 @@ from typing import Any
 
 import redis
 
-from broker.acl import log_refusal_once
+from broker.families import HEARTBEATS, STREAMS
 from broker.keys import GROUP, Keys
+from broker.operations import WORKER, Script, sends
 from broker.protocol import now_ms
+from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.janitor")
 
@@ -38,8 +40,13 @@ REAP_INTERVAL_S = 30.0  # how often a worker should call reap_dead_consumers
 DEFAULT_DEAD_AFTER_MS = 60_000  # well past LIVE_AFTER_MS (5 s): a worker that misses beats is not reaped
 
 REAP_LUA = resources.files("broker").joinpath("janitor.lua").read_text()
+JANITOR = Script("janitor.lua", (STREAMS, HEARTBEATS), (
+    ("zscore", (HEARTBEATS,)), ("xinfo|consumers", (STREAMS,)), ("xgroup|delconsumer", (STREAMS,)),
+    ("zrem", (HEARTBEATS,))))
 
 
+@sends(WORKER, uses={"zrange": HEARTBEATS, "xinfo|consumers": STREAMS}, scripts=(JANITOR,),
+       why="every 30 s")
 def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_ms: int = DEFAULT_DEAD_AFTER_MS,
                         *, keep: Collection[str] = ()) -> list[str]:
     """Remove stage ``stage``'s dead consumers (see the module docstring); returns their names.

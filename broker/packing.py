@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from broker import protocol
+from broker.families import HEARTBEATS, STATS
 from broker.keys import LIVE_AFTER_MS, Keys
+from broker.operations import GATEWAY, WORKER, sends
 
 # Batch entries only while the fed stage's predict takes at most this per item (its latest stats
 # entry): below it the ~5 us saved per request and hop is 1 % of the item's cost or more.
@@ -54,6 +56,8 @@ class EntrySizing:
         return isinstance(live, list) and isinstance(stats, list)
 
 
+@sends(WORKER, GATEWAY, uses={"zrange": HEARTBEATS, "xrevrange": STATS},
+       why="a stage's live workers and latest batch stats, about once a second")
 def queue_reads(pipe: Any, keys: Keys, index: int) -> None:
     """Queue the two reads :meth:`EntrySizing.take` wants on a redis-py pipeline (sync or async):
     stage ``index``'s live workers (heartbeats) and its latest batch stats entry."""

@@ -17,9 +17,13 @@ from importlib import resources
 import redis
 
 from broker import protocol
+from broker.families import PINS
 from broker.keys import Keys
+from broker.operations import WORKER, Script, sends
 
 PINS_LUA = resources.files("broker").joinpath("pins.lua").read_text()
+PINS_SCRIPT = Script("pins.lua", (PINS,), (
+    ("zremrangebyscore", (PINS,)), ("zrange", (PINS,)), ("zadd", (PINS,)), ("pexpire", (PINS,))))
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class PinClaims:
     def key(self) -> str:
         return self.keys.pins(self.host)
 
+    @sends(WORKER, scripts=(PINS_SCRIPT,), why="the supervisor's layout and each worker's claim")
     def claim(self, client: redis.Redis, allowed: Sequence[int], requests: Sequence[PinRequest]) -> list[int]:
         """Claim a core for each request, in order, in one atomic call; return the cores."""
         args: list[str | int] = [protocol.now_ms(), self.ttl_ms, len(allowed), *allowed]
@@ -51,11 +56,13 @@ class PinClaims:
         reply = client.register_script(PINS_LUA)(keys=[self.key], args=args)  # EVALSHA, EVAL after a flush
         return [int(cpu) for cpu in reply]
 
+    @sends(WORKER, uses={"zadd": PINS, "pexpire": PINS}, why="each heartbeat")
     def renew(self, pipe: redis.client.Pipeline, cpu: int, stage: int, consumer: str) -> None:
         """Queue the renewal of a claim on ``pipe`` (the heartbeat's): it lives ``ttl_ms`` more."""
         pipe.zadd(self.key, {member(cpu, stage, consumer): protocol.now_ms() + self.ttl_ms})
         pipe.pexpire(self.key, self.ttl_ms)
 
+    @sends(WORKER, uses={"zadd": PINS}, why="at stop")
     def release(self, client: redis.Redis, cpu: int, stage: int, consumer: str) -> None:
         """Expire the claim now (score 0, pruned by the next claim: ZADD is in the minimal ACL, ZREM is not)."""
         client.zadd(self.key, {member(cpu, stage, consumer): 0})

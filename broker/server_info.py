@@ -20,6 +20,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from broker.operations import GATEWAY, WORKER, sends
+
 __all__ = [
     "MIN_VERSION",
     "ServerInfo",
@@ -105,18 +107,21 @@ def server_info_from_info(info: Mapping[str, Any]) -> ServerInfo:
     return ServerInfo.from_version(version)
 
 
+@sends(WORKER, uses={"info": ()}, why="at start")
 def check_server(client: redis.Redis) -> ServerInfo:
     """Read ``INFO server`` through ``client`` and check the server is supported."""
     info = client.info("server")
     return server_info_from_info(info)
 
 
+@sends(GATEWAY, uses={"info": ()}, why="at start")
 async def acheck_server(client: redis.asyncio.Redis) -> ServerInfo:
     """Async twin of :func:`check_server`, for the gateway and the workers' event loops."""
     info = await client.info("server")
     return server_info_from_info(info)
 
 
+@sends(GATEWAY, uses={"info": ()}, why="after a reconnect")
 async def arun_id(client: Any, key: str) -> str:
     """The run id of the server that holds ``key`` (on a Redis Cluster, the node serving its slot
     now): it changes when that server restarts or a failover promotes another node."""

@@ -8,10 +8,15 @@ from importlib import resources
 
 import redis
 
+from broker.families import HEARTBEATS, STREAMS
 from broker.keys import GROUP, LIVE_AFTER_MS
+from broker.operations import WORKER, Script, sends
 from broker.protocol import as_bytes, now_ms
 
 SHARE_LUA = resources.files("broker").joinpath("share.lua").read_text()
+SHARE = Script("share.lua", (STREAMS,), (
+    ("xpending", (STREAMS,)), ("xrange", (STREAMS,)), ("xadd", (STREAMS,)), ("xack", (STREAMS,)),
+    ("xdel", (STREAMS,))))
 
 
 class Sharer:
@@ -23,6 +28,7 @@ class Sharer:
         self._script = client.register_script(SHARE_LUA)
         self._consumer = consumer.encode()
 
+    @sends(WORKER, uses={"zrange": HEARTBEATS, "xinfo|consumers": STREAMS})
     def idle_peers(self, stream: str, heartbeats: str) -> int:
         """The stage's other live workers (a recent heartbeat in ``heartbeats``) that hold nothing
         pending in ``stream``: one round trip. (A worker's last read time cannot tell: Redis 7.0
@@ -35,6 +41,7 @@ class Sharer:
         busy = {as_bytes(info["name"]) for info in consumers if int(info["pending"])}
         return len({as_bytes(member) for member in live} - busy - {self._consumer})
 
+    @sends(WORKER, scripts=(SHARE,))
     def give_back(self, stream: str, groups: Sequence[Sequence[bytes]]) -> set[bytes]:
         """Give these entries (read by this consumer, not started) back to the stream, one script
         call per group: Redis serves the readers blocked on the stream after each call, and a

@@ -20,8 +20,10 @@ from typing import Any
 
 import redis
 
+from broker.families import STREAMS
 from broker.held import TIMED_OUT, HeldConnection
 from broker.keys import GROUP
+from broker.operations import WORKER, sends
 from broker.protocol import F_ITEMS, expand
 from broker.resp import pack_command
 
@@ -75,6 +77,7 @@ class StreamReader:
         self._packed: dict[tuple[int, int | None, str], bytes] = {}
         self.per_entry = per_entry  # requests per stream entry lately (batch entries hold several)
 
+    @sends(WORKER, uses={"client|id": ()}, why="when a stream reader connects")
     def _identify(self, conn: Any) -> None:
         conn.send_command("CLIENT", "ID")
         self._client_id = int(conn.read_response())
@@ -83,6 +86,7 @@ class StreamReader:
         self._held.drop()
         self._sent = False
 
+    @sends(WORKER, uses={"xreadgroup": STREAMS}, why="new entries and its own pending ones")
     def _command(self, count: int, block_ms: int | None, start: str) -> list[Any]:
         cmd: list[Any] = ["XREADGROUP", "GROUP", GROUP, self._consumer, "COUNT", count]
         if block_ms is not None:
@@ -156,6 +160,7 @@ class StreamReader:
         self.send_read(count, max(1, math.ceil(timeout_s * 1000)))
         return self.finish_within(timeout_s)
 
+    @sends(WORKER, uses={"client|unblock": ()}, why="ends its own blocked read at the batch window's end")
     def unblock(self) -> None:
         """End this reader's blocked read (sent, reply not yet taken). Sent from another connection,
         it may reach the server before the read does (it then answers 0): tried again, briefly."""

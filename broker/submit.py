@@ -18,12 +18,16 @@ import redis
 import redis.asyncio as aredis
 
 from broker.connection import is_cluster_client
+from broker.families import FIRST_STREAM, MAX_BACKLOG, RESULTS
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
+from broker.operations import GATEWAY, Script, sends
 from broker.resp import LARGE_ARG_BYTES, pack_command
 
 SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
 SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
+SUBMIT = Script("submit.lua", (FIRST_STREAM, MAX_BACKLOG, RESULTS), (
+    ("get", (MAX_BACKLOG,)), ("xlen", (FIRST_STREAM,)), ("xadd", (FIRST_STREAM,)), ("unlink", (RESULTS,))))
 
 # request id, encoded data, deadline (Unix ms, ASCII), and the RESP of the four ARGV of its entry
 # (``Submitter.entry``: packed once as it is queued, not per turn; b"" for a large payload, packed
@@ -99,6 +103,7 @@ class Submitter:
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in tail]
         return b"".join(parts)
 
+    @sends(GATEWAY, scripts=(SUBMIT,), why="once per turn of submissions")
     async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> int:
         """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
         were admitted. Raises ``redis.ResponseError`` (see :func:`is_overloaded`) if none was."""

@@ -11,7 +11,8 @@ import sys
 
 import click
 
-from broker.acl import DEFAULT_VERSION, ROLE_NAMES, ROLES, Scope, describe, parse_version, role_rules
+from broker.acl import DEFAULT_VERSION, ROLE_NAMES, Scope, describe, parse_version, role_rules
+from broker.acl import roles as declared_roles
 from broker.keys import DEFAULT_PREFIX, Keys
 
 FORMATS = ("setuser", "aclfile", "table")
@@ -100,7 +101,7 @@ def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str,
         elif fmt == "aclfile":
             click.echo(rules.aclfile(name, password))
         else:
-            click.echo(f"# {name}: {ROLES[role].about}")
+            click.echo(f"# {name}: {declared_roles()[role].about}")
             for line in describe(rules):
                 click.echo(line)
             click.echo()

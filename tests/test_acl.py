@@ -21,27 +21,24 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from broker import acl as acl_module
+from broker import refusals as refusals_module
 from broker.acl import (
     COMMAND_ACCESS,
-    FAMILIES,
     ROLE_NAMES,
     ROLES,
     SCRIPTS,
     Scope,
-    explain_refusal,
-    family_of,
     glob_escape,
-    is_acl_refusal,
-    log_refusal_once,
     parse_version,
     role_rules,
 )
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import RedisSettings
+from broker.families import FAMILIES, SPEC, STREAMS
 from broker.janitor import reap_dead_consumers
 from broker.keys import GROUP, Keys
 from broker.pins import PinClaims, PinRequest
+from broker.refusals import explain_refusal, family_of, is_acl_refusal, log_refusal_once
 from broker.share import Sharer
 from broker.spec import StageInfo, encode_spec
 from broker.streams import StreamReader
@@ -130,16 +127,16 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
                 assert not any(matches(named[f], key) for f in others), (family, key)
                 if family not in ("P:stream:0", "<prefix>:reply:<name>"):  # the latter: outside any pipeline
                     assert family_of(key) is not None and family_of(key)[0].name == family  # type: ignore[index]
-    assert not matches(scope.patterns(acl_module.STREAMS), Keys("p", "other").stream(0))
+    assert not matches(scope.patterns(STREAMS), Keys("p", "other").stream(0))
     if scope.pipelines:
-        assert not matches(scope.patterns(acl_module.STREAMS), Keys("another", prefix).stream(0))
-        assert not matches(scope.patterns(acl_module.STREAMS), Keys(pipelines[0], prefix, 3).stream(0))
+        assert not matches(scope.patterns(STREAMS), Keys("another", prefix).stream(0))
+        assert not matches(scope.patterns(STREAMS), Keys(pipelines[0], prefix, 3).stream(0))
 
 
 @pytest.mark.unit
 def test_glob_characters_in_names_are_escaped() -> None:
     scope = Scope("a*b?", ("x[1]",))
-    [pattern] = scope.patterns(acl_module.SPEC)
+    [pattern] = scope.patterns(SPEC)
     assert pattern == r"a\*b\?:{x\[1\]}:spec"
     assert matches([pattern], Keys("x[1]", "a*b?").spec)
     assert not matches([pattern], "aZZb!:{x1}:spec")
@@ -239,7 +236,7 @@ def test_docs_show_the_generated_rules() -> None:
 
 @pytest.mark.unit
 def test_a_refusal_names_the_command_the_pattern_and_the_role(caplog: pytest.LogCaptureFixture) -> None:
-    acl_module._logged.clear()
+    refusals_module._logged.clear()
     exc = redis.exceptions.NoPermissionError("this user has no permissions to run the 'zrem' command")
     key = Keys("emb").loading(0)
     message = explain_refusal(exc, "zrem", key)

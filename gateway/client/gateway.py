@@ -27,9 +27,9 @@ from types import TracebackType
 from typing import Any, cast
 
 from broker import codec, protocol
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
+from broker.refusals import log_refusal_once
 from broker.spec import PipelineIO
 from gateway.client.hub import Hub
 from gateway.client.lane import Lane

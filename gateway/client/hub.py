@@ -23,7 +23,6 @@ from typing import Any
 import redis
 
 from broker import codec, protocol
-from broker.acl import log_refusal_once
 from broker.connection import (
     CONNECTION_ERRORS,
     CONNECTION_OR_REPLY_ERRORS,
@@ -34,6 +33,7 @@ from broker.connection import (
 )
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
+from broker.refusals import log_refusal_once
 from broker.resp import pack_command
 from broker.server_info import acheck_server
 from broker.submit import SUBMIT_LUA, Submission, Submitter, is_overloaded, submit_connection

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Sequence
 from types import TracebackType
 
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.refusals import log_refusal_once
 from gateway.client.gateway import Gateway
 from gateway.client.hub import Hub
 from gateway.client.registration import registered_pipelines

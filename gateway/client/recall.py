@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.acl import log_refusal_once
 from broker.audit import forgotten
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.refusals import log_refusal_once
 from broker.server_info import arun_id
 from broker.submit import Submission
 from gateway.client.lane import Lane

@@ -17,9 +17,9 @@ from typing import Any
 import redis
 
 from broker import protocol
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_ERRORS
 from broker.keys import Keys
+from broker.refusals import log_refusal_once
 from broker.spec import PipelineIO, SpecError, StageInfo, decode_spec
 from gateway.errors import UnknownPipeline
 

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import redis
 import redis.asyncio as aredis
 
-from broker.acl import log_refusal_once
 from broker.keys import Keys
 from broker.packing import queue_reads
+from broker.refusals import log_refusal_once
 from gateway.client.lane import Lane
 from gateway.client.registration import read_first_stage
 

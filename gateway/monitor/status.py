@@ -28,10 +28,10 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from broker.acl import log_pipeline_refusals, queued_commands
 from broker.connection import CONNECTION_ERRORS, is_cluster_client
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.protocol import as_bytes, now_ms
+from broker.refusals import log_pipeline_refusals, queued_commands
 from broker.spec import SpecError, StageInfo, decode_spec
 
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time

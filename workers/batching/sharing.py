@@ -28,9 +28,9 @@ import logging
 
 import redis
 
-from broker.acl import log_refusal_once
 from broker.connection import is_refusal
 from broker.keys import Keys
+from broker.refusals import log_refusal_once
 from broker.share import Sharer
 from broker.streams import Entry
 from workers.batching.adaptive import ewma

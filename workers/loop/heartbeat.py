@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import redis
 
 from broker import protocol
-from broker.acl import log_pipeline_refusals, log_refusal_once, queued_commands
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import GROUP, LIVE_AFTER_MS
+from broker.refusals import log_pipeline_refusals, log_refusal_once, queued_commands
 
 log = logging.getLogger("conveyor.worker")
 

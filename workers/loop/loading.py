@@ -14,9 +14,9 @@ import threading
 from types import TracebackType
 
 from broker import protocol
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
+from broker.refusals import log_refusal_once
 
 _PRUNE_MS = 3_600_000  # members of processes that died while loading go after an hour
 

@@ -27,12 +27,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker.acl import log_refusal_once
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient, unreachable
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from broker.keys import GROUP
 from broker.logs import Throttle
+from broker.refusals import log_refusal_once
 from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec

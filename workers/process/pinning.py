@@ -29,9 +29,9 @@ from typing import Any
 import psutil
 import redis
 
-from broker.acl import log_refusal_once
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
+from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.worker")
 

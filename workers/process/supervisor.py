@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Protocol
 
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
+from broker.refusals import log_refusal_once
 from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.acl import log_refusal_once
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.keys import Keys
 from broker.protocol import now_ms
+from broker.refusals import log_refusal_once
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.supervisor")
