@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
+from pathlib import PurePath
 
 from workers.pipeline import Pipeline
 
@@ -16,6 +18,7 @@ class AppError(Exception):
 
 def load_pipeline(app: str, prefix: str | None = None) -> Pipeline:
     """Import APP; ``prefix`` (``--prefix``/``CONVEYOR_PREFIX``) overrides the pipeline's key prefix."""
+    _refuse_path(app.partition(":")[0])
     pipeline = _import_pipeline(app)
     if prefix:
         pipeline.use_prefix(prefix)
@@ -25,6 +28,7 @@ def load_pipeline(app: str, prefix: str | None = None) -> Pipeline:
 def load_pipelines(app: str, prefix: str | None = None) -> list[tuple[str, Pipeline]]:
     """``module:attribute``: that pipeline; ``module``: every pipeline the module defines, in
     order. Each with the ``module:attribute`` its workers load it by."""
+    _refuse_path(app.partition(":")[0])
     if ":" in app:
         return [(app, load_pipeline(app, prefix))]
     module = _import(app)
@@ -51,8 +55,46 @@ def _import(module_name: str) -> object:
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
+        if not _is_the_module_itself(exc, module_name):
+            raise AppError(_raised_inside(module_name, exc)) from exc
         raise AppError(f"cannot import module {module_name!r} ({exc}); run from the directory that "
                        "contains it or add it to PYTHONPATH") from exc
+    except Exception as exc:  # the user's module raised while it ran: its own traceback says where
+        raise AppError(_raised_inside(module_name, exc)) from exc
+
+
+def _refuse_path(module_name: str) -> None:
+    """A file path (``./my_app.py``, ``my_app.py``, ``apps/my_app``) where a module name belongs:
+    say what to write instead of letting importlib fail with a message about relative imports."""
+    if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+            or module_name.startswith(".")):
+        return
+    path = PurePath(module_name)
+    stem = path.stem if path.suffix == ".py" else path.name
+    where = str(path.parent)
+    go = f"run from {where!r} and " if where not in (".", "") else ""
+    raise AppError(f"APP is a module name, not a file path: {go}write '{stem}:pipeline' (module:attribute, "
+                   f"the attribute that holds your Pipeline), or '{stem}' for conveyor run")
+
+
+def _is_the_module_itself(exc: ImportError, module_name: str) -> bool:
+    """The module (or a package on its path) is not there, rather than something it imports."""
+    missing = getattr(exc, "name", None)
+    if not isinstance(exc, ModuleNotFoundError) or missing is None:
+        return False
+    parts = module_name.split(".")
+    return missing in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+
+def _raised_inside(module_name: str, exc: BaseException) -> str:
+    """The error the user's module raised while it was imported, with its traceback from that module on."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [i for i, frame in enumerate(frames)
+           if frame.filename != __file__ and "importlib" not in frame.filename and not frame.filename.startswith("<")]
+    shown = traceback.format_list(frames[own[0]:] if own else frames)
+    return (f"importing {module_name!r} raised {type(exc).__name__}: {exc}\n"
+            "Traceback (most recent call last):\n" + "".join(shown)
+            + "".join(traceback.format_exception_only(type(exc), exc))).rstrip()
 
 
 def _import_pipeline(app: str) -> Pipeline:
