@@ -99,7 +99,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT-to-group"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT-to-group", "SIGHUP"])
 def test_stopping_conveyor_run_under_load_answers_every_admitted_request(how: str, tmp_path: Path) -> None:
     port = _free_port()
     redis_dir = tmp_path / "redis"
@@ -126,8 +126,8 @@ def test_stopping_conveyor_run_under_load_answers_every_admitted_request(how: st
         wait_for(lambda: _old_in_flight(clients, ADMITTED_BEFORE_S + 0.05) >= CLIENTS * 0.8, T,
                  "requests in flight", report)
         stop.set()  # no new request after the signal: what is sent before it must be answered
-        if how == "SIGTERM":
-            os.kill(popen.pid, signal.SIGTERM)
+        if how in ("SIGTERM", "SIGHUP"):  # SIGHUP: the terminal was closed
+            os.kill(popen.pid, getattr(signal, how))
         else:
             os.killpg(popen.pid, signal.SIGINT)
         signalled_at = time.monotonic()
@@ -160,6 +160,45 @@ def test_stopping_conveyor_run_under_load_answers_every_admitted_request(how: st
         assert "redis unavailable" not in log, report()
     finally:
         stop.set()
+        if popen.poll() is None:
+            kill_group(popen)
+
+
+def _gateways(pid: int) -> list[psutil.Process]:
+    return [p for p in alive(descendants(pid)) if p.cmdline()[1:3] == ["-m", "gateway"]]
+
+
+def test_conveyor_run_starts_again_a_gateway_that_died(tmp_path: Path) -> None:
+    """kill -9 of the gateway: ``conveyor run`` starts another on the same port, which answers, and a
+    later SIGTERM still stops everything in order (exit 0)."""
+    port = _free_port()
+    redis_dir = tmp_path / "r"
+    log_path = tmp_path / "run.log"
+    with log_path.open("wb") as out:
+        popen = subprocess.Popen(
+            conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port), "--redis-dir", str(redis_dir)),
+            cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def report() -> str:
+        return f"exit={popen.poll()}\n{log_path.read_text(errors='replace')[-6000:]}"
+
+    try:
+        wait_for(lambda: popen.poll() is not None or _ready(port), T, "the gateway's /readyz", report)
+        [first] = _gateways(popen.pid)
+        first.kill()
+        first.wait(timeout=T)
+        wait_for(lambda: popen.poll() is not None or (_gateways(popen.pid) and _ready(port)), T,
+                 "a new gateway", report)
+        assert popen.poll() is None, report()
+        [second] = _gateways(popen.pid)
+        assert second.pid != first.pid
+        assert http_call(port, "POST", "/v1/predict", b"3", timeout_s=10) == (200, b'{"result":9}'), report()
+        assert "gateway exited with code -9: starting it again" in log_path.read_text(errors="replace")
+        popen.send_signal(signal.SIGTERM)
+        assert popen.wait(timeout=T) == 0, report()
+        assert not redis_dir.exists()
+    finally:
         if popen.poll() is None:
             kill_group(popen)
 

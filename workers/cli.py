@@ -37,8 +37,8 @@ from workers.embedded.keeper import Keeper
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.loop.worker import WorkerSettings
 from workers.process.child import ChildSettings
+from workers.process.companion import Companion
 from workers.process.pinning import PIN_MODES, PinningError
-from workers.process.procs import detached_preexec
 from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
 
 COMMAND_GROUP = "conveyor.commands"
@@ -137,13 +137,18 @@ class _EarlyStop:
         self.count += 1
 
     def install(self) -> None:
-        signal.signal(signal.SIGTERM, self)
-        signal.signal(signal.SIGINT, self)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
+
+# SIGHUP too: a closed terminal stops the command in order, as Ctrl-C does, instead of killing the
+# supervisor alone (its workers, Redis and gateway live in sessions of their own: no SIGHUP reaches them).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
-    signal.signal(signal.SIGTERM, supervisor.request_stop)
-    signal.signal(signal.SIGINT, supervisor.request_stop)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, supervisor.request_stop)
     for _ in range(early.count if early is not None else 0):
         supervisor.request_stop()
     try:
@@ -202,9 +207,10 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     """Run APP on this machine: Redis, every stage's workers, the gateway. APP is
     module:attribute (one pipeline) or a module (every pipeline it defines, one gateway for all).
 
-    SIGTERM or Ctrl-C stops it in order: the gateway stops accepting and answers every request
-    it admitted, then the workers finish their batch, then the embedded Redis stops and its
-    directory is removed. A second Ctrl-C cuts the gateway's wait short.
+    SIGTERM, Ctrl-C or a closed terminal (SIGHUP) stops it in order: the gateway stops accepting and
+    answers every request it admitted, then the workers finish their batch, then the embedded Redis
+    stops and its directory is removed. A second Ctrl-C cuts the gateway's wait short. A worker, the embedded
+    Redis or the gateway that dies is started again.
     """
     child = _child_settings(redis_url or "", prefix, opts)
     pipelines = _load_all(app, prefix)
@@ -214,7 +220,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     if redis_url is None:
         home = names[0] if len(names) == 1 else app.replace(".", "-")
         embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(home), detach=True)
-    gateway: subprocess.Popen[bytes] | None = None
+    gateway: Companion | None = None
     code = 1
     early = _EarlyStop()
     early.install()
@@ -229,12 +235,13 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         click.echo(f"conveyor: HTTP on http://{host}:{port}{routes} and /v2/models/NAME/infer  (Ctrl-C to stop)")
         # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
         # supervisor stops the gateway first, while the workers still answer what it admitted.
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", *names, "--host", host, "--port", str(port),
-             "--prefix", pipelines[0][1].prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
-             "--debug" if debug else "--no-debug",
-             "--batch-entries" if child.worker.batch_entries else "--no-batch-entries"],
-            env=dict(os.environ, CONVEYOR_REDIS_URL=url), start_new_session=True, preexec_fn=detached_preexec())
+        gateway = Companion("gateway", [
+            sys.executable, "-m", "gateway", *names, "--host", host, "--port", str(port),
+            "--prefix", pipelines[0][1].prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
+            "--debug" if debug else "--no-debug",
+            "--batch-entries" if child.worker.batch_entries else "--no-batch-entries"],
+            dict(os.environ, CONVEYOR_REDIS_URL=url))
+        gateway.start()
         units = [Unit(path, spec, spec.workers, pipeline.keys) for path, pipeline in pipelines
                  for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
@@ -243,8 +250,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         keepers = [Keeper(embedded)] if embedded is not None else []  # brought back if it dies
         code = _supervise(Supervisor(units, child, settings, companions=[gateway], keepers=keepers), early)
     finally:
-        if gateway is not None:
-            _stop_process(gateway)  # already stopped by the supervisor, unless start-up failed
+        if gateway is not None and gateway.proc is not None:
+            _stop_process(gateway.proc)  # already stopped by the supervisor, unless start-up failed
         if embedded is not None and embedded.running:
             log.info("stopping: the embedded Redis")
             embedded.stop()

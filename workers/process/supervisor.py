@@ -39,6 +39,7 @@ from broker.pins import PinClaims, PinRequest
 from broker.refusals import log_refusal_once
 from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
+from workers.process.companion import Companion
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.process.procs import detached_preexec
 from workers.process.watch import StuckWatch
@@ -94,12 +95,12 @@ class Slot:
 
 class Supervisor:
     def __init__(self, units: Sequence[Unit], child: ChildSettings, settings: SupervisorSettings | None = None,
-                 cpu_offset: int = 0, companions: Sequence[subprocess.Popen[bytes]] = (),
+                 cpu_offset: int = 0, companions: Sequence[Companion] = (),
                  keepers: Sequence[Keeper] = ()) -> None:
         """``units``: the stages to run, of one pipeline or of several (``conveyor run`` of a module).
         ``keepers``: asked at least every second to bring back what they keep (``conveyor run``'s
-        embedded Redis)."""
-        self.companions = list(companions)  # e.g. `conveyor run`'s gateway: if it dies, stop all
+        embedded Redis); ``companions`` too (its gateway), which are also stopped first."""
+        self.companions = list(companions)
         self.keepers = list(keepers)
         self.units = list(units)
         self.child = child
@@ -181,12 +182,8 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             self._step(self._next_timeout())
-            for keeper in self.keepers:
-                keeper.keep()
-            gone = [p for p in self.companions if p.poll() is not None]
-            if gone:  # checked at least every second: the selector never sleeps longer
-                log.error("process %s exited with code %s: stopping", gone[0].args, gone[0].returncode)
-                return 1
+            for keeper in [*self.keepers, *self.companions]:  # at least every second: the selector never
+                keeper.keep()  # sleeps longer, and a child's exit wakes it at once (SIGCHLD)
             failed = [s for s in self.slots if s.start_failures >= self.settings.max_start_failures]
             if failed:
                 log.error("stage %s failed to start %d times in a row: giving up",
@@ -215,7 +212,7 @@ class Supervisor:
         request, a result or a deadline error); past it, or on a second stop request, a second
         SIGTERM (the gateway then cancels what is left) and ``hurry_s`` later SIGKILL.
         """
-        live = [p for p in self.companions if p.poll() is None]
+        live = [c.proc for c in self.companions if c.proc is not None and c.proc.poll() is None]
         if not live:
             return
         started = time.monotonic()
