@@ -254,16 +254,19 @@ class RoleRules:
     selectors: tuple[Selector, ...]  # Redis 7
     uses: tuple[Use, ...]
 
-    def rules(self, password: str) -> list[str]:
+    def rules(self, password: str | None) -> list[str]:
         """``reset`` first, so a user set again has exactly these rules (no selector, key or channel left
-        from before; ``resetchannels`` again: on 6.2 ``reset`` may allow every channel)."""
-        return ["reset", "on", password, "resetchannels", *(f"+{c}" for c in self.commands),
+        from before; ``resetchannels`` again: on 6.2 ``reset`` may allow every channel). Without a
+        ``password`` rule (``>text`` or ``#sha256``) the user is ``off``: no one can log in as it until an
+        administrator gives it one (``ACL SETUSER <user> on >PASSWORD``)."""
+        login = ["on", password] if password else ["off"]
+        return ["reset", *login, "resetchannels", *(f"+{c}" for c in self.commands),
                 *(f"~{p}" for p in self.keys), *(f"({s.rule()})" for s in self.selectors)]
 
-    def setuser(self, user: str, password: str) -> str:
+    def setuser(self, user: str, password: str | None) -> str:
         return " ".join(["ACL", "SETUSER", user, *self.rules(password)])
 
-    def aclfile(self, user: str, password: str) -> str:
+    def aclfile(self, user: str, password: str | None) -> str:
         return " ".join(["user", user, *self.rules(password)])
 
     def granted(self) -> set[str]:

@@ -11,14 +11,19 @@ import sys
 
 import click
 
-from broker.acl import DEFAULT_VERSION, ROLE_NAMES, Scope, describe, parse_version, role_rules
+from broker.acl import DEFAULT_VERSION, ROLE_NAMES, RoleRules, Scope, describe, parse_version, role_rules
 from broker.acl import roles as declared_roles
+from broker.admin import server_version, set_users
+from broker.connection import CLUSTER_SCHEMES, safe_url, unreachable
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, Keys
 
 FORMATS = ("setuser", "aclfile", "table")
 
 
-def _version(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int, int]:
+def _version(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int, int] | None:
+    if value is None:
+        return None
     try:
         return parse_version(value)
     except ValueError as exc:
@@ -35,9 +40,9 @@ def _names(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     return value
 
 
-def password_rule(sha256: str | None, stdin: bool, role: str) -> str:
-    """The password rule: ``#<sha256>`` of a password read from stdin or given as a hash, else a
-    placeholder to replace (``>WORKER_PASSWORD``)."""
+def password_rule(sha256: str | None, stdin: bool) -> str | None:
+    """The password rule: ``#<sha256>`` of a password read from stdin or given as a hash; None
+    without one (the user is printed ``off``: a placeholder password would work once loaded)."""
     if stdin:
         password = sys.stdin.readline().rstrip("\r\n")
         if not password:
@@ -47,7 +52,7 @@ def password_rule(sha256: str | None, stdin: bool, role: str) -> str:
         if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
             raise click.BadParameter("a SHA-256 is 64 hexadecimal digits", param_hint="--password-sha256")
         return "#" + sha256.lower()
-    return f">{role.upper()}_PASSWORD"
+    return None
 
 
 @click.command()
@@ -61,9 +66,13 @@ def password_rule(sha256: str | None, stdin: bool, role: str) -> str:
               help="Only these pipelines' keys (repeat for several); default: every pipeline under the prefix.")
 @click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --pipeline: the pipelines' partition count (one pattern per partition's hash tag).")
-@click.option("--redis-version", "version", default=".".join(map(str, DEFAULT_VERSION[:2])), show_default=True,
-              callback=_version, help="The server's version: 7.x gets selectors with read/write key patterns; "
-              "6.2 the closest it allows. 7.2 and 6.2 also allow CLIENT SETINFO, which clients send at connect.")
+@click.option("--redis-version", "version", callback=_version, help="The server's version (default: read from "
+              f"--redis, else {'.'.join(map(str, DEFAULT_VERSION[:2]))}): 7.x gets selectors with read/write key "
+              "patterns; 6.2 the closest it allows. 7.2 and 6.2 also allow CLIENT SETINFO, which clients send.")
+@click.option("--redis", "redis_url", help="An administrator's URL of the server: its version chooses the rules "
+              "(a redis+cluster:// URL adds what cluster clients send); with --apply they are loaded there.")
+@click.option("--apply", is_flag=True, help="Load the users into the server named by --redis (every node of a "
+              "cluster) instead of printing them.")
 @click.option("--cluster", is_flag=True, help="Add what redis-py's cluster clients send (redis+cluster:// URLs).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="setuser", show_default=True,
               help="setuser: ACL SETUSER commands (for redis-cli); aclfile: lines of an aclfile; table: each "
@@ -72,8 +81,8 @@ def password_rule(sha256: str | None, stdin: bool, role: str) -> str:
 @click.option("--password-sha256", help="The SHA-256 (hex) of the user's password, written as #<hash>.")
 @click.option("--password-stdin", is_flag=True, help="Read the password from stdin, written as #<its SHA-256>.")
 def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str, ...], partitions: int,
-        version: tuple[int, int, int], cluster: bool, fmt: str, user: str | None, password_sha256: str | None,
-        password_stdin: bool) -> None:
+        version: tuple[int, int, int] | None, redis_url: str | None, apply: bool, cluster: bool, fmt: str,
+        user: str | None, password_sha256: str | None, password_stdin: bool) -> None:
     """Print the Redis ACL users of conveyor's roles, least privilege, generated from conveyor's key
     schema and the commands each component sends (docs/security.md).
 
@@ -81,8 +90,38 @@ def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str,
     conveyor acl --role gateway --prefix tenant-a
     conveyor acl --format aclfile --redis-version 6.2 >> users.acl
     conveyor acl --role worker --password-stdin < worker.secret | redis-cli --user admin --askpass
+    conveyor acl --role gateway --password-stdin --redis redis://admin:PW@host:6379 --apply < gw.secret
+
+    A user printed without a password (no --password-stdin or --password-sha256) is off: no one can
+    log in as it until it is given one (ACL SETUSER <user> on >PASSWORD).
     """
     chosen = list(ROLE_NAMES) if "all" in roles else list(dict.fromkeys(roles))
+    _check_usage(chosen, user, password_sha256, password_stdin, partitions, pipelines)
+    if apply and redis_url is None:
+        raise click.UsageError("--apply loads the users into the server named by --redis: give it")
+    if redis_url is not None and version is not None:
+        raise click.UsageError("--redis reads the server's version: --redis-version is for printing without one")
+    if redis_url is not None:
+        version = _read_version(redis_url)
+        cluster = cluster or redis_url.split("://", 1)[0] in CLUSTER_SCHEMES
+    scopes = [Scope(prefix, tuple(pipelines), partitions) for prefix in prefixes]
+    password = password_rule(password_sha256, password_stdin)
+    users: list[tuple[str, list[str]]] = []
+    for role in chosen:
+        rules = role_rules(role, scopes, version or DEFAULT_VERSION, cluster)
+        name = user or f"{prefixes[0]}-{role}"
+        users.append((name, rules.rules(password)))
+        if not apply:
+            _print(fmt, role, name, rules, password)
+    if apply:
+        _apply(str(redis_url), users)
+    if password is None and fmt != "table":
+        click.echo(f"# printed off, without a password: {', '.join(name for name, _ in users)}. Give each one with "
+                   "--password-stdin or --password-sha256, or later: ACL SETUSER <user> on >PASSWORD", err=True)
+
+
+def _check_usage(chosen: list[str], user: str | None, password_sha256: str | None, password_stdin: bool,
+                 partitions: int, pipelines: tuple[str, ...]) -> None:
     if user is not None and len(chosen) != 1:
         raise click.UsageError("--user names one user: give exactly one --role")
     if password_stdin and password_sha256 is not None:
@@ -91,17 +130,31 @@ def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str,
         raise click.UsageError("a password is one user's: give exactly one --role")
     if partitions > 1 and not pipelines:
         raise click.UsageError("--partitions needs --pipeline (without it every pipeline and partition is covered)")
-    scopes = [Scope(prefix, tuple(pipelines), partitions) for prefix in prefixes]
-    for role in chosen:
-        rules = role_rules(role, scopes, version, cluster)
-        name = user or f"{prefixes[0]}-{role}"
-        password = password_rule(password_sha256, password_stdin, role)
-        if fmt == "setuser":
-            click.echo(rules.setuser(name, password))
-        elif fmt == "aclfile":
-            click.echo(rules.aclfile(name, password))
-        else:
-            click.echo(f"# {name}: {declared_roles()[role].about}")
-            for line in describe(rules):
-                click.echo(line)
-            click.echo()
+
+
+def _print(fmt: str, role: str, name: str, rules: RoleRules, password: str | None) -> None:
+    if fmt == "setuser":
+        click.echo(rules.setuser(name, password))
+    elif fmt == "aclfile":
+        click.echo(rules.aclfile(name, password))
+    else:
+        click.echo(f"# {name}: {declared_roles()[role].about}")
+        for line in describe(rules):
+            click.echo(line)
+        click.echo()
+
+
+def _read_version(url: str) -> tuple[int, int, int]:
+    try:
+        return server_version(url)
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        raise click.ClickException(unreachable(url, exc)) from exc
+
+
+def _apply(url: str, users: list[tuple[str, list[str]]]) -> None:
+    try:
+        nodes = set_users(url, users)
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        raise click.ClickException(f"ACL SETUSER at {safe_url(url)} failed: {exc}") from exc
+    click.echo(f"loaded {len(users)} user(s) ({', '.join(name for name, _ in users)}) at {safe_url(url)}"
+               f"{f' on {nodes} nodes' if nodes > 1 else ''}", err=True)

@@ -197,10 +197,11 @@ def run_acl(*args: str, stdin: str | None = None) -> Any:
 def test_the_command_prints_the_generated_rules() -> None:
     out = run_acl("--role", "gateway", "--prefix", "tenant-a")
     assert out.exit_code == 0, out.output
-    expected = role_rules("gateway", [Scope("tenant-a")]).setuser("tenant-a-gateway", ">GATEWAY_PASSWORD")
-    assert out.output == expected + "\n"
+    expected = role_rules("gateway", [Scope("tenant-a")]).setuser("tenant-a-gateway", None)
+    assert out.stdout == expected + "\n" and " reset off resetchannels " in expected  # no password: off
+    assert "printed off, without a password: tenant-a-gateway" in out.stderr
     out = run_acl("--format", "aclfile", "--redis-version", "6.2", "--prefix", "a", "--prefix", "b")
-    lines = out.output.splitlines()
+    lines = out.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [["user", f"a-{role}"] for role in ROLE_NAMES]
     assert "~b:{*}:spec" in lines[1] and "~a:{*}:spec" in lines[1]
     out = run_acl("--role", "worker", "--pipeline", "p", "--partitions", "2", "--user", "w", "--password-stdin",
@@ -215,7 +216,8 @@ def test_the_command_prints_the_generated_rules() -> None:
 @pytest.mark.parametrize("args", [["--role", "worker", "--role", "gateway", "--user", "u"],
                                   ["--password-sha256", "00"], ["--role", "gateway", "--password-sha256", "xyz"],
                                   ["--partitions", "2"], ["--prefix", "a:b"], ["--redis-version", "6.0"],
-                                  ["--password-stdin"]])
+                                  ["--password-stdin"], ["--apply"],
+                                  ["--redis", "redis://127.0.0.1:1", "--redis-version", "7.0"]])
 def test_the_command_refuses_what_it_cannot_print(args: list[str]) -> None:
     out = run_acl(*args, stdin="")
     assert out.exit_code == 2, out.output
@@ -226,9 +228,9 @@ def test_docs_show_the_generated_rules() -> None:
     """docs/security.md shows exactly what the command prints (for prefix conveyor), so it cannot drift."""
     text = DOCS.read_text()
     for version in ("7.0", "6.2"):
-        printed = run_acl("--format", "aclfile", "--redis-version", version).output
+        printed = run_acl("--format", "aclfile", "--redis-version", version).stdout
         assert printed.strip() in text, f"docs/security.md lacks: conveyor acl --redis-version {version} (aclfile)"
-    assert run_acl("--role", "gateway").output.strip() in text
+    assert run_acl("--role", "gateway").stdout.strip() in text
 
 
 # -- refusals, explained -----------------------------------------------------------------------------
@@ -289,7 +291,7 @@ def test_the_aclfile_as_printed_loads(version: str, tmp_path: Path) -> None:
     try:
         admin = redis.Redis(unix_socket_path=str(server.socket_path))
         v = ".".join(map(str, parse_version(str(admin.info("server")["redis_version"]))[:2]))
-        printed = run_acl("--format", "aclfile", "--redis-version", v).output
+        printed = run_acl("--format", "aclfile", "--redis-version", v).stdout
         aclfile.write_text(f"user {ADMIN} on >{ADMIN_PASSWORD} ~* &* +@all\nuser default off\n{printed}")
         assert admin.execute_command("ACL", "LOAD") == b"OK"
         admin.close()
@@ -298,12 +300,44 @@ def test_the_aclfile_as_printed_loads(version: str, tmp_path: Path) -> None:
         assert users == {ADMIN, "default", *(f"conveyor-{role}" for role in ROLE_NAMES)}
         gateway = redis.Redis(unix_socket_path=str(server.socket_path), username="conveyor-gateway",
                               password="GATEWAY_PASSWORD")
+        with pytest.raises(redis.AuthenticationError):  # printed without a password: off, no one logs in
+            gateway.ping()
+        admin.execute_command("ACL", "LOG", "RESET")  # that refusal, expected
+        admin.execute_command("ACL", "SETUSER", "conveyor-gateway", "on", ">GATEWAY_PASSWORD")
         assert gateway.get(Keys("p").spec) is None
         gateway.close()
         assert admin.execute_command("ACL", "LOG") == []
         admin.close()
     finally:
         server.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("version", ["6.2", "7"])
+def test_the_rules_follow_the_version_of_the_server_named_and_load_there(version: str) -> None:
+    """``--redis URL`` reads the server's version (no selector for 6.2, which would refuse them), and
+    ``--apply`` loads the users there, where they work with the password given."""
+    s = start_acl_server(binary(version), roles=())
+    try:
+        admin_url = f"unix://{ADMIN}:{ADMIN_PASSWORD}@{s.server.socket_path}"
+        printed = run_acl("--role", "gateway", "--redis", admin_url)
+        assert printed.exit_code == 0, printed.output
+        assert ("(+" in printed.stdout) == (version == "7")
+        applied = run_acl("--role", "gateway", "--redis", admin_url, "--apply", "--password-stdin", stdin="gw-pw\n")
+        assert applied.exit_code == 0, applied.output
+        assert applied.stdout == "" and "loaded 1 user(s) (conveyor-gateway)" in applied.stderr
+        gateway = redis.Redis(unix_socket_path=str(s.server.socket_path), username="conveyor-gateway",
+                              password="gw-pw")
+        try:
+            assert gateway.get(Keys("p").spec) is None
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                gateway.set(Keys("p").spec, b"x")
+        finally:
+            gateway.close()
+        unreachable = run_acl("--role", "gateway", "--redis", f"unix://{s.server.socket_path}.nothere")
+        assert unreachable.exit_code == 1 and "cannot reach Redis" in unreachable.stderr
+    finally:
+        s.stop()
 
 
 @pytest.mark.redis
