@@ -5,6 +5,9 @@ arguments of its class: the parameters its ``__init__`` names and, when that ``_
 ``**kwargs`` (as ``Stage``'s own does, setting them as attributes), the attributes the class
 declares. Anything else is refused with the nearest name (``batch_sise`` -> ``batch_size``), and a
 missing constructor argument is named too, rather than crashing every worker at start.
+
+The same typo in the class body (``batch_sise = 8``) would be a plain attribute, and the stage would
+run unbatched: a class attribute within an edit or two of a setting's name is refused too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ STAGE_KNOBS = (
     "max_run_s", "stuck_grace_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
 )
 _NOT_OPTIONS = frozenset({"setup", "predict"})
+# What a Stage subclass's body may set: the settings and the other attributes Stage declares
+# (batch_key, group_size, group_spread).
+_CLASS_SETTINGS = tuple(a for a in vars(Stage) if not a.startswith("_") and a not in _NOT_OPTIONS)
 
 
 def check_stage_class(cls: Any) -> type[Stage]:
@@ -43,7 +49,49 @@ def check_stage_class(cls: Any) -> type[Stage]:
     if cls.predict is Stage.predict:
         raise PipelineError(f"stage {cls.__name__} has no predict method: define predict(self, x) "
                             "(or predict(self, xs) with batch_size > 1)")
+    _check_class_attributes(cls)
     return cls
+
+
+def _check_class_attributes(cls: type[Stage]) -> None:
+    """Refuse a class attribute that is not a setting but one or two edits from one
+    (``batch_sise``), case aside; methods, descriptors and ``_names`` are the class's own."""
+    for klass in cls.__mro__:
+        if klass is Stage or klass is object:
+            continue
+        for attr, value in vars(klass).items():
+            if attr.startswith("_") or attr in _CLASS_SETTINGS or callable(value) or hasattr(value, "__get__"):
+                continue
+            near = _nearest_setting(attr)
+            if near is not None:
+                raise PipelineError(
+                    f"Stage {cls.__name__} has an attribute {attr!r}: did you mean {near!r}? (a class attribute "
+                    f"this close to a setting is taken for a typo; if it is yours, rename it or start it with _)")
+
+
+def _nearest_setting(attr: str) -> str | None:
+    """The setting ``attr`` is most likely a typo of: within 2 edits (1 for a name of 4 letters)."""
+    best: tuple[int, str] | None = None
+    for setting in _CLASS_SETTINGS:
+        distance = _edits(attr.lower(), setting)
+        if distance <= (1 if len(setting) <= 4 else 2) and (best is None or distance < best[0]):
+            best = (distance, setting)
+    return None if best is None else best[1]
+
+
+def _edits(a: str, b: str) -> int:
+    """Edit distance: insertions, deletions, substitutions, and swaps of two neighbours, 1 each."""
+    if abs(len(a) - len(b)) > 2:
+        return 3  # farther than any limit
+    before: list[int] = []
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        previous, before, row = before, row, [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], previous[j - 2] + 1)
+    return row[-1]
 
 
 def check_options(cls: type[Stage], options: Mapping[str, Any]) -> None:

@@ -7,6 +7,7 @@ never import it (they read the stages from ``P:spec``, :mod:`broker.spec`).
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,6 +21,9 @@ from workers.stage import Stage
 
 BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
 DEFAULT_STUCK_GRACE_S = 10.0
+LONG_BATCH_WAIT_S = 1.0  # a longer batch_wait_s is warned of: it is in seconds
+
+log = logging.getLogger("conveyor.pipeline")
 
 __all__ = ["STAGE_KNOBS", "Pipeline", "PipelineError", "StageSpec"]
 
@@ -188,8 +192,24 @@ class Pipeline:
         spec.validate()
         if any(s.name == spec.name for s in self.stages):
             raise PipelineError(f"pipeline {self.name}: two stages are named {spec.name!r}")
+        self._warn(spec)
         self.stages.append(spec)
         return self
+
+    def _warn(self, spec: StageSpec) -> None:
+        """Settings that are valid but likely not what was meant, said with what they do."""
+        if spec.batched and spec.batch_wait_s > LONG_BATCH_WAIT_S:
+            policy = ("the deadline policy waits that long whenever fewer than batch_size items are queued"
+                      if spec.batch_policy == "deadline" else "the adaptive policy waits less when waiting cannot pay")
+            log.warning("pipeline %s, stage %s: batch_wait_s=%g: each item may wait up to %g s for its batch (%s); "
+                        "batch_wait_s is in seconds (50 ms is 0.05)", self.name, spec.name, spec.batch_wait_s,
+                        spec.batch_wait_s, policy)
+        if spec.index > 0 and spec.max_backlog is not None:
+            first = self.stages[0].name
+            log.warning("pipeline %s, stage %s: max_backlog=%d is not enforced: only the first stage's max_backlog "
+                        "bounds a pipeline (new requests are refused while its stream holds that many) and a later "
+                        "stage's backlog is not bounded; set max_backlog on stage %s", self.name, spec.name,
+                        spec.max_backlog, first)
 
     def stage(self, name: str) -> StageSpec:
         for spec in self.stages:

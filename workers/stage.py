@@ -9,10 +9,12 @@ from typing import Any, ClassVar
 class Stage:
     """Subclass it and write ``predict``.
 
-    Class attributes are the stage's defaults; ``Pipeline.add(...)`` overrides them.
+    Class attributes are the stage's defaults; ``Pipeline.add(...)`` overrides them (one a typo or
+    two from a setting's name, ``batch_sise``, is refused there).
     With ``batch_size`` absent or 1, ``predict(x)`` takes one input and returns one output.
-    With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a sequence of the same
-    length, in order; conveyor waits at most ``batch_wait_s`` after a batch's first item.
+    With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a list, tuple or array of
+    the same length, one result per input, in order (a dict, str, set or generator is each item's
+    ``BatchResultError``); conveyor waits at most ``batch_wait_s`` after a batch's first item.
     ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
     "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
     Other keyword arguments of ``add`` arrive in ``__init__`` as plain data: parameters your

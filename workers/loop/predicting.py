@@ -5,23 +5,86 @@ stage's stats as one call.
 Why slices: a read of batch entries (:mod:`workers.loop.packing`) may bring more than a batch (a
 fresh reader, entries of mixed sizes, one written by hand), and a model with a fixed largest batch must
 never see more. The batch is still committed once.
+
+A batched ``predict`` answers with a list, tuple or array of one result per item. What only looks like
+one (a dict, whose keys would be taken as the results; a str; a set; a generator; a 0-d array) is a
+:class:`BatchResultError`, handled as a wrong number of results is (:func:`workers.loop.runner.run_batch`:
+isolated by bisection, each item still failing gets it, logged and counted as a batch length error).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set, Sized
 from typing import Any
+
+import numpy as np
 
 from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
 from workers.loop.routing import Work
-from workers.loop.runner import Outcome, run_batch, run_single
+from workers.loop.runner import BatchLengthError, Outcome, run_batch, run_single
 from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
 from workers.stage import Stage
+
+
+class BatchResultError(BatchLengthError):
+    """A batched predict returned something other than a sequence of results (a dict, a str, a set,
+    an iterator, a 0-d array): counted and isolated as a wrong length is."""
+
+
+def _a(what: str) -> str:
+    return f"{'an' if what[:1].lower() in 'aeio' else 'a'} {what}"
+
+
+def _kind(results: Any) -> tuple[str, str] | None:
+    """What ``results`` is and a hint, if it cannot be one result per item (None if it may be)."""
+    name = type(results).__name__
+    if isinstance(results, Mapping):
+        return _a(name), "; to answer each item with a dict, return a list of dicts"
+    if isinstance(results, (str, bytes, bytearray)):
+        return ("bytes" if name == "bytes" else _a(name)), ""
+    if isinstance(results, Set):
+        return _a(name), " (a set has no order)"
+    if isinstance(results, Iterator):
+        return _a(name), "; wrap it in list(...)"
+    if getattr(results, "ndim", None) == 0:  # numpy's (and torch's, jax's) scalars and 0-d arrays
+        if isinstance(results, np.generic):
+            return f"a numpy {name} scalar", ""
+        return f"a 0-d {'numpy array' if isinstance(results, np.ndarray) else name}", ""
+    if name == "DataFrame" and type(results).__module__.split(".")[0] in ("pandas", "polars"):
+        return "a DataFrame", " (iterating one yields its columns)"
+    if results is None:
+        return "None", ""
+    if not isinstance(results, Sized) or not isinstance(results, Iterable):
+        return _a(name), ""
+    return None
+
+
+def check_batch_result(results: Any, size: int) -> None:
+    """A :class:`BatchResultError` unless ``results`` may be a batched predict's answer for a batch of
+    ``size``: a list, a tuple, an array along its first axis, or another sized, ordered sequence (its
+    length :func:`workers.loop.runner.run_batch` checks)."""
+    kind = type(results)
+    if kind is list or kind is tuple or (kind is np.ndarray and results.ndim > 0):
+        return
+    found = _kind(results)
+    if found is not None:
+        what, hint = found
+        raise BatchResultError(f"predict returned {what} for a batch of {size}; a batched predict returns a "
+                               f"list, tuple or array of {size} result{'s' if size != 1 else ''}, one per "
+                               f"item{hint}")
+
+
+def checked(predict: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``predict``, its answers checked by :func:`check_batch_result`."""
+    def call(inputs: list[Any]) -> Any:
+        results = predict(inputs)
+        check_batch_result(results, len(inputs))
+        return results
+    return call
 
 
 class Predictor:
@@ -31,7 +94,7 @@ class Predictor:
         self._spec = spec
         self._busy = busy
         self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
-        self._run_batch = functools.partial(run_batch, wrong_length=wrong_length, tracebacks=self._tracebacks)
+        self._wrong_length = wrong_length
 
     def run(self, work: Work, stats: BatchStats) -> list[Outcome]:
         """The outcome of each item of ``work``, in order."""
@@ -53,6 +116,9 @@ class Predictor:
         if self._spec.batched:  # length-aware, if the stage asks for it
             return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch)
         return run_single(self._stage.predict, inputs, self._tracebacks)
+
+    def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[Outcome]:
+        return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks)
 
     def _record(self, stats: BatchStats, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""

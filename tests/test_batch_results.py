@@ -1,0 +1,243 @@
+"""Issue 37: no silent wrong answers. A batched predict must answer a batch with a list, tuple or array
+of one result per item, or every item gets a ``BatchResultError`` (a dict's keys are not answers); a
+class attribute one typo from a setting is refused when the pipeline is built; settings that are
+valid but likely not meant are warned of, with what they do."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from broker.commit import BatchStats
+from broker.keys import Keys
+from gateway import Gateway, GatewaySettings
+from gateway.errors import StageError
+from tests.helpers import running_workers, wait_for
+from workers import Pipeline, Stage
+from workers.loop.predicting import Predictor
+from workers.options import PipelineError
+
+# -- a batched predict's answer, in the worker's predictor (no Redis) -----------------------------
+
+WRONG_KINDS = {  # what predict returns for a batch, and how the error names it
+    "dict": (lambda ys: {i: y for i, y in enumerate(ys)}, "a dict"),  # as many keys as items: once the answers
+    "OrderedDict": (lambda ys: OrderedDict((i, y) for i, y in enumerate(ys)), "an OrderedDict"),
+    "str": (lambda ys: "r" * len(ys), "a str"),
+    "bytes": (lambda ys: b"r" * len(ys), "bytes"),
+    "set": (set, "a set"),
+    "dict_keys": (lambda ys: dict.fromkeys(ys).keys(), "a dict_keys"),
+    "generator": (lambda ys: (y for y in ys), "a generator"),
+    "map": (lambda ys: map(int, ys), "a map"),
+    "0-d array": (lambda ys: np.asarray(sum(ys)), "a 0-d numpy array"),
+    "numpy scalar": (lambda ys: np.int64(sum(ys)), "a numpy int64 scalar"),
+    "None": (lambda ys: None, "None"),
+}
+
+
+class Batched(Stage):
+    batch_size = 8
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def predict(self, xs: list[Any]) -> Any:
+        self.calls += 1
+        return self.answer([2 * x for x in xs])
+
+
+def _run(answer: Any, inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
+    spec = Pipeline("t-unit").add(Batched, answer=answer).stages[0]
+    wrong: list[tuple[int, int]] = []
+    predictor = Predictor(spec.cls(**spec.kwargs), spec, None, lambda expected, got: wrong.append((expected, got)))
+    return predictor.run([(None, x) for x in inputs], BatchStats()), wrong  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kind", list(WRONG_KINDS))
+def test_a_batch_answered_with_the_wrong_kind_fails_every_item(kind: str) -> None:
+    answer, what = WRONG_KINDS[kind]
+    outcomes, wrong = _run(answer, list(range(8)))
+    assert [ok for ok, _ in outcomes] == [False] * 8, outcomes
+    for _, failure in outcomes:
+        assert failure.type == "BatchResultError"
+        assert failure.message.startswith(f"predict returned {what} for a batch of 1; a batched predict returns a "
+                                          "list, tuple or array of 1 result, one per item"), failure.message
+    assert wrong and wrong[0] == (8, -1)  # counted and logged as a wrong length is (Problems.wrong_length)
+
+
+def test_the_message_names_the_batch_and_what_to_return() -> None:
+    outcomes, _ = _run(WRONG_KINDS["dict"][0], [1])
+    message = outcomes[0][1].message
+    assert message == ("predict returned a dict for a batch of 1; a batched predict returns a list, tuple or array "
+                       "of 1 result, one per item; to answer each item with a dict, return a list of dicts")
+
+
+@pytest.mark.parametrize("answer, expected", [
+    (list, [0, 2, 4, 6, 8]),
+    (tuple, [0, 2, 4, 6, 8]),
+    (np.asarray, [0, 2, 4, 6, 8]),
+    (lambda ys: np.stack([np.full(3, y) for y in ys]), [[y] * 3 for y in (0, 2, 4, 6, 8)]),  # n rows: n results
+    (lambda ys: range(0, 2 * len(ys), 2), [0, 2, 4, 6, 8]),  # another sized sequence
+    (lambda ys: [{"result": y} for y in ys], [{"result": y} for y in (0, 2, 4, 6, 8)]),  # a list of dicts
+])
+def test_lists_tuples_and_arrays_still_answer(answer: Any, expected: list[Any]) -> None:
+    outcomes, wrong = _run(answer, list(range(5)))
+    assert all(ok for ok, _ in outcomes), outcomes
+    assert [np.asarray(v).tolist() for _, v in outcomes] == expected
+    assert wrong == []
+
+
+def test_an_array_of_the_wrong_length_is_still_a_length_error() -> None:
+    outcomes, wrong = _run(lambda ys: np.asarray(ys[:-1]) if len(ys) > 1 else np.asarray(ys), list(range(4)))
+    assert [ok for ok, _ in outcomes] == [True] * 4  # isolated one by one, as before
+    assert (4, 3) in wrong
+
+
+# -- through a real pipeline: worker processes, Redis, the gateway --------------------------------
+
+
+@pytest.mark.system
+def test_wrong_kinds_are_errors_and_arrays_answers_through_a_pipeline(redis_url: str,
+                                                                     redis_client: redis.Redis) -> None:
+    with running_workers(redis_url, "tests.batch_result_stages:kinds", ["kinds"]) as workers:
+        workers.wait_ready("t-kinds")
+
+        async def rounds() -> dict[str, list[Any]]:
+            answers: dict[str, list[Any]] = {}
+            async with Gateway(redis_url, "t-kinds", GatewaySettings(timeout_s=20.0)) as gw:
+                for kind in ("dict", "str", "set", "generator", "0-d", "tuple", "array", "rows", "list"):
+                    answers[kind] = list(await asyncio.gather(*(gw.predict([kind, i]) for i in range(16)),
+                                                              return_exceptions=True))
+            return answers
+
+        answers = asyncio.run(rounds())
+        for kind in ("dict", "str", "set", "generator", "0-d"):
+            for outcome in answers[kind]:
+                assert isinstance(outcome, StageError), (kind, answers[kind])
+                assert (outcome.type, outcome.stage) == ("BatchResultError", "kinds"), outcome
+                assert "a batched predict returns a list, tuple or array of" in outcome.message, outcome.message
+        assert "predict returned a dict for a batch of" in answers["dict"][0].message
+        assert "predict returned a generator for a batch of" in answers["generator"][0].message
+        doubled = [2 * i for i in range(16)]
+        assert answers["tuple"] == answers["array"] == answers["list"] == doubled
+        assert [np.asarray(a).tolist() for a in answers["rows"]] == [[v] * 3 for v in doubled]
+
+        wait_for(lambda: int(redis_client.hget(Keys("t-kinds").counts(0), "batch_length_errors") or 0) >= 5, 10,
+                 "the wrong kinds are counted as batch length errors")
+        log = workers.stage("kinds").log(50_000)
+        assert "type=BatchResultError" in log and "predict returned a" in log, log[-3000:]
+
+
+# -- a class attribute one typo from a setting -----------------------------------------------------
+
+
+def _stage(**attributes: Any) -> type[Stage]:
+    def predict(self: Stage, x: Any) -> Any:
+        return x
+    return type("Double", (Stage,), {"predict": predict, **attributes})
+
+
+@pytest.mark.parametrize("attribute, setting", [
+    ("batch_sise", "batch_size"), ("max_backlgo", "max_backlog"), ("batch_wait", "batch_wait_s"),
+    ("BATCH_SIZE", "batch_size"), ("worker", "workers"), ("cpu", "cpus"), ("stuck_grace", "stuck_grace_s"),
+    ("group_sise", "group_size"),
+])
+def test_a_class_attribute_one_typo_from_a_setting_is_refused(attribute: str, setting: str) -> None:
+    with pytest.raises(PipelineError, match=f"Stage Double has an attribute '{attribute}': "
+                                            f"did you mean '{setting}'\\?"):
+        Pipeline("t-typo").add(_stage(**{attribute: 8}))
+
+
+def test_the_new_users_typo_is_refused_before_anything_runs() -> None:
+    class Double(Stage):
+        batch_sise = 8
+
+        def predict(self, xs: Any) -> Any:
+            return [2 * x for x in xs]
+
+    with pytest.raises(PipelineError) as info:
+        Pipeline("t-typo").add(Double)
+    assert str(info.value).startswith("Stage Double has an attribute 'batch_sise': did you mean 'batch_size'?")
+
+
+def test_a_typo_inherited_from_a_users_base_class_is_refused() -> None:
+    class Base(Stage):
+        max_backlgo = 10
+
+    class Child(Base):
+        def predict(self, x: Any) -> Any:
+            return x
+
+    with pytest.raises(PipelineError, match="Stage Child has an attribute 'max_backlgo': did you mean 'max_backlog'"):
+        Pipeline("t-typo").add(Child)
+
+
+def test_attributes_far_from_every_setting_methods_and_private_names_are_accepted() -> None:
+    class Classify(Stage):
+        batch_size = 8
+        model_name = "tiny"
+        labels = ("cat", "dog")
+        threshold = 0.5
+        _batch_sise = 8  # private: the class's own
+        max_len = 512
+        device = "cpu"
+
+        def batch_sise(self) -> int:  # a method: the class's own
+            return 8
+
+        @property
+        def worker(self) -> str:  # a descriptor: the class's own
+            return "w"
+
+        def predict(self, xs: Any) -> Any:
+            return xs
+
+    spec = Pipeline("t-typo").add(Classify).stages[0]
+    assert spec.batch_size == 8
+
+
+# -- valid but suspicious settings: warned of at build time, with what they do --------------------
+
+
+class _Batched(Stage):
+    batch_size = 8
+
+    def predict(self, xs: Any) -> Any:
+        return xs
+
+
+class _Single(Stage):
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+def test_a_batch_wait_over_a_second_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="conveyor.pipeline"):
+        Pipeline("t-warn").add(_Batched, name="slow", batch_wait_s=5)
+    [record] = caplog.records
+    assert "stage slow: batch_wait_s=5: each item may wait up to 5 s for its batch" in record.getMessage()
+    assert "in seconds" in record.getMessage()
+
+
+def test_max_backlog_after_the_first_stage_is_warned_of_as_not_enforced(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="conveyor.pipeline"):
+        Pipeline("t-warn").add(_Single, name="first").add(_Batched, name="second", max_backlog=100)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "stage second: max_backlog=100 is not enforced" in message
+    assert "only the first stage's max_backlog bounds a pipeline" in message
+    assert "set max_backlog on stage first" in message
+
+
+def test_ordinary_settings_are_not_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="conveyor.pipeline"):
+        (Pipeline("t-warn").add(_Single, name="first", max_backlog=100)
+         .add(_Batched, name="second", batch_wait_s=0.5)
+         .add(_Single, name="third", batch_wait_s=5))  # not batched: batch_wait_s plays no part
+    assert caplog.records == []
