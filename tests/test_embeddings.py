@@ -204,7 +204,7 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="unused", timeout=T, max_retries=0)
-    texts = [*SIMILAR, UNRELATED, ""]
+    texts = [*SIMILAR, UNRELATED]
     native = np.stack(stack.predict_all(texts))
     for encoding in ("float", "base64"):
         response = client.embeddings.create(model=NAME, input=texts, encoding_format=encoding)  # type: ignore[arg-type]
@@ -225,6 +225,16 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
     assert "dimensions" in str(wrong.value) and wrong.value.param == "dimensions"
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=NAME, input=[[101, 2023, 102]])  # token ids: the pipeline tokenizes
+    with pytest.raises(openai.BadRequestError) as empty:  # as OpenAI: no empty text
+        client.embeddings.create(model=NAME, input=["x", ""])
+    assert "input 1 is an empty string" in str(empty.value)
+    huge = " ".join(["word"] * 1000)
+    with pytest.raises(openai.BadRequestError) as long:  # as OpenAI: over the model's length, unless truncate
+        client.embeddings.create(model=NAME, input=huge)
+    assert long.value.code == "context_length_exceeded"
+    cut = client.embeddings.create(model=NAME, input=huge, extra_body={"truncate": True})
+    assert cut.usage.prompt_tokens == 256 and float(np.asarray(cut.data[0].embedding)
+                                                    @ embed_direct(direct, [huge])[0]) > MIN_COSINE
 
 
 def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:

@@ -143,3 +143,17 @@ def test_an_answer_out_of_its_datatypes_range_is_a_500_that_says_so() -> None:
     body, length = _binary("UINT8", [1])
     reply = Inference("m", _io("UINT8"), body, length, Plans(8)).respond([-1])
     assert reply.status == 500 and b"model 'm'" in reply.body
+
+
+@pytest.mark.parametrize("shape", [[0], [0, 3]])
+def test_an_empty_batch_is_refused_before_redis(shape: list[int]) -> None:
+    """A batched model answers one row per input row: an empty batch is a 400 (TensorError), never a
+    500 from an output of the wrong shape."""
+    io = PipelineIO((TensorSpec("text", "BYTES", (-1,) * len(shape)),), (TensorSpec("embedding", "FP32", (-1, 384)),),
+                    batched=True)
+    body = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": shape, "data": []}]})
+    with pytest.raises(TensorError, match="an empty batch"):
+        Inference("m", io, body, None)
+    one = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
+    assert Inference("m", PipelineIO((TensorSpec("text", "BYTES", (-1,)),), io.outputs, batched=True), one,
+                     None).items() == ["a"]

@@ -48,7 +48,9 @@ class Embedder(FakeBackend):
     async def _predict(self, x: Any) -> Any:
         if x == "bad":
             raise StageError("ValueError", "bad text", "tokenize", "")
-        return {"embedding": np.array([len(x), 1.0, -0.5], dtype=np.float32), "tokens": len(x.split()) + 2}
+        tokens = len(x.split()) + 2
+        cut = {"truncated": True} if tokens > 6 else {}  # as the example's pipeline answers a text over its length
+        return {"embedding": np.array([len(x), 1.0, -0.5], dtype=np.float32), "tokens": min(tokens, 6), **cut}
 
 
 def _call(backends: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -69,11 +71,22 @@ def _call(backends: Any, method: str, path: str, body: Any = None) -> tuple[int,
 
 def test_a_list_of_texts_is_answered_in_order_with_usage() -> None:
     served = Several(Embedder("emb"))
-    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a b", "abcd", ""]})
+    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a b", "abcd", "x"]})
     assert status == 200 and body["object"] == "list" and body["model"] == "emb"
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
-    assert [d["embedding"][0] for d in body["data"]] == [3.0, 4.0, 0.0]
-    assert body["usage"] == {"prompt_tokens": 4 + 3 + 2, "total_tokens": 9}
+    assert [d["embedding"][0] for d in body["data"]] == [3.0, 4.0, 1.0]
+    assert body["usage"] == {"prompt_tokens": 4 + 3 + 3, "total_tokens": 10}
+
+
+def test_a_text_over_the_models_length_is_refused_unless_truncate_is_asked() -> None:
+    """As OpenAI: 400 for a text the model would cut; text-embeddings-inference's ``truncate`` embeds its start."""
+    served = Several(Embedder("emb"))
+    long = "w " * 10
+    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long]})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "input 1 is longer than the model 'emb' takes (6 tokens)" in body["error"]["message"]
+    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long], "truncate": True})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 3 + 6, body
 
 
 def test_base64_is_the_float32_bytes() -> None:
@@ -95,6 +108,9 @@ def test_base64_is_the_float32_bytes() -> None:
     ({"model": "nope", "input": "a"}, 404, "model", "does not exist here"),
     ({"model": "plain", "input": "a"}, 404, "model", "not an embeddings model"),
     ({"model": "emb", "input": ["ok", "bad"]}, 400, "input", "input 1: "),
+    ({"model": "emb", "input": ""}, 400, "input", "input 0 is an empty string"),
+    ({"model": "emb", "input": ["a", ""]}, 400, "input", "input 1 is an empty string"),
+    ({"model": "emb", "input": "a", "truncate": "yes"}, 400, "truncate", "true or false"),
 ])
 def test_errors_have_openais_shape(request_body: dict[str, Any], status: int, param: str, words: str) -> None:
     served = Several(Embedder("emb"), Embedder("plain", PipelineIO()))

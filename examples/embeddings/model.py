@@ -74,10 +74,15 @@ class Tokenizer:
         self._backend = backend
 
     def __call__(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [ids for ids, _ in self.encode(texts)]
+
+    def encode(self, texts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
+        """Each text's ids, and whether it was cut at MAX_TOKENS."""
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"embeddings take a string, got {type(text).__name__}")
-        return [np.asarray(e.ids, dtype=np.int32) for e in self._backend.encode_batch(list(texts))]
+        return [(np.asarray(e.ids, dtype=np.int32), len(e.ids) == self.max_tokens and bool(e.overflowing))
+                for e in self._backend.encode_batch(list(texts))]
 
 
 def native_bf16(torch: Any) -> bool:

@@ -33,8 +33,10 @@ class Tokenize(Stage):
         self._tokenize = Tokenizer()
         self._tokenize.load()
 
-    def predict(self, texts: list[Any]) -> list[np.ndarray]:
-        return self._tokenize(texts)
+    def predict(self, texts: list[Any]) -> list[np.ndarray | dict[str, Any]]:
+        """Token ids; a text cut at the model's length as ``{"ids": ids, "truncated": True}``, so that the
+        answer says so (the OpenAI route refuses it unless the request asked to truncate)."""
+        return [{"ids": ids, "truncated": True} if cut else ids for ids, cut in self._tokenize.encode(texts)]
 
 
 class Embed(Stage):
@@ -79,10 +81,13 @@ class Embed(Stage):
 
     def batch_key(self, ids: Any) -> int:
         """The cost of one item: its token count (padding makes a batch cost its longest item)."""
+        ids = ids.get("ids") if isinstance(ids, dict) else ids
         return len(ids) if isinstance(ids, np.ndarray) else 0
 
     def predict(self, batch: list[Any]) -> list[dict[str, Any]]:
         """Each text's unit vector, and its token count (special tokens included): what the
-        OpenAI-compatible route reports as usage."""
-        vectors = self._embed(batch)
-        return [{"embedding": v, "tokens": len(ids)} for v, ids in zip(vectors, batch, strict=True)]
+        OpenAI-compatible route reports as usage; ``truncated`` for a text cut at the model's length."""
+        ids = [item["ids"] if isinstance(item, dict) else item for item in batch]
+        vectors = self._embed(ids)
+        return [{"embedding": v, "tokens": len(i), **({"truncated": True} if isinstance(item, dict) else {})}
+                for v, i, item in zip(vectors, ids, batch, strict=True)]

@@ -79,6 +79,10 @@ class Plan:
             _check(specs[0], inputs[0].datatype, inputs[0].shape, "input")
         else:
             self._check_inputs()
+        if self.io.batched and any(i.shape and i.shape[0] == 0 for i in inputs):
+            raise TensorError(f"model {self.model!r} answers one row per row of its inputs: an empty batch "
+                              f"(input {inputs[0].name!r} of shape {list(inputs[0].shape)}) asks nothing; send at "
+                              "least one row")
         if self.wanted:
             unknown = sorted(self.wanted - {t.name for t in self.io.outputs})
             if unknown:

@@ -3,18 +3,21 @@
 ::
 
     POST /v1/embeddings   {"model": NAME, "input": str | [str, ...], "encoding_format": "float" | "base64",
-                           "dimensions": D (only the model's own)}
+                           "dimensions": D (only the model's own), "truncate": false | true}
         -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...] | "base64"}],
             "model": NAME, "usage": {"prompt_tokens": n, "total_tokens": n}}
     GET  /v1/models       {"object": "list", "data": [{"id": NAME, "object": "model", "created": 0,
                            "owned_by": "conveyor"}]}: every pipeline served
+    GET  /v1/models/NAME  {"id": NAME, "object": "model", ...}, or 404
 
 What the ``openai`` SDK, LangChain and LlamaIndex call. A list input is one item per text, each
 submitted on its own so that it batches with everyone else's, gathered in order. ``base64`` is the
 float32 little-endian bytes of each vector, as OpenAI sends them. Token counts come from the
 pipeline's ``tokens`` output (0 without one). Token-id inputs (lists of integers) are refused: the
-tokenizer is a stage of the pipeline, which takes text. Errors have OpenAI's shape, ``{"error":
-{"message", "type", "param", "code"}}``, with the status codes of the other routes.
+tokenizer is a stage of the pipeline, which takes text. As OpenAI does, an empty text is refused, and so is a
+text longer than the model takes (the pipeline answers ``"truncated": true`` for it) unless the request asks
+``"truncate": true`` (text-embeddings-inference's option), which embeds its first tokens. Errors have
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status codes of the other routes.
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ class Query:
             raise OpenAIError(400, f"encoding_format must be 'float' or 'base64', got {self.encoding!r}",
                               param="encoding_format")
         self.dimensions = doc.get("dimensions")
+        self.truncate = doc.get("truncate", False)
+        if not isinstance(self.truncate, bool):
+            raise OpenAIError(400, f"truncate must be true or false, got {self.truncate!r}", param="truncate")
 
     def check(self, io: PipelineIO) -> None:
         if io.task != EMBEDDINGS:
@@ -107,6 +113,10 @@ class Query:
         for index, answer in enumerate(answers):
             vector, count = (answer.get("embedding"), answer.get("tokens", 0)) if isinstance(answer, dict) \
                 else (answer, 0)
+            if not self.truncate and isinstance(answer, dict) and answer.get("truncated"):
+                raise OpenAIError(400, f"input {index} is longer than the model {self.model!r} takes ({count} "
+                                       "tokens): shorten it, or send \"truncate\": true to embed its first "
+                                       f"{count} tokens", param="input", code="context_length_exceeded")
             array = np.asarray(vector, dtype=np.float32).reshape(-1)
             if not bool(np.isfinite(array).all()) and self.encoding == "float":
                 raise OpenAIError(500, f"input {index}: the embedding holds NaN or Infinity, which JSON cannot "
@@ -120,9 +130,13 @@ class Query:
         return Reply(200, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
+
+
 def _texts(value: Any) -> list[str]:
     if isinstance(value, str):
-        return [value]
+        value = [value]
     if not isinstance(value, list) or not value:
         raise OpenAIError(400, "'input' must be a string or a non-empty list of strings", param="input")
     if len(value) > MAX_INPUTS:
@@ -132,6 +146,10 @@ def _texts(value: Any) -> list[str]:
             raise OpenAIError(400, "token ids are not supported as input: send text (the pipeline tokenizes it)",
                               param="input")
         raise OpenAIError(400, "'input' must be a string or a list of strings", param="input")
+    empty = next((i for i, v in enumerate(value) if not v), None)
+    if empty is not None:
+        raise OpenAIError(400, f"input {empty} is an empty string: every text must hold at least one character",
+                          param="input")
     return value
 
 
@@ -142,8 +160,17 @@ class OpenAI:
         self.backends = backends
 
     def models(self, request: Request, params: tuple[str, ...]) -> Reply:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor"} for name in self.backends.names()]
+        data = [_model(name) for name in self.backends.names()]
         return Reply(200, orjson.dumps({"object": "list", "data": data}))
+
+    def model(self, request: Request, params: tuple[str, ...]) -> Reply:
+        """``GET /v1/models/{id}`` (``client.models.retrieve``): one pipeline served, else 404."""
+        (name,) = params
+        if self.backends.get(name) is None:
+            return OpenAIError(404, f"the model {name!r} does not exist here (served: "
+                                    f"{', '.join(self.backends.names())})", param="model", code="model_not_found",
+                               outcome="not_found").reply()
+        return Reply(200, orjson.dumps(_model(name)))
 
     def embeddings(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
         try:
