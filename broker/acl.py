@@ -36,7 +36,6 @@ from broker.families import (
     FIRST_STREAM,
     HEARTBEATS,
     LOADING,
-    MAX_BACKLOG,
     REGISTRY,
     REPLIES,
     RESULTS,
@@ -131,24 +130,6 @@ OPERATOR_USES = (
 
 # -- uses still sent from outside broker/ (each goes when its operation moves into broker/) ------
 
-_W = (
-    Use("xgroup|create", (STREAMS,), "workers/loop/worker.py Worker._register (MKSTREAM)"),
-    Use("set", (SPEC, MAX_BACKLOG), "workers/loop/worker.py Worker._register"),
-    Use("sadd", (REGISTRY,), "workers/loop/worker.py Worker._register: the pipeline's name in <prefix>:pipelines"),
-    Use("xautoclaim", (STREAMS,), "workers/loop/recovery.py Recovery.claim_stale"),
-    Use("xpending", (STREAMS,), "workers/loop/recovery.py Recovery._delivery_counts"),
-    Use("xclaim", (STREAMS,), "workers/loop/heartbeat.py Heartbeat._queue_beat: the lease of a long batch (JUSTID)"),
-    Use("zadd", (HEARTBEATS,), "workers/loop/heartbeat.py Heartbeat._queue_beat, every heartbeat_s"),
-    Use("zremrangebyscore", (HEARTBEATS,), "workers/loop/heartbeat.py Heartbeat._queue_beat"),
-    Use("zrange", (HEARTBEATS,), "workers/loop/heartbeat.py LiveWorkers.queue"),
-    Use("zadd", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat, while setup() runs"),
-    Use("zremrangebyscore", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat"),
-    Use("zrem", (LOADING,), "workers/loop/loading.py LoadingBeacon._beat, when setup() ends"),
-    Use("zrem", (STUCK,), "workers/loop/worker.py Worker._setup_and_loop, once ready: a predecessor marked stuck"),
-    Use("zadd", (STUCK,), "workers/process/watch.py StuckWatch._mark: the supervisor, replacing a stuck worker"),
-    Use("zremrangebyscore", (STUCK,), "workers/process/watch.py StuckWatch._mark"),
-    Use("hincrby", (COUNTS,), "workers/loop/problems.py Problems.queue (a heartbeat hook)"),
-)
 _STATUS = "gateway/monitor/status.py read_status"
 _S = (
     Use("get", (SPEC,), f"{_STATUS}: the stages"),
@@ -165,7 +146,7 @@ _G = (
     Use("mget", (RESULTS,), "gateway/client/hub.py Hub._recover, after a lost reply connection"),
     Use("smembers", (REGISTRY,), "gateway/client/registration.py registered_pipelines"),
 )
-_LEGACY_USES = ((WORKER, _W), (GATEWAY, (*_G, *_S)), (MONITOR, _S))
+_LEGACY_USES = ((GATEWAY, (*_G, *_S)), (MONITOR, _S))
 
 
 @dataclass(frozen=True)

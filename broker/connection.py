@@ -24,6 +24,8 @@ import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster as scluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or "
@@ -45,11 +47,22 @@ class RedisSettings:
     def is_cluster(self) -> bool:
         return urlsplit(self.url).scheme in CLUSTER_SCHEMES
 
-    def sync_client(self) -> redis.Redis:
+    def sync_client(self, *, retries: bool = True) -> redis.Redis:
         """A client of the server or, for a cluster URL, of the whole cluster.
 
         Typed as :class:`redis.Redis`: :class:`redis.RedisCluster` offers the same command and
-        pipeline methods; code that needs one node's connection asks :func:`node_client`."""
+        pipeline methods; code that needs one node's connection asks :func:`node_client`.
+
+        ``retries=False``: the client never sends a command again by itself after a lost connection;
+        the failure surfaces instead. A worker's client: a commit whose reply was lost would run
+        twice (forwarding its items twice), while re-reading the consumer's pending entries tells
+        exactly what was committed and what was not."""
+        client = self._sync_client()
+        if not retries:
+            client.set_retry(Retry(NoBackoff(), 0))
+        return client
+
+    def _sync_client(self) -> redis.Redis:
         if self.is_cluster:
             url, seeds = _cluster_url(self.url)
             return cast(redis.Redis, scluster.RedisCluster.from_url(
@@ -160,6 +173,16 @@ def is_transient(exc: redis.ResponseError) -> bool:
         return True
     text = str(exc)
     return any(code in text for code in TRANSIENT_REPLY_CODES)
+
+
+def is_transient_reply(exc: BaseException) -> bool:
+    """An error reply that says "not now" (:func:`is_transient`); False for any other exception."""
+    return isinstance(exc, redis.ResponseError) and is_transient(exc)
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """The error reply of a command on a consumer group that is not there (Redis restarted empty)."""
+    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
 
 
 def is_refusal(exc: redis.ResponseError) -> bool:

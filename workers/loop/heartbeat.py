@@ -4,9 +4,9 @@ Once the worker is ready, each beat writes its member of every partition's heart
 (``status``, ``/readyz`` and the janitor read them) and, while a batch has run longer than a third
 of ``claim_idle_s``, renews the lease on its entries (``XCLAIM JUSTID``) so that no other worker
 claims them. Whatever else must be said to Redis at the same rhythm rides on the same pipelined
-round trip as a :class:`BeatHook`, which adds its commands and gets its own replies back: the
-core's claim (from before ``setup()``, which may outlast the claim's TTL), the count of live
-workers.
+round trip (a :class:`broker.liveness.Beat`) as a :class:`BeatHook`, which adds its commands and
+gets its own replies back: the core's claim (from before ``setup()``, which may outlast the claim's
+TTL), the count of live workers.
 """
 
 from __future__ import annotations
@@ -17,28 +17,25 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import redis
-
 from broker import protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
-from broker.keys import GROUP, LIVE_AFTER_MS
-from broker.refusals import log_pipeline_refusals, log_refusal_once, queued_commands
+from broker.errors import ReplyError, SyncClient
+from broker.liveness import Beat
+from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.worker")
-
-_PRUNE_MS = 3_600_000  # members of workers gone for an hour leave the heartbeat set
 
 
 class BeatHook(Protocol):
     """Something said to Redis with every beat, on the heartbeat's round trip."""
 
-    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+    def queue(self, beat: Beat, ready: bool) -> None:
         """Add this beat's commands (``ready``: the worker's ``setup()`` is done)."""
 
     def take(self, replies: list[Any]) -> None:
         """The replies to the commands :meth:`queue` added, in order (errors as exception objects)."""
 
-    def stop(self, client: redis.Redis) -> None:
+    def stop(self, client: SyncClient) -> None:
         """The heartbeat ends (the worker stops): a last word, best effort."""
 
 
@@ -65,16 +62,16 @@ class LiveWorkers:
         self._consumer = consumer
         self._on_count = on_count
 
-    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+    def queue(self, beat: Beat, ready: bool) -> None:
         if ready:
-            pipe.zrange(self._hb_key, protocol.now_ms() - LIVE_AFTER_MS, "+inf", byscore=True)
+            beat.live_workers(self._hb_key)
 
     def take(self, replies: list[Any]) -> None:
         if replies and not isinstance(replies[0], Exception):
             live = {protocol.as_bytes(m) for m in replies[0]} | {self._consumer.encode()}  # its first beat
             self._on_count(len(live))
 
-    def stop(self, client: redis.Redis) -> None:
+    def stop(self, client: SyncClient) -> None:
         """Nothing to undo."""
 
 
@@ -119,7 +116,7 @@ class Heartbeat:
                 self._beat(client)
             except CONNECTION_ERRORS:
                 pass
-            except redis.ResponseError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
+            except ReplyError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
                 if not log_refusal_once(exc):
                     log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
             self._wake.wait(self._interval_s)
@@ -132,33 +129,30 @@ class Heartbeat:
                     log.debug("heartbeat hook's last word failed error=%r", exc)
         client.close()
 
-    def _beat(self, client: redis.Redis) -> None:
-        pipe = client.pipeline(transaction=False)
+    def _beat(self, client: SyncClient) -> None:
+        beat = Beat(client)
         spans: list[tuple[BeatHook, int, int]] = []
         for hook in self._hooks:
-            start = len(pipe)
-            hook.queue(pipe, self._ready)
-            spans.append((hook, start, len(pipe)))
-        own = len(pipe)
+            start = len(beat)
+            hook.queue(beat, self._ready)
+            spans.append((hook, start, len(beat)))
+        own = len(beat)
         if self._ready:
-            self._queue_beat(pipe)
-        if not len(pipe):
+            self._queue_beat(beat)
+        if not len(beat):
             return
-        sent = queued_commands(pipe)
-        replies = pipe.execute(raise_on_error=False)
-        log_pipeline_refusals(sent, replies)
+        replies = beat.send()
         for hook, start, end in spans:
             hook.take(replies[start:end])
         for reply in replies[own:]:
-            if isinstance(reply, redis.ResponseError):
+            if isinstance(reply, ReplyError):
                 raise reply  # logged by the loop (e.g. NOGROUP for the lease after a restart)
 
-    def _queue_beat(self, pipe: redis.client.Pipeline) -> None:
+    def _queue_beat(self, beat: Beat) -> None:
         now = protocol.now_ms()
         for hb_key in self._hb_keys:
-            pipe.zadd(hb_key, {self._consumer: now})
-            pipe.zremrangebyscore(hb_key, 0, now - _PRUNE_MS)
+            beat.alive(hb_key, self._consumer, now)
         stream, held, since = self.lease.held
         if held and time.monotonic() - since > self._renew_after_s:
             # Renew the lease: a long batch must not be claimed by another worker.
-            pipe.xclaim(stream, GROUP, self._consumer, 0, list[Any](held), justid=True)
+            beat.lease(stream, self._consumer, held)

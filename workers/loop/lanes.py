@@ -13,10 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import redis
-
 from broker.commit import BatchStats, Committer
-from broker.connection import CONNECTION_ERRORS, Backoff, is_transient
+from broker.connection import CONNECTION_ERRORS, Backoff, is_transient_reply
 from broker.keys import Keys
 from broker.streams import StreamReader
 
@@ -55,6 +53,4 @@ class Lane:
 def lane_failure(exc: BaseException) -> bool:
     """Errors that put one lane aside (its server unreachable, failing over, refusing writes);
     anything else is the worker's business."""
-    if isinstance(exc, CONNECTION_ERRORS):
-        return True
-    return isinstance(exc, redis.ResponseError) and is_transient(exc)
+    return isinstance(exc, CONNECTION_ERRORS) or is_transient_reply(exc)

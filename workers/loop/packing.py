@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
+from broker.errors import SyncClient
 from broker.keys import Keys
-from broker.packing import EntrySizing, queue_reads
+from broker.liveness import Beat
+from broker.packing import EntrySizing
 from workers.pipeline import Pipeline, StageSpec
 
 
@@ -37,15 +37,15 @@ class NextStage:
         self._index = next_index
         self._packing = packing
 
-    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+    def queue(self, beat: Beat, ready: bool) -> None:
         if ready:
-            queue_reads(pipe, self._keys, self._index)
+            beat.next_stage_reads(self._keys, self._index)
 
     def take(self, replies: list[Any]) -> None:
         if len(replies) == 2:
             self._packing.take(*replies)
 
-    def stop(self, client: redis.Redis) -> None:
+    def stop(self, client: SyncClient) -> None:
         """Nothing to undo."""
 
 

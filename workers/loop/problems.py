@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
-
+from broker.errors import SyncClient
+from broker.liveness import Beat
 from broker.logs import Throttle
 from workers.loop.runner import Failure
 
@@ -55,16 +55,16 @@ class Problems:
 
     # -- BeatHook: the counts go to Redis with the heartbeat ------------------------------------
 
-    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
+    def queue(self, beat: Beat, ready: bool) -> None:
         self._sending = {field: self._total[field] - self._sent[field] for field in _FIELDS}
         for field, count in self._sending.items():
             if count:
-                pipe.hincrby(self._key, field, count)
+                beat.count(self._key, field, count)
 
     def take(self, replies: list[Any]) -> None:
         if not any(isinstance(r, Exception) for r in replies):
             for field in _FIELDS:
                 self._sent[field] += self._sending[field]
 
-    def stop(self, client: redis.Redis) -> None:
+    def stop(self, client: SyncClient) -> None:
         """What the last beats did not carry is lost with the worker: counts, not requests."""

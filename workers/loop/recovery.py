@@ -2,7 +2,7 @@
 
 A worker first drains its own pending list (entries it held when it died, or when it lost
 Redis), then now and then claims entries that other consumers have held for ``claim_idle_s``
-(``XAUTOCLAIM``). Such entries run one at a time once delivered more than once: if one of them
+(``XAUTOCLAIM``, :mod:`broker.pending`). Such entries run one at a time once delivered more than once: if one of them
 crashed or hung a worker, it alone pays for it again, and past ``max_deliveries`` it goes to
 the dead-letter stream (:mod:`workers.loop.routing`). A batch entry delivered again is not run:
 it is split into single entries of the same stage (:mod:`workers.loop.packing`), which then go
@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import redis
-
 from broker import protocol
 from broker.commit import Commit
-from broker.keys import GROUP
+from broker.errors import SyncClient
+from broker.pending import claim_stale, delivery_counts
 from broker.streams import Entry
 from workers.loop.lanes import Lane
 from workers.pipeline import StageSpec
@@ -29,7 +28,7 @@ Process = Callable[[Lane, list[Entry], dict[bytes, int]], None]  # run and commi
 
 
 class Recovery:
-    def __init__(self, client: redis.Redis, spec: StageSpec, consumer: str, process: Process,
+    def __init__(self, client: SyncClient, spec: StageSpec, consumer: str, process: Process,
                  stopping: Callable[[], bool]) -> None:
         self._client = client
         self._spec = spec
@@ -62,27 +61,18 @@ class Recovery:
     def claim_stale(self, lane: Lane) -> None:
         """Take over the entries other consumers have held for over ``claim_idle_s``."""
         min_idle_ms = int(self._spec.claim_idle_s * 1000)
-        cursor = "0-0"
-        unnamed = False
+        cursor: bytes | str = "0-0"
+        unnamed = False  # an entry claimed without its id (Redis 6.2): reading our own history names it
         while not self._stopping():
-            reply = self._client.xautoclaim(lane.stream, GROUP, self._consumer, min_idle_ms, cursor,
-                                            count=self._spec.batch_size)
-            cursor, claimed = reply[0], reply[1]
-            deleted = reply[2] if len(reply) > 2 else []  # Redis >= 7 reports deleted entries
-            # Redis 6.2 answers a bare nil (no id) for an entry deleted while pending, yet claims it:
-            # it is ours now, and reading our own history below names it.
-            entries: list[Entry] = []
-            for eid, fields in claimed:
-                if eid is not None:  # a batch entry as the requests it carries, as a read gives them
-                    batch = fields and protocol.F_ITEMS in fields
-                    entries += protocol.expand(eid, fields) if batch else [(eid, fields or None)]
-            unnamed = unnamed or len({eid for eid, _ in entries}) < len(claimed)
-            entries += [(eid, None) for eid in deleted]
-            if entries:
-                log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(entries))
-                self._redelivered(lane, entries)
-            if cursor in (b"0-0", "0-0"):
+            page = claim_stale(self._client, lane.stream, self._consumer, min_idle_ms, cursor,
+                               self._spec.batch_size)
+            unnamed = unnamed or page.unnamed
+            if page.entries:
+                log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(page.entries))
+                self._redelivered(lane, page.entries)
+            if page.last:
                 break
+            cursor = page.cursor
         if unnamed:
             self.drain_own_pending(lane)
 
@@ -116,14 +106,9 @@ class Recovery:
         self.committed(commit.acks)
 
     def _delivery_counts(self, stream: str, entries: list[Entry]) -> dict[bytes, int]:
-        ids = sorted((e[0] for e in entries), key=_id_key)
-        rows = self._client.xpending_range(stream, GROUP, ids[0], ids[-1], len(ids) * 2,
-                                           consumername=self._consumer)
-        counts: dict[bytes, int] = {}
-        for row in rows:
-            entry_id = protocol.as_bytes(row["message_id"])  # type: ignore[arg-type]
-            counts[entry_id] = int(row["times_delivered"]) - self._own_rereads.get(entry_id, 0)
-        return counts
+        """Each entry's deliveries, less this process's own re-reads after losing Redis."""
+        counts = delivery_counts(self._client, stream, self._consumer, [e[0] for e in entries])
+        return {entry_id: n - self._own_rereads.get(entry_id, 0) for entry_id, n in counts.items()}
 
 
 def _by_entry(entries: list[Entry]) -> list[list[Entry]]:
@@ -135,8 +120,3 @@ def _by_entry(entries: list[Entry]) -> list[list[Entry]]:
         else:
             groups.append([entry])
     return groups
-
-
-def _id_key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)

@@ -23,16 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
 from broker.commit import Commit, Committer, Ttls
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, Backoff, RedisSettings, is_transient, unreachable
+from broker.connection import (
+    CONNECTION_OR_REPLY_ERRORS,
+    Backoff,
+    RedisSettings,
+    is_nogroup,
+    is_transient,
+    unreachable,
+)
+from broker.errors import ReplyError
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
-from broker.keys import GROUP
+from broker.liveness import unmark_stuck
 from broker.logs import Throttle
 from broker.refusals import log_refusal_once
+from broker.registry import register
 from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
@@ -95,11 +100,9 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._client = self.redis_settings.sync_client()
-        # No silent retries: a commit whose reply was lost would run twice (forwarding its items
-        # twice). A failed call surfaces instead, and the lane re-reads this consumer's pending
+        # No silent retries: a failed call surfaces, and the lane re-reads this consumer's pending
         # entries, which tells exactly what was committed and what was not.
-        self._client.set_retry(Retry(NoBackoff(), 0))
+        self._client = self.redis_settings.sync_client(retries=False)
         next_stage = self.pipeline.next_of(self.spec)
         last_stage = next_stage is None
         self._packing = ForwardPacking(self.settings.batch_entries, next_stage)
@@ -161,10 +164,8 @@ class Worker:
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
-        try:  # a predecessor in this slot found stuck: this worker replaces it
-            self._client.zrem(self.pipeline.keys.stuck(self.spec.index), self.consumer)
-        except CONNECTION_OR_REPLY_ERRORS as exc:
-            log_refusal_once(exc, "zrem", self.pipeline.keys.stuck(self.spec.index))
+        # A predecessor in this slot found stuck: this worker replaces it (best effort).
+        unmark_stuck(self._client, self.pipeline.keys, self.spec.index, self.consumer)
         log.info("worker ready stage=%s consumer=%s", self.spec.name, self.consumer)
         while not self.stopping:
             self._turn()
@@ -184,22 +185,9 @@ class Worker:
     def _register(self, lanes: list[Lane] | None = None) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
         spec = encode_spec(self.pipeline.describe(self.settings.max_payload_bytes))
-        limit = self.pipeline.stages[0].max_backlog
-        for lane in self._lanes if lanes is None else lanes:
-            try:
-                self._client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(lane.keys.spec, spec)
-            # Admission (submit.lua) reads the first stage's limit from this key, in the same call
-            # as its XADDs: every gateway and foreign producer is bounded from this moment on.
-            # With partitions the limit bounds each partition's first stream. "none", not DEL:
-            # the documented minimal ACLs hold.
-            pipe.set(lane.keys.max_backlog, "none" if limit is None else limit)
-            pipe.sadd(lane.keys.registry, self.pipeline.name)  # for gateways serving every pipeline (--all)
-            pipe.execute()
+        register(self._client, self.pipeline.name,
+                 [(lane.keys, lane.stream) for lane in (self._lanes if lanes is None else lanes)],
+                 spec, self.pipeline.stages[0].max_backlog)
 
     def request_stop(self) -> None:
         """Finish the batch in hand, commit it, and return from ``run``."""
@@ -214,7 +202,7 @@ class Worker:
                 action()
                 return True
             except CONNECTION_OR_REPLY_ERRORS as exc:
-                if isinstance(exc, redis.ResponseError) and not is_transient(exc):
+                if isinstance(exc, ReplyError) and not is_transient(exc):
                     log_refusal_once(exc)
                     raise
                 attempts += 1
@@ -341,7 +329,7 @@ class Worker:
         empty) is made again; anything else is raised."""
         if lane_failure(exc):
             lane.set_aside(exc)
-        elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+        elif is_nogroup(exc):
             log.warning("consumer group missing (Redis restarted empty?): recreating stream=%s", lane.stream)
             lane.recover = True
             self._with_redis(lambda: self._register([lane]))

@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import psutil
-import redis
 
+from broker.errors import ReplyError, SyncClient
 from broker.keys import Keys
+from broker.liveness import Beat
 from broker.pins import PinClaims, PinRequest
 from broker.refusals import log_refusal_once
 
@@ -119,23 +120,23 @@ class CoreClaim:
         self._stage = stage
         self.cpu = hint  # the core it prefers (its slot's), until claimed
 
-    def claim(self, client: redis.Redis) -> None:
+    def claim(self, client: SyncClient) -> None:
         """Claim a core (the hint if free) and pin this process to it. Refused by Redis (an ACL
         without the claim's commands), the hint will do: pinning must not stop a worker."""
         try:
             cpus = self._claims.claim(client, allowed_cpus(), [PinRequest(self._consumer, self._stage, self.cpu)])
             self.cpu = cpus[0]
-        except redis.ResponseError as exc:
+        except ReplyError as exc:
             log_refusal_once(exc, "pins.lua", self._claims.key)
             log.warning("could not claim a core error=%s: pinning to cpu %d", exc, self.cpu)
         pin(self.cpu)
         log.info("pinned consumer=%s cpu=%d host=%s", self._consumer, self.cpu, self._claims.host)
 
-    def queue(self, pipe: redis.client.Pipeline, ready: bool) -> None:
-        self._claims.renew(pipe, self.cpu, self._stage, self._consumer)
+    def queue(self, beat: Beat, ready: bool) -> None:
+        beat.renew_pin(self._claims, self.cpu, self._stage, self._consumer)
 
     def take(self, replies: list[Any]) -> None:
         """A renewal that failed is tried again at the next beat (the claim lives ``ttl_ms``)."""
 
-    def stop(self, client: redis.Redis) -> None:
+    def stop(self, client: SyncClient) -> None:
         self._claims.release(client, self.cpu, self._stage, self._consumer)

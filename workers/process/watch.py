@@ -26,16 +26,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker.connection import RedisSettings
 from broker.keys import Keys
+from broker.liveness import mark_stuck
 from broker.protocol import now_ms
-from broker.refusals import log_refusal_once
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.supervisor")
 
 _STACK_WAIT_S = 1.0  # how long the supervisor waits for a stuck worker's stack
-_STUCK_PRUNE_MS = 3_600_000  # marks of workers stuck an hour ago leave P:stuck:<i>
 _NO_STACK = "(no stack: the worker did not answer SIGUSR1)"
 
 
@@ -186,17 +185,10 @@ class StuckWatch:
         return _NO_STACK
 
     def _mark(self, keys: Keys, stage: int, consumer: str) -> None:
-        """``P:stuck:<i>``, for ``conveyor status`` and ``/readyz``; best effort."""
+        """``P:stuck:<i>``, for ``conveyor status`` and ``/readyz``; best effort (a failure is logged)."""
         client = RedisSettings(self._redis.url, socket_timeout_s=2.0, connect_timeout_s=2.0).sync_client()
         try:
-            now = now_ms()
-            pipe = client.pipeline(transaction=False)
-            pipe.zadd(keys.stuck(stage), {consumer: now})
-            pipe.zremrangebyscore(keys.stuck(stage), 0, now - _STUCK_PRUNE_MS)
-            pipe.execute()
-        except CONNECTION_OR_REPLY_ERRORS as exc:
-            log_refusal_once(exc, "zadd", keys.stuck(stage))
-            log.warning("could not mark the stuck worker in Redis error=%r", exc)
+            mark_stuck(client, keys, stage, consumer)
         finally:
             client.close()
 

@@ -1,0 +1,139 @@
+"""What a worker says about itself in Redis: that it is alive, loading, or was found stuck.
+
+A worker's heartbeat sends one :class:`Beat` every ``heartbeat_s``: one pipelined round trip that
+carries its member of each partition's heartbeat set ``P:hb:<i>`` (``status``, ``/readyz`` and the
+janitor read them), the lease of a long batch (``XCLAIM JUSTID``, so that no other worker claims
+its entries), and whatever the worker's hooks ask at the same rhythm (its stage's live workers,
+its problem counts, its core's claim, its next stage's workers and cost). While ``setup()`` runs
+the worker marks itself loading (``P:loading:<i>``, :func:`mark_loading`); a supervisor that
+replaces a stuck worker marks it stuck (``P:stuck:<i>``, :func:`mark_stuck`) and its successor
+clears that mark once ready (:func:`unmark_stuck`). Marks are best effort: a failure is logged
+(a refusal by the ACL explained once) and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.client
+
+from broker import protocol
+from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.families import COUNTS, HEARTBEATS, LOADING, STREAMS, STUCK
+from broker.keys import GROUP, LIVE_AFTER_MS, Keys
+from broker.operations import WORKER, sends
+from broker.packing import queue_reads
+from broker.pins import PinClaims
+from broker.refusals import log_pipeline_refusals, log_refusal_once, queued_commands
+
+__all__ = ["PRUNE_MS", "Beat", "mark_loading", "mark_stuck", "unmark_loading", "unmark_stuck"]
+
+PRUNE_MS = 3_600_000  # members of workers gone (or loading, or stuck) an hour ago leave their set
+
+_supervisor_log = logging.getLogger("conveyor.supervisor")
+
+
+class Beat:
+    """One heartbeat's commands, queued by name and sent in one round trip (:meth:`send`)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._pipe: redis.client.Pipeline = client.pipeline(transaction=False)
+
+    def __len__(self) -> int:
+        """Commands queued so far: where each hook's replies start in :meth:`send`'s."""
+        return len(self._pipe)
+
+    @sends(WORKER, uses={"zadd": HEARTBEATS, "zremrangebyscore": HEARTBEATS}, why="every heartbeat_s, once ready")
+    def alive(self, hb_key: str, consumer: str, now_ms: int) -> None:
+        """``consumer`` alive at ``now_ms`` in ``hb_key`` (``P:hb:<i>``); members gone an hour leave it."""
+        self._pipe.zadd(hb_key, {consumer: now_ms})
+        self._pipe.zremrangebyscore(hb_key, 0, now_ms - PRUNE_MS)
+
+    @sends(WORKER, uses={"xclaim": STREAMS}, why="the lease of a long batch (JUSTID), with the heartbeat")
+    def lease(self, stream: str, consumer: str, ids: Sequence[bytes]) -> None:
+        """Renew ``consumer``'s hold on the entries ``ids`` of ``stream`` (their idle time back to 0)."""
+        self._pipe.xclaim(stream, GROUP, consumer, 0, list[Any](ids), justid=True)
+
+    @sends(WORKER, uses={"zrange": HEARTBEATS}, why="the stage's live workers, with the heartbeat")
+    def live_workers(self, hb_key: str) -> None:
+        """The members of ``hb_key`` that beat lately (reply: a list of consumer names)."""
+        self._pipe.zrange(hb_key, protocol.now_ms() - LIVE_AFTER_MS, "+inf", byscore=True)
+
+    @sends(WORKER, uses={"hincrby": COUNTS}, why="problem counts, with the heartbeat")
+    def count(self, counts_key: str, field: str, n: int) -> None:
+        """Add ``n`` to ``field`` of ``counts_key`` (``P:counts:<i>``)."""
+        self._pipe.hincrby(counts_key, field, n)
+
+    def renew_pin(self, claims: PinClaims, cpu: int, stage: int, consumer: str) -> None:
+        """Renew a core's claim (:meth:`broker.pins.PinClaims.renew`, declared there)."""
+        claims.renew(self._pipe, cpu, stage, consumer)
+
+    def next_stage_reads(self, keys: Keys, index: int) -> None:
+        """Stage ``index``'s live workers and latest stats (:func:`broker.packing.queue_reads`, declared there)."""
+        queue_reads(self._pipe, keys, index)
+
+    def send(self) -> list[Any]:
+        """Send what was queued (nothing: no round trip); the replies in order, an error reply as its
+        exception object (each ACL refusal among them logged once). A lost connection raises."""
+        if not len(self._pipe):
+            return []
+        sent = queued_commands(self._pipe)
+        replies: list[Any] = self._pipe.execute(raise_on_error=False)
+        log_pipeline_refusals(sent, replies)
+        return replies
+
+
+def _mark(client: redis.Redis, key: str, member: str) -> None:
+    now = protocol.now_ms()
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(key, {member: now})
+    pipe.zremrangebyscore(key, 0, now - PRUNE_MS)
+    pipe.execute()
+
+
+@sends(WORKER, uses={"zadd": LOADING, "zremrangebyscore": LOADING}, why="every heartbeat_s while setup() runs")
+def mark_loading(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> bool:
+    """``consumer`` is loading (``P:loading:<stage>``, for ``conveyor status``); whether it was said."""
+    try:
+        _mark(client, keys.loading(stage), consumer)
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        log_refusal_once(exc, "zadd", keys.loading(stage))
+        return False
+    return True
+
+
+@sends(WORKER, uses={"zrem": LOADING}, why="when setup() ends")
+def unmark_loading(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> bool:
+    """``consumer`` no longer loading; whether it was said."""
+    return _remove(client, keys.loading(stage), consumer)
+
+
+@sends(WORKER, uses={"zadd": STUCK, "zremrangebyscore": STUCK}, why="the supervisor, replacing a stuck worker")
+def mark_stuck(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> bool:
+    """``consumer`` found stuck (``P:stuck:<stage>``, for ``conveyor status`` and ``/readyz``); whether
+    it was said (if not, the supervisor's log says why)."""
+    try:
+        _mark(client, keys.stuck(stage), consumer)
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        log_refusal_once(exc, "zadd", keys.stuck(stage))
+        _supervisor_log.warning("could not mark the stuck worker in Redis error=%r", exc)
+        return False
+    return True
+
+
+@sends(WORKER, uses={"zrem": STUCK}, why="once ready: a predecessor marked stuck is replaced")
+def unmark_stuck(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> bool:
+    """``consumer``'s stuck mark gone (the worker in its slot is ready); whether it was said."""
+    return _remove(client, keys.stuck(stage), consumer)
+
+
+def _remove(client: redis.Redis, key: str, member: str) -> bool:
+    try:
+        client.zrem(key, member)
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        log_refusal_once(exc, "zrem", key)
+        return False
+    return True

@@ -1,0 +1,197 @@
+"""A worker's liveness and recovery operations (broker/liveness.py, broker/pending.py) on a real Redis:
+a heartbeat's one round trip, the loading and stuck marks, stale entries claimed and their delivery
+counts; and, on servers whose worker user is generated from the declarations of broker/ alone, every
+one of them allowed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from broker import acl, protocol
+from broker.connection import RedisSettings, is_nogroup
+from broker.keys import GROUP, Keys
+from broker.liveness import PRUNE_MS, Beat, mark_loading, mark_stuck, unmark_loading, unmark_stuck
+from broker.operations import WORKER
+from broker.pending import claim_stale, delivery_counts
+from broker.pins import PinClaims
+from broker.registry import register
+from tests.acl_stages import AclServer, redis_binaries, start_acl_server
+from tests.helpers import wait_for
+
+KEYS = Keys("t-live")
+
+
+def _group(client: redis.Redis, stream: str) -> None:
+    client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+
+
+def test_a_beat_is_one_round_trip_with_each_reply_in_order(redis_client: redis.Redis) -> None:
+    hb = KEYS.heartbeats(0)
+    _group(redis_client, KEYS.stream(0))
+    held = redis_client.xadd(KEYS.stream(0), {"id": "r1", "data": b"\x01"})
+    redis_client.xreadgroup(GROUP, "me", {KEYS.stream(0): ">"})
+    redis_client.zadd(hb, {"peer": protocol.now_ms(), "gone": protocol.now_ms() - PRUNE_MS - 1})
+    redis_client.xadd(KEYS.stats(1), {"n": "4", "ms": "2.0"})
+    claims = PinClaims(KEYS, "host", 10_000)
+    beat = Beat(redis_client)
+    assert len(beat) == 0 and beat.send() == []  # nothing queued: no round trip
+    beat.alive(hb, "me", protocol.now_ms())
+    beat.lease(KEYS.stream(0), "me", [held])
+    beat.live_workers(hb)
+    beat.count(KEYS.counts(0), "stage_errors", 2)
+    beat.renew_pin(claims, 3, 0, "me")
+    beat.next_stage_reads(KEYS, 1)
+    assert len(beat) == 9
+    replies = beat.send()
+    assert replies[:3] == [1, 1, [held]]  # "gone" pruned; the lease held by "me"
+    assert sorted(replies[3]) == [b"me", b"peer"] and replies[4:7] == [2, 1, True]
+    assert replies[7] == [] and replies[8][0][1] == {b"n": b"4", b"ms": b"2.0"}  # stage 1: no worker, its stats
+    assert redis_client.zscore(claims.key, "3:0:me") is not None and redis_client.pttl(claims.key) > 0
+
+
+def test_an_error_reply_comes_back_in_its_place(redis_client: redis.Redis) -> None:
+    """The lease after Redis restarted empty (no group): NOGROUP, the other commands done."""
+    beat = Beat(redis_client)
+    beat.lease(KEYS.stream(0), "me", [b"1-0"])
+    beat.alive(KEYS.heartbeats(0), "me", protocol.now_ms())
+    replies = beat.send()
+    assert is_nogroup(replies[0]) and replies[1:] == [1, 0]
+
+
+def test_loading_and_stuck_marks(redis_client: redis.Redis) -> None:
+    assert mark_loading(redis_client, KEYS, 1, "me") and redis_client.zscore(KEYS.loading(1), "me") is not None
+    assert unmark_loading(redis_client, KEYS, 1, "me") and redis_client.zcard(KEYS.loading(1)) == 0
+    redis_client.zadd(KEYS.stuck(0), {"old": protocol.now_ms() - PRUNE_MS - 1})
+    assert mark_stuck(redis_client, KEYS, 0, "me") and redis_client.zrange(KEYS.stuck(0), 0, -1) == [b"me"]
+    assert unmark_stuck(redis_client, KEYS, 0, "me") and redis_client.zcard(KEYS.stuck(0)) == 0
+
+
+def test_marks_are_best_effort(caplog: pytest.LogCaptureFixture) -> None:
+    """Without Redis a mark is not said, and nothing is raised; a stuck mark's failure is logged."""
+    client = RedisSettings("redis://127.0.0.1:1/0", connect_timeout_s=1.0).sync_client()
+    try:
+        with caplog.at_level(logging.WARNING, logger="conveyor.supervisor"):
+            assert not mark_stuck(client, KEYS, 0, "me")
+        assert "could not mark the stuck worker" in caplog.text
+        assert not mark_loading(client, KEYS, 0, "me") and not unmark_loading(client, KEYS, 0, "me")
+        assert not unmark_stuck(client, KEYS, 0, "me")
+    finally:
+        client.close()
+
+
+def test_stale_entries_are_claimed_as_reads_give_them(redis_client: redis.Redis) -> None:
+    """A batch entry as its requests, an entry deleted while pending as (id, None), in pages of ``count``."""
+    stream = KEYS.stream(0)
+    _group(redis_client, stream)
+    single = redis_client.xadd(stream, protocol.entry_fields(b"r1", b"\x01", None, None))
+    flat = [b"r2", b"\x02", b"", b"", b"r3", b"\x03", b"", b""]
+    batch = redis_client.xadd(stream, {protocol.F_ITEMS: protocol.pack_items(flat)})
+    deleted = redis_client.xadd(stream, protocol.entry_fields(b"r4", b"\x04", None, None))
+    redis_client.xreadgroup(GROUP, "dead", {stream: ">"})
+    redis_client.xdel(stream, deleted)
+    first = claim_stale(redis_client, stream, "me", 0, "0-0", 2)
+    assert [(eid, fields and fields[protocol.F_ID]) for eid, fields in first.entries] == [
+        (single, b"r1"), (batch, b"r2"), (batch, b"r3")]
+    assert not first.last and not first.unnamed
+    rest = claim_stale(redis_client, stream, "me", 0, first.cursor, 2)
+    assert rest.last
+    # Redis 7 names the deleted entry (and drops it from the pending list); 6.2 claims it without its id.
+    assert rest.entries == [(deleted, None)] or (rest.entries == [] and rest.unnamed)
+    assert claim_stale(redis_client, stream, "other", 60_000, "0-0", 10).entries == []  # not idle long enough
+
+
+def test_delivery_counts_of_pending_entries(redis_client: redis.Redis) -> None:
+    stream = KEYS.stream(0)
+    _group(redis_client, stream)
+    ids = [redis_client.xadd(stream, {"id": f"r{i}", "data": b"\x01"}) for i in range(3)]
+    redis_client.xreadgroup(GROUP, "me", {stream: ">"})
+    redis_client.xreadgroup(GROUP, "me", {stream: "0"}, count=1)  # the first one, read again
+    assert delivery_counts(redis_client, stream, "me", [ids[2], ids[0], ids[0], ids[1]]) == {
+        ids[0]: 2, ids[1]: 1, ids[2]: 1}
+    assert delivery_counts(redis_client, stream, "other", ids) == {}
+
+
+# -- the worker's user, generated from the declarations alone -----------------------------------------
+
+
+@pytest.fixture(params=["6.2", "7"])
+def declared_only(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[AclServer]:
+    """A server whose worker user has what broker/'s operations declare, and none of the uses still
+    listed as sent from outside broker/."""
+    found = redis_binaries().get(request.param)
+    if found is None:
+        pytest.skip(f"no Redis {request.param} server on this machine")
+    legacy = getattr(acl, "_LEGACY_USES", ())
+    monkeypatch.setattr(acl, "_LEGACY_USES", tuple((r, u) for r, u in legacy if r != WORKER), raising=False)
+    acl.roles.cache_clear()
+    try:
+        server = start_acl_server(found, roles=[WORKER])
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        monkeypatch.undo()
+        acl.roles.cache_clear()
+
+
+@pytest.mark.redis
+def test_the_worker_role_allows_its_liveness_and_recovery(declared_only: AclServer) -> None:
+    server = declared_only
+    settings = RedisSettings(server.url("conveyor-worker"))
+    client = settings.sync_client(retries=False)
+    stream = KEYS.stream(0)
+    try:
+        register(client, KEYS.pipeline, [(KEYS, stream)], b"spec", 4)
+        register(client, KEYS.pipeline, [(KEYS, stream)], b"spec", None)  # the group exists: BUSYGROUP ignored
+        held = client.xadd(stream, {"id": "r1", "data": b"\x01"})
+        client.xreadgroup(GROUP, "dead", {stream: ">"})
+        beat = Beat(client)
+        beat.alive(KEYS.heartbeats(0), "me", protocol.now_ms())
+        beat.live_workers(KEYS.heartbeats(0))
+        beat.count(KEYS.counts(0), "stage_errors", 1)
+        beat.renew_pin(PinClaims(KEYS, "host", 10_000), 0, 0, "me")
+        beat.next_stage_reads(KEYS, 1)
+        assert not any(isinstance(r, Exception) for r in beat.send())
+        page = claim_stale(client, stream, "me", 0, "0-0", 10)
+        assert [eid for eid, _ in page.entries] == [held]
+        assert delivery_counts(client, stream, "me", [held]) == {held: 2}
+        beat = Beat(client)
+        beat.lease(stream, "me", [held])
+        assert beat.send() == [[held]]
+        assert mark_loading(client, KEYS, 0, "me") and unmark_loading(client, KEYS, 0, "me")
+        assert mark_stuck(client, KEYS, 0, "me") and unmark_stuck(client, KEYS, 0, "me")
+        assert server.acl_log() == []
+    finally:
+        client.close()
+
+
+def test_a_workers_client_does_not_send_a_command_again(redis_url: str) -> None:
+    """A worker's client (``retries=False``): a blocked read whose connection is lost fails at once; the
+    client never sends a command again by itself."""
+    client = RedisSettings(redis_url).sync_client(retries=False)
+    admin = redis.Redis.from_url(redis_url)
+    outcome: dict[str, object] = {}
+
+    def blocked() -> None:
+        try:
+            outcome["reply"] = client.blpop([KEYS.reply("nobody")], timeout=5)
+        except redis.ConnectionError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=blocked)
+    try:
+        assert client.get_retry() is not None and client.get_retry().get_retries() == 0
+        thread.start()
+        ids = wait_for(lambda: [c["id"] for c in admin.client_list() if c["cmd"] == "blpop"], 5, "the blocked read")
+        admin.client_kill_filter(_id=ids[0])
+        thread.join(10)
+        assert not thread.is_alive() and "error" in outcome, outcome
+    finally:
+        admin.close()
+        client.close()
