@@ -56,7 +56,12 @@ T = 60.0  # model loads on a busy 2-core machine
 # Cosine against torch fp32 (and between two answers for one text): ONNX Runtime keeps torch's vectors
 # (1.00000); bf16 keeps them to a mean of 0.99995 and a minimum of 0.99988 over 3,140 texts (the empty
 # text, two tokens; docs/embeddings.md), and two calls of bf16 agree to 0.99989 at worst whatever the batches.
-MIN_COSINE = 0.9999 if resolve_engine(DEFAULT_ENGINE) == "onnx" else 0.9995
+
+
+def min_cosine() -> float:
+    """The bar for the engine the stack's embed worker chose (its decision, kept in the tests' cache)."""
+    return 0.9999 if resolve_engine(DEFAULT_ENGINE, cache_dir=str(onnx_cache_dir())) == "onnx" else 0.9995
+
 
 SIMILAR = ("A cat sits on the mat.", "A kitten is sitting on a rug.")
 UNRELATED = "Quarterly tax filings are due at the end of March."
@@ -149,7 +154,7 @@ def test_vectors_match_the_model_called_directly(stack: Stack, direct: tuple[Tok
     got = np.stack(vectors)
     want = embed_direct(direct, texts)
     cosines = np.sum(got * want, axis=1)  # unit vectors
-    assert cosines.min() > MIN_COSINE, cosines
+    assert cosines.min() > min_cosine(), cosines
     assert float(got[0] @ got[1]) > float(got[0] @ got[2]) + 0.2
     assert float(got[0] @ got[1]) > float(got[1] @ got[2]) + 0.2
 
@@ -160,7 +165,7 @@ def test_empty_and_huge_texts_are_answered_and_bad_inputs_refused(stack: Stack,
     empty_v, huge_v, bad, nested = stack.predict_all(["", huge, 3, ["a", "list"]])
     assert empty_v.shape == (DIM,) and abs(float(np.linalg.norm(empty_v)) - 1.0) < 1e-4
     # Truncated at the model's max length (256 tokens), exactly as the model called directly.
-    assert float(huge_v @ embed_direct(direct, [huge])[0]) > MIN_COSINE
+    assert float(huge_v @ embed_direct(direct, [huge])[0]) > min_cosine()
     for error in (bad, nested):
         assert isinstance(error, StageError) and error.stage == "tokenize", error
         assert "embeddings take a string" in error.message
@@ -175,7 +180,7 @@ def test_http_returns_a_json_list(stack: Stack, direct: tuple[Tokenizer, Embedde
     assert result["tokens"] == len(direct[0]([SIMILAR[0]])[0])  # the token ids, special ones included
     vector = np.asarray(result["embedding"], dtype=np.float32)
     assert vector.shape == (DIM,)
-    assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > MIN_COSINE
+    assert float(vector @ embed_direct(direct, [SIMILAR[0]])[0]) > min_cosine()
 
 
 def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
@@ -195,7 +200,7 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
         out = triton.InferRequestedOutput("embedding", binary_data=binary)
         got = client.infer(NAME, [text], outputs=[out]).as_numpy("embedding")
         assert got.dtype == np.float32 and got.shape == (len(texts), DIM)
-        assert np.sum(got * want, axis=1).min() > MIN_COSINE
+        assert np.sum(got * want, axis=1).min() > min_cosine()
 
 
 def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
@@ -211,11 +216,11 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
         assert [d.index for d in response.data] == list(range(len(texts))) and response.model == NAME
         got = np.array([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") if encoding == "base64"
                         else d.embedding for d in response.data], dtype=np.float32)
-        assert got.shape == (len(texts), DIM) and np.sum(got * native, axis=1).min() > MIN_COSINE
+        assert got.shape == (len(texts), DIM) and np.sum(got * native, axis=1).min() > min_cosine()
         tokens = sum(len(ids) for ids in direct[0](texts))
         assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
     one = client.embeddings.create(model=NAME, input=SIMILAR[0])
-    assert float(np.asarray(one.data[0].embedding) @ native[0]) > MIN_COSINE
+    assert float(np.asarray(one.data[0].embedding) @ native[0]) > min_cosine()
     assert [m.id for m in client.models.list()] == [NAME]
     with pytest.raises(openai.NotFoundError) as missing:
         client.embeddings.create(model="no-such-model", input="x")
@@ -234,7 +239,7 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
     assert long.value.code == "context_length_exceeded"
     cut = client.embeddings.create(model=NAME, input=huge, extra_body={"truncate": True})
     assert cut.usage.prompt_tokens == 256 and float(np.asarray(cut.data[0].embedding)
-                                                    @ embed_direct(direct, [huge])[0]) > MIN_COSINE
+                                                    @ embed_direct(direct, [huge])[0]) > min_cosine()
 
 
 def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:

@@ -9,8 +9,9 @@ or over the Open Inference Protocol (tritonclient, KServe): input "text" BYTES [
 FP32 [N, 384] and "tokens" INT64 [N]; each text batches on its own (docs/inference-protocol.md).
 
 Importing this module never imports torch: the model loads in each worker's ``setup()``.
-The embed stage's engine is ``auto`` by default: traced torch in bfloat16 on a CPU that computes bf16 in
-hardware with AMX (recent Intel Xeons), else ONNX Runtime (``CONVEYOR_EMBED_ENGINE=onnx`` to pin it).
+The embed stage's engine is ``auto`` by default: the fastest engine that keeps fp32's vectors, measured on
+the worker's core at its first start on a machine and kept in the cache folder (``CONVEYOR_EMBED_ENGINE=onnx``
+to pin one).
 See docs/embeddings.md for the stage split, the figures and the options.
 """
 

@@ -2,21 +2,20 @@
 
 | engine | what | vectors against torch fp32 |
 | --- | --- | --- |
-| ``auto`` (default) | ``torch-bf16`` on a CPU with AMX (bf16 tiles), else ``onnx`` | as the engine it picks |
+| ``auto`` (default) | the fastest of ``torch-bf16``, ``onnx``, ``torch`` on this CPU, measured | as the one it picks |
 | ``onnx`` | ONNX Runtime, the graph exported from the packaged weights | cosine 1.0000 |
 | ``torch-bf16`` | torch, weights and compute in bfloat16, traced (TorchScript) | mean 0.99995, min 0.9999 |
 | ``onnx-int8`` | the same graph as ``onnx``, weights quantized to int8 (dynamic) | mean 0.99, faster |
 | ``torch`` | transformers' model in eager torch | the reference |
 | ``torch-int8`` | torch's dynamic quantization of every Linear | worse and slower than ``onnx-int8`` |
 
-Measured (docs/embeddings.md): on a CPU with AMX, ``torch-bf16`` is the fastest engine
-for a lone text and in batches (on one thread, 4.0 ms for a lone text against ``onnx``'s 5.0-5.4, and 2.0
-against 5.8 in calls of eight), so ``auto`` picks it there: the fastest engine that keeps mean cosine >=
-0.999. Elsewhere ``auto`` picks ``onnx`` (without bf16 in hardware torch emulates it, slowly), the
-fastest engine that keeps torch's vectors exactly. Pin ``onnx`` for vectors identical to fp32's on every
-CPU. ``torch`` stays for comparison and for models that do not export. Choose with
-``Pipeline.add(Embed, engine="onnx")`` or, for ``conveyor run examples.embeddings:pipeline``,
-``CONVEYOR_EMBED_ENGINE=onnx``.
+``auto`` is the issue's rule applied per machine: the fastest engine that keeps the vectors (mean cosine >=
+0.999 against torch fp32). Which one that is depends on the CPU beyond its flags (bf16 is fast only where
+torch's kernels make it so), so an embed worker measures the candidates at its first start on a machine and
+keeps the decision in the cache (examples/embeddings/calibration.py); later starts read it. Pin ``onnx`` for
+vectors identical to fp32's on every CPU. ``torch`` stays for comparison and for models that do not export.
+Choose with ``Pipeline.add(Embed, engine="onnx")`` or, for ``conveyor run examples.embeddings:pipeline``,
+``CONVEYOR_EMBED_ENGINE=onnx``: a pinned engine is never measured.
 """
 
 from __future__ import annotations
@@ -38,8 +37,9 @@ ENGINE_ENV = "CONVEYOR_EMBED_ENGINE"
 # --read 4 --spreads 1.25,1.5`, docs/embeddings.md.
 GROUP_SPREAD: dict[str, float | None] = {"onnx": 1.25, "onnx-int8": 1.25, "torch": None, "torch-int8": None,
                                          "torch-bf16": None}
-# /proc/cpuinfo's name for AMX's bf16 tiles: every speed figure of torch-bf16 was measured with AMX. CPUs with
-# AVX512-BF16 alone (Cooper Lake, AMD Zen 4) compute bf16 too, but unmeasured here: ``auto`` keeps ``onnx``.
+# /proc/cpuinfo's name for AMX's bf16 tiles: where a CPU lists it, ``torch-bf16`` has been the fastest engine
+# measured. Only the guess that ``resolve_engine`` gives before a worker has measured this machine: CPUs with
+# AVX512-BF16 alone have been the fastest on ``torch-bf16`` or the slowest, by CPU (docs/embeddings.md).
 BF16_FLAGS = frozenset({"amx_bf16"})
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -58,8 +58,8 @@ def check_engine(engine: object) -> str:
 
 def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has AMX's bf16 tiles, from the flags Linux lists in /proc/cpuinfo
-    (``cpuinfo``: that file's text). False where there is no such file: ``auto`` then keeps ``onnx``,
-    right on every CPU. Read here rather than asked of torch, which ``onnx`` does not import."""
+    (``cpuinfo``: that file's text). False where there is no such file. Read here rather than asked of
+    torch, which ``onnx`` does not import."""
     if cpuinfo is None:
         try:
             cpuinfo = CPUINFO.read_text(errors="replace")
@@ -72,17 +72,24 @@ def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
     return False
 
 
-def resolve_engine(engine: str, cpuinfo: str | None = None) -> str:
-    """The engine ``auto`` stands for on this CPU (``torch-bf16`` where it has AMX, else
-    ``onnx``); any other engine as it is."""
+def resolve_engine(engine: str, cpuinfo: str | None = None, cache_dir: str | None = None) -> str:
+    """The engine ``auto`` stands for here, without measuring: the decision an embed worker on one thread
+    with groups of 8 (the example's own settings) has kept for this machine, else the guess from the CPU's
+    flags (``torch-bf16`` where it has AMX, else ``onnx``); any other engine as it is. For tools and tests
+    that need a name before any worker starts; the embed stage measures instead (calibration.auto_engine)."""
     if check_engine(engine) != "auto":
         return engine
+    from examples.embeddings.calibration import machine_key, read_decision
+
+    kept = read_decision(machine_key(1, 8, cpuinfo), Path(cache_dir) if cache_dir else None)
+    if kept is not None:
+        return kept.engine
     return "torch-bf16" if cpu_computes_bf16(cpuinfo) else "onnx"
 
 
 def make_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> Engine:
     """An engine, not loaded yet (``load()`` imports torch or onnxruntime and reads the model)."""
-    engine = resolve_engine(engine)
+    engine = resolve_engine(engine, cache_dir=cache_dir)
     if engine.startswith("onnx"):
         from examples.embeddings.onnx_engine import OnnxEmbedder
 
@@ -93,6 +100,7 @@ def make_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> 
 
 
 def load_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> Engine:
+    """An engine, loaded (``auto``: as ``resolve_engine`` names it; the embed stage measures instead)."""
     loaded = make_engine(engine, threads, cache_dir)
     loaded.load()
     return loaded

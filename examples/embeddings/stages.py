@@ -1,10 +1,9 @@
 """The two stages of the embeddings pipeline.
 
 ``Tokenize`` is cheap (about 0.1 ms per text) and turns a text into int32 token ids;
-``Embed`` is the model, answering ``{"embedding": 384 float32, "tokens": n}`` per text (2-4 ms of CPU per
-text on a CPU with AMX with the default engine there, traced torch in bf16; 4.5-6 with ONNX Runtime, the
-default elsewhere; docs/embeddings.md): batched, one thread per worker, padded per batch, and length-aware
-(``batch_key``), so one forward pass holds texts of similar length.
+``Embed`` is the model, answering ``{"embedding": 384 float32, "tokens": n}`` per text (a few ms of CPU per
+text on the engine ``auto`` measures fastest on the worker's CPU; docs/embeddings.md): batched, one thread per
+worker, padded per batch, and length-aware (``batch_key``), so one forward pass holds texts of similar length.
 """
 
 from __future__ import annotations
@@ -57,8 +56,9 @@ class Embed(Stage):
     # set in setup() unless given (Pipeline.add(Embed, group_spread=...)).
     group_spread: float | None = BY_ENGINE
 
-    # The code that runs the model (examples/embeddings/engines.py): "auto" (the default: "torch-bf16" on
-    # a CPU with AMX, else "onnx"; each worker picks for its own CPU), "onnx" (ONNX Runtime,
+    # The code that runs the model (examples/embeddings/engines.py): "auto" (the default: the fastest engine
+    # that keeps fp32's vectors, measured at a worker's first start on a machine and kept in the cache
+    # folder, examples/embeddings/calibration.py; each worker decides for its own CPU), "onnx" (ONNX Runtime,
     # the graph exported once from the packaged weights into a cache folder), "torch-bf16" (traced torch
     # in bfloat16), "onnx-int8", "torch", "torch-int8".
     engine = DEFAULT_ENGINE
@@ -69,15 +69,20 @@ class Embed(Stage):
         # it); ONNX Runtime's own pool takes the same count.
         threads = int(os.environ.get("OMP_NUM_THREADS") or self.threads or 1)
         if check_engine(self.engine) == "auto":
-            self.engine = resolve_engine(self.engine)
-            log.info("embed engine auto: %s on this CPU", self.engine)
-        self._embed = load_engine(self.engine, threads=threads, cache_dir=self.cache_dir)
+            # The kept decision's engine, or each candidate measured here on this core (the winner stays
+            # loaded): the worker is still in setup(), so it shows as loading meanwhile.
+            from examples.embeddings.calibration import auto_engine  # here: `python -m` runs that module
+
+            group_size = self.group_size or max(1, self.batch_size // 4)  # the grouping's own default
+            self.engine, self._embed, _ = auto_engine(threads, group_size, self.cache_dir)
+        else:
+            self._embed = load_engine(self.engine, threads=threads, cache_dir=self.cache_dir)
         self.resolve_group_spread()
 
     def resolve_group_spread(self) -> None:
         """The engine's own ``group_spread`` unless one was given."""
         if self.group_spread == BY_ENGINE:
-            self.group_spread = GROUP_SPREAD[resolve_engine(self.engine)]
+            self.group_spread = GROUP_SPREAD[resolve_engine(self.engine, cache_dir=self.cache_dir)]
 
     def batch_key(self, ids: Any) -> int:
         """The cost of one item: its token count (padding makes a batch cost its longest item)."""
