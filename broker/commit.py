@@ -1,8 +1,8 @@
 """Builds the arguments of ``commit.lua`` for one batch and runs it: how a worker's batch leaves.
 
 The command is packed here from bytes (:mod:`broker.resp`), as :mod:`broker.submit` does:
-redis-py's own packer copied a batch's payloads several times (for 16 MiB arrays it was a
-quarter of a worker's time). It goes out on a held connection (:mod:`broker.held`), never retried.
+redis-py's own packer would copy a batch's payloads several times, which for large arrays costs more
+than the commit itself. It goes out on a held connection (:mod:`broker.held`), never retried.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ STATS_PERIOD_S = 0.1
 class BatchStats:
     """Batch sizes and durations, handed to Redis about every ``STATS_PERIOD_S`` as one entry of
     ``P:stats:<i>`` (fields ``n`` and ``ms``: space-separated, one value per batch) rather than
-    one XADD per batch: under load that XADD was a command per batch for nobody's benefit."""
+    one XADD per batch, which under load would be a command per batch that no reader needs."""
 
     period_s: float = STATS_PERIOD_S
     sizes: list[bytes] = field(default_factory=list)

@@ -2,14 +2,14 @@
 gateway's submissions share (docs/protocol.md, "Batch entries").
 
 Each stream entry costs Redis an ``XADD``, its share of an ``XREADGROUP`` (a pending-list node
-in the group and in the consumer) and an ``XACK``, and its script arguments: about 5 us of
-Redis CPU per request and hop (``python -m bench.peers.redis_cost``). A batch entry pays those once
+in the group and in the consumer) and an ``XACK``, and its script arguments, for every request and
+hop (``python -m bench.peers.redis_cost`` measures it). A batch entry pays those once
 for several requests. What that costs: the stage's workers share work by whole entries. So a hop
 becomes at least one entry per live worker of the stage it feeds, and none larger than its
 ``batch_size``; and only while that stage's items are cheap (:data:`PACK_MAX_ITEM_S`): for a stage
-that computes for milliseconds per item, 5 us is nothing, and how finely its workers share a burst
-is what counts (on the embeddings example, batch entries to its embed stage cost 1.3x the p99 at 64
-in flight: docs/benchmarks.md). Not to a singleton stage (``batch_size`` 1: it sizes its reads one
+that computes for milliseconds per item the Redis work saved is negligible, and how finely its workers
+share a burst is what counts (whole entries share coarsely and lengthen the tail: docs/decisions.md). Not
+to a singleton stage (``batch_size`` 1: it sizes its reads one
 request at a time, for slow models), nor for a hop of one request (the low-load path keeps single
 entries). The live workers and the item cost come from the stage's heartbeats and its latest stats
 entry (:func:`queue_reads`, :meth:`EntrySizing.take`), read about once a second by the caller.
@@ -25,7 +25,8 @@ from broker.keys import LIVE_AFTER_MS, Keys
 from broker.operations import GATEWAY, WORKER, sends
 
 # Batch entries only while the fed stage's predict takes at most this per item (its latest stats
-# entry): below it the ~5 us saved per request and hop is 1 % of the item's cost or more.
+# entry): below it the Redis work saved per request and hop is a noticeable share of the item's own cost;
+# above it, how finely the stage's workers share a burst matters more.
 PACK_MAX_ITEM_S = 0.0005
 
 

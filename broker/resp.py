@@ -1,7 +1,7 @@
 """Packs a Redis command from bytes arguments in one join.
 
 redis-py packs each argument through its encoder (type checks, str encoding, one small
-buffer per argument); on the gateway's hot path that was the largest single cost. Our
+buffer per argument), work a hot path pays on every command for arguments that are bytes already. Our
 arguments are already bytes, so the wire format is a format string away.
 
 Large arguments (payloads of 64 KiB and more) go into the join as they are, beside their own

@@ -1,8 +1,8 @@
 """Connection I/O of the HTTP front: an `asyncio.Protocol` fed to httptools (llhttp, in C).
 
 Why a Protocol and not streams: with streams every read and write is a coroutine step, a
-``wait_for`` timer and a drain; profiled at 256 connections, that and h11's pure-Python
-parsing were most of the gateway's CPU (docs/http-front.md). Here bytes go from
+``wait_for`` timer and a drain per request, and a pure-Python parser costs more than the request's
+own work (docs/http-front.md). Here bytes go from
 ``data_received`` into the C parser, whose callbacks (`gateway.http.parsing`) assemble a
 `Request`; a predict is answered from its `Slot`'s callback, which the gateway's reply reader
 calls as the answer arrives (no task, no event-loop handle), and its reply leaves in one

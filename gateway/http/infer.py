@@ -2,10 +2,10 @@
 
 Everything a request's JSON head decides (which inputs, checked against the pipeline's declaration;
 how they become items; which outputs go back, in JSON or raw) is worked out once into a `Plan`.
-A head without data (the binary tensor data extension's, which tritonclient sends identically for
-every request of the same shapes) is kept by `Plans`, so a repeated request only decodes its raw
-bytes: at 256 connections that is what keeps the OIP route near ``/v1/predict``'s req/s (see
-docs/benchmarks.md, issue 19). Mapping rules are in :mod:`gateway.http.oip`'s docstring.
+A head without data (the binary tensor data extension's, which tritonclient sends identically for every
+request of the same shapes) is kept by `Plans`, so a repeated request only decodes its raw bytes and the OIP
+route costs the gateway about what ``/v1/predict`` does (docs/benchmarks.md). Mapping rules are in
+:mod:`gateway.http.oip`'s docstring.
 """
 
 from __future__ import annotations
@@ -267,8 +267,8 @@ def _check(spec: TensorSpec, datatype: str, shape: Sequence[int], side: str) -> 
 
 def _split(data: np.ndarray) -> list[Any]:
     """A batched tensor's rows as items. A 1-D numeric tensor's rows are Python numbers (one C call
-    for all), which travel as msgpack's own numbers: a numpy scalar is an extension type, ~5 us more
-    per item to encode, and again in every worker; every value of these datatypes is exact as a
+    for all), which travel as msgpack's own numbers: a numpy scalar is an extension type, dearer
+    to encode here and to decode in every worker; every value of these datatypes is exact as a
     Python number. Higher ranks give row arrays; BYTES rows go through `_plain`."""
     if data.dtype.kind == "O":
         return [_plain(row) for row in data]

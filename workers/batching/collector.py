@@ -26,7 +26,7 @@ class WaitPolicy(Protocol):
 
 @dataclass(frozen=True)
 class FixedWait:
-    """The ``deadline`` policy, seed 000's rule: wait up to ``batch_wait_s`` from the batch's
+    """The ``deadline`` policy, for gathering N callers into one call: wait up to ``batch_wait_s`` from the batch's
     first item, except after a long idle (the first item took longer than ``batch_wait_s`` to
     come), when the worker takes what is already queued and goes."""
 

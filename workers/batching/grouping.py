@@ -1,7 +1,7 @@
 """Length-aware batching: one predict call holds items of similar cost.
 
 A model that pads a batch to its longest item (a transformer on text) pays for the padding: on
-mixed-length text that is a third of the forward pass. A stage that defines ``batch_key(x)``
+mixed-length text that is a large share of the forward pass. A stage that defines ``batch_key(x)``
 (a sortable cost of one decoded item, such as its token count) gets each batch it reads sorted by
 that cost and split into consecutive groups of at most ``group_size`` items, one ``predict`` call
 each; results go back to their requests in the original order.
@@ -14,9 +14,9 @@ running them as four groups of 16 recovers most of the padding already (docs/emb
 
 ``group_spread`` (off by default): a group also ends where an item costs more than ``group_spread``
 times the group's cheapest. Few items per read (8 texts in flight over two workers: reads of 4)
-sort into one group whatever their lengths, and the short ones pay for the longest one's padding:
-on the embeddings example padded groups of 4 and 8 random texts cost 18 % and 33 % more per text than
-the same texts split where a length passes 1.25x the group's shortest (docs/embeddings.md). The cost of
+sort into one group whatever their lengths, and the short ones pay for the longest one's padding;
+splitting such a read where lengths diverge costs an extra call and saves that padding (figures:
+docs/embeddings.md). The cost of
 an extra ``predict`` call is what bounds this: an engine whose calls are dear wants a wider spread.
 """
 

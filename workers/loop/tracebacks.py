@@ -1,12 +1,11 @@
 """A stage error's traceback, its stack formatted once per place it was raised from.
 
-Python 3.11's ``traceback.format_exception`` reads each frame's source line and parses it (``ast``)
-to place its carets: about 45 us for the error of a one-line ``predict`` (8 us with the memo), most
-of a worker's CPU under a storm of requests that all fail the same way (a client sending what the
-stage cannot take). The text of a traceback's stack depends only on where each of its frames
-stands (code object and instruction), so it is kept by that; the exception's own lines (type,
-message, notes) are formatted every time. Chained exceptions and exception groups, whose text
-depends on more, are formatted in full each time.
+Python 3.11's ``traceback.format_exception`` reads each frame's source line and parses it (``ast``) to place
+its carets, which is most of a worker's CPU under a storm of requests that all fail the same way (a client
+sending what the stage cannot take). The text of a traceback's stack depends only on where each of its frames
+stands (code object and instruction), so it is kept by that; the exception's own lines (type, message, notes)
+are formatted every time. Chained exceptions and exception groups, whose text depends on more, are formatted
+in full each time.
 """
 
 from __future__ import annotations
