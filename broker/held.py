@@ -3,8 +3,12 @@
 Why hold one: a worker's commits and stream reads, a gateway's submit turns and reply pops each
 go out one at a time from one caller, and redis-py's checkout per command (a lock, a readiness
 check, event hooks, then the same on release) cost more than packing the command. Why outside the
-pool: ``pool.make_connection()`` counts against ``max_connections`` and never gives the slot back,
-so a holder that reconnects often (Redis restarts, dropped connections) would exhaust the pool.
+pool: a connection checked out of it for good would take one of its ``max_connections`` from the
+commands sent through the client (a gateway's reply client has one), and ``pool.make_connection()``
+never gives its slot back, so a holder that reconnects often would exhaust the pool. A held
+connection is made as the pool makes its own, from its public ``connection_class`` and
+``connection_kwargs``, and used through the connection's public methods (but for the socket's
+descriptor: :meth:`HeldConnection.fileno`).
 
 The same rules for every holder:
 
@@ -42,6 +46,12 @@ def _never(exc: redis.ResponseError) -> bool:
     return False
 
 
+def _new_connection(client: Any) -> Any:
+    """A connection of ``client``'s server, made as its pool makes one, but not counted by it."""
+    pool = client.connection_pool
+    return pool.connection_class(**pool.connection_kwargs)
+
+
 class HeldConnection:
     """A synchronous held connection (worker side). ``on_connect(conn)`` runs once per new
     connection, before its first command (the stream reader asks for its client id there)."""
@@ -77,8 +87,7 @@ class HeldConnection:
                 if self._stale:
                     refresh_slots(self._cluster)
                 self._client = node_client(self._cluster, self._key)
-            pool = self._client.connection_pool
-            conn = pool.connection_class(**pool.connection_kwargs)
+            conn = _new_connection(self._client)
             try:
                 if self._on_connect is not None:
                     self._on_connect(conn)
@@ -158,7 +167,12 @@ class HeldConnection:
             raise
 
     def fileno(self) -> int:
-        """The socket's descriptor, for a ``select`` over several held connections (connected only)."""
+        """The socket's descriptor, for a ``select`` over several held connections (connected only).
+
+        redis-py has no public way to the socket of a synchronous connection, and its readiness
+        check (a ``poll`` of one socket, a millisecond at the finest) cannot wait on several at once:
+        a reply on one would wait for the poll of another to end. So this reads the connection's
+        private socket attribute, here only."""
         return int(self._sent_on()._sock.fileno())
 
     def drop(self) -> None:
@@ -175,7 +189,7 @@ def _closed_by_server(conn: Any) -> bool:
     """Whether an idle connection has something to read (with nothing asked: EOF or an error from
     the server) or is already closed: it must not carry the next command."""
     try:
-        return conn._sock is not None and bool(conn.can_read(timeout=0))
+        return not conn.is_connected or bool(conn.can_read(timeout=0))
     except (redis.exceptions.ConnectionError, OSError):
         return True
 
@@ -184,28 +198,28 @@ class AsyncHeldConnection:
     """The asyncio twin (gateway side), of a plain (non-cluster) client: a cluster client routes
     each command itself.
 
-    A call goes straight onto the connection's stream and parser, not through redis-py's
-    ``send_packed_command`` and ``read_response``: those run each write as a task of its own under
-    ``wait_for`` and each read under a timeout of its own (on Python 3.11 a ``getpid`` syscall and a
-    timer each), a few event-loop hops per call where a gateway makes two calls per turn. The whole
-    call is bounded instead by the connection's ``socket_timeout`` through one lazily re-armed timer
-    per connection (`_Watchdog`), which aborts the connection when a call outlives it."""
+    A call goes through the connection's ``send_packed_command`` and ``read_response``. redis-py
+    bounds each write of a connection that has a socket timeout by a task of its own under
+    ``wait_for``, and each read by a timeout of its own (on Python 3.11 a ``getpid`` syscall and a
+    timer each): a few event-loop hops per call, where a gateway makes two calls per turn. So a held
+    connection has no socket timeout of its own; the whole call is bounded instead by the client's
+    ``socket_timeout`` through one lazily re-armed timer per connection (`_Watchdog`), which
+    cancels a call that outlives it (the caller sees ``TimeoutError``, the connection is dropped)."""
 
     def __init__(self, client: aredis.Redis, keep: Keep = _never) -> None:
         self._client = client
         self._keep = keep
         self._conn: Any = None
         self._used_at = 0.0
-        self._watchdog: _Watchdog | None = None
+        self._watchdog = _Watchdog()
 
-    async def _connection(self) -> Any:
-        """The held connection: made at first use, checked after an idle spell."""
+    def _connection(self) -> Any:
+        """The held connection: made at first use, connected by its first call."""
         conn = self._conn
         if conn is None:
-            pool = self._client.connection_pool
-            conn = self._conn = pool.connection_class(**pool.connection_kwargs)
-        elif time.monotonic() - self._used_at > IDLE_CHECK_S:
-            await _ensure(conn)
+            conn = self._conn = _new_connection(self._client)
+            self._watchdog.arm(asyncio.get_running_loop(), conn.socket_timeout)
+            conn.socket_timeout = None  # the watchdog bounds each call instead
         return conn
 
     async def call(self, packed: bytes) -> Any:
@@ -228,39 +242,32 @@ class AsyncHeldConnection:
     async def _exchange(self, data: bytes, count: int) -> list[Any]:
         """Write ``data`` (``count`` packed commands) and read their replies, error replies as
         their exception objects; any failure drops the connection."""
-        conn = await self._connection()
+        conn = self._connection()
         watchdog = self._watchdog
-        if watchdog is None:
-            watchdog = self._watchdog = _Watchdog(asyncio.get_running_loop(), conn.socket_timeout, self._abort)
-        watchdog.start()
+        task = asyncio.current_task()
+        watchdog.start(task)
+        replies: list[Any] = []
         try:
-            if not conn.is_connected:
-                await conn.connect_check_health(check_health=False)
-            writer = conn._writer
-            writer.write(data)
-            await writer.drain()  # at once, unless the send buffer is over its high-water mark
-            parser = conn._parser
-            replies = [await parser.read_response() for _ in range(count)]
+            if time.monotonic() - self._used_at > IDLE_CHECK_S:
+                await _ensure(conn)
+            await conn.send_packed_command(data, check_health=False)
+            for _ in range(count):
+                try:
+                    replies.append(await conn.read_response())
+                except redis.ResponseError as exc:  # read in full: the connection is in step
+                    replies.append(exc)
         except BaseException as exc:
-            timed_out = watchdog.fired
-            watchdog.stop()
+            timed_out = watchdog.stop() and watchdog.took_back(task, exc)
             await self.close()
             if timed_out:
-                raise redis.TimeoutError(f"no reply within socket_timeout={conn.socket_timeout}s") from exc
+                raise redis.TimeoutError(f"no reply within socket_timeout={watchdog.timeout_s}s") from exc
             raise
         watchdog.stop()
         self._used_at = time.monotonic()
         return replies
 
-    def _abort(self) -> None:
-        """The watchdog's: the call under way outlived the socket timeout; its read fails at once."""
-        writer = getattr(self._conn, "_writer", None)
-        if writer is not None:
-            writer.transport.abort()
-
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._watchdog.cancel()
         if self._conn is not None:
             await self._conn.disconnect()
         self._conn = None
@@ -268,45 +275,61 @@ class AsyncHeldConnection:
 
 class _Watchdog:
     """Bounds each call on one connection by ``timeout_s`` with one timer, re-armed lazily (as the
-    HTTP front's connections do): starting a call reads the clock, stopping it is one assignment."""
+    HTTP front's connections do): starting a call reads the clock, stopping it is one assignment.
+    A call that outlives it is cancelled; the caller takes that cancellation back (`took_back`)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None,
-                 on_timeout: Callable[[], None]) -> None:
-        self._loop = loop
-        self._timeout_s = timeout_s
-        self._on_timeout = on_timeout
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.timeout_s: float | None = None  # None: calls are not bounded
         self._started = math.inf  # loop time the call under way began (inf: none)
+        self._task: asyncio.Task[Any] | None = None  # the call's
         self._timer: asyncio.TimerHandle | None = None
-        self.fired = False
+        self._fired = False
 
-    def start(self) -> None:
-        self.fired = False
-        if self._timeout_s is None:
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None) -> None:
+        """For the calls of a new connection: its loop and its socket timeout."""
+        self._loop, self.timeout_s = loop, timeout_s
+
+    def start(self, task: asyncio.Task[Any] | None) -> None:
+        self._fired = False
+        loop = self._loop
+        if self.timeout_s is None or loop is None:
             return
-        self._started = self._loop.time()
+        self._task = task
+        self._started = loop.time()
         if self._timer is None:
-            self._timer = self._loop.call_at(self._started + self._timeout_s, self._check)
+            self._timer = loop.call_at(self._started + self.timeout_s, self._check)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """The call is over; whether the watchdog cancelled it."""
         self._started = math.inf
+        self._task = None
+        return self._fired
+
+    @staticmethod
+    def took_back(task: asyncio.Task[Any] | None, exc: BaseException) -> bool:
+        """Take back the cancellation the watchdog sent ``task``; whether ``exc`` was its doing alone
+        (False when the task was cancelled from elsewhere too: that cancellation goes on)."""
+        return task is not None and task.uncancel() == 0 and isinstance(exc, asyncio.CancelledError)
 
     def cancel(self) -> None:
         """No call under way and no timer left (the connection is closed)."""
-        self._started = math.inf
+        self.stop()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _check(self) -> None:
         self._timer = None
-        if self._started == math.inf or self._timeout_s is None:
+        loop = self._loop
+        if self._started == math.inf or self.timeout_s is None or loop is None:
             return  # idle: the next call arms it again
-        due = self._started + self._timeout_s
-        if self._loop.time() >= due:
-            self.fired = True
-            self._on_timeout()
-        else:
-            self._timer = self._loop.call_at(due, self._check)
+        due = self._started + self.timeout_s
+        if loop.time() < due:
+            self._timer = loop.call_at(due, self._check)
+        elif self._task is not None:
+            self._fired = True
+            self._task.cancel()
 
 
 async def _ensure(conn: Any) -> None:

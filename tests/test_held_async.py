@@ -68,7 +68,45 @@ async def _error_replies_in_a_turn(url: str) -> None:
         await client.aclose()
 
 
+async def _the_timeout_leaves_the_task_uncancelled(url: str) -> None:
+    """The watchdog cancels the call it bounds and takes that cancellation back: the caller's task
+    goes on as if the call had raised, its own timeouts still work."""
+    client = _client(url)
+    held = AsyncHeldConnection(client)
+    try:
+        with pytest.raises(redis.TimeoutError):
+            await held.call(pack_command([b"BLPOP", b"nothing", b"3"]))
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await asyncio.sleep(1)
+        assert await held.call(pack_command([b"PING"])) == b"PONG"
+    finally:
+        await held.close()
+        await client.aclose()
+
+
+async def _a_cancellation_from_outside_stays_one(url: str) -> None:
+    """A caller cancelled mid-call (a gateway closing) sees CancelledError, not TimeoutError, even
+    when the watchdog fires at the same time; the connection is dropped."""
+    client = _client(url)
+    held = AsyncHeldConnection(client)
+    try:
+        for delay_s in (0.1, TIMEOUT_S):  # before the watchdog, and about when it fires
+            call = asyncio.ensure_future(held.call(pack_command([b"BLPOP", b"nothing", b"3"])))
+            await asyncio.sleep(delay_s)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert held._conn is None
+    finally:
+        await held.close()
+        await client.aclose()
+
+
 @pytest.mark.parametrize("case", [_a_call_past_the_timeout_fails_and_the_next_reconnects,
-                                  _calls_within_the_timeout_never_trip_it, _error_replies_in_a_turn])
+                                  _calls_within_the_timeout_never_trip_it, _error_replies_in_a_turn,
+                                  _the_timeout_leaves_the_task_uncancelled, _a_cancellation_from_outside_stays_one])
 def test_async_held_connection(case, redis_url: str) -> None:  # type: ignore[no-untyped-def]
     asyncio.run(asyncio.wait_for(case(redis_url), 20))

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import logging
 
-import redis
-
-from broker.connection import is_refusal
+from broker.errors import ReplyError, is_refusal
 from broker.keys import Keys
 from broker.refusals import log_refusal_once
 from broker.share import Sharer
@@ -79,7 +77,7 @@ class BurstSharing:
             if not parts:
                 return entries
             given = self._sharer.give_back(stream, _groups(entries, parts))
-        except redis.ResponseError as exc:
+        except ReplyError as exc:
             if not is_refusal(exc):
                 raise  # OOM, LOADING, ...: the loop waits it out and drains what is still ours
             log_refusal_once(exc, "share.lua" if "script" in str(exc).lower() else None, keys.stream(stage))

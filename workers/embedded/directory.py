@@ -12,7 +12,7 @@ import re
 import stat
 from pathlib import Path
 
-import redis
+from broker.probe import answers
 
 __all__ = ["MAX_SOCKET_PATH", "EmbeddedRedisError", "RedisDirError", "claim_dir", "default_redis_dir"]
 
@@ -63,20 +63,7 @@ def claim_dir(path: Path) -> Path:
         raise RedisDirError(f"{path} belongs to another user: choose another directory")
     if info.st_mode & 0o077:  # ours but open to others (made by hand, or an old umask): make it private
         path.chmod(0o700)
-    if sock.exists() and _answers(sock):
+    if sock.exists() and answers(sock):  # a stale socket of a killed server refuses: reused
         raise RedisDirError(f"a Redis already answers on {sock} (another `conveyor run` of this pipeline?):"
                                  " stop it, or choose another directory")
     return path
-
-
-def _answers(sock: Path) -> bool:
-    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=1.0, socket_connect_timeout=1.0)
-    try:
-        client.ping()
-        return True
-    except redis.AuthenticationError:
-        return True
-    except (redis.ConnectionError, redis.TimeoutError):
-        return False  # a stale socket of a killed server: refused
-    finally:
-        client.close()

@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-import redis
-
+from broker.probe import probe
 from workers.embedded.binary import BINARY_ENV, find_redis_server
 from workers.embedded.directory import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
 from workers.process.procs import detached_preexec
@@ -296,13 +295,9 @@ class EmbeddedRedis:
                     f"{self._diagnostics()}"
                 )
             if sock.exists():
-                try:
-                    self._ping()
+                last_error = probe(sock)
+                if last_error is None:  # PONG, or a demand for a password (extra_args set one): it is up
                     return
-                except redis.AuthenticationError:
-                    return  # extra_args set a password: the server answers, it is up
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
-                    last_error = e
             if time.monotonic() >= deadline:
                 cause = f" (last error: {last_error})" if last_error is not None else ""
                 raise EmbeddedRedisError(
@@ -310,15 +305,6 @@ class EmbeddedRedis:
                     f"{self._start_timeout_s:g} s{cause}{self._diagnostics()}"
                 )
             time.sleep(_POLL_S)
-
-    def _ping(self) -> None:
-        client = redis.Redis(
-            unix_socket_path=str(self.socket_path), socket_timeout=1.0, socket_connect_timeout=1.0
-        )
-        try:
-            client.ping()
-        finally:
-            client.close()
 
     def _diagnostics(self) -> str:
         parts = []
