@@ -19,6 +19,7 @@ from broker import protocol
 from broker.families import RESULTS, STREAMS
 from broker.keys import Keys
 from broker.operations import GATEWAY, Script, sends
+from broker.refusals import log_refusal_once
 
 AUDIT_LUA = resources.files("broker").joinpath("audit.lua").read_text()
 AUDIT_SHA = hashlib.sha1(AUDIT_LUA.encode()).hexdigest()
@@ -32,7 +33,7 @@ AUDIT_BATCH = 500
 @sends(GATEWAY, scripts=(AUDIT,), why="requests older than audit_after_s")
 async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[bytes]) -> list[bytes]:
     """Of ``request_ids`` (submitted to this partition of a pipeline of ``stages`` stages), those
-    in no stage's stream and without a result."""
+    in no stage's stream and without a result. An ACL refusal is logged once, with what would allow it."""
     missing: list[bytes] = []
     streams = [keys.stream(i) for i in range(stages)]
     for start in range(0, len(request_ids), AUDIT_BATCH):
@@ -40,9 +41,17 @@ async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[
         script_keys = [*streams, *(keys.result_key(i) for i in ids)]
         args = [stages, *ids]
         try:
-            reply = await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)
-        except redis.exceptions.NoScriptError:  # a restarted Redis (or a failover): load it, once
-            await client.script_load(AUDIT_LUA)
-            reply = await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)
+            reply = await _run(client, script_keys, args)
+        except redis.ResponseError as exc:
+            log_refusal_once(exc, "audit.lua", streams[0])
+            raise
         missing += [protocol.as_bytes(r) for r in reply or []]
     return missing
+
+
+async def _run(client: Any, script_keys: list[Any], args: list[Any]) -> Any:
+    try:
+        return await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)
+    except redis.exceptions.NoScriptError:  # a restarted Redis (or a failover): load it, once
+        await client.script_load(AUDIT_LUA)
+        return await client.evalsha(AUDIT_SHA, len(script_keys), *script_keys, *args)

@@ -4,25 +4,35 @@ One call admits a whole turn of requests against the first stage's ``max_backlog
 Redis, from the key workers write at registration), adds the admitted ones to the first
 stage's stream and unlinks the result keys the gateway has consumed, in one round trip. The
 command is packed here from bytes (:func:`broker.resp.pack_command`), not through redis-py's
-encoder: on the gateway's hot path that packing was the largest single cost.
+encoder, whose per-argument work a gateway would pay on every turn (:mod:`broker.resp` says why).
+
+A :class:`Submitter` packs the calls of one pipeline partition; :class:`Submissions` sends a
+turn of them, one per partition, in one round trip, and says of each what became of it
+(:data:`Outcome`): how many requests were admitted, a refusal, or a lost call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
-from broker.connection import is_cluster_client
+from broker.connection import CONNECTION_ERRORS, is_cluster_client, is_transient
 from broker.families import FIRST_STREAM, MAX_BACKLOG, RESULTS
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
 from broker.operations import GATEWAY, Script, sends
+from broker.refusals import log_refusal_once
 from broker.resp import LARGE_ARG_BYTES, pack_command
+
+__all__ = ["OVERLOADED", "SUBMIT", "SUBMIT_LUA", "SUBMIT_SHA", "Call", "Lost", "Outcome", "Refused", "Submission",
+           "Submissions", "Submitter"]
 
 SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
 SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
@@ -37,6 +47,30 @@ Submission = tuple[bytes, bytes, bytes, bytes]
 OVERLOADED = "OVERLOADED"  # the script's error reply when it admitted none of the entries offered
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Redis refused a call: none of its requests was added. ``overloaded``: the script's admission
+    (the first stage's backlog is at its max_backlog), the consumed keys were unlinked; else Redis's
+    own refusal (``transient``: one that passes, as OOM or READONLY; else an ACL, a renamed
+    command...), and the script may not have run."""
+
+    reason: str
+    overloaded: bool
+    transient: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A call to send again later: the connection failed under it (it may or may not have run), or the
+    script was missing again right after it was loaded (a failover under way)."""
+
+    reason: str
+
+
+# What became of one call: how many of its requests (the head of its batch, in order) were admitted.
+Outcome = int | Refused | Lost
+
+
 def is_overloaded(exc: redis.ResponseError) -> bool:
     """The submit script refused every entry: the first stage's backlog is at its limit."""
     return str(exc).startswith(OVERLOADED)
@@ -48,29 +82,18 @@ def keeps_connection(exc: redis.ResponseError) -> bool:
     return is_overloaded(exc) or isinstance(exc, redis.exceptions.NoScriptError)
 
 
-def submit_connection(client: aredis.Redis) -> AsyncHeldConnection:
-    return AsyncHeldConnection(client, keep=keeps_connection)
-
-
 class Submitter:
-    """Packs ``submit.lua``'s calls for one gateway (one reply key) of one pipeline partition.
-    :meth:`__call__` runs one on its own; a gateway serving several pipelines writes the packed
-    calls of all of them in one round trip (:meth:`broker.held.AsyncHeldConnection.call_many`)."""
+    """Packs ``submit.lua``'s calls for one gateway (one reply key) of one pipeline partition;
+    :class:`Submissions` sends them."""
 
-    def __init__(self, client: aredis.Redis, keys: Keys, reply_key: bytes, max_backlog: int | None = None) -> None:
-        self._client = client
-        self._stream = keys.stream(0).encode()
+    def __init__(self, keys: Keys, reply_key: bytes, max_backlog: int | None = None) -> None:
+        self.stream = keys.stream(0)
+        self._stream = self.stream.encode()
         self._limit_key = keys.max_backlog.encode()
         self._reply_key = reply_key
         self._own_limit = b"" if max_backlog is None else b"%d" % max_backlog
         reply = b"$%d\r\n%b\r\n" % (len(reply_key), reply_key.replace(b"%", b"%%"))
         self._entry_format = b"$%d\r\n%b\r\n$%d\r\n%b\r\n" + reply + b"$%d\r\n%b\r\n"
-        # Turns come one at a time (the gateway's flusher), on one held connection (broker.held).
-        self._held = submit_connection(client)
-
-    async def load(self) -> None:
-        """Load the script once at start, so that the first turn pays no NOSCRIPT round trip."""
-        await self._client.script_load(SUBMIT_LUA)
 
     def entry(self, request_id: bytes, data: bytes, deadline: bytes) -> Submission:
         """One request, ready for a turn: its four ARGV (id, data, reply key, deadline) packed now."""
@@ -83,7 +106,8 @@ class Submitter:
         return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
                 b"%d" % len(batch), self._own_limit]
 
-    def _args(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> list[bytes]:
+    def arguments(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> list[bytes]:
+        """The call's command and arguments, unpacked (for a client that routes it, or packs it itself)."""
         args = self._head(batch, unlink)
         for request_id, data, deadline, _ in batch:
             args += (request_id, data, self._reply_key, deadline)
@@ -94,7 +118,7 @@ class Submitter:
         ``entries``: split the turn into this many batch entries (``broker.packing``; 0: single
         entries; the script makes single entries anyway where a ``max_backlog`` is in force)."""
         if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
-            return pack_command(self._args(batch, unlink, entries))
+            return pack_command(self.arguments(batch, unlink, entries))
         head = self._head(batch, unlink)
         tail = _tail(batch, entries)
         parts = [b"*%d\r\n" % (len(head) + 4 * len(batch) + len(tail))]
@@ -103,33 +127,83 @@ class Submitter:
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in tail]
         return b"".join(parts)
 
-    @sends(GATEWAY, scripts=(SUBMIT,), why="once per turn of submissions")
-    async def __call__(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> int:
-        """Submit ``batch``, unlink ``unlink``; returns how many of ``batch`` (its head, in order)
-        were admitted. Raises ``redis.ResponseError`` (see :func:`is_overloaded`) if none was."""
-        try:
-            return int(await self._run(batch, unlink, entries))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts, or a failover
-            await self.load()
-            return int(await self._run(batch, unlink, entries))
-
-    async def _run(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int) -> Any:
-        if is_cluster_client(self._client):  # no single pool to write to: redis-py routes by the first key
-            return await self.run_routed(batch, unlink, entries)
-        return await self._held.call(self.pack(batch, unlink, entries))
-
-    async def run_routed(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> Any:
-        """The call through redis-py's routing (a cluster client), not a held connection."""
-        return await self._client.execute_command("EVALSHA", *self._args(batch, unlink, entries)[1:])
-
-    async def close(self) -> None:
-        await self._held.close()
-
 
 def _tail(batch: Sequence[Submission], entries: int) -> list[bytes]:
     """The script's optional last argument: into how many batch entries to split the turn (none:
     single entries). A turn with a large payload stays single entries: a batch entry would copy it
-    once more in Redis and again in the worker, for a saving of a few microseconds per request."""
+    once more in Redis and again in the worker, which costs more than the per-entry work it saves."""
     if entries < 1 or entries >= len(batch) or not all(s[3] for s in batch):
         return []
     return [b"%d" % entries]
+
+
+# One call of a turn: whose (its partition's packer), which requests, which consumed result keys to
+# unlink, and into how many batch entries to split them (0: single entries).
+Call = tuple[Submitter, Sequence[Submission], Sequence[bytes], int]
+
+
+class Submissions:
+    """A gateway's turns of submissions. On one Redis every call of a turn goes out in one write on
+    one held connection (:class:`broker.held.AsyncHeldConnection`: turns come one at a time, from the
+    gateway's flusher); on a Redis Cluster each call is routed to its slot's node by the client.
+    A missing script (Redis restarted or flushed its scripts, or a failover) is loaded and the calls
+    it refused are sent again, once."""
+
+    def __init__(self, client: aredis.Redis) -> None:
+        self._client = client
+        self._held = None if is_cluster_client(client) else AsyncHeldConnection(client, keep=keeps_connection)
+
+    @sends(GATEWAY, uses={"script|load": ()}, why="at start, so that the first turn pays no NOSCRIPT round trip")
+    async def load(self) -> None:
+        await self._client.script_load(SUBMIT_LUA)
+
+    @sends(GATEWAY, scripts=(SUBMIT,), why="once per turn of submissions: every partition's call in one round trip")
+    async def send(self, calls: Sequence[Call]) -> list[Outcome]:
+        """Each call's outcome, in order. Raises only what is neither a connection failure nor an
+        error reply (a bug)."""
+        replies = await self._replies(calls)
+        again = [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+        if again:
+            try:
+                await self.load()
+                retried = await self._replies([calls[i] for i in again])
+            except CONNECTION_ERRORS as exc:
+                retried = [exc] * len(again)
+            for i, reply in zip(again, retried, strict=True):
+                replies[i] = reply
+        return [_outcome(call, reply) for call, reply in zip(calls, replies, strict=True)]
+
+    async def _replies(self, calls: Sequence[Call]) -> list[Any]:
+        """Each call's reply, or the exception it met (error replies as their exception objects)."""
+        if self._held is not None:
+            try:
+                return await self._held.call_many([sub.pack(batch, unlink, entries)
+                                                   for sub, batch, unlink, entries in calls])
+            except CONNECTION_ERRORS as exc:
+                return [exc] * len(calls)
+        return list(await asyncio.gather(
+            *(self._client.execute_command("EVALSHA", *sub.arguments(batch, unlink, entries)[1:])
+              for sub, batch, unlink, entries in calls), return_exceptions=True))
+
+    async def close(self) -> None:
+        if self._held is not None:
+            await self._held.close()
+
+
+# To send again later: a lost connection (the call may have run), or NOSCRIPT again after a load (a failover).
+_LOST: tuple[type[Exception], ...] = (redis.exceptions.NoScriptError, *CONNECTION_ERRORS)
+
+
+def _outcome(call: Call, reply: Any) -> Outcome:
+    if type(reply) is int:
+        return reply
+    if isinstance(reply, _LOST):
+        return Lost(repr(reply))
+    if isinstance(reply, redis.ResponseError):
+        if is_overloaded(reply):
+            return Refused(str(reply), True, True)
+        log_refusal_once(reply, "submit.lua", call[0].stream)
+        return Refused(str(reply), False, is_transient(reply))
+    if isinstance(reply, BaseException):
+        raise reply
+    return int(reply)

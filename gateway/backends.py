@@ -24,7 +24,8 @@ class Backend(Protocol):
     input that cannot travel), `PayloadTooLarge`, ``ValueError`` (a bad timeout). The answer is the
     result, or `StageError` (the stage raised), `Overloaded`, ``TimeoutError`` (the deadline
     passed), `UnknownPipeline`; anything else is a gateway bug and answers 500. ``key`` picks a
-    partitioned pipeline's partition.
+    partitioned pipeline's partition. ``pipeline_status`` is what ``/readyz`` and ``/metrics`` report
+    (a Gateway answers from its view, :mod:`gateway.client.view`, without a round trip).
     """
 
     @property

@@ -33,6 +33,7 @@ import redis
 
 from broker import codec
 from broker.keys import GROUP, Keys
+from broker.replies import ReplyList
 from gateway import Gateway, GatewaySettings, StageError
 from gateway.client.hub import Hub
 from tests.chaos_stages import chaos_f
@@ -70,11 +71,11 @@ class CountingHub(Hub):
                 counter[str(record.get("id"))] += 1
         super()._deliver(element)
 
-    async def _recover(self, reply_key: bytes, client: Any) -> None:
+    async def _recover(self, replies: ReplyList) -> None:
         self.recoveries += 1
         self._recovering = True
         try:
-            await super()._recover(reply_key, client)
+            await super()._recover(replies)
         finally:
             self._recovering = False
 

@@ -186,7 +186,7 @@ def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
             with running_workers(redis_url, "tests.cluster_stages:partitioned", ["Scale", "Shift"]) as workers:
                 await asyncio.to_thread(workers.wait_ready, "t-parts1", T, {"Scale": 2})
                 early = 0
-                while len(gw.lanes) < 3:  # the gateway looks for the spec again every 2 s
+                while len(gw.lanes) < 3:  # the gateway reads the spec again about every second
                     assert await gw.predict(early) == early * 2 + 3
                     early += 1
                     assert early < 1000, "the gateway never picked up the partition count"

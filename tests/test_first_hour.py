@@ -90,6 +90,7 @@ def test_wrong_length_batches_are_logged_once_and_counted(redis_url: str, redis_
                     answers += await asyncio.gather(*(gw.predict(i) for i in range(16)))
                 await asyncio.to_thread(wait_for, lambda: redis_client.hget(
                     Keys("t-miscounts").counts(0), "batch_length_errors"), 10, "the count reaches Redis")
+                await asyncio.wait_for(gw.views.refreshed(), 10)  # and the gateway's view of it (read every second)
                 metrics = Metrics(gw)
                 await metrics.refresh()
                 return answers, metrics.render()

@@ -249,8 +249,29 @@ def stage_labels(index: int, name: str) -> tuple[tuple[str, str], ...]:
     return (("index", str(index)), ("pipeline", "scale-shift"), ("stage", name))
 
 
+def settled_scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A scrape that holds every batch the workers reported to Redis so far: the gateway reads Redis
+    about once a second (gateway.client.view), so the batches of the requests just before may come later."""
+    client = redis.Redis.from_url(stack.url)
+
+    def in_redis(index: int) -> int:
+        entries = client.xrange(Keys("scale-shift").stats(index))
+        return sum(int(n) for _, fields in entries for n in fields[b"n"].split())
+
+    def settled() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        samples = scrape(stack.port)
+        counted = [samples.get(("conveyor_stage_batch_size_sum", stage_labels(i, s)), 0.0)
+                   for i, s in ((0, "Scale"), (1, "Shift"))]
+        return samples if counted == [in_redis(0), in_redis(1)] else None
+
+    try:
+        return wait_for(settled, 10, "the gateway's metrics to count every batch in Redis", stack.report)
+    finally:
+        client.close()
+
+
 def test_metrics_show_stage_gauges_and_batch_histograms(stack: Stack) -> None:
-    before = scrape(stack.port)
+    before = settled_scrape(stack)
     n = 25
     threads = [threading.Thread(target=assert_serving, args=(stack.port,)) for _ in range(n)]
     for thread in threads:

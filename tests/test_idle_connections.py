@@ -16,7 +16,7 @@ from broker.codec import encode
 from broker.commit import Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
 from broker.protocol import entry_fields, ok_record
-from broker.submit import Submitter
+from broker.submit import Submissions, Submitter
 from workers.embedded.server import EmbeddedRedis
 
 
@@ -70,15 +70,16 @@ def test_a_turn_after_the_server_closed_the_idle_connection_goes_through(
     async def run() -> None:
         keys = Keys("idle")
         client = aredis.Redis.from_url(private_redis.url)
-        submit = Submitter(client, keys, keys.reply("gw").encode())
+        submitter = Submitter(keys, keys.reply("gw").encode())
+        submissions = Submissions(client)
         try:
-            await submit.load()
-            assert await submit([submit.entry(b"r0", encode(0), b"")], []) == 1
+            await submissions.load()
+            assert await submissions.send([(submitter, [submitter.entry(b"r0", encode(0), b"")], [], 0)]) == [1]
             await asyncio.to_thread(_wait_until_only_me, closing_redis)
-            assert await submit([submit.entry(b"r1", encode(1), b"")], []) == 1
+            assert await submissions.send([(submitter, [submitter.entry(b"r1", encode(1), b"")], [], 0)]) == [1]
             assert await client.xlen(keys.stream(0)) == 2
         finally:
-            await submit.close()
+            await submissions.close()
             await client.aclose()
 
     asyncio.run(run())

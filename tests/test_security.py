@@ -350,10 +350,16 @@ def _status_readyz_metrics(life: Life) -> None:
     for role in ("monitor", "gateway"):
         out = CliRunner().invoke(status_command, [NAME, "--redis", life.urls[role]])
         assert out.exit_code == 0 and f"pipeline {NAME}: ready" in out.output, (role, out.output)
-    assert status_code(life.port, "/readyz") == 200
-    metrics = get(life.port, "/metrics")
-    assert metrics.status == 200 and b"conveyor_redis_reachable 1.0" in metrics.body, metrics.body[:2000]
-    assert f'conveyor_stage_live_workers{{index="1",pipeline="{NAME}",stage="Tail"}} 1.0'.encode() in metrics.body
+    # The gateway's view of Redis is read every second: /readyz and /metrics follow a moment behind.
+    wait_for(lambda: status_code(life.port, "/readyz") == 200, 5, "/readyz to say ready", life.report)
+    tail = f'conveyor_stage_live_workers{{index="1",pipeline="{NAME}",stage="Tail"}} 1.0'.encode()
+
+    def scraped() -> bytes | None:
+        metrics = get(life.port, "/metrics")
+        assert metrics.status == 200 and b"conveyor_redis_reachable 1.0" in metrics.body, metrics.body[:2000]
+        return metrics.body if tail in metrics.body else None
+
+    wait_for(scraped, 5, "/metrics to count one live Tail worker", life.report)
 
 
 # -- TLS -------------------------------------------------------------------------------------------

@@ -23,10 +23,8 @@ import redis.asyncio as aioredis
 from broker import codec, protocol
 from broker.keys import Keys
 from broker.spec import StageInfo, encode_spec
-from broker.submit import SUBMIT_LUA, Submitter
+from broker.submit import SUBMIT_LUA, Refused, Submissions, Submitter
 from gateway import Gateway, GatewaySettings
-from gateway.client.lane import Lane
-from gateway.client.sizing import FirstStage
 from gateway.errors import StageError
 from tests.helpers import running_workers
 from tests.packing_stages import POISON
@@ -55,19 +53,21 @@ def _requests(client: redis.Redis) -> list[bytes]:
 def _submit(redis_url: str, count: int, entries: int, own_limit: int | None = None,
             size: Callable[[int], int] = lambda i: 1) -> int:
     """``count`` requests in one turn of ``submit.lua`` (``entries``: its last argument), as a gateway's
-    Submitter sends them; how many it admitted."""
+    hub sends them; how many it admitted."""
     reply = KEYS.reply_prefix + b"gw"
 
     async def submit() -> int:
         client = aioredis.Redis.from_url(redis_url)
+        submissions = Submissions(client)
         try:
-            submitter = Submitter(client, KEYS, reply, own_limit)
-            await submitter.load()
+            submitter = Submitter(KEYS, reply, own_limit)
+            await submissions.load()
             batch = [submitter.entry(b"r-%d" % i, codec.encode(b"x" * size(i)), b"") for i in range(count)]
-            admitted = await submitter(batch, [], entries)
-            await submitter.close()
+            [admitted] = await submissions.send([(submitter, batch, [], entries)])
+            assert isinstance(admitted, int), admitted
             return admitted
         finally:
+            await submissions.close()
             await client.aclose()
 
     return asyncio.run(submit())
@@ -112,6 +112,35 @@ def test_a_foreign_producers_odd_last_argument_never_splits_a_request(redis_clie
 
 
 @pytest.mark.redis
+def test_a_turn_whose_script_redis_forgot_loads_it_and_each_call_gets_its_own_outcome(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The scripts flushed (as a restarted Redis would have them): the turn loads submit.lua and goes
+    through. Two partitions' calls in one round trip: one refused by admission (its producer's own
+    limit is 0), the other admitted, each told apart."""
+    other = Keys(PIPELINE, partition=1)
+
+    async def turn() -> list[object]:
+        client = aioredis.Redis.from_url(redis_url)
+        submissions = Submissions(client)
+        try:
+            await submissions.load()
+            redis_client.script_flush()
+            open_one = Submitter(KEYS, KEYS.reply_prefix + b"gw")
+            shut_one = Submitter(other, other.reply_prefix + b"gw", 0)
+            return list(await submissions.send([
+                (shut_one, [shut_one.entry(b"r-0", codec.encode(0), b"")], [], 0),
+                (open_one, [open_one.entry(b"r-%d" % i, codec.encode(i), b"") for i in (1, 2)], [], 0)]))
+        finally:
+            await submissions.close()
+            await client.aclose()
+
+    refused, admitted = asyncio.run(turn())
+    assert isinstance(refused, Refused) and refused.overloaded, refused
+    assert admitted == 2
+    assert _requests(redis_client) == [b"r-1", b"r-2"]
+
+
+@pytest.mark.redis
 def test_a_turn_with_a_large_payload_stays_single_entries(redis_url: str, redis_client: redis.Redis) -> None:
     """A payload of 64 KiB or more would be copied once more into a batch entry: not worth 5 us."""
     assert _submit(redis_url, 4, 2, size=lambda i: 100_000 if i == 1 else 1) == 4
@@ -129,20 +158,13 @@ def _first_stage_registered(client: redis.Redis, batch_entries: bool, item_ms: f
 
 
 def _refreshed_entries(redis_url: str, n: int, username: str | None = None) -> int:
-    """A gateway lane's batch entries for a turn of ``n`` after one refresh of its first stage's view."""
+    """A gateway lane's batch entries for a turn of ``n`` after a refresh of its pipeline's view."""
+    url = redis_url if username is None else redis_url.replace("unix://", f"unix://{username}:x@", 1)
 
     async def refresh() -> int:
-        client = aioredis.Redis.from_url(redis_url, username=username)
-        try:
-            lane = Lane(KEYS, Submitter(client, KEYS, KEYS.reply_prefix + b"gw"), KEYS.reply_prefix + b"gw",
-                        b"gw-0-", asyncio.Event(), lambda: 1)
-            first = FirstStage(True, KEYS)
-            first.check(client, [lane])
-            assert first.task is not None
-            await asyncio.wait_for(first.task, T)
-            return lane.sizing.entries(n)
-        finally:
-            await client.aclose()
+        async with Gateway(url, PIPELINE, GatewaySettings(timeout_s=T)) as gw:
+            await asyncio.wait_for(gw.views.refreshed(), T)
+            return gw.lanes[0].sizing.entries(n)
 
     return asyncio.run(refresh())
 
@@ -178,8 +200,7 @@ async def _burst(redis_url: str, values: list[int], batch_entries: bool) -> list
     settings = GatewaySettings(timeout_s=T, batch_entries=batch_entries)
     async with Gateway(redis_url, PIPELINE, settings) as gw:
         assert await gw.predict(100) == 101
-        if gw.first_stage.task is not None:
-            await asyncio.wait_for(gw.first_stage.task, T)
+        await asyncio.wait_for(gw.views.refreshed(), T)  # the first stage's workers read: turns sized
         assert gw.lanes[0].sizing.batch_size == (16 if batch_entries else 0)
         return await asyncio.gather(*(gw.predict(x) for x in values), return_exceptions=True)
 

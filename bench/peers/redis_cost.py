@@ -5,7 +5,7 @@
 The peers pipeline (Scale x*2, Shift +3) run by one Python process against a private Redis:
 a turn of ``batch`` submissions per gateway (:class:`broker.submit.Submitter`, unlinking the
 result keys of the previous turns as the gateway's hub does), stage 0 reads them
-(:class:`broker.streams.StreamReader`), routes and commits (:class:`workers.loop.routing.Router`,
+(:class:`broker.streams.StreamReader`), routes and commits (:class:`workers.loop.routing.EntryRouter`,
 :class:`broker.commit.Committer`), stage 1 the same, then each gateway pops its reply list. No
 predict cost, no wait: what is left is Redis's side of the protocol.
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import psutil
 import redis
-import redis.asyncio as aredis
 
 from bench.pipelines import scale_shift
 from broker import codec
@@ -37,7 +36,7 @@ from broker.streams import StreamReader
 from broker.submit import SUBMIT_LUA, Submitter
 from workers.embedded.server import EmbeddedRedis
 from workers.loop.packing import ForwardPacking
-from workers.loop.routing import Router
+from workers.loop.routing import EntryRouter
 
 UNLINK_BATCH = 64  # as gateway.client.hub: consumed result keys ride on a turn once this many wait
 
@@ -56,7 +55,7 @@ class Gateway:
 @dataclass
 class Stage:
     reader: StreamReader
-    router: Router
+    router: EntryRouter
     committer: Committer
     packing: ForwardPacking
 
@@ -69,7 +68,7 @@ def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]
         with contextlib.suppress(redis.ResponseError):  # made by an earlier run
             client.xgroup_create(keys.stream(spec.index), GROUP, id="0", mkstream=True)
         stages.append(Stage(StreamReader(client, keys.stream(spec.index), f"bench-{spec.index}"),
-                            Router(spec, last, 16 * 2**20),
+                            EntryRouter(spec, last, 16 * 2**20),
                             Committer(client, keys, spec.index, spec.name, not last, Ttls()),
                             ForwardPacking(batch_entries, next_spec)))
     return stages
@@ -110,11 +109,10 @@ def measure(url: str, batch: int, requests: int, n_gateways: int, pid: int | Non
     client = redis.Redis.from_url(url)
     keys = Keys(scale_shift.name)
     stages = _stages(client, keys, batch_entries)
-    async_client = aredis.Redis.from_url(url)
     gateways = []
     for g in range(n_gateways):
         reply_key = keys.reply(f"bench{g:04d}").encode()
-        gateways.append(Gateway(Submitter(async_client, keys, reply_key), reply_key, HeldConnection(client), []))
+        gateways.append(Gateway(Submitter(keys, reply_key), reply_key, HeldConnection(client), []))
     client.script_load(SUBMIT_LUA)
     proc = psutil.Process(pid) if pid else None
 

@@ -2,13 +2,13 @@
 
 Why not ``loop.call_later`` per request: each one allocates a `TimerHandle`, pushes it onto the
 loop's heap and, once the request is answered (nearly always first), cancels it, which the loop
-then has to sift out again; profiled at 256 connections that was ~5% of the gateway's CPU
-(docs/http-front.md). Here a request's deadline is one tuple on our own heap, and answered
-requests are not removed at all: an entry whose request is no longer pending is skipped when it
-reaches the top, and the heap is rebuilt from the live entries once stale ones are the majority
-(amortised O(1) per request, memory bounded by about twice the requests in flight). One
-`TimerHandle` is armed at the earliest deadline and re-armed only when a new deadline is earlier
-than it (with one timeout for every request, deadlines arrive in order and it never is).
+then has to sift out again (docs/http-front.md). Here a request's deadline is one tuple on our own
+heap, and answered requests are not removed at all: an entry whose request is no longer in flight
+(in the hub's table of requests, which this reads) is skipped when it reaches the top, and the heap
+is rebuilt from the live entries once stale ones are the majority (amortised O(1) per request,
+memory bounded by about twice the requests in flight). One `TimerHandle` is armed at the earliest
+deadline and re-armed only when a new deadline is earlier than it (with one timeout for every
+request, deadlines arrive in order and it never is).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ _SLACK = 1024
 
 
 class Deadlines:
-    """Calls ``expire(request_id, timeout_s)`` at each request's deadline, unless the request
-    left ``live`` (the gateway's pending map) before. One request id is added at most once."""
+    """Calls ``expire(request_id)`` at each request's deadline, unless the request left ``live``
+    (the gateway's requests in flight, by id) before. One request id is added at most once."""
 
-    def __init__(self, live: Collection[bytes], expire: Callable[[bytes, float], None]) -> None:
+    def __init__(self, live: Collection[bytes], expire: Callable[[bytes], None]) -> None:
         self._live = live
         self._expire = expire
-        self._heap: list[tuple[float, bytes, float]] = []  # (loop time, request id, timeout_s)
+        self._heap: list[tuple[float, bytes]] = []  # (loop time, request id)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
@@ -39,10 +39,10 @@ class Deadlines:
         """Entries held, stale ones included (for tests of the bound)."""
         return len(self._heap)
 
-    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, timeout_s: float) -> None:
-        when = loop.time() + timeout_s
+    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, when: float) -> None:
+        """Expire ``request_id`` at ``when`` (loop time)."""
         heap = self._heap
-        heapq.heappush(heap, (when, request_id, timeout_s))
+        heapq.heappush(heap, (when, request_id))
         if when < self._timer_at:
             self._arm(loop, when)
         if len(heap) > 2 * len(self._live) + _SLACK:
@@ -66,9 +66,9 @@ class Deadlines:
         heap, live = self._heap, self._live
         now = loop.time()
         while heap and (heap[0][0] <= now or heap[0][1] not in live):
-            _, request_id, timeout_s = heapq.heappop(heap)
+            request_id = heapq.heappop(heap)[1]
             if request_id in live:
-                self._expire(request_id, timeout_s)
+                self._expire(request_id)
         if heap:
             self._arm(loop, heap[0][0])
 

@@ -8,8 +8,8 @@ submitted to, which is one lane of the hub; admission is in ``submit.lua``, per 
 
 The partition count is read from the pipeline spec (written by the workers) at start, unless
 given; with no spec yet the gateway submits to partition 0 only (which every worker serves, so
-this is correct, just not spread) and looks for the spec again every 2 s while requests come,
-adding the other partitions once it names them.
+this is correct, just not spread) and adds the other partitions once the spec names them (its
+view, :mod:`gateway.client.view`, reads the spec about once a second).
 
 Requests go round robin over the partitions, retrying on the next one when a partition answers
 ``Overloaded`` (``max_backlog`` is a per-partition bound: the pipeline holds up to N times
@@ -27,18 +27,17 @@ from types import TracebackType
 from typing import Any, cast
 
 from broker import codec, protocol
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
-from broker.refusals import log_refusal_once
 from broker.spec import PipelineIO
 from gateway.client.hub import Hub
 from gateway.client.lane import Lane
-from gateway.client.registration import Registration, read_first_stage
+from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
-from gateway.client.sizing import FirstStage
+from gateway.client.sizing import size_lanes
 from gateway.client.slot import Waiter
+from gateway.client.view import PipelineView, Views
 from gateway.errors import Overloaded, PayloadTooLarge
-from gateway.monitor.status import PipelineStatus, read_all_partitions
+from gateway.monitor.status import PipelineStatus
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -47,12 +46,6 @@ def partition_of(key: str | bytes, partitions: int) -> int:
     """The partition a caller's key maps to: what a foreign producer should compute too."""
     data = key.encode() if isinstance(key, str) else key
     return zlib.crc32(data) % partitions
-
-
-async def read_partition_count(client: Any, keys: Keys) -> int | None:
-    """The partition count from partition 0's spec; None if no worker wrote one yet."""
-    first = await read_first_stage(client, keys)
-    return None if first is None else first.partitions
 
 
 class Gateway:
@@ -66,10 +59,10 @@ class Gateway:
     requests with one key go to one partition of a partitioned pipeline."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
-                 partitions: int | None = None, hub: Hub | None = None) -> None:
+                 partitions: int | None = None, hub: Hub | None = None, views: Views | None = None) -> None:
         """``partitions``: the pipeline's partition count, if known (else read from its spec).
-        ``hub``: a started hub shared with other pipelines (its owner closes it); by default the
-        gateway has one of its own."""
+        ``hub`` and ``views``: a started hub and views shared with other pipelines (their owner closes
+        them); by default the gateway has its own."""
         self.redis_url = redis_url
         self.pipeline = pipeline
         self.settings = settings or GatewaySettings()
@@ -77,62 +70,62 @@ class Gateway:
         self.keys = Keys(pipeline, self.settings.prefix)
         self.hub = hub or Hub(redis_url, self.settings)
         self._own_hub = hub is None
+        self.views = views or Views(redis_url)
+        self._own_views = views is None
+        self.view: PipelineView | None = None
         self.registration = Registration(self.keys, self.settings.register_wait_s)
-        self.first_stage = FirstStage(self.settings.batch_entries, self.keys)
         self.lanes: list[Lane] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
-        self._next_count_s = 0.0
-        self._growing: asyncio.Task[None] | None = None
-        self._status_marks: dict[int, dict[int, bytes]] = {}
 
     async def start(self) -> None:
         if self._own_hub:
             await self.hub.start()
         try:
-            self.registration.bind(self.hub.client)
-            count = self.partitions
-            if count is None:
-                count = await read_partition_count(self.hub.client, self.keys)
-                self._counted = count is not None
+            if self._own_views:
+                await self.views.start()
+            self.view = self.views.watch(self.keys, self.settings.batch_entries, self._refreshed)
+            self.registration.bind(self.views, self.view, self.hub.client)
+            await self.views.refreshed(self.view)
+            count = self.partitions or self.view.partitions
+            self._counted = count is not None
             self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count or 1)]
-            await self.registration.log_if_missing()
+            self._refreshed(self.view)
+            self.registration.log_if_missing()
         except BaseException:
-            if self._own_hub:
-                await self.hub.close()
+            await self._release()
             raise
 
     def _stage_count(self) -> int:
         return self.registration.stages
 
-    def _check_count(self) -> None:
-        """Started before any worker wrote the spec: look for it every 2 s (in the background)
-        and, once it names more partitions, add their lanes, so the spread begins by itself."""
-        if self._counted or self._growing is not None or time.monotonic() < self._next_count_s:
+    def _refreshed(self, view: PipelineView) -> None:
+        """After each refresh of the view: the registration, the partition count if it was not known
+        at start (once the spec names more partitions, their lanes are added, so the spread begins by
+        itself), the lanes' sizing."""
+        self.registration.take(view)
+        if not self.lanes:  # not started yet
             return
-        self._next_count_s = time.monotonic() + 2.0
-        self._growing = asyncio.ensure_future(self._grow())
-
-    async def _grow(self) -> None:
-        try:
-            count = await read_partition_count(self.hub.client, self.keys)
-            if count is not None:
-                if count > len(self.lanes):
-                    self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count)]
-                    log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
-                self._counted = True
-        except CONNECTION_OR_REPLY_ERRORS as exc:
-            log_refusal_once(exc, "get", self.keys.spec)
-            log.warning("reading the partition count failed (will retry) error=%r", exc)
-        finally:
-            self._growing = None
+        count = view.partitions
+        if not self._counted and count is not None:
+            self._counted = True
+            if count > len(self.lanes):
+                self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count)]
+                log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
+        size_lanes(self.lanes, view.stages[0] if view.stages else None, self.settings.batch_entries, view.sizing)
 
     async def close(self) -> None:
-        tasks: list[asyncio.Future[Any]] = [*([self._growing] if self._growing else []), *self.registration.polls(),
-                                            *self.first_stage.close()]
-        for task in tasks:
+        polls = self.registration.polls()
+        for task in polls:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*polls, return_exceptions=True)
+        await self._release()
+
+    async def _release(self) -> None:
+        if self.view is not None:
+            self.views.unwatch(self.view)
+        if self._own_views:
+            await self.views.close()
         if self._own_hub:
             await self.hub.close()
 
@@ -152,7 +145,7 @@ class Gateway:
     @property
     def healthy(self) -> bool:
         """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""
-        return self.hub.healthy
+        return self.hub.healthy and self.views.healthy
 
     # -- requests -------------------------------------------------------------------------
 
@@ -174,8 +167,6 @@ class Gateway:
         if not lanes:
             raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
                                "or `await gw.start()` first")
-        self._check_count()
-        self.first_stage.check(self.hub.client, lanes)
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
@@ -219,10 +210,18 @@ class Gateway:
         return self.registration.io
 
     async def pipeline_registered(self) -> bool:
-        """Whether a worker has registered this pipeline in this Redis (once true, no more round trips)."""
+        """Whether a worker has registered this pipeline in this Redis (read again until it is)."""
         return await self.registration.check()
 
     async def pipeline_status(self) -> PipelineStatus:
-        if not self.hub.healthy:
+        """The pipeline's status as its view last read it (about once a second; no round trip here):
+        unreachable once no refresh succeeded for ``gateway.client.view.STALE_AFTER_S``."""
+        if not self.hub.healthy or not self.views.healthy:
             return PipelineStatus(False, [], "a gateway background task died (see its log)")
-        return await read_all_partitions(self.hub.client, self.keys, self._status_marks)
+        if self.view is None:
+            raise RuntimeError(f"Gateway for {self.pipeline!r} is not started")
+        status = self.view.status()
+        if status is None:  # not read yet (the start reads it: rare)
+            await self.views.refreshed(self.view)
+            status = self.view.status()
+        return status or PipelineStatus(False, [], "not read yet")

@@ -1,7 +1,8 @@
-"""One pipeline partition as a gateway process submits to it: its outbox and its consumed result keys.
+"""One pipeline partition as a gateway process submits to it, and the record of each request in flight.
 
-A leaf of :mod:`gateway.client.hub` (which flushes lanes) and :mod:`gateway.client.recall` (which
-queues forgotten requests on them again).
+A leaf of :mod:`gateway.client.hub` (which flushes lanes and keeps the records), of
+:mod:`gateway.client.recall` (which queues forgotten requests on their lane again) and of
+:mod:`gateway.client.deadlines`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,33 @@ from collections.abc import Callable
 from broker.keys import Keys
 from broker.packing import EntrySizing
 from broker.submit import Submission, Submitter
+from gateway.client.slot import Waiter
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
 # many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
 # own at UNLINK_ALONE. They expire at result_ttl_ms regardless: this only bounds memory sooner.
 UNLINK_BATCH = 64
 UNLINK_ALONE = 256
+
+
+class InFlight:
+    """Everything a gateway knows of one request until it is answered (or expires, or is refused):
+    who waits for its answer, its lane, what was submitted (id, data, deadline), its timeout, since
+    when it is held (monotonic: reset when audited or sent again, see gateway.client.recall), and
+    whether it was sent more than once (then its result key is left to expire rather than unlinked,
+    so that a late copy's ``SET NX`` loses: one answer). The hub keeps one per request, by id; the
+    outboxes, the deadline timer and the resends read them."""
+
+    __slots__ = ("lane", "resent", "since_s", "submission", "timeout_s", "waiter")
+
+    def __init__(self, waiter: Waiter, lane: Lane, submission: Submission, since_s: float,
+                 timeout_s: float) -> None:
+        self.waiter = waiter
+        self.lane = lane
+        self.submission = submission
+        self.since_s = since_s
+        self.timeout_s = timeout_s
+        self.resent = False
 
 
 class Lane:
@@ -30,19 +52,16 @@ class Lane:
         self.stages = stages  # the pipeline's stage count, once its spec was read (0 before)
         self.submitter = submitter
         self.reply_key = reply_key
-        self.id_prefix = id_prefix  # every request id of this lane starts with it: answers find their lane
-        self.outbox: list[Submission] = []
+        self.id_prefix = id_prefix  # every request id of this lane starts with it
+        self.outbox: list[InFlight] = []  # requests to submit in the next turn, in order
         self.unlink: list[bytes] = []
-        # Requests sent again after a failed submission may run twice: their result keys are left
-        # to expire instead of being unlinked, so that the late copy's SET NX loses (one answer).
-        self.sent_twice: set[bytes] = set()
         self.counter = 0
         self.wake = wake  # set when the lane has something to send: its flusher's signal
         # Its first stage as batch entries see it (gateway.client.sizing): until known, single entries.
         self.sizing = EntrySizing()
 
-    def take_turn(self) -> tuple[list[Submission], list[bytes]]:
-        """This turn's submissions, and the consumed result keys that ride on them (or go alone)."""
+    def take_turn(self) -> tuple[list[InFlight], list[bytes]]:
+        """This turn's requests, and the consumed result keys that ride on them (or go alone)."""
         batch, self.outbox = self.outbox, []
         unlink: list[bytes] = []
         if len(self.unlink) >= (UNLINK_BATCH if batch else UNLINK_ALONE):

@@ -2,7 +2,9 @@
 
 All of them submit through one :class:`gateway.client.hub.Hub` (one reply list per process on one
 Redis, one flusher writing every pipeline's turn in one round trip): a process serving many names
-costs no more per request than one serving a single name. With ``--all`` the process learns the
+costs no more per request than one serving a single name. Their views (registration, spec, sizing,
+status) are all refreshed by one task on one connection (:class:`gateway.client.view.Views`), so the
+connections the process holds do not grow with the pipelines it serves. With ``--all`` the process learns the
 pipelines registered under its prefix from the registry workers add to (``<prefix>:pipelines``), at
 start and every ``discover_s`` after, so a pipeline whose workers register later is served without a
 restart.
@@ -15,12 +17,13 @@ import logging
 from collections.abc import Sequence
 from types import TracebackType
 
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.refusals import log_refusal_once
+from broker.registry import registered_pipelines
 from gateway.client.gateway import Gateway
 from gateway.client.hub import Hub
-from gateway.client.registration import registered_pipelines
 from gateway.client.settings import GatewaySettings
+from gateway.client.view import Views
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -36,6 +39,7 @@ class Pipelines:
         self.settings = settings or GatewaySettings()
         self.discover = discover
         self.hub = Hub(redis_url, self.settings)
+        self.views = Views(redis_url)
         self._names = list(dict.fromkeys(names))
         self.gateways: dict[str, Gateway] = {}
         self._discovery: asyncio.Task[None] | None = None
@@ -44,15 +48,21 @@ class Pipelines:
         """Start the hub and a gateway per pipeline; may be called again after it raised (e.g. Redis
         unreachable: `gateway.serve.start_when_reachable` retries), each time on a fresh hub."""
         self.hub = Hub(self.redis_url, self.settings)
+        self.views = Views(self.redis_url)
         self.gateways = {}
         await self.hub.start()  # on failure it closes what it opened
         try:
+            await self.views.start()
             names = list(self._names)
             if self.discover:
                 names += [n for n in await registered_pipelines(self.hub.client, self.settings.prefix)
                           if n not in names]
-            for name in names:
-                await self._add(name)
+            for name in names:  # started together: their first reads share the views' round trips
+                self.gateways[name] = Gateway(self.redis_url, name, self.settings, hub=self.hub, views=self.views)
+            started = await asyncio.gather(*(g.start() for g in self.gateways.values()), return_exceptions=True)
+            for outcome in started:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except BaseException:
             await self.close()
             raise
@@ -60,7 +70,7 @@ class Pipelines:
             self._discovery = asyncio.create_task(self._discover(), name="conveyor-discovery")
 
     async def _add(self, name: str) -> None:
-        gateway = Gateway(self.redis_url, name, self.settings, hub=self.hub)
+        gateway = Gateway(self.redis_url, name, self.settings, hub=self.hub, views=self.views)
         await gateway.start()
         self.gateways[name] = gateway
 
@@ -82,6 +92,7 @@ class Pipelines:
             self._discovery.cancel()
             await asyncio.gather(self._discovery, return_exceptions=True)
         await asyncio.gather(*(g.close() for g in self.gateways.values()), return_exceptions=True)
+        await self.views.close()
         await self.hub.close()
 
     async def __aenter__(self) -> Pipelines:
@@ -104,4 +115,4 @@ class Pipelines:
 
     @property
     def healthy(self) -> bool:
-        return self.hub.healthy
+        return self.hub.healthy and self.views.healthy

@@ -25,51 +25,34 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from broker.audit import forgotten
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
-from broker.refusals import log_refusal_once
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.server_info import arun_id
-from broker.submit import Submission
-from gateway.client.lane import Lane
+from gateway.client.lane import InFlight, Lane
 
 log = logging.getLogger("conveyor.gateway")
 
 
-@dataclass(slots=True)
-class Held:
-    """A request admitted and not yet answered: its lane, what was submitted, since when (monotonic)."""
-
-    lane: Lane
-    submission: Submission
-    since_s: float
-
-
 class Recall:
-    """The requests a hub holds, and the two checks that send forgotten ones again.
+    """The two checks that send forgotten requests again, over the hub's table of requests in
+    flight (``requests``: by id, in age order, each request's :class:`InFlight` record).
 
-    ``resend(lane, submissions)`` queues submissions on their lane again (the hub's); ``audit_after_s``
+    ``resend(lane, records)`` queues requests on their lane again (the hub's); ``audit_after_s``
     0 turns the audit off (the run-id check stays: it costs nothing until a reconnect); ``enabled``
-    False turns both off and holds nothing (what Redis forgets then times out)."""
+    False turns both off (what Redis forgets then times out)."""
 
-    def __init__(self, resend: Callable[[Lane, list[Submission]], None], audit_after_s: float,
-                 enabled: bool = True) -> None:
+    def __init__(self, requests: dict[bytes, InFlight], resend: Callable[[Lane, list[InFlight]], None],
+                 audit_after_s: float, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.held: dict[bytes, Held] = {}  # insertion order is age order: sent again moves to the end
+        # Insertion order is age order (``InFlight.since_s``): audited or sent again moves to the end.
+        self._requests = requests
         self._resend = resend
         self.audit_after_s = audit_after_s
         self.resubmitted = 0
         self.audits = 0  # audit.lua calls made
         self._run_ids: dict[bytes, str] = {}  # by reply key: one per node a reader talks to
-
-    def hold(self, request_id: bytes, lane: Lane, submission: Submission, now_s: float) -> None:
-        if self.enabled:
-            self.held[request_id] = Held(lane, submission, now_s)
-
-    def release(self, request_id: bytes) -> None:
-        self.held.pop(request_id, None)
 
     # -- another run ---------------------------------------------------------------------------
 
@@ -83,7 +66,7 @@ class Recall:
         self._run_ids[reply_key] = run
         if seen is None or seen == run:
             return
-        ids = [rid for rid, held in self.held.items() if held.lane in lanes]
+        ids = [rid for rid, record in self._requests.items() if record.lane in lanes]
         log.warning("redis is another run than before (restarted, or failed over) run_id=%s: sending the %d "
                     "requests in flight there again", run[:12], len(ids))
         self._send_again(ids)
@@ -97,19 +80,21 @@ class Recall:
             try:
                 await self.audit(client, time.monotonic())
             except CONNECTION_OR_REPLY_ERRORS as exc:  # the reader and flusher say more; try next time
-                log_refusal_once(exc, "audit.lua")
                 log.info("audit of old requests skipped error=%r", exc)
 
     async def audit(self, client: Any, now_s: float) -> None:
+        if not self.enabled:
+            return
+        requests = self._requests
         old = list(self._older_than(now_s - self.audit_after_s))
         by_lane: dict[int, tuple[Lane, list[bytes]]] = {}
-        for rid, held in old:
-            by_lane.setdefault(id(held.lane), (held.lane, []))[1].append(rid)
-            held.since_s = now_s  # audited: again only after another audit_after_s
-            self.held[rid] = self.held.pop(rid)  # to the end: age order kept
+        for rid, record in old:
+            by_lane.setdefault(id(record.lane), (record.lane, []))[1].append(rid)
+            record.since_s = now_s  # audited: again only after another audit_after_s
+            requests[rid] = requests.pop(rid)  # to the end: age order kept
         for lane, ids in by_lane.values():
             stages = lane.stages()
-            queued = {s[0] for s in lane.outbox}
+            queued = {r.submission[0] for r in lane.outbox}
             ids = [i for i in ids if i not in queued]
             if stages < 1 or not ids:
                 continue  # the pipeline's spec not seen yet: nothing to compare with
@@ -120,26 +105,27 @@ class Recall:
                             "again stream=%s", len(missing), lane.keys.stream(0))
                 self._send_again(missing)
 
-    def _older_than(self, since_s: float) -> Iterable[tuple[bytes, Held]]:
-        for rid, held in self.held.items():
-            if held.since_s > since_s:
+    def _older_than(self, since_s: float) -> Iterable[tuple[bytes, InFlight]]:
+        for rid, record in self._requests.items():
+            if record.since_s > since_s:
                 return  # the rest are younger
-            yield rid, held
+            yield rid, record
 
     # -- sending again ---------------------------------------------------------------------------
 
     def _send_again(self, request_ids: Iterable[bytes]) -> None:
+        requests = self._requests
         now_s = time.monotonic()
-        by_lane: dict[int, tuple[Lane, list[Submission]]] = {}
+        by_lane: dict[int, tuple[Lane, list[InFlight]]] = {}
         for rid in request_ids:
-            held = self.held.pop(rid, None)
-            if held is None:  # answered or expired meanwhile
+            record = requests.pop(rid, None)
+            if record is None:  # answered or expired meanwhile
                 continue
-            held.since_s = now_s
-            self.held[rid] = held
-            by_lane.setdefault(id(held.lane), (held.lane, []))[1].append(held.submission)
-        for lane, submissions in by_lane.values():
-            queued = {s[0] for s in lane.outbox}
-            again = [s for s in submissions if s[0] not in queued]
+            record.since_s = now_s
+            requests[rid] = record
+            by_lane.setdefault(id(record.lane), (record.lane, []))[1].append(record)
+        for lane, records in by_lane.values():
+            queued = {id(r) for r in lane.outbox}
+            again = [r for r in records if id(r) not in queued]
             self.resubmitted += len(again)
             self._resend(lane, again)

@@ -118,7 +118,7 @@ def failure(waiter: Waiter) -> Exception | None:
     """The exception a done ``waiter`` holds, or None: read, never raised. Raised (by ``result()``)
     it makes a reference cycle per failed request (its traceback holds the consumer's frame, that
     frame the waiter, the waiter the exception), which only the garbage collector frees: a storm of
-    failing requests keeps it busy (15 % of the gateway's time, measured) and its full collections
+    failing requests keeps it busy and its full collections
     stall every connection. As ``result()`` does, a cancelled waiter raises CancelledError, and an
     exception that is not an ``Exception`` (a BaseException) is raised."""
     exc = waiter.exception()

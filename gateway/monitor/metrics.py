@@ -10,9 +10,10 @@ Two kinds of numbers live here:
   outcome, end-to-end latency, open connections; in-flight predictions are read from the
   backend at scrape time through a gauge callback, so they can never drift.
 - pipeline metrics (per stage backlog, pending, consumers, live workers, dead letters, batch
-  size and duration) that only Redis knows. They are pulled right before exposition
-  (`refresh` then `render`) instead of by a background poller, so an unscraped gateway does
-  no extra Redis work and a scrape always shows fresh numbers.
+  size and duration) that only Redis knows. They are taken right before exposition (`refresh`
+  then `render`) from each pipeline's status as the gateway process's views last read it
+  (:mod:`gateway.client.view`: about once a second, by one task for every pipeline), so a scrape
+  costs no Redis round trip and its numbers are at most about a second old.
 
 A status's ``batches`` are the batches *since the last read*: whoever reads a status must
 feed it to `update`, or those batches are lost to the histograms. That is why ``/readyz``
@@ -130,9 +131,9 @@ class Metrics:
     """All metrics of one gateway process, on a private registry.
 
     ``namespace`` prefixes every name (default ``conveyor``). ``status_timeout_s`` bounds the
-    Redis round trip of a scrape: a scrape that hangs would make Prometheus mark the target
-    down, when the interesting news is "Redis unreachable", which ``conveyor_redis_reachable``
-    says.
+    wait for a pipeline's status (a backend that reads Redis for it, or a view not read yet): a
+    scrape that hangs would make Prometheus mark the target down, when the interesting news is
+    "Redis unreachable", which ``conveyor_redis_reachable`` says.
     """
 
     def __init__(self, backend: Backend | Backends, *, namespace: str = "conveyor",
@@ -259,7 +260,7 @@ class Metrics:
         return generate_latest(self.registry)
 
     async def scrape(self) -> bytes:
-        """What ``GET /metrics`` answers: refresh from Redis, then render."""
+        """What ``GET /metrics`` answers: refresh from the pipelines' statuses, then render."""
         await self.refresh()
         return self.render()
 

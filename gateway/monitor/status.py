@@ -1,42 +1,51 @@
-"""Reads a pipeline's state from Redis (for ``conveyor status``, ``/readyz`` and ``/metrics``).
+"""A pipeline's status (for ``conveyor status``, ``/readyz`` and ``/metrics``), shaped from what
+:mod:`broker.status` reads: the spec (which stages exist), then per stage its group, stream, workers,
+dead letters, counts and batch stats.
 
-One GET of the spec (which stages exist), then one pipelined round trip for every stage:
+- backlog: Redis >= 7 says it (the group's ``lag``); on 6.2 workers XDEL every entry they ack, so the
+  stream holds exactly the undelivered entries plus the pending ones: backlog = XLEN - pending;
+- live workers: heartbeat members whose score (Unix ms) is recent, whatever the consumer group still
+  lists (a killed worker stays a consumer until the janitor removes it);
+- throughput and batch-duration percentiles over the last minute, from the stats stream: entry ID =
+  time; ``n`` = batch sizes, ``ms`` = durations, space-separated, one value per batch (workers write an
+  entry about every 100 ms, not one per batch).
 
-- ``XINFO GROUPS`` / ``XINFO CONSUMERS`` of the stage stream: pending entries, consumers, and
-  (Redis >= 7) the group's ``lag``, i.e. the backlog;
-- ``XLEN`` of the stage stream: the backlog on Redis 6.2, where ``lag`` does not exist. Workers
-  XDEL every entry they ack, so the stream holds exactly the undelivered entries plus the
-  pending ones: backlog = XLEN - pending;
-- the heartbeat zset: live workers are members whose score (Unix ms) is recent, whatever the
-  consumer group still lists (a killed worker stays a consumer until the janitor removes it);
-- ``XLEN`` of the dead-letter stream;
-- the loading zset: workers whose ``setup()`` is still running (refreshed like heartbeats);
-- ``XRANGE`` of the stats stream over the last minute: throughput and batch-duration
-  percentiles. Entry ID = time; ``n`` = batch sizes, ``ms`` = durations, space-separated, one
-  value per batch (workers write an entry about every 100 ms, not one per batch).
-
-``marks`` (one dict per reader, kept between calls) makes ``StageStatus.batches`` hold the
-batches *since the previous call* of that reader, once each: the gateway's histograms use it.
-The first call of a reader only sets its marks.
+``StageStatus.batches`` holds the batches *since the previous read* of one reader, once each (the
+gateway's histograms use it); the first read of a reader only sets its marks. A reader of
+:func:`read_status` keeps its ``marks`` (one dict, passed again each call); a :class:`StatusReader`
+(a gateway's view, which reads every second) keeps them itself, and the window's entries too, so that
+each of its reads asks Redis only for the stats entries written since the previous one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import redis.asyncio as aredis
-
-from broker.connection import CONNECTION_ERRORS, is_cluster_client
-from broker.keys import GROUP, LIVE_AFTER_MS, Keys
+from broker.connection import CONNECTION_ERRORS
+from broker.errors import ReplyError
+from broker.keys import LIVE_AFTER_MS, Keys
 from broker.protocol import as_bytes, now_ms
-from broker.refusals import log_pipeline_refusals, queued_commands
-from broker.spec import SpecError, StageInfo, decode_spec
+from broker.spec import SpecError, StageInfo
+from broker.status import (
+    ConsumerInfo,
+    Entry,
+    PartitionQuery,
+    PartitionReads,
+    Spec,
+    StageReads,
+    node_names,
+    read_partitions,
+    read_specs,
+)
+
+__all__ = ["LIVE_AFTER_MS", "STATS_WINDOW_MS", "ConsumerStatus", "PipelineStatus", "StageStatus", "StatusReader",
+           "merge_status", "read_all_partitions", "read_status", "spec_status"]
 
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
 STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
-_COMMANDS_PER_STAGE = 9
 
 
 @dataclass
@@ -104,39 +113,42 @@ class PipelineStatus:
         return reasons
 
 
-async def read_status(client: aredis.Redis, keys: Keys, marks: dict[int, bytes] | None = None, *,
+def spec_status(keys: Keys, spec: Spec) -> PipelineStatus | None:
+    """The status of a pipeline whose spec says it has no stage to read (None: it has some)."""
+    if spec is None:
+        return PipelineStatus(True, [], f"pipeline {keys.pipeline!r} is not registered: no worker has started"
+                                        f" for it in this Redis (no key {keys.spec}); check the name")
+    if isinstance(spec, SpecError):
+        return PipelineStatus(True, [], str(spec))
+    return None
+
+
+async def read_status(client: Any, keys: Keys, marks: dict[int, bytes] | None = None, *,
                       window_ms: int = STATS_WINDOW_MS) -> PipelineStatus:
-    """The pipeline's status; ``marks`` remembers the last stats entry seen per stage, so that
-    ``batches`` reports each batch once per reader (None: ``batches`` stays empty)."""
+    """The status of ``keys``' partition; ``marks`` remembers the last stats entry seen per stage, so
+    that ``batches`` reports each batch once per reader (None: ``batches`` stays empty)."""
     try:
-        raw_spec = await client.get(keys.spec)
-        if not raw_spec:
-            return PipelineStatus(True, [], f"pipeline {keys.pipeline!r} is not registered: no worker has started"
-                                             f" for it in this Redis (no key {keys.spec}); check the name")
-        spec = decode_spec(as_bytes(raw_spec))
+        [spec] = await read_specs(client, [keys])
+        if isinstance(spec, ReplyError):
+            raise spec  # refused (an ACL): the caller is told, as by any refused command
+        if not isinstance(spec, list):
+            return spec_status(keys, spec) or PipelineStatus(True, [])
         now = now_ms()
         window_start = now - window_ms
-        pipe = client.pipeline(transaction=False)
-        for stage in spec:
-            i = stage.index
-            pipe.xinfo_groups(keys.stream(i))
-            pipe.xinfo_consumers(keys.stream(i), GROUP)
-            pipe.xlen(keys.stream(i))
-            pipe.zrange(keys.heartbeats(i), 0, -1, withscores=True)
-            pipe.xlen(keys.dead(i))
-            pipe.xrange(keys.stats(i), min=_range_start(marks, i, window_start), max="+")
-            pipe.zrange(keys.loading(i), 0, -1, withscores=True)
-            pipe.zrange(keys.stuck(i), 0, -1, withscores=True)
-            pipe.hgetall(keys.counts(i))
-        sent = queued_commands(pipe)
-        results = await pipe.execute(raise_on_error=False)
-        log_pipeline_refusals(sent, results)
+        starts = tuple(_range_start(marks, stage.index, window_start) for stage in spec)
+        [reads] = await read_partitions(client, [PartitionQuery(keys, starts)])
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc}")
-    except SpecError as exc:
-        return PipelineStatus(True, [], str(exc))
-    n = _COMMANDS_PER_STAGE
-    stages = [_stage(stage, results[n * k:n * k + n], marks, now, window_start) for k, stage in enumerate(spec)]
+    stages = []
+    for info, stage_reads in zip(spec, reads.stages, strict=True):
+        status = _stage(info, stage_reads, now)
+        recent = [entry for entry in stage_reads.stats if _id_key(entry[0]) >= (window_start, 0)]
+        # The stream holds only its last ~STATS_MAXLEN entries: the window then really starts at the oldest left.
+        batches = [batch for _, fields in recent for batch in _batches(fields)]
+        _window_stats(status, batches, _ms_of(recent[0]) if len(recent) >= STATS_MAXLEN else window_start, now)
+        if marks is not None:
+            _since_mark(status, stage_reads.stats, marks, window_start)
+        stages.append(status)
     return PipelineStatus(True, stages, partitions=spec[0].partitions if spec else 1)
 
 
@@ -149,70 +161,44 @@ def _range_start(marks: dict[int, bytes] | None, stage: int, window_start: int) 
     return b"%d" % window_start
 
 
-def _ok(value: Any, default: Any) -> Any:
-    return default if isinstance(value, Exception) else value
-
-
-def _stage(stage: StageInfo, results: list[Any], marks: dict[int, bytes] | None, now: int,
-           window_start: int) -> StageStatus:
-    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [], [], {})
-    groups, consumers, length, beats, dead, stats, loading, stuck, counts = (
-        _ok(r, d) for r, d in zip(results, defaults, strict=True))
-    status = StageStatus(stage.index, stage.name, dead_letters=int(dead), max_backlog=stage.max_backlog)
-    lag: Any = None
-    for group in groups:
-        if group["name"] in (GROUP, GROUP.encode()):
-            status.pending = int(group["pending"])
-            status.consumers = int(group["consumers"])
-            lag = group.get("lag")
+def _stage(info: StageInfo, reads: StageReads, now: int) -> StageStatus:
+    """Everything of a stage's status but its batch stats."""
+    live_after = now - LIVE_AFTER_MS
+    status = StageStatus(info.index, info.name, pending=reads.pending, consumers=reads.consumers,
+                         dead_letters=reads.dead_letters, max_backlog=info.max_backlog,
+                         stage_errors=reads.stage_errors, batch_length_errors=reads.batch_length_errors)
     # Redis >= 7 says how many entries the group has not read yet (lag; None when it cannot
     # tell); otherwise the stream holds the undelivered entries plus the pending ones.
-    status.backlog = int(lag) if lag is not None else max(0, int(length) - status.pending)
-    heartbeats = {_text(member): int(score) for member, score in beats}
-    status.live_workers = sum(1 for score in heartbeats.values() if score >= now - LIVE_AFTER_MS)
-    status.loading_workers = sum(1 for _member, score in loading if int(score) >= now - LIVE_AFTER_MS)
-    stuck_since = {_text(member): int(score) for member, score in stuck}
-    status.consumer_details = [_consumer(c, heartbeats, stuck_since, now) for c in consumers]
-    status.stuck_workers = sum(1 for name in stuck_since if heartbeats.get(name, 0) >= now - LIVE_AFTER_MS)
-    status.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
-    status.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
-    _window_stats(status, stats, window_start, now)
-    if marks is not None:
-        _since_mark(status, stats, marks, window_start)
+    status.backlog = reads.lag if reads.lag is not None else max(0, reads.length - reads.pending)
+    beats = reads.heartbeats
+    status.live_workers = sum(1 for score in beats.values() if score >= live_after)
+    status.loading_workers = sum(1 for score in reads.loading.values() if score >= live_after)
+    status.consumer_details = [_consumer(c, beats, reads.stuck, now) for c in reads.consumer_list]
+    status.stuck_workers = sum(1 for name in reads.stuck if beats.get(name, 0) >= live_after)
     return status
 
 
-def _consumer(info: dict[str, Any], heartbeats: dict[str, int], stuck: dict[str, int], now: int) -> ConsumerStatus:
-    name = _text(info["name"])
-    beat = heartbeats.get(name)
+def _consumer(info: ConsumerInfo, heartbeats: dict[str, int], stuck: dict[str, int], now: int) -> ConsumerStatus:
+    beat = heartbeats.get(info.name)
     age = None if beat is None else max(0, now - beat)
-    return ConsumerStatus(name, int(info["pending"]), int(info["idle"]), age,
-                          age is not None and age <= LIVE_AFTER_MS, stuck.get(name))
+    return ConsumerStatus(info.name, info.pending, info.idle_ms, age, age is not None and age <= LIVE_AFTER_MS,
+                          stuck.get(info.name))
 
 
-def _window_stats(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], window_start: int,
-                  now: int) -> None:
-    recent = [(_id_key(eid)[0], fields) for eid, fields in stats if _id_key(eid) >= (window_start, 0)]
-    batches = [batch for _, fields in recent for batch in _batches(fields)]
-    sizes = [size for size, _ in batches]
-    durations = [seconds for _, seconds in batches]
-    window_ms = now - window_start
-    if len(recent) >= STATS_MAXLEN:
-        # The stream holds only its last ~STATS_MAXLEN batches: the window really starts at
-        # the oldest one left, or the throughput would be understated.
-        window_ms = max(1, now - recent[0][0])
+def _window_stats(status: StageStatus, batches: Sequence[tuple[int, float]], start_ms: int, now: int) -> None:
+    """Throughput and percentiles of the window's ``batches`` (size, seconds), over ``start_ms`` to now."""
+    durations = sorted(seconds for _, seconds in batches)
+    window_ms = max(1, now - start_ms)
     status.stats_window_s = window_ms / 1000
     status.batches_last_minute = len(batches)
-    status.items_last_minute = sum(sizes)
-    status.throughput_per_s = status.items_last_minute / status.stats_window_s if window_ms > 0 else 0.0
+    status.items_last_minute = sum(size for size, _ in batches)
+    status.throughput_per_s = status.items_last_minute / status.stats_window_s
     if durations:
-        durations.sort()
         status.batch_p50_s = _percentile(durations, 50)
         status.batch_p99_s = _percentile(durations, 99)
 
 
-def _since_mark(status: StageStatus, stats: list[tuple[bytes, dict[bytes, bytes]]], marks: dict[int, bytes],
-                window_start: int) -> None:
+def _since_mark(status: StageStatus, stats: list[Entry], marks: dict[int, bytes], window_start: int) -> None:
     i = status.index
     mark = marks.get(i)
     if mark is None:
@@ -249,8 +235,8 @@ def _id_key(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _ms_of(entry: Entry) -> int:
+    return _id_key(entry[0])[0]
 
 
 async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int, bytes]] | None = None,
@@ -262,9 +248,9 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     parts = [first]
     for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
         parts.append(await read_status(client, k, None if marks is None else marks.setdefault(k.partition, {})))
-    if is_cluster_client(client):  # where each partition lives: spread or not, at a glance
-        for k, part in zip(keys.partitions(first.partitions), parts, strict=True):
-            part.node = str(client.get_node_from_key(k.spec).name)
+    # On a Redis Cluster, where each partition lives: spread or not, at a glance.
+    for part, node in zip(parts, node_names(client, keys.partitions(first.partitions)), strict=True):
+        part.node = node
     return merge_status(parts)
 
 
@@ -298,3 +284,87 @@ def _merge_stage(parts: list[StageStatus]) -> StageStatus:
         batch_p50_s=max(p50s) if p50s else None, batch_p99_s=max(p99s) if p99s else None,
         stats_window_s=min(s.stats_window_s for s in parts),
     )
+
+
+class _Window:
+    """One stage's batches of the window as a reader holds them (each stats entry's, by its id), and
+    the last entry it saw."""
+
+    __slots__ = ("complete_ms", "entries", "mark")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[int, int], list[tuple[int, float]]]] = []
+        self.mark: bytes | None = None
+        self.complete_ms = 0  # the entries held are all the stream had since this time (Unix ms)
+
+    def start(self, window_start: int) -> bytes:
+        """Where the next ``XRANGE`` starts: the window's start at the first look, then after the mark."""
+        return b"%d" % window_start if self.mark is None else b"(" + self.mark
+
+    def take(self, new: list[Entry], window_start: int) -> list[tuple[int, float]]:
+        """The entries read since the mark in, those older than the window out; the batches of the
+        fresh ones ([] at the first look, which only sets the mark)."""
+        first = self.mark is None
+        if len(new) >= STATS_MAXLEN:  # the stream turned over since the mark: the older entries are gone
+            self.complete_ms = _ms_of(new[0])
+        if new:
+            self.mark = new[-1][0]
+        elif first:
+            self.mark = b"%d-0" % window_start
+        fresh = [(_id_key(entry_id), _batches(fields)) for entry_id, fields in new]
+        self.entries += fresh
+        cut = 0
+        while cut < len(self.entries) and self.entries[cut][0] < (window_start, 0):
+            cut += 1
+        del self.entries[:cut]
+        return [] if first else [batch for _, batches in fresh for batch in batches]
+
+    def batches(self) -> list[tuple[int, float]]:
+        return [batch for _, batches in self.entries for batch in batches]
+
+
+class StatusReader:
+    """One pipeline's status read again and again (a gateway's view): per partition and stage it holds
+    the window's stats entries and the last one seen, so that each read asks Redis only for the newer
+    ones, and ``batches`` are those since the previous read."""
+
+    def __init__(self, keys: Keys, window_ms: int = STATS_WINDOW_MS) -> None:
+        self.keys = keys
+        self.window_ms = window_ms
+        self._windows: dict[tuple[int, int], _Window] = {}
+
+    def _window(self, partition: int, stage: int) -> _Window:
+        return self._windows.setdefault((partition, stage), _Window())
+
+    def queries(self, spec: list[StageInfo], now: int, sizing: bool = False) -> list[PartitionQuery]:
+        """What to read of every partition ``spec`` (partition 0's) names: their specs too, after the
+        first; ``sizing``: each first stage's sizing reads."""
+        window_start = now - self.window_ms
+        count = spec[0].partitions if spec else 1
+        return [PartitionQuery(k, tuple(self._window(k.partition, s.index).start(window_start) for s in spec),
+                               spec=k.partition > 0, sizing=sizing)
+                for k in self.keys.partitions(count)]
+
+    def shape(self, spec: list[StageInfo], reads: Sequence[PartitionReads], now: int,
+              nodes: Sequence[str]) -> PipelineStatus:
+        """The status of the partitions :meth:`queries` named, from their ``reads`` (``nodes``: where each
+        lives, on a Redis Cluster), merged."""
+        window_start = now - self.window_ms
+        parts = []
+        for k, part, node in zip(self.keys.partitions(len(reads)), reads, nodes, strict=True):
+            missing = spec_status(k, part.spec) if k.partition > 0 else None
+            if missing is not None:
+                parts.append(missing)
+                continue
+            stages = [self._stage(k.partition, info, stage_reads, now, window_start)
+                      for info, stage_reads in zip(spec, part.stages, strict=True)]
+            parts.append(PipelineStatus(True, stages, partitions=len(reads), node=node if len(reads) > 1 else ""))
+        return merge_status(parts)
+
+    def _stage(self, partition: int, info: StageInfo, reads: StageReads, now: int, window_start: int) -> StageStatus:
+        window = self._window(partition, info.index)
+        fresh = window.take(reads.stats, window_start)
+        status = _stage(info, reads, now)
+        _window_stats(status, window.batches(), max(window_start, window.complete_ms), now)
+        status.batches = fresh
+        return status

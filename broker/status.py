@@ -1,0 +1,193 @@
+"""What Redis holds of a pipeline's stages, read for ``conveyor status``, ``/readyz`` and ``/metrics``
+(:mod:`gateway.monitor.status` shapes it into a status): plain data, many pipelines and partitions in
+one pipelined round trip.
+
+Per stage of a partition, nine reads:
+
+- ``XINFO GROUPS`` / ``XINFO CONSUMERS`` of the stage stream: its group's pending entries, consumers and
+  (Redis >= 7) ``lag``, the entries not yet delivered; each consumer's pending entries and idle time;
+- ``XLEN`` of the stage stream (the backlog on Redis 6.2, which has no ``lag``) and of its dead letters;
+- ``ZRANGE`` of the heartbeat, loading and stuck zsets: each member and its score (Unix ms);
+- ``XRANGE`` of the stats stream from the caller's start (a window's start, or just after the last entry
+  it saw): one entry per ~100 ms of a worker's batches;
+- ``HGETALL`` of the counts hash: stage errors and wrong batch lengths, in total.
+
+A read that Redis refuses or fails (an ACL without that command, a stream no worker made yet) leaves
+its field empty, a refusal logged once with what would allow it: a status shows what could be read.
+A lost connection raises (:data:`broker.connection.CONNECTION_ERRORS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import protocol
+from broker.connection import CONNECTION_ERRORS, is_cluster_client
+from broker.errors import ReplyError
+from broker.families import COUNTS, DEAD, HEARTBEATS, LOADING, SPEC, STATS, STREAMS, STUCK
+from broker.keys import GROUP, Keys
+from broker.operations import GATEWAY, MONITOR, sends
+from broker.packing import queue_reads
+from broker.refusals import log_pipeline_refusals, queued_commands
+from broker.spec import SpecError, StageInfo, decode_spec
+
+__all__ = ["ConsumerInfo", "Entry", "PartitionQuery", "PartitionReads", "Spec", "StageReads", "node_names",
+           "read_partitions", "read_specs"]
+
+# A pipeline's spec as read: its stages; None when no worker wrote one; SpecError when it cannot be read.
+Spec = list[StageInfo] | SpecError | None
+Entry = tuple[bytes, dict[bytes, bytes]]  # a stats stream entry: its id, its fields
+
+
+@dataclass(frozen=True)
+class ConsumerInfo:
+    """One consumer of a stage's group: its name, entries delivered to it and not acked, idle time."""
+
+    name: str
+    pending: int
+    idle_ms: int
+
+
+@dataclass
+class StageReads:
+    """One stage of one partition as Redis holds it (a read that failed: its field's empty value)."""
+
+    pending: int = 0  # the group's delivered, unacked entries
+    consumers: int = 0  # the group's consumers
+    lag: int | None = None  # the group's undelivered entries (Redis >= 7, when it can tell)
+    length: int = 0  # entries in the stage stream
+    consumer_list: list[ConsumerInfo] = field(default_factory=list)
+    heartbeats: dict[str, int] = field(default_factory=dict)  # member -> Unix ms
+    loading: dict[str, int] = field(default_factory=dict)
+    stuck: dict[str, int] = field(default_factory=dict)
+    dead_letters: int = 0
+    stats: list[Entry] = field(default_factory=list)  # oldest first
+    stage_errors: int = 0
+    batch_length_errors: int = 0
+
+
+@dataclass(frozen=True)
+class PartitionQuery:
+    """What to read of one partition: its stages, one ``XRANGE`` start each (``stats_from``: ``b"<ms>"``,
+    or ``b"(<id>"`` for the entries after ``<id>``); its spec too (``spec``); its first stage's live
+    workers and latest stats entry as batch entries size by them (``sizing``: :mod:`broker.packing`)."""
+
+    keys: Keys
+    stats_from: tuple[bytes, ...]
+    spec: bool = False
+    sizing: bool = False
+
+
+@dataclass
+class PartitionReads:
+    stages: list[StageReads]
+    spec: Spec = None  # when asked for
+    sizing: tuple[Any, Any] | None = None  # when asked for: the replies EntrySizing.take wants
+
+
+def _spec(raw: Any) -> Spec:
+    if isinstance(raw, BaseException):
+        return SpecError(f"the pipeline's spec cannot be read: {raw}")
+    if not raw:
+        return None
+    try:
+        return decode_spec(protocol.as_bytes(raw))
+    except SpecError as exc:
+        return exc
+
+
+@sends(GATEWAY, MONITOR, uses={"get": SPEC}, why="which stages each pipeline has, every pipeline in one round trip")
+async def read_specs(client: Any, keys: Sequence[Keys]) -> list[Spec | ReplyError]:
+    """The spec of each of ``keys``' partitions (one ``GET`` each, pipelined); the error reply where
+    Redis refused to read it (an ACL that does not cover that pipeline: logged once)."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k.spec)
+    return [raw if isinstance(raw, ReplyError) else _spec(raw) for raw in await _execute(pipe)]
+
+
+@sends(GATEWAY, MONITOR, uses={"get": SPEC, "xinfo|groups": STREAMS, "xinfo|consumers": STREAMS,
+                               "xlen": (STREAMS, DEAD), "zrange": (HEARTBEATS, LOADING, STUCK), "xrange": STATS,
+                               "hgetall": COUNTS},
+       why="each stage's backlog, workers, dead letters, counts and batch stats, every partition in one round trip")
+async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> list[PartitionReads]:
+    """What each query asks of its partition, in one pipelined round trip."""
+    pipe = client.pipeline(transaction=False)
+    for query in queries:
+        if query.spec:
+            pipe.get(query.keys.spec)
+        for index, start in enumerate(query.stats_from):
+            _queue_stage(pipe, query.keys, index, start)
+        if query.sizing:
+            queue_reads(pipe, query.keys, 0)
+    replies = iter(await _execute(pipe))
+    return [_partition(query, replies) for query in queries]
+
+
+async def _execute(pipe: Any) -> list[Any]:
+    """Run ``pipe``; each refused command's refusal logged once; a lost connection raised."""
+    sent = queued_commands(pipe)
+    replies = await pipe.execute(raise_on_error=False)
+    log_pipeline_refusals(sent, replies)
+    for reply in replies:
+        if isinstance(reply, CONNECTION_ERRORS):
+            raise reply
+    return list(replies)
+
+
+def _queue_stage(pipe: Any, keys: Keys, i: int, stats_from: bytes) -> None:
+    pipe.xinfo_groups(keys.stream(i))
+    pipe.xinfo_consumers(keys.stream(i), GROUP)
+    pipe.xlen(keys.stream(i))
+    pipe.zrange(keys.heartbeats(i), 0, -1, withscores=True)
+    pipe.xlen(keys.dead(i))
+    pipe.xrange(keys.stats(i), min=stats_from, max="+")
+    pipe.zrange(keys.loading(i), 0, -1, withscores=True)
+    pipe.zrange(keys.stuck(i), 0, -1, withscores=True)
+    pipe.hgetall(keys.counts(i))
+
+
+def _partition(query: PartitionQuery, replies: Iterator[Any]) -> PartitionReads:
+    spec = _spec(next(replies)) if query.spec else None
+    stages = [_stage([next(replies) for _ in range(9)]) for _ in query.stats_from]
+    sizing = (next(replies), next(replies)) if query.sizing else None
+    return PartitionReads(stages, spec, sizing)
+
+
+def _ok(value: Any, default: Any) -> Any:
+    return default if isinstance(value, BaseException) else value
+
+
+def _stage(replies: list[Any]) -> StageReads:
+    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [], [], {})
+    groups, consumers, length, beats, dead, stats, loading, stuck, counts = (
+        _ok(r, d) for r, d in zip(replies, defaults, strict=True))
+    reads = StageReads(length=int(length), dead_letters=int(dead), stats=[(protocol.as_bytes(i), f) for i, f in stats])
+    for group in groups:
+        if group["name"] in (GROUP, GROUP.encode()):
+            reads.pending, reads.consumers = int(group["pending"]), int(group["consumers"])
+            lag = group.get("lag")
+            reads.lag = None if lag is None else int(lag)
+    reads.consumer_list = [ConsumerInfo(_text(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers]
+    reads.heartbeats, reads.loading, reads.stuck = (_scores(z) for z in (beats, loading, stuck))
+    reads.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
+    reads.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
+    return reads
+
+
+def _scores(members: list[tuple[bytes | str, float]]) -> dict[str, int]:
+    return {_text(member): int(score) for member, score in members}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def node_names(client: Any, keys: Sequence[Keys]) -> list[str]:
+    """On a Redis Cluster, ``host:port`` of the master serving each partition's slot (from the client's
+    slot map: no command sent); elsewhere ``""`` each."""
+    if not is_cluster_client(client):
+        return [""] * len(keys)
+    return [str(client.get_node_from_key(k.spec).name) for k in keys]
