@@ -30,20 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.families import (
-    COUNTS,
     DEAD,
     FAMILIES,
     FIRST_STREAM,
-    HEARTBEATS,
-    LOADING,
-    REGISTRY,
     REPLIES,
     RESULTS,
-    SHARED_REPLIES,
     SPEC,
-    STATS,
-    STREAMS,
-    STUCK,
     Family,
 )
 from broker.keys import DEFAULT_PREFIX, Keys
@@ -128,27 +120,6 @@ OPERATOR_USES = (
     Use("xrevrange", (DEAD,), "docs/operations.md, Dead letters: XREVRANGE P:dead:<i>"),
 )
 
-# -- uses still sent from outside broker/ (each goes when its operation moves into broker/) ------
-
-_STATUS = "gateway/monitor/status.py read_status"
-_S = (
-    Use("get", (SPEC,), f"{_STATUS}: the stages"),
-    Use("xinfo|groups", (STREAMS,), f"{_STATUS}: pending, consumers, lag"),
-    Use("xinfo|consumers", (STREAMS,), f"{_STATUS}: each consumer's pending and idle time"),
-    Use("xlen", (STREAMS, DEAD), f"{_STATUS}: backlog (Redis 6.2), dead letters"),
-    Use("zrange", (HEARTBEATS, LOADING, STUCK), f"{_STATUS}: live, loading and stuck workers"),
-    Use("xrange", (STATS,), f"{_STATUS}: throughput and batch durations over the last minute"),
-    Use("hgetall", (COUNTS,), f"{_STATUS}: stage errors and wrong batch lengths, in total"),
-)
-_G = (
-    Use("get", (SPEC,), "gateway/client/registration.py Registration.check and read_first_stage"),
-    Use("blpop", (REPLIES, SHARED_REPLIES), "gateway/client/hub.py Hub._pop"),
-    Use("mget", (RESULTS,), "gateway/client/hub.py Hub._recover, after a lost reply connection"),
-    Use("smembers", (REGISTRY,), "gateway/client/registration.py registered_pipelines"),
-)
-_LEGACY_USES = ((GATEWAY, (*_G, *_S)), (MONITOR, _S))
-
-
 @dataclass(frozen=True)
 class Role:
     name: str
@@ -174,8 +145,6 @@ def roles() -> dict[str, Role]:
     for op in declared():
         for role in op.roles:
             by_role[role] += op.all_uses()
-    for role, uses in _LEGACY_USES:
-        by_role[role] += uses
     by_role[PRODUCER] += [*PRODUCER_USES, Use("script|load", (), _PRODUCER_SUBMITS),
                           *all_scripts()["submit.lua"].uses(_PRODUCER_SUBMITS, ("evalsha", "eval"))]
     by_role[MONITOR] += OPERATOR_USES

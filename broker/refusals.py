@@ -135,12 +135,11 @@ def log_refusal_once(exc: BaseException, command: str | None = None, key: str | 
 
 
 def queued_commands(pipe: Any) -> list[Sequence[Any]]:
-    """The arguments of the commands queued on a redis-py pipeline (plain or cluster, sync or asyncio),
-    to be taken before it runs: what :func:`log_pipeline_refusals` names."""
-    stack = getattr(pipe, "command_stack", None)
-    if stack is None:
-        stack = getattr(pipe, "_command_stack", [])  # redis.asyncio.cluster.ClusterPipeline
-    return [item.args if hasattr(item, "args") else item[0] for item in stack]
+    """The arguments of the commands queued on a redis-py pipeline that keeps them public (plain
+    pipelines, sync and asyncio, and the sync cluster's), to be taken before it runs: what
+    :func:`log_pipeline_refusals` names. An asyncio cluster pipeline keeps them private: its callers
+    list what they queue themselves."""
+    return [item.args if hasattr(item, "args") else item[0] for item in getattr(pipe, "command_stack", ())]
 
 
 def log_pipeline_refusals(sent: Sequence[Sequence[Any]], replies: Sequence[Any]) -> None:

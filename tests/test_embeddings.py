@@ -222,6 +222,7 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
     one = client.embeddings.create(model=NAME, input=SIMILAR[0])
     assert float(np.asarray(one.data[0].embedding) @ native[0]) > min_cosine()
     assert [m.id for m in client.models.list()] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
     with pytest.raises(openai.NotFoundError) as missing:
         client.embeddings.create(model="no-such-model", input="x")
     assert missing.value.code == "model_not_found"

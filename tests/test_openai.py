@@ -126,3 +126,7 @@ def test_the_models_own_dimensions_are_accepted_and_models_are_listed() -> None:
     status, body = _call(served, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["emb", "plain"]
     assert all(m["object"] == "model" for m in body["data"])
+    status, body = _call(served, "GET", "/v1/models/emb")  # client.models.retrieve("emb")
+    assert status == 200 and body == {"id": "emb", "object": "model", "created": 0, "owned_by": "conveyor"}
+    status, body = _call(served, "GET", "/v1/models/nope")
+    assert status == 404 and body["error"]["code"] == "model_not_found"

@@ -33,7 +33,7 @@ from broker.connection import (
 )
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline, load_pipelines
-from workers.embedded.keeper import Keeper
+from workers.embedded.keeper import RedisKeeper
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.loop.worker import WorkerSettings
 from workers.process.child import ChildSettings
@@ -247,7 +247,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
-        keepers = [Keeper(embedded)] if embedded is not None else []  # brought back if it dies
+        keepers = [RedisKeeper(embedded)] if embedded is not None else []  # brought back if it dies
         code = _supervise(Supervisor(units, child, settings, companions=[gateway], keepers=keepers), early)
     finally:
         if gateway is not None and gateway.proc is not None:

@@ -4,7 +4,7 @@ Why apart from the connection (`gateway.http.connection`): this part only turns 
 requests and enforces the limits that need the bytes themselves (431 for a head over
 ``max_header_bytes``, 413 for a body over ``max_body_bytes``, 400 for HTTP/1.1 without Host);
 *when* to read, answer, time out and close is the connection's. It tells the connection what
-happened through the `Connection` hooks.
+happened through the `RequestListener` hooks.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import httptools
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Request, bad_request, too_large
 
-__all__ = ["Connection", "RequestReader"]
+__all__ = ["RequestListener", "RequestReader"]
 
 
-class Connection(Protocol):
+class RequestListener(Protocol):
     """What the reader tells its connection (`gateway.http.connection.HttpProtocol`)."""
 
     def head_started(self) -> None: ...
@@ -30,7 +30,7 @@ class Connection(Protocol):
 class RequestReader:
     """httptools calls the ``on_*`` methods from ``feed``; one request is assembled at a time."""
 
-    def __init__(self, connection: Connection, settings: HttpSettings) -> None:
+    def __init__(self, connection: RequestListener, settings: HttpSettings) -> None:
         self.connection = connection
         self.max_header_bytes = settings.max_header_bytes
         self.max_body_bytes = settings.max_body_bytes

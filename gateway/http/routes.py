@@ -5,12 +5,17 @@ Routes (the protocols' own modules say their bodies and status codes)::
     POST /v1/pipelines/NAME/predict   conveyor's predict (gateway.http.native)
     POST /v1/predict                  the same, on a gateway serving exactly one pipeline
     GET  /v1/pipelines                the pipelines served: {"pipelines": [names]}
-    POST /v1/embeddings, GET /v1/models   the OpenAI-compatible embeddings API (gateway.http.openai)
+    POST /v1/embeddings, GET /v1/models[/NAME]   the OpenAI-compatible embeddings API (gateway.http.openai)
     /v2/...                           the Open Inference Protocol (gateway.http.v2)
     GET  /healthz                     200 while the process runs
     GET  /readyz                      200 if Redis is reachable and every stage of every pipeline
                                       served has a live worker, else 503 (also while draining)
     GET  /metrics                     Prometheus text format (see gateway.monitor.metrics)
+
+``/readyz``, ``/metrics`` and the v2 ready routes read each pipeline's status as the process's views
+last read it (:mod:`gateway.client.view`: about once a second, one task for all pipelines): a probe
+costs no Redis round trip. A view no refresh reached for a few seconds answers unreachable, "stale"
+(503).
 
 Anywhere: 400 (431 for an oversized head) for a request that cannot be parsed, then the connection
 is closed; 404 unknown path; 405 wrong method; 408 head or body not received in time, then closed.
@@ -121,6 +126,7 @@ class Router:
         openai = OpenAI(self.backends)
         table.add("/v1/embeddings", POST, "embeddings", openai.embeddings)
         table.add("/v1/models", GET, "models", openai.models)
+        table.add("/v1/models/{name}", GET, "model", openai.model)
         table.add("/healthz", GET, "healthz", lambda request, params: ok({"status": "ok"}))
         table.add("/readyz", GET, "readyz", lambda request, params: later(self._readyz()))
         table.add("/metrics", GET, "metrics", lambda request, params: later(self._metrics()))

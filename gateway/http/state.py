@@ -14,7 +14,7 @@ from gateway.http.settings import HttpSettings
 from gateway.monitor.metrics import Metrics
 
 
-class Connection(Protocol):
+class OpenConnection(Protocol):
     """What the server does with an open connection (`gateway.http.connection.HttpProtocol`)."""
 
     @property
@@ -31,14 +31,14 @@ class Connection(Protocol):
 class ServerState:
     settings: HttpSettings
     metrics: Metrics
-    connections: set[Connection] = field(default_factory=set)
+    connections: set[OpenConnection] = field(default_factory=set)
     draining: bool = False  # the server stops: no new request is admitted
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no connection is open
 
     def __post_init__(self) -> None:
         self.idle.set()
 
-    def admit(self, conn: Connection) -> str | None:
+    def admit(self, conn: OpenConnection) -> str | None:
         """Count a new connection in; returns why it must be refused (503), or None."""
         refuse = None
         if self.draining:
@@ -50,7 +50,7 @@ class ServerState:
         self.metrics.connection_opened()
         return refuse
 
-    def release(self, conn: Connection) -> None:
+    def release(self, conn: OpenConnection) -> None:
         if conn not in self.connections:
             return
         self.connections.discard(conn)

@@ -17,7 +17,7 @@ from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError
 log = logging.getLogger("conveyor.run")
 
 
-class Keeper:
+class RedisKeeper:
     def __init__(self, server: EmbeddedRedis) -> None:
         self.server = server
         self.restarts = 0

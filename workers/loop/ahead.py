@@ -6,8 +6,8 @@ the commit of a batch of 64 is Redis's longest call (a forward or a result per i
 idles while Redis runs its commit, and Redis idles while the worker runs the next batch. With
 read-ahead the worker sends the commit, reads on its stream's own connection (a read that
 does not block), runs what it got, and takes the commit's reply only before sending the next
-commit: the two overlap. Measured on the peers pipeline at 256 requests in flight through the
-Python API, about 1.1x the req/s (1.15x, and 1.08x with the sides swapped; docs/benchmarks.md).
+commit: the two overlap. It pays for a cheap stage under load (a backlog to read), and changes nothing
+at low load or for a stage that computes for milliseconds (docs/benchmarks.md, "Read-ahead in the workers").
 
 When: only after a **full** batch of more than one item (a backlog is likely: the read finds
 entries), on a worker with one lane (a partitioned worker blocks on several streams at once, and a
@@ -31,14 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.commit import Commit
-from workers.loop.lanes import Lane
+from workers.loop.lanes import ReadLane
 
 Settled = Callable[[float | None], None]  # commit_s: how long its reply was waited for; None: read ahead
 
 
 @dataclass(frozen=True)
 class _Sent:
-    lane: Lane
+    lane: ReadLane
     settled: Settled
 
 
@@ -50,11 +50,11 @@ class ReadAhead:
         self._sent: _Sent | None = None
 
     @property
-    def outstanding(self) -> Lane | None:
+    def outstanding(self) -> ReadLane | None:
         """The lane whose commit is under way, if any."""
         return None if self._sent is None else self._sent.lane
 
-    def commit(self, lane: Lane, commit: Commit, full: bool, settled: Settled) -> None:
+    def commit(self, lane: ReadLane, commit: Commit, full: bool, settled: Settled) -> None:
         """Send a batch's commit and, unless the batch was full, wait for its reply now (else
         :meth:`settle` takes it). ``settled`` runs once the commit is known to have run. A commit
         under way is settled first (raising what it raised: this one is then not sent)."""

@@ -22,7 +22,7 @@ log = logging.getLogger("conveyor.worker")
 
 
 @dataclass
-class Lane:
+class ReadLane:
     keys: Keys
     reader: StreamReader
     committer: Committer

@@ -19,12 +19,12 @@ from broker.commit import Commit
 from broker.errors import SyncClient
 from broker.pending import claim_stale, delivery_counts
 from broker.streams import Entry
-from workers.loop.lanes import Lane
+from workers.loop.lanes import ReadLane
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")
 
-Process = Callable[[Lane, list[Entry], dict[bytes, int]], None]  # run and commit entries, with delivery counts
+Process = Callable[[ReadLane, list[Entry], dict[bytes, int]], None]  # run and commit entries, with delivery counts
 
 
 class Recovery:
@@ -37,7 +37,7 @@ class Recovery:
         self._stopping = stopping
         self._own_rereads: dict[bytes, int] = {}  # re-reads of our pending list after losing Redis
 
-    def drain_own_pending(self, lane: Lane, own_retry: bool = False) -> None:
+    def drain_own_pending(self, lane: ReadLane, own_retry: bool = False) -> None:
         """Finish what this consumer held when it died. Entries delivered before run one at a
         time: if one of them crashed or hung the worker, it alone pays for it again.
 
@@ -58,7 +58,7 @@ class Recovery:
                     self._own_rereads[entry_id] = self._own_rereads.get(entry_id, 0) + 1
             self._redelivered(lane, entries)
 
-    def claim_stale(self, lane: Lane) -> None:
+    def claim_stale(self, lane: ReadLane) -> None:
         """Take over the entries other consumers have held for over ``claim_idle_s``."""
         min_idle_ms = int(self._spec.claim_idle_s * 1000)
         cursor: bytes | str = "0-0"
@@ -82,7 +82,7 @@ class Recovery:
             for entry_id in acks:
                 self._own_rereads.pop(entry_id, None)
 
-    def _redelivered(self, lane: Lane, entries: list[Entry]) -> None:
+    def _redelivered(self, lane: ReadLane, entries: list[Entry]) -> None:
         deliveries = self._delivery_counts(lane.stream, entries)
         fresh = [e for e in entries if deliveries.get(e[0], 1) <= 1]
         if fresh:
@@ -93,7 +93,7 @@ class Recovery:
             else:
                 self._process(lane, group, deliveries)
 
-    def _split(self, lane: Lane, items: list[Entry]) -> None:
+    def _split(self, lane: ReadLane, items: list[Entry]) -> None:
         """A batch entry delivered again (``items``: its requests), put back on its stream as single
         entries and acked, in one commit. (Recovery runs with no commit of the lane outstanding.)"""
         commit = Commit(acks=[items[0][0]])

@@ -24,7 +24,7 @@ log = logging.getLogger("conveyor.worker")
 Work = list[tuple[protocol.Item, Any]]  # admitted items with their decoded inputs
 
 
-class Router:
+class EntryRouter:
     def __init__(self, spec: StageSpec, last_stage: bool, max_payload_bytes: int, previous_exit: str = "",
                  problems: Problems | None = None) -> None:
         self.spec = spec

@@ -47,13 +47,13 @@ from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
-from workers.loop.lanes import Lane, lane_failure
+from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.packing import ForwardPacking, NextStage, fed_per_entry
 from workers.loop.predicting import Predictor
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import Router
+from workers.loop.routing import EntryRouter
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
 from workers.process.watch import BusyCell, StatusPipe
@@ -107,7 +107,7 @@ class Worker:
         last_stage = next_stage is None
         self._packing = ForwardPacking(self.settings.batch_entries, next_stage)
         self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
-        self._router = Router(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
+        self._router = EntryRouter(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
                               self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
         self._policy = self._wait_policy()
@@ -115,7 +115,7 @@ class Worker:
         self._read_size = SingletonReadSize()
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
-        self._lanes = [Lane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
+        self._lanes = [ReadLane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
                                                fed_per_entry(self.pipeline, self.spec)),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
                        for keys in self.pipeline.partition_keys]
@@ -182,7 +182,7 @@ class Worker:
         """Entries to read at once: a batch, or for a singleton stage a share of what is queued."""
         return self.spec.batch_size if self.spec.batched else self._read_size.count()
 
-    def _register(self, lanes: list[Lane] | None = None) -> None:
+    def _register(self, lanes: list[ReadLane] | None = None) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
         spec = encode_spec(self.pipeline.describe(self.settings.max_payload_bytes))
         register(self._client, self.pipeline.name,
@@ -246,7 +246,7 @@ class Worker:
         self._tell_drained()
         self._read(up)
 
-    def _read_ahead(self, lane: Lane) -> None:
+    def _read_ahead(self, lane: ReadLane) -> None:
         """The next batch, read without blocking while the last one's commit runs; with nothing
         queued, the commit's reply is taken and the next turn waits on the stream as usual."""
         asked = self._read_count()
@@ -275,7 +275,7 @@ class Worker:
         if lane is not None:
             self._on_lane(lane, lambda lane: self._ahead.settle())
 
-    def _read(self, lanes: list[Lane]) -> None:
+    def _read(self, lanes: list[ReadLane]) -> None:
         """The first read on every lane at once, then each lane's batch."""
         asked, sent_at = self._read_count(), time.monotonic()
         outcomes = read_any([lane.reader for lane in lanes], asked, self._idle_wait_s())
@@ -289,7 +289,7 @@ class Worker:
             elif lane.stats.due(first_at):  # not at every empty read: only when they are due
                 self._on_lane(lane, lambda lane: lane.committer.flush_stats(lane.stats, first_at))
 
-    def _batch(self, lane: Lane, entries: list[Entry], asked: int, idle_s: float, first_at: float) -> None:
+    def _batch(self, lane: ReadLane, entries: list[Entry], asked: int, idle_s: float, first_at: float) -> None:
         """A batch of new entries: shared with idle peers if a burst, filled while waiting pays, run."""
         if self._sharing is not None:
             kept = self._sharing.share(lane.keys, self.spec.index, entries, asked, idle_s)
@@ -315,7 +315,7 @@ class Worker:
             self._drained_told = True
             self.status.send(b"D")
 
-    def _on_lane(self, lane: Lane, action: Callable[[Lane], None]) -> None:
+    def _on_lane(self, lane: ReadLane, action: Callable[[ReadLane], None]) -> None:
         """``action(lane)``, its failures handled as the lane's (:meth:`_lane_error`)."""
         try:
             action(lane)
@@ -324,7 +324,7 @@ class Worker:
         else:
             lane.backoff.reset()
 
-    def _lane_error(self, lane: Lane, exc: Exception) -> None:
+    def _lane_error(self, lane: ReadLane, exc: Exception) -> None:
         """A lane failure sets the lane aside; a consumer group that vanished (Redis restarted
         empty) is made again; anything else is raised."""
         if lane_failure(exc):
@@ -337,7 +337,7 @@ class Worker:
             log_refusal_once(exc, key=lane.stream)
             raise exc
 
-    def _upkeep(self, lane: Lane, claim_due: bool, reap_due: bool) -> None:
+    def _upkeep(self, lane: ReadLane, claim_due: bool, reap_due: bool) -> None:
         """Drain this consumer's own pending entries if the lane needs it; claim dead consumers'
         entries and remove long-dead consumers when due."""
         if lane.recover:
@@ -351,7 +351,7 @@ class Worker:
 
     # -- one batch ------------------------------------------------------------------------
 
-    def _process(self, lane: Lane, entries: list[Entry], deliveries: dict[bytes, int] | None,
+    def _process(self, lane: ReadLane, entries: list[Entry], deliveries: dict[bytes, int] | None,
                  full: bool = False) -> None:
         """Run ``entries`` (``deliveries``: their delivery counts, for entries delivered before)
         and commit them as one batch in ``lane``'s partition (``full``: a full batch, whose

@@ -75,7 +75,7 @@ class Unit:
 
 
 @dataclass
-class Slot:
+class WorkerSlot:
     unit: Unit
     spec: StageSpec
     number: int
@@ -109,7 +109,7 @@ class Supervisor:
         self.cpu_offset = cpu_offset
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
-        self.slots: list[Slot] = []
+        self.slots: list[WorkerSlot] = []
 
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
         """Signal handler: the first call starts the ordered stop, a second one hurries it."""
@@ -126,7 +126,7 @@ class Supervisor:
             for n in range(unit.count):
                 cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
                 consumer = f"{spec.name}@{host}:{n}"
-                self.slots.append(Slot(unit, spec, n, cpu, consumer,
+                self.slots.append(WorkerSlot(unit, spec, n, cpu, consumer,
                                        claim=claims_cpu(self.child.worker.pin, spec.cpus), index=len(self.slots)))
             spread += unit.count
         for keys in dict.fromkeys(u.keys for u in self.units if u.keys is not None):
@@ -254,7 +254,7 @@ class Supervisor:
 
     # -- children ------------------------------------------------------------------------
 
-    def _spawn(self, slot: Slot) -> None:
+    def _spawn(self, slot: WorkerSlot) -> None:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ, **thread_env(slot.spec.threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
@@ -291,7 +291,7 @@ class Supervisor:
         with contextlib.suppress(BrokenPipeError):
             proc.stdin.close()
 
-    def _on_pipe(self, slot: Slot) -> None:
+    def _on_pipe(self, slot: WorkerSlot) -> None:
         assert slot.pipe is not None
         data = os.read(slot.pipe, 4096)
         if not data:
@@ -309,7 +309,7 @@ class Supervisor:
                 # (otherwise workers killed every few seconds end up 10 s apart, the stage idle).
                 slot.quick_deaths = 0
 
-    def _on_exit(self, slot: Slot) -> None:
+    def _on_exit(self, slot: WorkerSlot) -> None:
         assert slot.proc is not None and slot.pipe is not None
         self._selector.unregister(slot.pipe)
         os.close(slot.pipe)
@@ -334,7 +334,7 @@ class Supervisor:
         slot.proc, slot.pipe = None, None
         slot.restart_at = now + delay
 
-    def _check_runtime(self, slot: Slot) -> None:
+    def _check_runtime(self, slot: WorkerSlot) -> None:
         """A worker whose batch is stuck (past ``max_run_s``, or past its deadlines plus
         ``stuck_grace_s``: workers.process.watch) is reported with its stack and replaced."""
         if slot.proc is None or not self._stuck.stuck(slot.index):
