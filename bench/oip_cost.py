@@ -46,13 +46,13 @@ async def _measure(repeat: int) -> dict[str, float]:
     from broker.spec import PipelineIO, TensorSpec
     from gateway.client.slot import Slot
     try:
-        from gateway.http.infer import Inference
-    except ImportError:  # a checkout before gateway.http.infer (--src)
-        from gateway.http.oip import Inference  # type: ignore[attr-defined,no-redef]
-    from gateway.http.native import Pending
+        from gateway.http.oip.infer import Inference
+    except ImportError:  # a checkout before gateway.http.oip.infer (--src)
+        from gateway.http.oip.items import Inference  # type: ignore[attr-defined,no-redef]
+    from gateway.http.oip.tensors import parse_request
+    from gateway.http.predict import Pending
     from gateway.http.routes import Router
     from gateway.http.settings import HttpSettings
-    from gateway.http.tensors import parse_request
     from gateway.http.types import Request
     from gateway.monitor.metrics import Metrics
 

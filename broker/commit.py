@@ -20,7 +20,7 @@ from broker.families import DEAD, REPLIES, RESULTS, SHARED_REPLIES, STATS, STREA
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
 from broker.operations import WORKER, Script, sends
-from broker.protocol import pack_items
+from broker.protocol import batch_entry_items
 from broker.refusals import log_refusal_once
 from broker.resp import pack_args
 
@@ -242,7 +242,7 @@ def _forward_args(commit: Commit) -> tuple[list[bytes], list[bytes]]:
     packed, start = [], 0
     for i in range(n_entries):
         end = start + n_items // n_entries + (i < n_items % n_entries)
-        packed.append(pack_items(commit.forwards[4 * start:4 * end]))
+        packed.append(batch_entry_items(commit.forwards[4 * start:4 * end]))
         start = end
     return [], packed
 

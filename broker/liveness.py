@@ -21,11 +21,11 @@ import redis
 import redis.client
 
 from broker import protocol
+from broker.batch_entries import queue_reads
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.families import COUNTS, HEARTBEATS, LOADING, STREAMS, STUCK
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
-from broker.packing import queue_reads
 from broker.pins import PinClaims
 from broker.refusals import log_pipeline_refusals, log_refusal_once, queued_commands
 
@@ -72,7 +72,7 @@ class Beat:
         claims.renew(self._pipe, cpu, stage, consumer)
 
     def next_stage_reads(self, keys: Keys, index: int) -> None:
-        """Stage ``index``'s live workers and latest stats (:func:`broker.packing.queue_reads`, declared there)."""
+        """Stage ``index``'s live workers and latest stats (:func:`broker.batch_entries.queue_reads`)."""
         queue_reads(self._pipe, keys, index)
 
     def send(self) -> list[Any]:

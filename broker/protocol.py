@@ -197,7 +197,7 @@ def _parse_deadline(raw: bytes | None, at_ms: int) -> int | str | None:
     return deadline
 
 
-def pack_items(flat: list[bytes]) -> bytes:
+def batch_entry_items(flat: list[bytes]) -> bytes:
     """A batch entry's ``items`` field from its requests' values, four each (id, data, reply or b"",
     deadline_ms digits or b"")."""
     return msgpack.packb(flat, use_bin_type=False)  # str types, not bin: Redis's cmsgpack reads no bin (audit.lua)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol
+from broker.batch_entries import queue_reads
 from broker.connection import CONNECTION_ERRORS, is_cluster_client
 from broker.errors import ReplyError
 from broker.families import COUNTS, DEAD, HEARTBEATS, LOADING, SPEC, STATS, STREAMS, STUCK
 from broker.keys import GROUP, Keys
 from broker.operations import GATEWAY, MONITOR, sends
-from broker.packing import queue_reads
 from broker.refusals import log_pipeline_refusals, queued_commands
 from broker.spec import SpecError, StageInfo, decode_spec
 
@@ -72,7 +72,7 @@ class StageReads:
 class PartitionQuery:
     """What to read of one partition: its stages, one ``XRANGE`` start each (``stats_from``: ``b"<ms>"``,
     or ``b"(<id>"`` for the entries after ``<id>``); its spec too (``spec``); its first stage's live
-    workers and latest stats entry as batch entries size by them (``sizing``: :mod:`broker.packing`)."""
+    workers and latest stats entry as batch entries size by them (``sizing``: :mod:`broker.batch_entries`)."""
 
     keys: Keys
     stats_from: tuple[bytes, ...]

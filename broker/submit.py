@@ -115,7 +115,7 @@ class Submitter:
 
     def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> bytes:
         """The turn's command: its head packed here, each entry as packed by :meth:`entry`.
-        ``entries``: split the turn into this many batch entries (``broker.packing``; 0: single
+        ``entries``: split the turn into this many batch entries (``broker.batch_entries``; 0: single
         entries; the script makes single entries anyway where a ``max_backlog`` is in force)."""
         if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
             return pack_command(self.arguments(batch, unlink, entries))

@@ -1,4 +1,4 @@
-"""Batch entries (``workers.loop.packing``): a worker forwards a batch to the next stage as a few stream
+"""Batch entries (``workers.loop.batch_entries``): a worker forwards a batch to the next stage as a few stream
 entries of several requests each, and every stage reads both kinds.
 
 Pure pieces first (the wire format, how a forward is split, how a burst of batch entries is shared),
@@ -21,15 +21,15 @@ import redis.asyncio as aioredis
 
 from broker import codec, protocol
 from broker.audit import forgotten
+from broker.batch_entries import item_time_s
 from broker.commit import Commit, _forward_args
 from broker.keys import GROUP, Keys
-from broker.packing import item_time_s
 from broker.streams import parse_entries
 from tests.helpers import running_workers, wait_for
 from tests.packing_stages import POISON, IncOrDie
 from tests.test_read_ahead import answers
 from workers.batching.sharing import _groups
-from workers.loop.packing import ForwardPacking, NextStage
+from workers.loop.batch_entries import ForwardSizing, NextStage
 from workers.pipeline import StageSpec
 
 APP = "tests.packing_stages:packed"
@@ -48,7 +48,7 @@ def _item(i: int, reply: bytes = b"", deadline: bytes = b"") -> list[bytes]:
 def test_a_batch_entry_expands_to_the_single_entries_it_carries() -> None:
     reply = KEYS.reply_prefix + b"gw"
     flat = [*_item(1, reply, b"%d" % (protocol.now_ms() + 60_000)), *_item(2)]
-    entries = protocol.expand(b"5-0", {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
+    entries = protocol.expand(b"5-0", {protocol.F_ITEMS: protocol.batch_entry_items(flat), protocol.F_VERSION: b"1"})
     assert [entry_id for entry_id, _ in entries] == [b"5-0", b"5-0"]
     items = [protocol.parse_entry(e, f, KEYS, protocol.Limits(), protocol.now_ms()) for e, f in entries]
     assert all(isinstance(item, protocol.Item) for item in items)
@@ -65,7 +65,7 @@ def test_a_batch_entry_expands_to_the_single_entries_it_carries() -> None:
     (msgpack.packb([b"r-1", b"x", b""]), b"1", "malformed batch entry"),  # not 4 values per request
     (msgpack.packb([b"r-1", 7, b"", b""]), b"1", "malformed batch entry"),  # a value not a string
     (msgpack.packb([]), b"1", "malformed batch entry"),  # no request
-    (protocol.pack_items(_item(1)), b"9", "unknown protocol version"),
+    (protocol.batch_entry_items(_item(1)), b"9", "unknown protocol version"),
 ])
 def test_a_batch_entry_that_cannot_be_read_is_rejected_with_its_reason(items: bytes, version: bytes,
                                                                       reason: str) -> None:
@@ -77,7 +77,7 @@ def test_a_batch_entry_that_cannot_be_read_is_rejected_with_its_reason(items: by
 
 def test_an_entry_with_both_a_request_and_items_is_rejected_and_its_requester_told() -> None:
     reply = KEYS.reply_prefix + b"gw"
-    fields = [b"id", b"r-1", b"data", codec.encode(1), b"reply", reply, b"items", protocol.pack_items(_item(2))]
+    fields = [b"id", b"r-1", b"data", codec.encode(1), b"reply", reply, b"items", protocol.batch_entry_items(_item(2))]
     [(entry_id, one)] = parse_entries([[KEYS.stream(1).encode(), [(b"3-0", fields)]]])
     rejected = protocol.parse_entry(entry_id, one, KEYS, protocol.Limits(), protocol.now_ms())
     assert isinstance(rejected, protocol.Rejected) and "not both" in rejected.reason
@@ -96,20 +96,20 @@ def test_a_forward_is_split_into_even_batch_entries_in_order() -> None:
 
 def test_how_many_batch_entries_a_forward_becomes() -> None:
     batched = StageSpec(name="Next", index=1, cls=IncOrDie, batch_size=16)
-    packing = ForwardPacking(True, batched)
+    packing = ForwardSizing(True, batched)
     assert packing.entries(1) == 0  # one request: a single entry, as at low load
     assert packing.entries(10) == 1 and packing.entries(40) == 3  # none larger than the next batch
     packing.live = 4
     assert packing.entries(10) == 4  # one at least for each live worker of the next stage
     packing.item_s = 0.002
     assert packing.entries(10) == 0  # a next stage of milliseconds per item: single entries
-    assert ForwardPacking(False, batched).entries(10) == 0
-    assert ForwardPacking(True, StageSpec(name="One", index=1, cls=IncOrDie, batch_size=1)).entries(10) == 0
-    assert ForwardPacking(True, None).entries(10) == 0
+    assert ForwardSizing(False, batched).entries(10) == 0
+    assert ForwardSizing(True, StageSpec(name="One", index=1, cls=IncOrDie, batch_size=1)).entries(10) == 0
+    assert ForwardSizing(True, None).entries(10) == 0
 
 
 def test_the_next_stages_workers_and_cost_come_with_the_heartbeat() -> None:
-    packing = ForwardPacking(True, StageSpec(name="Next", index=1, cls=IncOrDie, batch_size=16))
+    packing = ForwardSizing(True, StageSpec(name="Next", index=1, cls=IncOrDie, batch_size=16))
     hook = NextStage(KEYS, 1, packing)
     hook.take([[b"w1", b"w2", b"w3"], [(b"9-0", {b"n": b"16 4", b"ms": b"10.0 2.5"})]])
     assert packing.live == 3 and packing.item_s == pytest.approx(0.0125 / 20)
@@ -198,7 +198,7 @@ def test_a_batch_entry_left_by_a_dead_consumer_is_claimed_split_and_answered(red
     reply, n = KEYS.reply_prefix + b"t", 6
     redis_client.xgroup_create(KEYS.stream(1), GROUP, id="0", mkstream=True)
     flat = [value for i in range(n) for value in _item(i, reply)]
-    redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
+    redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.batch_entry_items(flat), protocol.F_VERSION: b"1"})
     assert redis_client.xreadgroup(GROUP, "ghost", {KEYS.stream(1): ">"}, count=1)  # pending with "ghost"
     with running_workers(redis_url, APP, ["Pass", "IncOrDie"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
         wait_for(lambda: sum(answers(redis_client, reply).values()) >= n, T, "every answer", workers.report)
@@ -220,7 +220,8 @@ def test_predict_never_gets_more_than_its_batch_size(redis_url: str, redis_clien
     with running_workers(redis_url, "tests.packing_stages:small", ["Pass", "Small"]) as workers:
         workers.wait_ready("c-small", T)
         flat = [value for i in range(n, n + 10) for value in _item(i, reply)]
-        redis_client.xadd(keys.stream(1), {protocol.F_ITEMS: protocol.pack_items(flat), protocol.F_VERSION: b"1"})
+        redis_client.xadd(keys.stream(1),
+                          {protocol.F_ITEMS: protocol.batch_entry_items(flat), protocol.F_VERSION: b"1"})
         wait_for(lambda: sum(answers(redis_client, reply).values()) >= n + 10, T, "every answer", workers.report)
     assert answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n + 10)})
 
@@ -242,7 +243,7 @@ def test_a_malformed_batch_entry_is_dead_lettered_and_the_stage_goes_on(redis_ur
 
 def test_audit_finds_requests_inside_batch_entries(redis_url: str, redis_client: redis.Redis) -> None:
     redis_client.xadd(KEYS.stream(0), protocol.entry_fields(b"r-0", codec.encode(0), None, None))
-    redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.pack_items([*_item(1), *_item(2)]),
+    redis_client.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.batch_entry_items([*_item(1), *_item(2)]),
                                        protocol.F_VERSION: b"1"})
     redis_client.set(KEYS.result_key(b"r-3"), b"done")
 

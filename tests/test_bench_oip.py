@@ -12,7 +12,7 @@ import pytest
 from bench.oip_load import HEADER_LENGTH, Target, bytes_tensor, lua_script, oip_binary, oip_json
 from bench.oip_report import paired_ratio
 from bench.peers.load import wrk_script
-from gateway.http.tensors import parse_request
+from gateway.http.oip.tensors import parse_request
 
 pytestmark = pytest.mark.unit
 

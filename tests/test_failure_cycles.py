@@ -15,10 +15,11 @@ import pytest
 
 from gateway.client.slot import Slot, failure
 from gateway.errors import StageError
-from gateway.http import openai, v2
+from gateway.http import openai
 from gateway.http.codecs import JSON
-from gateway.http.native import Predict
-from gateway.http.oip import ItemFailed
+from gateway.http.oip import routes as v2
+from gateway.http.oip.items import ItemFailed
+from gateway.http.predict import Predict
 from gateway.http.types import Reply
 
 

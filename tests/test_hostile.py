@@ -135,7 +135,7 @@ CASES: list[tuple[str, dict[bytes, bytes], str]] = [
     ("deadline beyond int64", {b"deadline_ms": b"9" * 40}, "absurd 'deadline_ms'"),
     ("protocol version 2", {b"v": b"2"}, "unknown protocol version b'2'; this worker speaks v1"),
     ("protocol version empty", {b"v": b""}, "unknown protocol version b''"),
-    ("a request with a batch entry's items", {b"items": protocol.pack_items([b"h-x", b"\x01", b"", b""])},
+    ("a request with a batch entry's items", {b"items": protocol.batch_entry_items([b"h-x", b"\x01", b"", b""])},
      "an entry carries either 'id' and 'data' (one request) or 'items' (a batch entry), not both"),
 ]
 

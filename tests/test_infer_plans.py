@@ -1,4 +1,4 @@
-"""Kept request plans (gateway.http.infer.Plans): a repeated binary head answers exactly as a new one.
+"""Kept request plans (gateway.http.oip.infer.Plans): a repeated binary head answers exactly as a new one.
 
 The short ways (rows decoded in one call, the response's head reused) must give the same items
 and the same bytes as the general path, refuse the same things, and never outlive the pipeline's
@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from broker.spec import PipelineIO, TensorSpec
-from gateway.http.infer import Inference, Plans
-from gateway.http.tensors import DATATYPES, TensorError, parse_request
+from gateway.http.oip.infer import Inference, Plans
+from gateway.http.oip.tensors import DATATYPES, TensorError, parse_request
 
 pytestmark = pytest.mark.unit
 

@@ -90,7 +90,7 @@ def test_stale_entries_are_claimed_as_reads_give_them(redis_client: redis.Redis)
     _group(redis_client, stream)
     single = redis_client.xadd(stream, protocol.entry_fields(b"r1", b"\x01", None, None))
     flat = [b"r2", b"\x02", b"", b"", b"r3", b"\x03", b"", b""]
-    batch = redis_client.xadd(stream, {protocol.F_ITEMS: protocol.pack_items(flat)})
+    batch = redis_client.xadd(stream, {protocol.F_ITEMS: protocol.batch_entry_items(flat)})
     deleted = redis_client.xadd(stream, protocol.entry_fields(b"r4", b"\x04", None, None))
     redis_client.xreadgroup(GROUP, "dead", {stream: ">"})
     redis_client.xdel(stream, deleted)

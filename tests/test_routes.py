@@ -12,7 +12,7 @@ import pytest
 
 from broker.spec import PipelineIO, TensorSpec
 from gateway.errors import StageError
-from gateway.http.native import Pending
+from gateway.http.predict import Pending
 from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
 from gateway.http.types import Reply, Request

@@ -17,9 +17,9 @@ import pytest
 from broker.codec import decode, encode
 from broker.spec import PipelineIO, TensorSpec
 from gateway.errors import Overloaded, StageError
-from gateway.http.infer import Inference
-from gateway.http.oip import Gather, ItemFailed, failure_reply, model_metadata
-from gateway.http.tensors import DATATYPES, TensorError, encode_response, parse_request
+from gateway.http.oip.infer import Inference
+from gateway.http.oip.items import Gather, ItemFailed, failure_reply, model_metadata
+from gateway.http.oip.tensors import DATATYPES, TensorError, encode_response, parse_request
 
 pytestmark = pytest.mark.unit
 

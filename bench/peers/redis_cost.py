@@ -35,7 +35,7 @@ from broker.keys import GROUP, Keys
 from broker.streams import StreamReader
 from broker.submit import SUBMIT_LUA, Submitter
 from workers.embedded.server import EmbeddedRedis
-from workers.loop.packing import ForwardPacking
+from workers.loop.batch_entries import ForwardSizing
 from workers.loop.routing import EntryRouter
 
 UNLINK_BATCH = 64  # as gateway.client.hub: consumed result keys ride on a turn once this many wait
@@ -57,7 +57,7 @@ class Stage:
     reader: StreamReader
     router: EntryRouter
     committer: Committer
-    packing: ForwardPacking
+    packing: ForwardSizing
 
 
 def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]:
@@ -70,7 +70,7 @@ def _stages(client: redis.Redis, keys: Keys, batch_entries: bool) -> list[Stage]
         stages.append(Stage(StreamReader(client, keys.stream(spec.index), f"bench-{spec.index}"),
                             EntryRouter(spec, last, 16 * 2**20),
                             Committer(client, keys, spec.index, spec.name, not last, Ttls()),
-                            ForwardPacking(batch_entries, next_spec)))
+                            ForwardSizing(batch_entries, next_spec)))
     return stages
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from broker.batch_entries import EntrySizing
 from broker.keys import Keys
-from broker.packing import EntrySizing
 from broker.submit import Submission, Submitter
 from gateway.client.slot import Waiter
 

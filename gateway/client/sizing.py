@@ -1,7 +1,7 @@
 """How big a gateway's batch entries to a first stage are: its live workers and item cost, as the views read them.
 
 A turn of several submissions goes to the first stage as batch entries (``submit.lua``; the rule is
-:class:`broker.packing.EntrySizing`'s, which forwarding workers follow too): at least one per live
+:class:`broker.batch_entries.EntrySizing`'s, which forwarding workers follow too): at least one per live
 worker of the first stage, none larger than its ``batch_size``, none while its items cost more than
 0.5 ms each, and none where a ``max_backlog`` is in force (admission counts entries; the script
 decides that). The stage's batch size, and whether its workers read batch entries at all (workers
@@ -26,7 +26,7 @@ __all__ = ["size_lanes"]
 def size_lanes(lanes: Sequence[Lane], first: StageInfo | None, enabled: bool,
                reads: Sequence[tuple[Any, Any] | None]) -> None:
     """Each lane's :attr:`Lane.sizing` from its partition's first-stage ``reads`` (the two replies of
-    :func:`broker.packing.queue_reads`, None where they were not read): batch entries of the stage's
+    :func:`broker.batch_entries.queue_reads`, None where they were not read): batch entries of the stage's
     ``batch_size`` if ``enabled``, its workers read them and both replies could be read, else none."""
     batch_size = first.batch_size if enabled and first is not None and first.batch_entries else 0
     for lane in lanes:

@@ -33,8 +33,8 @@ from broker.spec import EMBEDDINGS, PipelineIO
 from gateway.backends import Backend, Backends, known_io
 from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
-from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
-from gateway.http.oip import Gather, ItemFailed
+from gateway.http.oip.items import Gather, ItemFailed
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.types import HttpError, Reply, Request
 
 __all__ = ["OpenAI"]

@@ -2,11 +2,11 @@
 
 Routes (the protocols' own modules say their bodies and status codes)::
 
-    POST /v1/pipelines/NAME/predict   conveyor's predict (gateway.http.native)
+    POST /v1/pipelines/NAME/predict   conveyor's predict (gateway.http.predict)
     POST /v1/predict                  the same, on a gateway serving exactly one pipeline
     GET  /v1/pipelines                the pipelines served: {"pipelines": [names]}
     POST /v1/embeddings, GET /v1/models[/NAME]   the OpenAI-compatible embeddings API (gateway.http.openai)
-    /v2/...                           the Open Inference Protocol (gateway.http.v2)
+    /v2/...                           the Open Inference Protocol (gateway.http.oip.routes)
     GET  /healthz                     200 while the process runs
     GET  /readyz                      200 if Redis is reachable and every stage of every pipeline
                                       served has a live worker, else 503 (also while draining)
@@ -29,12 +29,12 @@ from typing import Any
 from urllib.parse import unquote
 
 from gateway.backends import Backend, Backends, as_backends
-from gateway.http.infer import Plans
-from gateway.http.native import Pending, Predict, internal, later
+from gateway.http.oip.infer import Plans
+from gateway.http.oip.routes import V2
 from gateway.http.openai import OpenAI
+from gateway.http.predict import Pending, Predict, internal, later
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Reply, Request, ok
-from gateway.http.v2 import V2
 from gateway.monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.monitor.metrics import Metrics, PipelineStatusLike, read_statuses
 

@@ -5,7 +5,7 @@ framework hides: hard timeouts for slow clients, a connection cap, keep-alive pl
 pipelining, and a drain that finishes admitted predictions on SIGTERM. The work is split along
 the sans-IO line: `gateway.http.types` (the vocabulary: request, reply, error), `gateway.http.codecs`
 (bodies), `gateway.http.routes` (the route table: a request in, a reply out), a module per
-protocol (`gateway.http.native`; `gateway.http.v2` with `oip` and `tensors`),
+protocol (`gateway.http.predict`; `gateway.http.oip.routes` with `oip` and `tensors`),
 `gateway.http.parsing` (httptools callbacks, the C parser uvicorn uses), `gateway.http.framing` (a
 reply as one write), `gateway.http.connection` (connection I/O on an `asyncio.Protocol`),
 `gateway.http.state` (what this server and its connections share), `gateway.http.settings`.

@@ -16,7 +16,7 @@ gives each an even share back (``share.lua``, :mod:`broker.share`; this worker k
 many as any). They are blocked on the stream and take it at once; the batch that was shared does
 not wait out its window. Nothing is lost: the script moves an entry
 back whole, and only while it is still pending for this consumer. A batch entry (several requests,
-forwarded by the stage before: :mod:`workers.loop.packing`) is given whole or kept whole.
+forwarded by the stage before: :mod:`workers.loop.batch_entries`) is given whole or kept whole.
 
 Off with the stage option ``share_bursts=False``; cheap stages never get here (no part would be
 worth ``SHARE_MIN_S``, so not even the question is asked). docs/benchmarks.md has the figures.

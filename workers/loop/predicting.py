@@ -2,7 +2,7 @@
 watched by the supervisor (its deadlines, :class:`workers.process.watch.BusyCell`) and counted in the
 stage's stats as one call.
 
-Why slices: a read of batch entries (:mod:`workers.loop.packing`) may bring more than a batch (a
+Why slices: a read of batch entries (:mod:`workers.loop.batch_entries`) may bring more than a batch (a
 fresh reader, entries of mixed sizes, one written by hand), and a model with a fixed largest batch must
 never see more. The batch is still committed once.
 

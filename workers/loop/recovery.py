@@ -5,7 +5,7 @@ Redis), then now and then claims entries that other consumers have held for ``cl
 (``XAUTOCLAIM``, :mod:`broker.pending`). Such entries run one at a time once delivered more than once: if one of them
 crashed or hung a worker, it alone pays for it again, and past ``max_deliveries`` it goes to
 the dead-letter stream (:mod:`workers.loop.routing`). A batch entry delivered again is not run:
-it is split into single entries of the same stage (:mod:`workers.loop.packing`), which then go
+it is split into single entries of the same stage (:mod:`workers.loop.batch_entries`), which then go
 the same way, so an item that kills its worker does not take its batch's others with it.
 """
 

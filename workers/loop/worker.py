@@ -46,10 +46,10 @@ from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
+from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
-from workers.loop.packing import ForwardPacking, NextStage, fed_per_entry
 from workers.loop.predicting import Predictor
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
@@ -73,7 +73,7 @@ class WorkerSettings:
     pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.process.pinning)
     pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
     read_ahead: bool = True  # after a full batch, read the next one while its commit runs (workers.loop.ahead)
-    batch_entries: bool = True  # forward a batch as batch entries, not one entry per item (workers.loop.packing)
+    batch_entries: bool = True  # forward a batch as batch entries, not one entry per item (workers.loop.batch_entries)
 
 
 class Worker:
@@ -105,7 +105,7 @@ class Worker:
         self._client = self.redis_settings.sync_client(retries=False)
         next_stage = self.pipeline.next_of(self.spec)
         last_stage = next_stage is None
-        self._packing = ForwardPacking(self.settings.batch_entries, next_stage)
+        self._forward_sizing = ForwardSizing(self.settings.batch_entries, next_stage)
         self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
         self._router = EntryRouter(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
                               self._problems)
@@ -128,8 +128,8 @@ class Worker:
         index = self.spec.index
         hooks: list[BeatHook] = [LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live),
                                  self._problems]
-        if self._packing.enabled:  # how many batch entries a forward becomes
-            hooks.append(NextStage(self.pipeline.keys, index + 1, self._packing))
+        if self._forward_sizing.enabled:  # how many batch entries a forward becomes
+            hooks.append(NextStage(self.pipeline.keys, index + 1, self._forward_sizing))
         self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
                                     self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
                                     hooks)
@@ -370,7 +370,7 @@ class Worker:
         now = time.monotonic()
         if lane.stats.due(now):
             commit.stats = lane.stats.take(now)
-        commit.forward_entries = self._packing.entries(len(commit.forwards) // 4)
+        commit.forward_entries = self._forward_sizing.entries(len(commit.forwards) // 4)
         self._ahead.settle()  # the last batch's commit first: if it failed, this one stays pending
         self._heartbeat.lease.release()  # this batch's commit goes now: Redis runs it at once
         settled = functools.partial(self._committed, commit.acks, len(work), ran - started)

@@ -5,7 +5,7 @@ how they become items; which outputs go back, in JSON or raw) is worked out once
 A head without data (the binary tensor data extension's, which tritonclient sends identically for every
 request of the same shapes) is kept by `Plans`, so a repeated request only decodes its raw bytes and the OIP
 route costs the gateway about what ``/v1/predict`` does (docs/benchmarks.md). Mapping rules are in
-:mod:`gateway.http.oip`'s docstring.
+:mod:`gateway.http.oip.items`'s docstring.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.spec import PipelineIO, TensorSpec
-from gateway.http.oip import JSON_TYPE, binary_reply, error_reply
-from gateway.http.tensors import (
+from gateway.http.oip.items import JSON_TYPE, binary_reply, error_reply
+from gateway.http.oip.tensors import (
     DATATYPES,
     NonFiniteOutput,
     RequestHead,

@@ -10,7 +10,7 @@
     POST /v2/models/NAME[/versions/1]/infer    inference (JSON, or the binary tensor data extension)
 
 A model is a pipeline; its one version is ``1``. How tensors become items is in
-:mod:`gateway.http.oip`; the conveyor headers (deadline, partition key) apply as on predict.
+:mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key) apply as on predict.
 Errors are the protocol's ``{"error": "..."}``.
 """
 
@@ -24,9 +24,8 @@ from typing import Any
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
 from gateway.client.slot import failure
-from gateway.http.infer import Inference, Plan, Plans
-from gateway.http.native import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
-from gateway.http.oip import (
+from gateway.http.oip.infer import Inference, Plan, Plans
+from gateway.http.oip.items import (
     HEADER_LENGTH,
     Gather,
     ItemFailed,
@@ -36,7 +35,8 @@ from gateway.http.oip import (
     model_metadata,
     server_metadata,
 )
-from gateway.http.tensors import TensorError
+from gateway.http.oip.tensors import TensorError
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
 from gateway.http.types import HttpError, Reply, Request
 from gateway.monitor.metrics import PipelineStatusLike
 

@@ -10,7 +10,7 @@
 A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
 ``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
 pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition). The
-other protocols (gateway.http.v2, gateway.http.openai) read the same headers.
+other protocols (gateway.http.oip.routes, gateway.http.openai) read the same headers.
 
 Status codes: 200; 400 bad body or header (NaN/Infinity in JSON included); 413 over
 ``max_payload_bytes``; 415 unsupported Content-Type; 422 the stage raised; 500 the gateway itself

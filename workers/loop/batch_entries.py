@@ -1,6 +1,6 @@
 """How a batch's forwards leave: as batch entries, several requests to one stream entry.
 
-The rule (how many entries, and when not to pack) is :class:`broker.packing.EntrySizing`'s, which a
+The rule (how many entries, and when not to pack) is :class:`broker.batch_entries.EntrySizing`'s, which a
 gateway's submissions to a first stage follow too. Here: a worker's view of its next stage, kept
 current by a heartbeat hook (:class:`NextStage`, once per beat). Off: ``WorkerSettings.batch_entries``
 (``--no-batch-entries``); readers take both kinds regardless.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.batch_entries import EntrySizing
 from broker.errors import SyncClient
 from broker.keys import Keys
 from broker.liveness import Beat
-from broker.packing import EntrySizing
 from workers.pipeline import Pipeline, StageSpec
 
 
-class ForwardPacking(EntrySizing):
+class ForwardSizing(EntrySizing):
     """:class:`EntrySizing` of the next stage: batched (and packing on), or never packed."""
 
     def __init__(self, enabled: bool, next_stage: StageSpec | None) -> None:
@@ -30,12 +30,12 @@ class ForwardPacking(EntrySizing):
 
 class NextStage:
     """A heartbeat hook (:class:`workers.loop.heartbeat.BeatHook`): the next stage's live workers
-    and its latest batch stats, for :class:`ForwardPacking`."""
+    and its latest batch stats, for :class:`ForwardSizing`."""
 
-    def __init__(self, keys: Keys, next_index: int, packing: ForwardPacking) -> None:
+    def __init__(self, keys: Keys, next_index: int, packing: ForwardSizing) -> None:
         self._keys = keys
         self._index = next_index
-        self._packing = packing
+        self._forward_sizing = packing
 
     def queue(self, beat: Beat, ready: bool) -> None:
         if ready:
@@ -43,7 +43,7 @@ class NextStage:
 
     def take(self, replies: list[Any]) -> None:
         if len(replies) == 2:
-            self._packing.take(*replies)
+            self._forward_sizing.take(*replies)
 
     def stop(self, client: SyncClient) -> None:
         """Nothing to undo."""

@@ -2,7 +2,7 @@
 
 Health (``/v2/health/live``, ``/v2/health/ready``), metadata (``/v2``, ``/v2/models/NAME``), readiness
 (``/v2/models/NAME/ready``) and inference (``POST /v2/models/NAME/infer``), with tensors in JSON or in
-the binary tensor data extension (:mod:`gateway.http.tensors`). How tensors map onto a pipeline's
+the binary tensor data extension (:mod:`gateway.http.oip.tensors`). How tensors map onto a pipeline's
 items is declared on the ``Pipeline`` and read from its spec (:class:`broker.spec.PipelineIO`):
 
 - declared with ``batched=True``: an input of shape ``[N, ...]`` is N items (one input: its rows; several:
@@ -30,7 +30,7 @@ import orjson
 from broker.spec import PipelineIO
 from gateway.client.slot import Slot, Waiter
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
-from gateway.http.tensors import TensorError
+from gateway.http.oip.tensors import TensorError
 from gateway.http.types import Reply
 
 __all__ = ["HEADER_LENGTH", "JSON_TYPE", "OCTET_STREAM", "Gather", "ItemFailed", "binary_reply", "error_reply",
