@@ -11,10 +11,9 @@ import redis
 from broker import protocol
 from broker.families import MAX_BACKLOG, REGISTRY, SPEC, STREAMS
 from broker.keys import GROUP, Keys
-from broker.operations import GATEWAY, MONITOR, WORKER, sends
-from broker.spec import SpecError, StageInfo, decode_spec
+from broker.operations import GATEWAY, WORKER, sends
 
-__all__ = ["read_spec", "register", "registered_pipelines"]
+__all__ = ["register", "registered_pipelines"]
 
 
 @sends(WORKER, uses={"xgroup|create": STREAMS, "set": (SPEC, MAX_BACKLOG), "sadd": REGISTRY}, why="at start")
@@ -38,19 +37,6 @@ def register(client: redis.Redis, pipeline: str, lanes: Sequence[tuple[Keys, str
         pipe.set(keys.max_backlog, "none" if max_backlog is None else max_backlog)
         pipe.sadd(keys.registry, pipeline)
         pipe.execute()
-
-
-@sends(GATEWAY, MONITOR, uses={"get": SPEC}, why="the stages, as the workers registered them")
-async def read_spec(client: Any, keys: Keys) -> list[StageInfo] | None:
-    """The pipeline's stages as its spec (in ``keys``' partition) describes them; None if no worker
-    wrote one yet; [] if it cannot be read (:class:`broker.spec.SpecError`: a newer protocol)."""
-    raw = await client.get(keys.spec)
-    if not raw:
-        return None
-    try:
-        return decode_spec(protocol.as_bytes(raw))
-    except SpecError:
-        return []
 
 
 @sends(GATEWAY, uses={"smembers": REGISTRY}, why="`conveyor gateway --all`, and the hint for a mistyped name")

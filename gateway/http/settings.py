@@ -21,7 +21,7 @@ class HttpSettings:
       stops reading) before the connection is dropped.
     - ``max_connections``: open connections beyond this are answered 503 and closed at once.
     - ``drain_timeout_s``: on `HttpServer.close` (SIGTERM), how long admitted requests may finish.
-    - ``status_timeout_s``: bound on the Redis round trip of ``/readyz``.
+    - ``status_timeout_s``: bound on reading the pipelines' views for ``/readyz`` and ``/metrics``.
     - ``debug``: include stage tracebacks in 422 bodies (they may reveal code and data).
     - ``reuse_port``: bind with SO_REUSEPORT, so that several gateway processes share the port
       (``conveyor gateway --processes N``); the kernel spreads new connections over them.
