@@ -104,6 +104,7 @@ class Gateway:
         at start (once the spec names more partitions, their lanes are added, so the spread begins by
         itself), the lanes' sizing."""
         self.registration.take(view)
+        self.registration.warn_if_still_missing()
         if not self.lanes:  # not started yet
             return
         count = view.partitions

@@ -24,6 +24,8 @@ from gateway.errors import UnknownPipeline
 
 log = logging.getLogger("conveyor.gateway")
 
+WARN_AFTER_S = 30.0  # a pipeline still not registered this long after the gateway started is warned of
+
 
 class Registration:
     """One gateway's knowledge of its pipeline's registration, taken from its view (:meth:`take`);
@@ -41,6 +43,8 @@ class Registration:
         self._hint_client: Any = None
         self._poll: asyncio.Future[bool | None] | None = None
         self._known: list[str] = []  # pipelines registered in this Redis, once ours was found missing
+        self._since_s: float | None = None  # when the gateway started (monotonic)
+        self._warned = False
 
     def bind(self, views: Views, view: PipelineView, hint_client: Any) -> None:
         self._views, self._view, self._hint_client = views, view, hint_client
@@ -71,10 +75,24 @@ class Registration:
         return self.registered
 
     def log_if_missing(self) -> None:
+        """At start: a pipeline whose workers start beside the gateway (``conveyor run``, a compose file)
+        registers a moment later, so this is said as waiting; :meth:`warn_if_still_missing` warns."""
+        self._since_s = time.monotonic()
         if not self.registered:
-            log.warning("pipeline %r is not registered in this Redis (no key %s): no worker has started for it "
-                        "yet, or the name is wrong; requests wait up to %gs for one, then fail with "
-                        "UnknownPipeline", self.keys.pipeline, self.keys.spec, self.wait_s)
+            log.info("pipeline %r is not registered in this Redis yet (no key %s): waiting for its workers; "
+                     "requests wait up to %gs for one", self.keys.pipeline, self.keys.spec, self.wait_s)
+
+    def warn_if_still_missing(self) -> None:
+        """After each refresh: still unregistered ``WARN_AFTER_S`` after the start, said once, as a warning
+        (no worker started for it, or the name, prefix or Redis URL is wrong)."""
+        if self.registered or self._warned or self._since_s is None:
+            return
+        if time.monotonic() - self._since_s >= WARN_AFTER_S:
+            self._warned = True
+            log.warning("pipeline %r is still not registered in this Redis after %gs (no key %s): no worker has "
+                        "started for it, or the name, the prefix or the Redis URL is wrong; requests wait up to "
+                        "%gs for one, then fail with UnknownPipeline", self.keys.pipeline, WARN_AFTER_S,
+                        self.keys.spec, self.wait_s)
 
     async def wait(self, timeout_s: float) -> None:
         """Before submitting for a pipeline not seen registered: wait (at most ``wait_s``, shared
@@ -90,10 +108,13 @@ class Registration:
         if registered is False:
             known = self._known
             hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
-            raise UnknownPipeline(self.keys.pipeline, (
-                f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in this "
-                f"Redis within {self.wait_s:g}s: check the name, the prefix and the Redis URL, "
-                f"or start its workers{hint}"))
+            message = (f"no worker has registered pipeline {self.keys.pipeline!r} (prefix {self.keys.prefix!r}) in "
+                       f"this Redis within {self.wait_s:g}s: check the name, the prefix and the Redis URL, "
+                       f"or start its workers{hint}")
+            if not self._warned:  # once, as a request first meets it: the log says it too
+                self._warned = True
+                log.warning("pipeline %r is not registered: %s", self.keys.pipeline, message)
+            raise UnknownPipeline(self.keys.pipeline, message)
 
     async def _until_registered(self) -> bool | None:
         """True once registered; False if still not after ``wait_s``; None if Redis never answered
