@@ -41,6 +41,8 @@ from gateway.monitor.status import PipelineStatus
 
 log = logging.getLogger("conveyor.gateway")
 
+UNSERVED_GRACE_S = 10.0  # a stage without a live or loading worker this long fails new requests at once
+
 
 def partition_of(key: str | bytes, partitions: int) -> int:
     """The partition a caller's key maps to: what a foreign producer should compute too."""
@@ -77,6 +79,9 @@ class Gateway:
         self.lanes: list[Lane] = []
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
+        self.unserved: str | None = None  # a stage with no worker for UNSERVED_GRACE_S: requests fail fast
+        self._unserved: str | None = None
+        self._unserved_since_s: float | None = None
 
     async def start(self) -> None:
         if self._own_hub:
@@ -105,6 +110,7 @@ class Gateway:
         itself), the lanes' sizing."""
         self.registration.take(view)
         self.registration.warn_if_still_missing()
+        self._note_unserved(view.unserved_stage())
         if not self.lanes:  # not started yet
             return
         count = view.partitions
@@ -114,6 +120,18 @@ class Gateway:
                 self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count)]
                 log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
         size_lanes(self.lanes, view.stages[0] if view.stages else None, self.settings.batch_entries, view.sizing)
+
+    def _note_unserved(self, stage: str | None) -> None:
+        """A stage with no live or loading worker for ``UNSERVED_GRACE_S``: new requests fail fast
+        (:class:`Overloaded`, naming it) instead of waiting their whole deadline; a worker's restart or a
+        model load does not trigger it (a loading worker counts)."""
+        now = time.monotonic()
+        if stage is None:
+            self._unserved, self._unserved_since_s = None, None
+        elif self._unserved_since_s is None or stage != self._unserved:
+            self._unserved, self._unserved_since_s = stage, now
+        self.unserved = (self._unserved if self._unserved_since_s is not None
+                         and now - self._unserved_since_s >= UNSERVED_GRACE_S else None)
 
     async def close(self) -> None:
         polls = self.registration.polls()
@@ -171,6 +189,9 @@ class Gateway:
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
+        if self.unserved is not None:
+            raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
+                             f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
         if not self.registration.registered:  # rare: until this pipeline is seen registered once
             return asyncio.ensure_future(self._when_registered(lane, data, timeout))
         return self.hub.enqueue(lane, data, timeout, direct)

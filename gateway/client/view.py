@@ -112,6 +112,14 @@ class PipelineView:
         self.failure = exc
         self.sizing = []
 
+    def unserved_stage(self) -> str | None:
+        """The first stage with no live and no loading worker in the latest refresh (None: each has one,
+        or nothing read yet): requests for it would wait their whole deadline."""
+        status = self._status
+        if status is None or not status.reachable:
+            return None
+        return next((s.name for s in status.stages if s.live_workers == 0 and s.loading_workers == 0), None)
+
     def status(self) -> PipelineStatus | None:
         """The latest status, with the batches no reader took yet (taken now: each is reported once);
         None before the first refresh."""
