@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,21 +100,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT-to-group", "SIGHUP"])
-def test_stopping_conveyor_run_under_load_answers_every_admitted_request(how: str, tmp_path: Path) -> None:
-    port = _free_port()
-    redis_dir = tmp_path / "redis"
+def _run(tmp_path: Path, app: str, port: int, redis_dir: Path) -> tuple[subprocess.Popen[bytes], Callable[[], str]]:
+    """``conveyor run APP`` in a session of its own, its output in ``tmp_path/run.log``; and a report of it."""
     log_path = tmp_path / "run.log"
     with log_path.open("wb") as out:
         popen = subprocess.Popen(
-            conveyor_argv("run", "tests.stop_stages:stop", "--port", str(port), "--redis-dir", str(redis_dir)),
+            conveyor_argv("run", app, "--port", str(port), "--redis-dir", str(redis_dir)),
             cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
-    stop = threading.Event()
-    clients = [Client(port, 1_000_000 * (i + 1), stop) for i in range(CLIENTS)]
 
     def report() -> str:
         return f"exit={popen.poll()}\n{log_path.read_text(errors='replace')[-6000:]}"
+
+    return popen, report
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT-to-group", "SIGHUP"])
+def test_stopping_conveyor_run_under_load_answers_every_admitted_request(how: str, tmp_path: Path) -> None:
+    port, redis_dir = _free_port(), tmp_path / "redis"
+    popen, report = _run(tmp_path, "tests.stop_stages:stop", port, redis_dir)
+    log_path = tmp_path / "run.log"
+    stop = threading.Event()
+    clients = [Client(port, 1_000_000 * (i + 1), stop) for i in range(CLIENTS)]
 
     try:
         wait_for(lambda: popen.poll() is not None or _ready(port), T, "the gateway's /readyz", report)
@@ -171,17 +179,9 @@ def _gateways(pid: int) -> list[psutil.Process]:
 def test_conveyor_run_starts_again_a_gateway_that_died(tmp_path: Path) -> None:
     """kill -9 of the gateway: ``conveyor run`` starts another on the same port, which answers, and a
     later SIGTERM still stops everything in order (exit 0)."""
-    port = _free_port()
-    redis_dir = tmp_path / "r"
+    port, redis_dir = _free_port(), tmp_path / "r"
+    popen, report = _run(tmp_path, "examples.scale_shift:pipeline", port, redis_dir)
     log_path = tmp_path / "run.log"
-    with log_path.open("wb") as out:
-        popen = subprocess.Popen(
-            conveyor_argv("run", "examples.scale_shift:pipeline", "--port", str(port), "--redis-dir", str(redis_dir)),
-            cwd=REPO_ROOT, env=conveyor_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-
-    def report() -> str:
-        return f"exit={popen.poll()}\n{log_path.read_text(errors='replace')[-6000:]}"
 
     try:
         wait_for(lambda: popen.poll() is not None or _ready(port), T, "the gateway's /readyz", report)
