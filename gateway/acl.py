@@ -17,6 +17,7 @@ from broker.admin import server_version, set_users
 from broker.connection import CLUSTER_SCHEMES, safe_url, unreachable
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.local_runs import choose_redis
 
 FORMATS = ("setuser", "aclfile", "table")
 
@@ -72,7 +73,8 @@ def password_rule(sha256: str | None, stdin: bool) -> str | None:
 @click.option("--redis", "redis_url", help="An administrator's URL of the server: its version chooses the rules "
               "(a redis+cluster:// URL adds what cluster clients send); with --apply they are loaded there.")
 @click.option("--apply", is_flag=True, help="Load the users into the server named by --redis (every node of a "
-              "cluster) instead of printing them.")
+              "cluster) instead of printing them; without --redis, a `conveyor run` of --pipeline on this machine, "
+              "else redis://127.0.0.1:6379/0.")
 @click.option("--cluster", is_flag=True, help="Add what redis-py's cluster clients send (redis+cluster:// URLs).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="setuser", show_default=True,
               help="setuser: ACL SETUSER commands (for redis-cli); aclfile: lines of an aclfile; table: each "
@@ -97,8 +99,10 @@ def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str,
     """
     chosen = list(ROLE_NAMES) if "all" in roles else list(dict.fromkeys(roles))
     _check_usage(chosen, user, password_sha256, password_stdin, partitions, pipelines)
-    if apply and redis_url is None:
-        raise click.UsageError("--apply loads the users into the server named by --redis: give it")
+    if apply and redis_url is None:  # the one rule of every command: a `conveyor run` here, else the default
+        chosen = choose_redis(None, pipelines)
+        click.echo(f"conveyor acl: {chosen.said()}", err=True)
+        redis_url = chosen.url
     if redis_url is not None and version is not None:
         raise click.UsageError("--redis reads the server's version: --redis-version is for printing without one")
     if redis_url is not None:

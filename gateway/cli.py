@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import os
 import signal
@@ -14,9 +15,12 @@ from typing import Any
 
 import click
 
-from broker.connection import DEFAULT_REDIS_URL, REDIS_URL_HELP, RedisSettings, safe_url, unreachable
+from broker.connection import REDIS_URL_HELP, RedisSettings, safe_url, unreachable
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
+from broker.registry import registered_pipelines
 from gateway.client import GatewaySettings
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
@@ -31,8 +35,8 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.argument("names", metavar="[NAME]...", nargs=-1, envvar="CONVEYOR_PIPELINE")
 @click.option("--all", "discover", is_flag=True, envvar="CONVEYOR_ALL_PIPELINES", show_envvar=True,
               help="Serve every pipeline registered under the prefix, and those registered later.")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True, help=REDIS_URL_HELP)
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
+              help=REDIS_URL_HELP + " " + CHOICE_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True)
@@ -67,7 +71,7 @@ _HTTP_DEFAULTS = HttpSettings()
               show_envvar=True, help="Event loop; auto takes uvloop where installed, else asyncio.")
 @click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
               envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
-def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, port: int, prefix: str,
+def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
             max_connections: int, drain_timeout_s: float, batch_entries: bool, processes: int, loop: str,
             log_format: str) -> None:
@@ -82,7 +86,10 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, p
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s)
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries)
-    job = GatewayJob(names, redis_url, settings, http, loop, log_format.lower(), discover)
+    chosen = choose_redis(redis_url, names)
+    if not redis_url:
+        click.echo(f"conveyor gateway: {chosen.said()}", err=True)
+    job = GatewayJob(names, chosen.url, settings, http, loop, log_format.lower(), discover)
     try:
         check_loop(loop)
         if processes > 1:
@@ -96,8 +103,8 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, p
 
 @click.command()
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True, help=REDIS_URL_HELP)
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
+              help=REDIS_URL_HELP + " " + CHOICE_HELP)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
 @click.option("--json", "as_json", is_flag=True, envvar="CONVEYOR_STATUS_JSON", show_envvar=True,
               help="Print JSON for scripts (with --watch: one compact object per line).")
@@ -105,13 +112,17 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str, host: str, p
               help="Refresh every --interval-s until Ctrl-C (exit 0).")
 @click.option("--interval-s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               envvar="CONVEYOR_STATUS_INTERVAL_S", show_envvar=True, help="Seconds between refreshes with --watch.")
-def status(name: str, redis_url: str, prefix: str, as_json: bool, watch: bool, interval_s: float) -> None:
+def status(name: str, redis_url: str | None, prefix: str, as_json: bool, watch: bool, interval_s: float) -> None:
     """Per stage of pipeline NAME: backlog, pending, live workers, throughput and batch-duration
     percentiles over the last minute, dead letters, and every consumer with its heartbeat.
 
-    Exits 2 when Redis is unreachable (without --watch).
+    Exits 2 when Redis is unreachable, 1 when NAME is not registered there (without --watch).
     """
     keys = Keys(name, prefix)
+    chosen = choose_redis(redis_url, [name])
+    if not redis_url:
+        click.echo(f"conveyor status: {chosen.said()}", err=True)
+    redis_url = chosen.url
     if watch:
         try:
             asyncio.run(_watch(name, keys, redis_url, interval_s, as_json))
@@ -131,6 +142,23 @@ def status(name: str, redis_url: str, prefix: str, as_json: bool, watch: bool, i
         click.echo(format_status(name, result, redis_url))
     if not result.reachable:
         raise SystemExit(2)
+    if not result.stages:  # not registered (or an unreadable spec): say the names closest to it
+        known = asyncio.run(_registered(redis_url, prefix))
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = (f"did you mean {', '.join(map(repr, close))}?" if close else
+                f"registered here: {', '.join(map(repr, known))}" if known else "no pipeline is registered here")
+        click.echo(f"conveyor status: pipeline {name!r} is not registered in this Redis; {hint}", err=True)
+        raise SystemExit(1)
+
+
+async def _registered(redis_url: str, prefix: str) -> list[str]:
+    client = RedisSettings(redis_url).async_client(1)
+    try:
+        return await registered_pipelines(client, prefix)
+    except CONNECTION_OR_REPLY_ERRORS:  # an ACL without SMEMBERS: no hint
+        return []
+    finally:
+        await client.aclose()
 
 
 async def _read_once(keys: Keys, redis_url: str) -> PipelineStatus:

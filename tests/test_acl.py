@@ -216,7 +216,7 @@ def test_the_command_prints_the_generated_rules() -> None:
 @pytest.mark.parametrize("args", [["--role", "worker", "--role", "gateway", "--user", "u"],
                                   ["--password-sha256", "00"], ["--role", "gateway", "--password-sha256", "xyz"],
                                   ["--partitions", "2"], ["--prefix", "a:b"], ["--redis-version", "6.0"],
-                                  ["--password-stdin"], ["--apply"],
+                                  ["--password-stdin"],
                                   ["--redis", "redis://127.0.0.1:1", "--redis-version", "7.0"]])
 def test_the_command_refuses_what_it_cannot_print(args: list[str]) -> None:
     out = run_acl(*args, stdin="")

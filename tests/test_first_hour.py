@@ -173,7 +173,7 @@ def test_status_says_which_redis_and_one_line_when_unreachable(redis_url: str) -
     assert done.stderr.strip().count("\n") == 0 and "Traceback" not in done.stderr, done.stderr
     assert "cannot reach Redis at redis://someone:***@127.0.0.1:1/0" in done.stderr and "secret" not in done.stderr
     done = _run(conveyor_argv("status", "nothere"), conveyor_env(redis_url))
-    assert done.returncode == 0 and f"[redis: {redis_url}]" in done.stdout and "not registered" in done.stdout
+    assert done.returncode == 1 and f"[redis: {redis_url}]" in done.stdout and "not registered" in done.stdout
 
 
 @pytest.mark.parametrize("command", ["gateway", "worker", "run"])

@@ -25,12 +25,12 @@ import click
 
 from broker.connection import (
     CONNECTION_OR_REPLY_ERRORS,
-    DEFAULT_REDIS_URL,
     REDIS_URL_HELP,
     RedisSettings,
     safe_url,
     unreachable,
 )
+from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from workers.app import AppError, load_pipeline, load_pipelines
 from workers.embedded.keeper import RedisKeeper
@@ -162,20 +162,23 @@ def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
 @click.option("--stage", required=True, envvar="CONVEYOR_STAGE", show_envvar=True, help="Name of the stage to run.")
 @click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
               help="Worker processes (default: the stage's own setting).")
-@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-              show_envvar=True, help=REDIS_URL_HELP)
+@click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
+              help=REDIS_URL_HELP + " " + CHOICE_HELP)
 @click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S", show_envvar=True,
               help="On SIGTERM, how long workers may take to finish their batch.")
 @_options
-def worker(app: str, stage: str, workers: int | None, redis_url: str, prefix: str | None, grace_s: float,
+def worker(app: str, stage: str, workers: int | None, redis_url: str | None, prefix: str | None, grace_s: float,
            **opts: Any) -> None:
     """Run the worker processes of one stage of APP (module:attribute).
 
     Exits non-zero when the stage's workers keep dying before they are ready, so that
     compose or Kubernetes replaces the container.
     """
-    child = _child_settings(redis_url, prefix, opts)
     pipeline = _load(app, prefix)
+    chosen = choose_redis(redis_url, [pipeline.name])
+    if not redis_url:
+        click.echo(f"conveyor worker: {chosen.said()}", err=True)
+    child = _child_settings(chosen.url, prefix, opts)
     try:
         spec = pipeline.stage(stage)
     except ValueError as exc:

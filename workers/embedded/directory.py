@@ -8,10 +8,10 @@ directory is checked before use: private, ours, not a symlink, and not in use by
 from __future__ import annotations
 
 import os
-import re
 import stat
 from pathlib import Path
 
+from broker.local_runs import run_dir as default_redis_dir
 from broker.probe import answers
 
 __all__ = ["MAX_SOCKET_PATH", "EmbeddedRedisError", "RedisDirError", "claim_dir", "default_redis_dir"]
@@ -26,16 +26,6 @@ class EmbeddedRedisError(RuntimeError):
 
 class RedisDirError(EmbeddedRedisError):
     """The directory chosen for the socket cannot be used; the message ends with what to do."""
-
-
-def default_redis_dir(pipeline: str) -> Path:
-    """``/tmp/conveyor-<pipeline>``: where ``conveyor run`` puts its Redis unless told otherwise.
-
-    Stable per pipeline, so that the URL it prints (and the README's example) stays the same
-    from one run to the next; characters a path should not hold become ``_``.
-    """
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", pipeline)
-    return Path("/tmp") / f"conveyor-{safe}"
 
 
 def claim_dir(path: Path) -> Path:

@@ -1,0 +1,54 @@
+"""Which Redis a command talks to when none is named: one rule for ``conveyor worker``, ``gateway``,
+``status`` and ``acl --apply``.
+
+A URL given (``--redis``, ``CONVEYOR_REDIS_URL``) is used as it is. Without one, a ``conveyor run`` of a
+named pipeline on this machine is found by its socket (``/tmp/conveyor-<pipeline>/redis.sock``, where
+``conveyor run`` puts its embedded Redis unless ``--redis-dir`` says otherwise) when a server answers
+there; else ``redis://127.0.0.1:6379/0``. The command says which it chose, so that a new shell never reads
+another Redis in silence.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.connection import DEFAULT_REDIS_URL
+from broker.probe import answers
+
+__all__ = ["CHOICE_HELP", "Chosen", "choose_redis", "run_dir"]
+
+CHOICE_HELP = ("Default: a `conveyor run` of the pipeline on this machine (its /tmp/conveyor-<pipeline>/redis.sock), "
+               "else redis://127.0.0.1:6379/0; the command says which.")
+
+
+def run_dir(pipeline: str) -> Path:
+    """``/tmp/conveyor-<pipeline>``: where ``conveyor run`` puts its Redis unless told otherwise; stable
+    per pipeline, so that the URL it prints stays the same from one run to the next (characters a path
+    should not hold become ``_``)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", pipeline)
+    return Path("/tmp") / f"conveyor-{safe}"
+
+
+@dataclass(frozen=True)
+class Chosen:
+    url: str
+    why: str  # "given", or which `conveyor run` was found, or "the default"
+
+    def said(self) -> str:
+        return f"Redis at {self.url} ({self.why})"
+
+
+def choose_redis(given: str | None, pipelines: Sequence[str]) -> Chosen:
+    """``given`` if any; else the embedded Redis of a ``conveyor run`` of one of ``pipelines`` on this
+    machine that answers; else the default URL."""
+    if given:
+        return Chosen(given, "given by --redis or CONVEYOR_REDIS_URL")
+    for name in pipelines:
+        sock = run_dir(name) / "redis.sock"
+        if sock.exists() and answers(sock, timeout_s=0.5):
+            return Chosen(f"unix://{sock}", f"the Redis of `conveyor run` of {name!r} on this machine")
+    return Chosen(DEFAULT_REDIS_URL, "the default: no --redis, no CONVEYOR_REDIS_URL, and no `conveyor run` of "
+                  f"{', '.join(map(repr, pipelines)) or 'the pipeline'} found on this machine")
