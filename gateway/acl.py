@@ -100,9 +100,9 @@ def acl(roles: tuple[str, ...], prefixes: tuple[str, ...], pipelines: tuple[str,
     chosen = list(ROLE_NAMES) if "all" in roles else list(dict.fromkeys(roles))
     _check_usage(chosen, user, password_sha256, password_stdin, partitions, pipelines)
     if apply and redis_url is None:  # the one rule of every command: a `conveyor run` here, else the default
-        chosen = choose_redis(None, pipelines)
-        click.echo(f"conveyor acl: {chosen.said()}", err=True)
-        redis_url = chosen.url
+        found = choose_redis(None, pipelines)
+        click.echo(f"conveyor acl: {found.said()}", err=True)
+        redis_url = found.url
     if redis_url is not None and version is not None:
         raise click.UsageError("--redis reads the server's version: --redis-version is for printing without one")
     if redis_url is not None:

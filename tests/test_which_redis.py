@@ -64,3 +64,13 @@ def test_status_of_a_name_not_registered_exits_1_with_the_closest(local_run: tup
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "pipeline 'scale-shfit' is not registered in this Redis; did you mean 'scale-shift'?" in done.stderr
     assert "conveyor status: Redis at" not in done.stderr  # a URL given is not announced
+
+
+def test_acl_apply_without_a_url_loads_into_the_conveyor_run_of_its_pipeline(
+        local_run: tuple[str, redis.Redis]) -> None:
+    name, client = local_run
+    done = subprocess.run(conveyor_argv("acl", "--role", "monitor", "--pipeline", name, "--apply", "--password-stdin"),
+                          cwd=REPO_ROOT, env=conveyor_env(), input="m-pw\n", capture_output=True, text=True, timeout=T)
+    assert done.returncode == 0, done.stderr
+    assert "the Redis of `conveyor run`" in done.stderr and "loaded 1 user(s) (conveyor-monitor)" in done.stderr
+    assert any(line.split()[1] == b"conveyor-monitor" for line in client.execute_command("ACL", "LIST"))
