@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import click
@@ -22,6 +23,7 @@ from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from broker.registry import registered_pipelines
 from gateway.client import GatewaySettings
+from gateway.http.auth import read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
 from gateway.monitor.status import PipelineStatus, read_all_partitions
@@ -71,10 +73,15 @@ _HTTP_DEFAULTS = HttpSettings()
               show_envvar=True, help="Event loop; auto takes uvloop where installed, else asyncio.")
 @click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv", show_default=True,
               envvar=FORMAT_ENV, show_envvar=True, help="Log lines as key=value pairs or JSON objects.")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              envvar="CONVEYOR_API_KEY_FILE", show_envvar=True,
+              help="Require 'Authorization: Bearer <key>' with one of this file's keys (one a line; several for "
+                   "rotation); CONVEYOR_API_KEYS may hold keys too (commas or spaces). /healthz, /readyz and the "
+                   "v2 health routes stay open.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
             max_connections: int, drain_timeout_s: float, batch_entries: bool, processes: int, loop: str,
-            log_format: str) -> None:
+            log_format: str, api_key_file: Path | None) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
     Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
@@ -84,7 +91,8 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
     configure_logging(log_format.lower())
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
-                        max_connections=max_connections, drain_timeout_s=drain_timeout_s)
+                        max_connections=max_connections, drain_timeout_s=drain_timeout_s,
+                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file))
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries)
     chosen = choose_redis(redis_url, names)
     if not redis_url:

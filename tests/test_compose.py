@@ -253,7 +253,7 @@ def test_compose_file_follows_the_deployment_rules() -> None:
 
     gateway = services["gateway"]
     assert command(gateway)[:3] == ["conveyor", "gateway", PIPELINE]
-    assert gateway["ports"] == ["8000:8000"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"]  # loopback unless CONVEYOR_PUBLISH_ADDRESS says otherwise
     assert environment(gateway)["CONVEYOR_ROLE"] == "gateway"
 
     for name, stage in STAGES.items():

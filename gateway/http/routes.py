@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from gateway.backends import Backend, Backends, as_backends
+from gateway.http.auth import ApiKeys
 from gateway.http.oip.infer import Plans
 from gateway.http.oip.routes import V2
 from gateway.http.openai import OpenAI
@@ -118,6 +119,7 @@ class Router:
         self.metrics = metrics
         self._draining = draining
         self._predict = Predict(settings.debug)
+        self._keys = ApiKeys(settings.api_keys) if settings.api_keys else None
         v2 = V2(self.backends, self._statuses, draining, Plans(settings.oip_plans))
         table = self.table = RouteTable()
         table.add("/v1/predict", POST, "predict", self._predict_only)
@@ -159,6 +161,8 @@ class Router:
             allow = b", ".join(sorted(route.methods))
             return route.label, HttpError(405, "MethodNotAllowed", f"{method} not allowed on {path}",
                                           outcome="method_not_allowed", headers=[(b"allow", allow)]).reply()
+        if self._keys is not None and not self._keys.allows(route.label, request.headers):
+            return route.label, self._keys.refusal(route.label)
         return route.label, route.handler(request, params)
 
     # -- conveyor's predict -----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["LOOPS", "HttpSettings"]
 
@@ -25,6 +25,8 @@ class HttpSettings:
     - ``debug``: include stage tracebacks in 422 bodies (they may reveal code and data).
     - ``reuse_port``: bind with SO_REUSEPORT, so that several gateway processes share the port
       (``conveyor gateway --processes N``); the kernel spreads new connections over them.
+    - ``api_keys``: the keys a request must carry (``Authorization: Bearer <key>``, :mod:`gateway.http.auth`);
+      none: the front is open.
     - ``oip_plans``: how many Open Inference Protocol request heads without data (the binary
       extension's, which a client repeats for every request of the same shapes) are kept parsed and
       checked, so that a repeated request skips that work; 0 keeps none.
@@ -41,6 +43,7 @@ class HttpSettings:
     max_connections: int = 1024
     debug: bool = False
     drain_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     status_timeout_s: float = 5.0
     backlog: int = 1024
     reuse_port: bool = False

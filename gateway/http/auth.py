@@ -1,0 +1,65 @@
+"""API keys for the HTTP front: ``Authorization: Bearer <key>``, as the ``openai`` package and tritonclient
+send it. Off unless keys are given (``--api-key-file`` or ``CONVEYOR_API_KEYS``); several keys are
+accepted at once, so that one can be rotated without a gap. Keys are compared in constant time and never
+logged. The liveness and readiness probes stay open (a Kubernetes probe carries no secret, and they say
+nothing about requests); ``/metrics`` and every other route need a key.
+
+A refused request gets 401 with ``WWW-Authenticate: Bearer``, in the error shape of its protocol.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+
+import orjson
+
+from gateway.http.types import HttpError, Reply
+
+__all__ = ["OPEN_ROUTES", "ApiKeys", "read_keys"]
+
+OPEN_ROUTES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})  # route labels answered without a key
+_OPENAI_ROUTES = frozenset({"embeddings", "models", "model"})
+_OIP_ROUTES = frozenset({"infer", "v2_metadata"})
+_CHALLENGE = [(b"www-authenticate", b"Bearer")]
+
+
+def read_keys(text: str | None, file: Path | None) -> tuple[str, ...]:
+    """The keys of ``CONVEYOR_API_KEYS`` (separated by commas or whitespace) and of a file (one a line,
+    ``#`` comments), in order, without duplicates."""
+    found: list[str] = []
+    if text:
+        found += text.replace(",", " ").split()
+    if file is not None:
+        found += [line.strip() for line in file.read_text().splitlines() if line.strip() and
+                  not line.lstrip().startswith("#")]
+    return tuple(dict.fromkeys(found))
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._expected = [b"Bearer " + key.encode() for key in keys]
+
+    def __repr__(self) -> str:
+        return f"ApiKeys({len(self._expected)} keys)"  # never the keys themselves
+
+    def allows(self, label: str, headers: dict[bytes, bytes]) -> bool:
+        if label in OPEN_ROUTES:
+            return True
+        given = headers.get(b"authorization", b"")
+        found = False
+        for expected in self._expected:  # every key compared, in constant time each
+            found |= hmac.compare_digest(given, expected)
+        return found
+
+    @staticmethod
+    def refusal(label: str) -> Reply:
+        message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+        if label in _OPENAI_ROUTES:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                              "code": "invalid_api_key"}}
+            return Reply(401, orjson.dumps(body), headers=_CHALLENGE, outcome="unauthorized")
+        if label in _OIP_ROUTES:
+            return Reply(401, orjson.dumps({"error": message}), headers=_CHALLENGE, outcome="unauthorized")
+        return HttpError(401, "Unauthorized", message, outcome="unauthorized", headers=_CHALLENGE).reply()

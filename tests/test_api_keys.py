@@ -1,0 +1,74 @@
+"""API keys for the HTTP front: a request without one of the keys gets 401 in its protocol's shape; the
+health probes stay open; keys never appear in a repr."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.http.auth import read_keys
+from gateway.http.predict import Pending
+from gateway.http.routes import Router
+from gateway.http.settings import HttpSettings
+from gateway.http.types import Reply, Request
+from gateway.monitor.metrics import Metrics
+from tests.test_routes import Named, Several
+
+pytestmark = pytest.mark.unit
+
+KEYS = ("old-key-1", "new-key-2")
+
+
+def _call(path: str, method: str = "GET", body: bytes = b"", key: str | None = None,
+          keys: tuple[str, ...] = KEYS) -> tuple[int, Any, Reply]:
+    served = Several(Named("a"))
+    router = Router(served, HttpSettings(api_keys=keys), Metrics(served), lambda: False)
+    headers = {b"authorization": f"Bearer {key}".encode()} if key is not None else {}
+
+    async def main() -> Reply:
+        _, answer = router.start(Request(method.encode(), path.encode(), headers, body))
+        if isinstance(answer, Pending):
+            while not answer.future.done():
+                await asyncio.sleep(0.001)
+            answer = answer.finish(answer.future)
+        return answer
+
+    reply = asyncio.run(asyncio.wait_for(main(), 5))
+    return reply.status, json.loads(reply.body) if reply.body else None, reply
+
+
+@pytest.mark.parametrize("key", [None, "wrong", "old-key-1x", ""])
+def test_a_request_without_a_valid_key_is_refused_in_its_protocols_shape(key: str | None) -> None:
+    status, body, reply = _call("/v1/predict", "POST", b"3", key)
+    assert status == 401 and body["error"]["type"] == "Unauthorized" and "Authorization: Bearer" in body["error"][
+        "message"]
+    assert (b"www-authenticate", b"Bearer") in reply.headers
+    status, body, _ = _call("/v1/embeddings", "POST", b'{"model": "a", "input": "x"}', key)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"  # OpenAI's shape
+    status, body, _ = _call("/v2/models/a/infer", "POST", b"{}", key)
+    assert status == 401 and isinstance(body["error"], str)  # the Open Inference Protocol's shape
+    assert _call("/metrics", key=key)[0] == 401
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_key_given_is_accepted_for_rotation(key: str) -> None:
+    status, body, _ = _call("/v1/predict", "POST", b"3", key)
+    assert status == 200 and body == {"result": ["a", 3]}
+
+
+def test_the_probes_stay_open_and_no_key_means_an_open_front() -> None:
+    for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
+        assert _call(path)[0] == 200, path
+    assert _call("/v1/predict", "POST", b"3", keys=())[0] == 200
+
+
+def test_keys_are_read_from_the_environment_and_a_file_and_never_shown(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# rotated on 1 December\nk-file-1\n\nk-file-2\nk-env\n")
+    assert read_keys("k-env, k-env2  k-env3", path) == ("k-env", "k-env2", "k-env3", "k-file-1", "k-file-2")
+    assert read_keys(None, None) == ()
+    assert "k-env" not in repr(HttpSettings(api_keys=("k-env",)))
