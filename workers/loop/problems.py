@@ -1,8 +1,9 @@
 """What went wrong in the user's code, told to the operator: logged, rate-limited, and counted.
 
 A stage that raises answers its requester (the error record), but the operator must see it too:
-each error is logged at the worker (type, message, stage, request id; the traceback at debug
-level), at most once a minute per stage and exception type, with how many were held back. A
+each error is logged at the worker (type, message, stage, request id), at most once a minute per
+stage and exception type, with how many were held back; the first of each type also with its
+traceback, at INFO (the others' at DEBUG), so that a new failure can be read without a debug log. A
 batched ``predict`` that returns the wrong number of results is isolated by bisection, so every
 answer is still right, and the bug would only show as lost throughput: it is logged (stage,
 expected and returned counts; once a minute per stage) and counted. Both counts reach Redis with
@@ -30,6 +31,7 @@ class Problems:
         self._stage = stage
         self._key = counts_key
         self._throttle = Throttle(60.0)
+        self._traced: set[str] = set()  # the exception types whose traceback was logged at INFO
         # Two threads, one writer each: the loop counts up ``_total``, the heartbeat ``_sent``.
         self._total = dict.fromkeys(_FIELDS, 0)
         self._sent = dict.fromkeys(_FIELDS, 0)
@@ -41,8 +43,11 @@ class Problems:
         if held is not None:
             log.warning("stage raised stage=%s request=%s type=%s message=%s held_back=%d", self._stage,
                         request_id.decode(errors="replace"), failure.type, failure.message[:500], held)
-            log.debug("stage traceback stage=%s request=%s traceback=%s", self._stage,
-                      request_id.decode(errors="replace"), failure.traceback)
+            first = failure.type not in self._traced
+            self._traced.add(failure.type)
+            log.log(logging.INFO if first else logging.DEBUG,
+                    "stage traceback stage=%s request=%s type=%s traceback=%s", self._stage,
+                    request_id.decode(errors="replace"), failure.type, failure.traceback.rstrip())
 
     def wrong_length(self, expected: int, returned: int) -> None:
         self._total["batch_length_errors"] += 1

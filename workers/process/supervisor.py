@@ -329,8 +329,8 @@ class Supervisor:
         else:
             slot.quick_deaths = 0
         delay = min(self.settings.restart_cap_s, self.settings.restart_base_s * 2 ** max(0, slot.quick_deaths - 1))
-        log.warning("worker exited stage=%s slot=%d code=%s ready=%s restart_in=%.2fs", slot.spec.name,
-                    slot.number, returncode, slot.ready_at is not None, delay)
+        log.warning("worker exited stage=%s slot=%d pid=%d code=%s ready=%s restart_in=%.2fs", slot.spec.name,
+                    slot.number, slot.proc.pid, returncode, slot.ready_at is not None, delay)
         slot.proc, slot.pipe = None, None
         slot.restart_at = now + delay
 
