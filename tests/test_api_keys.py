@@ -3,7 +3,6 @@ health probes stay open; keys never appear in a repr."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,12 @@ from typing import Any
 import pytest
 
 from gateway.http.auth import read_keys
-from gateway.http.predict import Pending
 from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
-from gateway.http.types import Reply, Request
+from gateway.http.types import Reply
 from gateway.monitor.metrics import Metrics
 from tests.test_routes import Named, Several
+from tests.test_routes import _call as call_route
 
 pytestmark = pytest.mark.unit
 
@@ -28,16 +27,7 @@ def _call(path: str, method: str = "GET", body: bytes = b"", key: str | None = N
     served = Several(Named("a"))
     router = Router(served, HttpSettings(api_keys=keys), Metrics(served), lambda: False)
     headers = {b"authorization": f"Bearer {key}".encode()} if key is not None else {}
-
-    async def main() -> Reply:
-        _, answer = router.start(Request(method.encode(), path.encode(), headers, body))
-        if isinstance(answer, Pending):
-            while not answer.future.done():
-                await asyncio.sleep(0.001)
-            answer = answer.finish(answer.future)
-        return answer
-
-    reply = asyncio.run(asyncio.wait_for(main(), 5))
+    _, reply = call_route(router, method, path, body, headers)
     return reply.status, json.loads(reply.body) if reply.body else None, reply
 
 

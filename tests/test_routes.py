@@ -48,9 +48,10 @@ class Several:
         return list(self.by_name)
 
 
-def _call(router: Router, method: str, path: str, body: bytes = b"") -> tuple[str, Reply]:
+def _call(router: Router, method: str, path: str, body: bytes = b"",
+          headers: dict[bytes, bytes] | None = None) -> tuple[str, Reply]:
     async def main() -> tuple[str, Reply]:
-        label, answer = router.start(Request(method.encode(), path.encode(), {}, body))
+        label, answer = router.start(Request(method.encode(), path.encode(), headers or {}, body))
         if isinstance(answer, Pending):
             while not answer.future.done():
                 await asyncio.sleep(0.001)
