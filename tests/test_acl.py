@@ -620,3 +620,21 @@ def test_cluster_clients_on_the_generated_users(redis_cluster: LocalCluster) -> 
         for node in nodes:
             node.execute_command("ACL", "DELUSER", *(f"t-cluster-{role}" for role in users))
             node.close()
+
+
+def test_acl_apply_on_a_cluster_loads_every_node(redis_cluster: LocalCluster) -> None:
+    """``conveyor acl --redis redis+cluster://... --apply``: the lowest version of the nodes chooses the rules,
+    and the user is set on every node (ACL users are per node)."""
+    seeds = ",".join(f"{redis_cluster.host}:{p}" for p in redis_cluster.ports)
+    applied = run_acl("--role", "monitor", "--user", "t-apply-monitor", "--redis", f"redis+cluster://{seeds}",
+                      "--apply", "--password-stdin", stdin="m-pw\n")
+    assert applied.exit_code == 0, applied.output
+    assert f"on {len(redis_cluster.ports)} nodes" in applied.stderr
+    nodes = [redis_cluster.node(port) for port in redis_cluster.ports]
+    try:
+        for node in nodes:
+            assert any(line.split()[1] == b"t-apply-monitor" for line in node.execute_command("ACL", "LIST"))
+            node.execute_command("ACL", "DELUSER", "t-apply-monitor")
+    finally:
+        for node in nodes:
+            node.close()
