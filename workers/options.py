@@ -27,7 +27,7 @@ class PipelineError(ValueError):
 # Settings a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
     "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
-    "max_run_s", "stuck_grace_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
+    "max_run_s", "stuck_grace_s", "handoff_after_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
 )
 _NOT_OPTIONS = frozenset({"setup", "predict"})
 # What a Stage subclass's body may set: the settings and the other attributes Stage declares

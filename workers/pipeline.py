@@ -21,6 +21,7 @@ from workers.stage import Stage
 
 BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
 DEFAULT_STUCK_GRACE_S = 10.0
+DEFAULT_HANDOFF_AFTER_S = 1.0
 LONG_BATCH_WAIT_S = 1.0  # a longer batch_wait_s is warned of: it is in seconds
 
 log = logging.getLogger("conveyor.pipeline")
@@ -45,6 +46,9 @@ class StageSpec:
     # A predict still running this long after every item of its batch passed its deadline is
     # stuck: reported with its stack and replaced (workers.process.supervisor). None: never.
     stuck_grace_s: float | None = DEFAULT_STUCK_GRACE_S
+    # Entries read but not started behind a call running this long (and 4x the longest call of late) are
+    # given to the stage's other workers (workers.loop.handoff). None: never.
+    handoff_after_s: float | None = DEFAULT_HANDOFF_AFTER_S
     max_backlog: int | None = None
     max_deliveries: int = 5
     claim_idle_s: float = 30.0
@@ -66,7 +70,8 @@ class StageSpec:
             if not (optional and value is None):
                 _check_int(name, knob, value, minimum)
         for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
-                                           ("max_run_s", True, True), ("stuck_grace_s", True, True)):
+                                           ("max_run_s", True, True), ("stuck_grace_s", True, True),
+                                           ("handoff_after_s", False, True)):
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_number(name, knob, value, allow_zero=allow_zero)
@@ -136,8 +141,8 @@ def _check_io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
 
 def _set_on(cls: type, knob: str) -> bool:
     """Whether the stage class sets ``knob`` (``Stage``'s own None means "the default"; a subclass
-    may set ``stuck_grace_s = None``, which turns stuck detection off)."""
-    if knob == "stuck_grace_s":
+    may set ``stuck_grace_s = None``, which turns stuck detection off, or ``handoff_after_s = None``)."""
+    if knob in ("stuck_grace_s", "handoff_after_s"):
         return any(knob in vars(klass) for klass in cls.__mro__ if klass is not Stage)
     return getattr(cls, knob, None) is not None
 

@@ -33,6 +33,9 @@ class Stage:
     # A predict still running this long past every deadline of its batch is reported with its stack
     # and its worker replaced (default 10 s; Pipeline.add(cls, stuck_grace_s=None) turns it off).
     stuck_grace_s: ClassVar[float | None] = None
+    # Entries read behind a predict call that has run this long (and 4x the longest call of late) go to
+    # the stage's other workers (default 1 s; Pipeline.add(cls, handoff_after_s=None) turns it off).
+    handoff_after_s: ClassVar[float | None] = None
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None

@@ -22,6 +22,7 @@ import numpy as np
 
 from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
+from workers.loop.handoff import Handoff
 from workers.loop.routing import Work
 from workers.loop.runner import BatchLengthError, Outcome, run_batch, run_single
 from workers.loop.tracebacks import Tracebacks
@@ -89,25 +90,67 @@ def checked(predict: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
 
 class Predictor:
     def __init__(self, stage: Stage, spec: StageSpec, busy: BusyCell | None,
-                 wrong_length: Callable[[int, int], None]) -> None:
+                 wrong_length: Callable[[int, int], None], handoff: Handoff | None = None) -> None:
         self._stage = stage
         self._spec = spec
         self._busy = busy
         self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
         self._wrong_length = wrong_length
+        self._handoff = handoff  # entries waiting behind a long call go to other workers
 
-    def run(self, work: Work, stats: BatchStats) -> list[Outcome]:
-        """The outcome of each item of ``work``, in order."""
+    def run(self, work: Work, stats: BatchStats) -> list[Outcome | None]:
+        """The outcome of each item of ``work``, in order (None: given to another worker, not run)."""
         spec = self._spec
+        outcomes: list[Outcome | None] = []
+        if self._handoff is not None:
+            self._handoff.track(outcomes)
+            if not spec.batched:
+                return self._run_singles(work, stats, self._handoff, outcomes)
         size = spec.batch_size if spec.batched else len(work)
-        outcomes: list[Outcome] = []
         for start in range(0, len(work), size):
             part = work[start:start + size]
+            if self._handoff is not None:
+                kept = self._handoff.start(start, start + len(part))
+                if kept is not None:  # some were given back: run the others
+                    outcomes += self._run_kept(work, kept, start, len(part), stats)
+                    continue
+            outcomes += self._run_part(part, stats)
+        if self._busy is not None:
+            self._busy.idle()
+        return outcomes
+
+    def _run_part(self, part: Work, stats: BatchStats) -> list[Outcome]:
+        began = time.perf_counter()
+        if self._busy is not None:
+            self._busy.batch(self._spec, [item.deadline_ms for item, _ in part])
+        outcomes = self._call([x for _, x in part])
+        took_s = time.perf_counter() - began
+        if self._handoff is not None:
+            self._handoff.ended(took_s)
+        self._record(stats, len(part), took_s * 1000)
+        return outcomes
+
+    def _run_kept(self, work: Work, kept: list[int], start: int, size: int, stats: BatchStats) -> list[Outcome | None]:
+        """A part of which some items were given back: the others run, the given ones are None."""
+        ran = iter(self._run_part([work[i] for i in kept], stats) if kept else ())
+        keep = set(kept)
+        return [next(ran) if i in keep else None for i in range(start, start + size)]
+
+    def _run_singles(self, work: Work, stats: BatchStats, handoff: Handoff,
+                     outcomes: list[Outcome | None]) -> list[Outcome | None]:
+        """A singleton stage's read, one call per item, each looked at by the hand-off first."""
+        if self._busy is not None:
+            self._busy.batch(self._spec, [item.deadline_ms for item, _ in work])
+        predict, tracebacks = self._stage.predict, self._tracebacks
+        for i, (_, x) in enumerate(work):
+            if handoff.start(i, i + 1) == []:
+                outcomes.append(None)
+                continue
             began = time.perf_counter()
-            if self._busy is not None:
-                self._busy.batch(spec, [item.deadline_ms for item, _ in part])
-            outcomes += self._call([x for _, x in part])
-            self._record(stats, len(part), (time.perf_counter() - began) * 1000)
+            outcomes += run_single(predict, (x,), tracebacks)
+            took_s = time.perf_counter() - began
+            handoff.ended(took_s)
+            stats.add(1, took_s * 1000)
         if self._busy is not None:
             self._busy.idle()
         return outcomes

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import (
@@ -47,13 +47,15 @@ from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
 from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
+from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
-from workers.loop.routing import EntryRouter
+from workers.loop.routing import EntryRouter, Work
+from workers.loop.runner import Outcome
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
 from workers.process.watch import BusyCell, StatusPipe
@@ -115,6 +117,7 @@ class Worker:
         self._read_size = SingletonReadSize()
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
+        self._early = EarlyAnswers(self._client, self.spec, last_stage, ttls, self.settings.max_payload_bytes)
         self._lanes = [ReadLane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
                                                fed_per_entry(self.pipeline, self.spec)),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
@@ -130,6 +133,11 @@ class Worker:
                                  self._problems]
         if self._forward_sizing.enabled:  # how many batch entries a forward becomes
             hooks.append(NextStage(self.pipeline.keys, index + 1, self._forward_sizing))
+        self._handoff = (None if self.spec.handoff_after_s is None else
+                         Handoff(Sharer(self._client, self.consumer), self._early, self.spec.name,
+                                 self.spec.handoff_after_s))
+        if self._handoff is not None:  # looked at with each beat: entries behind a long call leave
+            hooks.append(self._handoff)
         self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
                                     self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
                                     hooks)
@@ -141,6 +149,7 @@ class Worker:
             self._heartbeat.stop()  # and releases the core's claim
             for lane in self._lanes:
                 lane.close()
+            self._early.close()
             self._client.close()
 
     def _live(self, count: int) -> None:
@@ -160,7 +169,7 @@ class Worker:
         with LoadingBeacon(self.redis_settings, self.pipeline.keys, self.spec.index, self.consumer,
                            self.settings.heartbeat_s):
             stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
-        self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length)
+        self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length, self._handoff)
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
@@ -360,12 +369,7 @@ class Worker:
         work = self._router.admit(entries, deliveries, commit, lane.keys)
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
-        if work:
-            outcomes = self._predictor.run(work, lane.stats)
-            if not self._told_idle:
-                self.status.send(b"I")
-                self._told_idle = True
-            self._router.route_all(work, outcomes, commit, lane.keys)
+        size = self._run(lane, entries, work, commit) if work else 0
         ran = time.perf_counter()
         now = time.monotonic()
         if lane.stats.due(now):
@@ -373,8 +377,28 @@ class Worker:
         commit.forward_entries = self._forward_sizing.entries(len(commit.forwards) // 4)
         self._ahead.settle()  # the last batch's commit first: if it failed, this one stays pending
         self._heartbeat.lease.release()  # this batch's commit goes now: Redis runs it at once
-        settled = functools.partial(self._committed, commit.acks, len(work), ran - started)
+        settled = functools.partial(self._committed, commit.acks, size, ran - started)
         self._ahead.commit(lane, commit, full, settled)
+
+    def _run(self, lane: ReadLane, entries: list[Entry], work: Work, commit: Commit) -> int:
+        """``predict`` on ``work`` and each outcome into ``commit``; the entries given to other workers
+        meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
+        Returns how many items ran."""
+        handoff = self._handoff
+        if handoff is not None:
+            handoff.begin(lane.stream, lane.keys, entries, work)
+        outcomes = self._predictor.run(work, lane.stats)
+        if not self._told_idle:
+            self.status.send(b"I")
+            self._told_idle = True
+        ran = len(work)
+        if handoff is not None:
+            given, published = handoff.finish()
+            if given or published:
+                work, outcomes = left_to_answer(work, outcomes, published, self._problems)
+                commit.acks = [entry_id for entry_id in commit.acks if entry_id not in given]
+        self._router.route_all(work, cast("list[Outcome]", outcomes), commit, lane.keys)
+        return ran
 
     def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
         """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead):

@@ -1,0 +1,167 @@
+"""A hung ``predict`` must not take the entries read behind it down with it (workers.loop.handoff):
+two real workers, a burst with one input that hangs its worker, every innocent answered in time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker import codec, protocol
+from broker.keys import GROUP, Keys
+from broker.share import Sharer
+from broker.streams import Entry
+from gateway import Gateway, GatewaySettings
+from tests.helpers import running_workers, wait_for
+from workers.loop.handoff import Handoff
+from workers.loop.routing import Work
+from workers.loop.runner import Outcome
+
+APP = "tests.handoff_stages"
+TIMEOUT_S = 5.0  # every request's deadline: the innocents behind the hang must make it
+
+
+def _burst(redis_url: str, pipeline: str, runs: Path) -> tuple[list[object], object, float]:
+    """20 innocents, the hang, 40 innocents, all at once; their outcomes, the hang's, and the time
+    until the last innocent was answered."""
+    async def burst() -> tuple[list[object], object, float]:
+        async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=TIMEOUT_S)) as gw:
+            started = time.monotonic()
+
+            async def innocent(i: int) -> object:
+                return await gw.predict(i)
+
+            first = [asyncio.ensure_future(innocent(i)) for i in range(20)]
+            hung = asyncio.ensure_future(gw.predict("hang"))
+            rest = [asyncio.ensure_future(innocent(i)) for i in range(20, 60)]
+            outcomes = await asyncio.gather(*first, *rest, return_exceptions=True)
+            innocents_s = time.monotonic() - started
+            (hang,) = await asyncio.gather(hung, return_exceptions=True)
+            return list(outcomes), hang, innocents_s
+
+    return asyncio.run(burst())
+
+
+@pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+def test_innocents_behind_a_hung_call_are_handed_to_the_other_worker(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:hangs", ["Hangs"], HANDOFF_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-handoff")
+        try:
+            outcomes, hang, innocents_s = _burst(redis_url, "t-handoff", runs)
+        finally:
+            Path(str(runs) + ".release").touch()
+        assert outcomes == [i * 2 for i in range(60)], outcomes
+        assert innocents_s < TIMEOUT_S
+        assert isinstance(hang, TimeoutError), hang
+        ran = Counter(runs.read_text().split())
+        assert all(ran[str(i)] == 1 for i in range(60)), ran  # each innocent ran once: none twice
+        stage = workers.stage("Hangs")
+        log = wait_for(lambda: "handed off" in stage.log(50_000) and stage.log(50_000), 5,
+                       "the hung worker says what it handed off")
+        line = next(line for line in log.splitlines() if "handed off" in line)
+        assert "stage=Hangs" in line and "entries=" in line, line
+
+
+@pytest.mark.system
+def test_without_handoff_the_innocents_wait_for_the_hung_call(redis_url: str, tmp_path: Path) -> None:
+    """The setting off (``handoff_after_s=None``): what the burst did before, so the test above
+    shows the hand-off at work (entries read behind the hang miss their deadline)."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:patient", ["Hangs"], HANDOFF_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-no-handoff")
+        try:
+            outcomes, _, _ = _burst(redis_url, "t-no-handoff", runs)
+        finally:
+            Path(str(runs) + ".release").touch()
+        assert any(isinstance(o, TimeoutError) for o in outcomes)
+        assert "handed off" not in workers.stage("Hangs").log(50_000)
+
+
+# -- the hand-off itself, on a real Redis (no worker process) ------------------------------------
+
+
+def _read(client: redis.Redis, keys: Keys, consumer: str, n: int) -> list[Entry]:
+    reply = client.xreadgroup(GROUP, consumer, {keys.stream(0): ">"}, count=n)
+    return [(entry_id, fields) for entry_id, fields in reply[0][1]]
+
+
+def _items(entries: list[Entry], keys: Keys) -> Work:
+    parsed = protocol.parse_entries(entries, keys, protocol.Limits(1 << 20), protocol.now_ms())
+    return [(item, codec.decode(item.data)) for item in parsed if isinstance(item, protocol.Item)]
+
+
+@pytest.fixture
+def stream(redis_client: redis.Redis) -> Keys:
+    keys = Keys("t-handoff-unit")
+    redis_client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+    for i in range(5):
+        redis_client.xadd(keys.stream(0), protocol.entry_fields(b"r%d" % i, codec.encode(i), None, None))
+    return keys
+
+
+@pytest.mark.redis
+def test_a_long_call_gives_back_what_waits_and_answers_what_finished(redis_client: redis.Redis, stream: Keys) -> None:
+    published: list[tuple[Work, list[Outcome]]] = []
+    handoff = Handoff(Sharer(redis_client, "a"), lambda keys, work, outcomes: published.append((work, outcomes)),
+                      "s", after_s=0.01)
+    entries = _read(redis_client, stream, "a", 5)
+    work = _items(entries, stream)
+    outcomes: list[Outcome | None] = []
+    handoff.begin(stream.stream(0), stream, entries, work)
+    handoff.track(outcomes)
+    assert handoff.start(0, 1) is None
+    outcomes.append((True, 0))
+    handoff.ended(0.001)
+    assert handoff.start(1, 2) is None  # the call that runs long: 2, 3, 4 wait behind it
+    time.sleep(handoff.long_after_s() + 0.01)  # the call "runs": nothing to await but time itself
+    handoff.check()
+
+    assert [o for _, o in published] == [[(True, 0)]] and published[0][0][0][0].request_id == b"r0"
+    pending = {p["message_id"] for p in redis_client.xpending_range(stream.stream(0), GROUP, "-", "+", 10)}
+    assert pending == {entries[0][0], entries[1][0]}  # the given ones are no longer this consumer's
+    again = _read(redis_client, stream, "b", 10)  # another worker takes them at once
+    assert [codec.decode(fields[b"data"]) for _, fields in again] == [2, 3, 4]
+    outcomes.append((True, 1))
+    handoff.ended(5.0)
+    assert handoff.start(2, 3) == [] and handoff.start(3, 5) == []  # skipped here: not run twice
+    given, answered = handoff.finish()
+    assert given == {entries[i][0] for i in (2, 3, 4)} and answered == 1
+
+
+@pytest.mark.redis
+def test_an_entry_partly_started_or_answered_stays(redis_client: redis.Redis, stream: Keys) -> None:
+    """A batch entry whose items did not all reach predict (one answered before it), or one of whose
+    items started, is not given back: its commit must answer and ack it here."""
+    handoff = Handoff(Sharer(redis_client, "a"), lambda keys, work, outcomes: None, "s", after_s=0.01)
+    entries = _read(redis_client, stream, "a", 5)
+    # As a batch entry of three requests reads: the same entry id, one item each; the first of them
+    # refused before predict (not in work), so that entry is partly answered already.
+    batch = [(entries[3][0], entries[3][1]), (entries[3][0], entries[4][1]), (entries[3][0], entries[4][1])]
+    read = [*entries[:3], *batch]
+    work = _items(read, stream)[:3] + _items(batch[1:], stream)
+    handoff.begin(stream.stream(0), stream, read, work)
+    handoff.track([])
+    handoff.start(0, 1)
+    time.sleep(handoff.long_after_s() + 0.01)
+    handoff.check()
+    given, _ = handoff.finish()
+    assert given == {entries[1][0], entries[2][0]}  # not entry 0 (started) nor entry 3 (partly answered)
+
+
+@pytest.mark.redis
+def test_a_call_of_usual_length_gives_nothing(redis_client: redis.Redis, stream: Keys) -> None:
+    """Long is relative to the calls of late: four times the longest, and at least ``after_s``."""
+    handoff = Handoff(Sharer(redis_client, "a"), lambda keys, work, outcomes: None, "s", after_s=0.01)
+    handoff.ended(0.05)
+    assert handoff.long_after_s() == pytest.approx(0.2)
+    entries = _read(redis_client, stream, "a", 5)
+    handoff.begin(stream.stream(0), stream, entries, _items(entries, stream))
+    handoff.start(0, 1)
+    time.sleep(0.05)
+    handoff.check()
+    assert handoff.finish() == (frozenset(), 0)
