@@ -53,7 +53,7 @@ Publish = Callable[[Keys, Work, list[Outcome]], None]  # (partition, items, outc
 log = logging.getLogger("conveyor.worker")
 
 LONG_CALL_FACTOR = 4.0  # a call is long past this many times the longest call of late
-_DECAY = 0.98  # per call: the longest call of late forgets a slow call after ~100 faster ones
+_DECAY = 0.98  # per batch: the longest call of late forgets a slow one over ~100 batches of faster ones
 _NOTHING: frozenset[bytes] = frozenset()
 
 
@@ -72,7 +72,11 @@ class Handoff:
         self._next = 0  # work[:_next] has started
         self._published = 0  # work[:_published] was answered at a hand-off
         self._given: frozenset[bytes] | set[bytes] = _NOTHING
-        self._since = 0.0  # perf_counter() when the call in hand started; 0.0 between calls
+        self._handing = False  # a hand-off is deciding (see start())
+        self._batch = 0  # batches begun: with _next, the loop's progress, as the heartbeat sees it
+        self._running = False  # between begin() and finish()
+        self._seen: tuple[int, int] = (0, 0)  # the progress the heartbeat saw last
+        self._since = 0.0  # perf_counter() when the heartbeat first saw it (0.0: not running)
         self._longest_s = 0.0  # the longest call of late (decaying)
 
     # -- the worker's loop -------------------------------------------------------------------
@@ -83,33 +87,41 @@ class Handoff:
         with self._lock:
             self._stream, self._keys, self._entries, self._work = stream, keys, entries, work
             self._next, self._published, self._given = 0, 0, _NOTHING
+            self._longest_s *= _DECAY
+            self._batch += 1
+            self._running = True
 
     def track(self, outcomes: list[Outcome | None]) -> None:
         """The list the loop appends the batch's outcomes to, in order (read at a hand-off)."""
         self._outcomes = outcomes
 
     def start(self, lo: int, hi: int) -> list[int] | None:
-        """``work[lo:hi]`` is about to run: None if all of it may (the common case), else the
-        indices that may (the others were given back)."""
+        """``work[lo:hi]`` starts now: None if all of it may run (the common case: no lock, no
+        clock), else the indices that may (the others were given back).
+
+        Why no lock on the common path: this runs once per item of a singleton stage. The loop writes
+        ``_next`` then reads ``_handing`` and ``_given``; a hand-off sets ``_handing`` then reads ``_next``,
+        and sets ``_given`` before it clears ``_handing``. Under the GIL one of the two sees the other's
+        write: either the hand-off leaves these items alone, or the loop takes the lock and skips those
+        given."""
+        self._next = hi
+        if not self._handing and not self._given:
+            return None
         with self._lock:
-            self._next = hi
-            self._since = time.perf_counter()
-            given = self._given
-            if not given:
-                return None
-            work = self._work
+            given, work = self._given, self._work
             return [i for i in range(lo, hi) if work[i][0].entry_id not in given]
 
-    def ended(self, took_s: float) -> None:
-        """The call in hand returned after ``took_s``."""
-        self._since = 0.0
-        self._longest_s = max(took_s, self._longest_s * _DECAY)
+    def took(self, calls: int, took_s: float) -> None:
+        """``calls`` calls took ``took_s`` in all: what a long call is measured against."""
+        if calls and took_s / calls > self._longest_s:
+            self._longest_s = took_s / calls
 
     def finish(self) -> tuple[frozenset[bytes] | set[bytes], int]:
         """The batch is done: the ids of the entries given back (not to be acked by its commit), and
         how many of its first items were answered at a hand-off (to be acked only)."""
         with self._lock:
             given, self._given = self._given, _NOTHING
+            self._running = False
             self._entries, self._work, self._outcomes = [], [], []
             return given, self._published
 
@@ -120,21 +132,29 @@ class Handoff:
         return max(self._after_s, LONG_CALL_FACTOR * self._longest_s)
 
     def check(self) -> None:
-        """Give back what waits behind a long call, if anything does; best effort."""
-        since = self._since
-        if not since or time.perf_counter() - since < self.long_after_s():
+        """Give back what waits behind a long call, if anything does; best effort. A call is timed
+        from the first beat that saw the loop at it (the loop itself keeps no clock per item):
+        a beat comes every ``heartbeat_s``, so a call is found long within one beat of the bound."""
+        progress = (self._batch, self._next)
+        if not self._running or progress != self._seen:
+            self._seen, self._since = progress, (time.perf_counter() if self._running else 0.0)
+            return
+        if not self._since or time.perf_counter() - self._since < self.long_after_s():
             return
         with self._lock:
-            if not self._since:
-                return  # the call ended meanwhile
-            running_s = time.perf_counter() - self._since
+            self._handing = True
             try:
+                if (self._batch, self._next) != self._seen or not self._running:
+                    return  # the call ended meanwhile
+                running_s = time.perf_counter() - self._since
                 given = self._give_back()
                 published = self._publish_finished()
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if not log_refusal_once(exc):
                     log.warning("hand-off failed stage=%s error=%r", self._stage, exc)
                 return
+            finally:
+                self._handing = False
         if given or published:
             log.warning("handed off stage=%s entries=%d answered=%d: predict has run %.1fs (longer than %.1fs); "
                         "the entries read behind it go to the stage's other workers, those done before it are "

@@ -24,7 +24,7 @@ from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
 from workers.loop.handoff import Handoff
 from workers.loop.routing import Work
-from workers.loop.runner import BatchLengthError, Outcome, run_batch, run_single
+from workers.loop.runner import BatchLengthError, Outcome, failure, run_batch, run_single
 from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
@@ -126,7 +126,7 @@ class Predictor:
         outcomes = self._call([x for _, x in part])
         took_s = time.perf_counter() - began
         if self._handoff is not None:
-            self._handoff.ended(took_s)
+            self._handoff.took(1, took_s)
         self._record(stats, len(part), took_s * 1000)
         return outcomes
 
@@ -141,16 +141,21 @@ class Predictor:
         """A singleton stage's read, one call per item, each looked at by the hand-off first."""
         if self._busy is not None:
             self._busy.batch(self._spec, [item.deadline_ms for item, _ in work])
-        predict, tracebacks = self._stage.predict, self._tracebacks
+        predict, tracebacks, start, append = self._stage.predict, self._tracebacks, handoff.start, outcomes.append
+        began = time.perf_counter()
         for i, (_, x) in enumerate(work):
-            if handoff.start(i, i + 1) == []:
-                outcomes.append(None)
+            if start(i, i + 1) == []:
+                append(None)
                 continue
-            began = time.perf_counter()
-            outcomes += run_single(predict, (x,), tracebacks)
-            took_s = time.perf_counter() - began
-            handoff.ended(took_s)
-            stats.add(1, took_s * 1000)
+            try:
+                append((True, predict(x)))
+            except Exception as exc:  # user code: any exception is that item's answer
+                append((False, failure(exc, tracebacks)))
+        ran = len(work) - outcomes.count(None)
+        took_s = time.perf_counter() - began
+        handoff.took(ran, took_s)
+        if ran:
+            self._record(stats, ran, took_s * 1000)
         if self._busy is not None:
             self._busy.idle()
         return outcomes

@@ -35,7 +35,7 @@ class BatchLengthError(Exception):
 Outcome = tuple[bool, Any]  # (True, value) or (False, Failure)
 
 
-def _failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
+def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
     text = tracebacks.format(exc) if tracebacks is not None else "".join(traceback.format_exception(exc))
     return Failure(type(exc).__name__, str(exc), text)
 
@@ -48,7 +48,7 @@ def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any],
         try:
             outcomes.append((True, predict(x)))
         except Exception as exc:  # user code: any exception is that item's answer
-            outcomes.append((False, _failure(exc, tracebacks)))
+            outcomes.append((False, failure(exc, tracebacks)))
     return outcomes
 
 
@@ -77,7 +77,7 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         if isinstance(exc, BatchLengthError) and wrong_length is not None:
             wrong_length(len(inputs), exc.returned)
         if len(inputs) == 1:
-            return [(False, _failure(exc, tracebacks))]
+            return [(False, failure(exc, tracebacks))]
     mid = len(inputs) // 2
     return (run_batch(predict, inputs[:mid], wrong_length, tracebacks)
             + run_batch(predict, inputs[mid:], wrong_length, tracebacks))
