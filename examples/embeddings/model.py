@@ -21,7 +21,7 @@ log = logging.getLogger("conveyor.examples.embeddings")
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): longer texts are truncated
-INSTALL_HINT = "pip install -e '.[embeddings]'"
+INSTALL_HINT = "pip install -e '.[embeddings]' --extra-index-url https://download.pytorch.org/whl/cpu"
 
 
 class MissingExtraError(ImportError):
