@@ -43,7 +43,7 @@ class Echo:
     in_flight = 0
     async def predict(self, x, timeout_s=None):
         return x
-    def submit(self, x, timeout_s=None, key=None, *, direct=False):
+    def submit(self, x, timeout_s=None, key=None, *, direct=False, request_id=None):
         f = asyncio.get_running_loop().create_future()
         f.set_result(x)
         return f

@@ -67,7 +67,8 @@ async def _measure(repeat: int) -> dict[str, float]:
         registration = SimpleNamespace(registered=True, io=io)
         in_flight = 0
 
-        def submit(self, x: Any, timeout_s: float | None = None, key: Any = None, *, direct: bool = False) -> Slot:
+        def submit(self, x: Any, timeout_s: float | None = None, key: Any = None, *, direct: bool = False,
+                   request_id: bytes | None = None) -> Slot:
             codec.encode(x)
             slot = Slot(loop)
             slots.append((slot, x))

@@ -18,7 +18,12 @@ A message whose pairs sit in the middle of its prose keeps its whole formatted t
 named like a standard one (``ts``, ``level``, ``logger``, ``event``) is renamed ``field_<name>``.
 ``pid`` is the logging process unless the message names a ``pid`` of its own (the supervisor's
 lines about a child). An exception adds ``exc`` (the traceback, one field; in ``kv`` its newlines
-are escaped, so a record is always one line).
+are escaped, so a record is one line).
+
+A text of many lines meant to be read as lines (a stuck worker's stack) is a record's **block**,
+``extra=block("stack", text)``: in ``kv`` its lines follow the record's line, each indented by two
+spaces (a log shipper's usual rule: an indented line continues the record above), never inside it;
+in ``json`` it is the field ``stack`` of the one object. Either way it is printed once.
 
 The format comes from ``--log-format`` or ``CONVEYOR_LOG_FORMAT``, the level from
 ``CONVEYOR_LOG_LEVEL``; worker processes inherit both through their environment.
@@ -36,8 +41,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-__all__ = ["FORMATS", "FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "KvFormatter", "Throttle", "configure_logging",
-           "record_fields"]
+__all__ = ["FORMATS", "FORMAT_ENV", "LEVEL_ENV", "JsonFormatter", "KvFormatter", "Throttle", "block",
+           "configure_logging", "record_fields"]
 
 FORMAT_ENV = "CONVEYOR_LOG_FORMAT"
 LEVEL_ENV = "CONVEYOR_LOG_LEVEL"
@@ -94,6 +99,19 @@ def configure_logging(fmt: str | None = None, level: str | int | None = None, *,
 
 
 # -- turning a record into fields ----------------------------------------------------------------
+
+_BLOCK = "_conveyor_block"  # the record attribute `block` sets (leading underscore: not an extra field)
+
+
+def block(name: str, text: str) -> dict[str, Any]:
+    """``extra=`` of a record that carries ``text``, many lines, as its block ``name`` (see above)."""
+    return {_BLOCK: (name, text)}
+
+
+def _block_of(record: logging.LogRecord) -> tuple[str, str] | None:
+    found = getattr(record, _BLOCK, None)
+    return found if isinstance(found, tuple) and len(found) == 2 else None
+
 
 
 def record_fields(record: logging.LogRecord, formatter: logging.Formatter | None = None) -> dict[str, Any]:
@@ -233,7 +251,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(record_fields(record, self), default=str, ensure_ascii=False)
+        fields = record_fields(record, self)
+        found = _block_of(record)
+        if found is not None:
+            name = _clean_key(found[0])
+            fields[f"field_{name}" if name in STANDARD_FIELDS else name] = found[1]
+        return json.dumps(fields, default=str, ensure_ascii=False)
 
 
 class KvFormatter(logging.Formatter):
@@ -245,7 +268,11 @@ class KvFormatter(logging.Formatter):
         for key, value in fields.items():
             text = json.dumps(value, ensure_ascii=False) if key == "event" else _kv_value(value)
             parts.append(f"{key}={text}")
-        return " ".join(parts)
+        line = " ".join(parts)
+        found = _block_of(record)
+        if found is None or not found[1].strip():
+            return line
+        return line + "".join(f"\n  {row}" for row in found[1].strip("\n").splitlines())
 
 
 def _kv_value(value: Any) -> str:

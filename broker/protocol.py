@@ -87,6 +87,11 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def is_request_id(raw: bytes) -> bool:
+    """Whether ``raw`` is a request id workers accept (1-128 chars of ``[A-Za-z0-9_.:-]``)."""
+    return _ID_RE.fullmatch(raw) is not None
+
+
 def parse_entry(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Keys, limits: Limits,
                 at_ms: int) -> Item | Rejected:
     """Validate one entry as read from Redis; never raises on hostile input (:func:`parse_entries`)."""

@@ -78,10 +78,13 @@ _HTTP_DEFAULTS = HttpSettings()
               help="Require 'Authorization: Bearer <key>' with one of this file's keys (one a line; several for "
                    "rotation); CONVEYOR_API_KEYS may hold keys too (commas or spaces). /healthz, /readyz and the "
                    "v2 health routes stay open.")
+@click.option("--access-log/--no-access-log", default=False, show_default=True, envvar="CONVEYOR_ACCESS_LOG",
+              show_envvar=True, help="Log one line per HTTP request (logger conveyor.access, INFO): client, method, "
+                                     "path, status, bytes, duration, request id.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
             max_connections: int, drain_timeout_s: float, batch_entries: bool, processes: int, loop: str,
-            log_format: str, api_key_file: Path | None) -> None:
+            log_format: str, api_key_file: Path | None, access_log: bool) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
     Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
@@ -92,7 +95,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s,
-                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file))
+                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log)
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries)
     chosen = choose_redis(redis_url, names)
     if not redis_url:

@@ -206,6 +206,9 @@ def test_a_batch_entry_left_by_a_dead_consumer_is_claimed_split_and_answered(red
         log = workers.stage("IncOrDie").log(100_000)
     assert answers(redis_client, reply) == Counter({(f"r-{i}", i + 1): 1 for i in range(n)})
     assert "claimed stale entries" in log and "split into single entries" in log, log
+    # Each of those lines names the requests it is about: a grep for a request's id finds them.
+    said = [line for line in log.splitlines() if "claimed stale entries" in line or "split into single" in line]
+    assert all(f"requests={','.join(f'r-{i}' for i in range(n))}" in line for line in said), said
 
 
 @pytest.mark.system

@@ -221,11 +221,13 @@ def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tok
         assert response.usage.prompt_tokens == response.usage.total_tokens == tokens
     one = client.embeddings.create(model=NAME, input=SIMILAR[0])
     assert float(np.asarray(one.data[0].embedding) @ native[0]) > min_cosine()
+    assert one._request_id  # the SDK's own reading of X-Request-Id
     assert [m.id for m in client.models.list()] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
     with pytest.raises(openai.NotFoundError) as missing:
         client.embeddings.create(model="no-such-model", input="x")
     assert missing.value.code == "model_not_found"
+    assert isinstance(missing.value.body, dict) and missing.value.body["request_id"] == missing.value.request_id
     with pytest.raises(openai.BadRequestError) as wrong:
         client.embeddings.create(model=NAME, input="x", dimensions=128)
     assert "dimensions" in str(wrong.value) and wrong.value.param == "dimensions"

@@ -5,6 +5,7 @@ the user looks, and lose nothing else (real workers, real Redis)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import signal
 import subprocess
@@ -57,9 +58,15 @@ def test_a_hung_stage_is_reported_shown_and_replaced(redis_url: str, tmp_path: P
         supervisor = workers.stage("hangs")
         log = wait_for(lambda: "worker stuck" in supervisor.log(50_000) and supervisor.log(50_000), 15,
                        "the supervisor reports the stuck worker", supervisor.report)
-        line = next(line for line in log.splitlines() if "worker stuck" in line)
+        lines = log.splitlines()
+        at = next(n for n, line in enumerate(lines) if "worker stuck" in line)
+        line = lines[at]
         assert "stage=hangs" in line and "consumer=hangs@" in line and "stuck_grace_s" in line
-        assert "first_hour_stages.py" in line and "predict" in line, line  # the stuck call's stack
+        # The stuck call's stack follows the record's line, a line per frame, indented, and is said once.
+        stack = list(itertools.takewhile(lambda row: row.startswith("  "), lines[at + 1:]))
+        assert any("first_hour_stages.py" in row and row.rstrip().endswith("in predict") for row in stack), log
+        assert any(row.strip().startswith("Current thread") for row in stack), stack
+        assert log.count("first_hour_stages.py") == 1 and "\\n" not in line, log
 
         # While its replacement loads, status shows the worker stuck and the pipeline not ready.
         status = asyncio.run(read_pipeline_status(redis_url, "t-hangs"))

@@ -46,6 +46,7 @@ class FakeBackend:
     entered: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    request_ids: list[bytes | None] = field(default_factory=list)  # each submission's id (gateway.http.request_ids)
     _in_flight: int = 0
 
     @property
@@ -63,7 +64,8 @@ class FakeBackend:
         return fresh
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False) -> asyncio.Future[Any]:
+               direct: bool = False, request_id: bytes | None = None) -> asyncio.Future[Any]:
+        self.request_ids.append(request_id)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:

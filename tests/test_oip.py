@@ -171,6 +171,9 @@ def test_bad_requests_are_refused_naming_what_was_expected(stack: Stack) -> None
     with pytest.raises(InferenceServerException) as caught:
         client.infer("t-nope", [wrong_type])
     assert caught.value.status() == "404" and "t-echo, t-rows" in caught.value.message()
+    # The request's id beside the protocol's "error" string: tritonclient still reads the message alone.
+    status, raw = http_call(stack.port, "POST", "/v2/models/t-nope/infer", b"{}")
+    assert status == 404 and set(json.loads(raw)) == {"error", "request_id"}
 
 
 def test_plain_json_over_http(stack: Stack) -> None:

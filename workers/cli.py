@@ -204,9 +204,11 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
                    "get as long to finish their batch).")
 @click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG", show_envvar=True,
               help="Include stage tracebacks in HTTP error responses (they may reveal code and data).")
+@click.option("--access-log/--no-access-log", default=False, show_default=True, envvar="CONVEYOR_ACCESS_LOG",
+              show_envvar=True, help="The gateway logs one line per HTTP request (logger conveyor.access).")
 @_options
 def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port: int, grace_s: float,
-        debug: bool, prefix: str | None, **opts: Any) -> None:
+        debug: bool, access_log: bool, prefix: str | None, **opts: Any) -> None:
     """Run APP on this machine: Redis, every stage's workers, the gateway. APP is
     module:attribute (one pipeline) or a module (every pipeline it defines, one gateway for all).
 
@@ -241,7 +243,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         gateway = Companion("gateway", [
             sys.executable, "-m", "gateway", *names, "--host", host, "--port", str(port),
             "--prefix", pipelines[0][1].prefix, "--log-format", child.log_format, "--drain-timeout-s", str(grace_s),
-            "--debug" if debug else "--no-debug",
+            "--debug" if debug else "--no-debug", "--access-log" if access_log else "--no-access-log",
             "--batch-entries" if child.worker.batch_entries else "--no-batch-entries"],
             dict(os.environ, CONVEYOR_REDIS_URL=url))
         gateway.start()

@@ -58,7 +58,10 @@ class Gateway:
     or `PayloadTooLarge` (over the workers' ``max_payload_bytes`` once encoded).
 
     ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
-    requests with one key go to one partition of a partitioned pipeline."""
+    requests with one key go to one partition of a partitioned pipeline. ``request_id`` (likewise):
+    the id the request travels under (1-128 chars of ``A-Z a-z 0-9 _ . : -``, unique: a `ValueError`
+    if one is in flight under it, and unique across gateways is the caller's to ensure); by default
+    the gateway makes one. Workers log it with what they say about the request."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None, hub: Hub | None = None, views: Views | None = None) -> None:
@@ -169,11 +172,15 @@ class Gateway:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False) -> Waiter:
+               direct: bool = False, request_id: str | bytes | None = None) -> Waiter:
         """:meth:`predict` without the coroutine: what ``x``'s answer will complete (the HTTP
         front adds a callback instead of creating a task per request); Overloaded, CodecError,
-        PayloadTooLarge raise here. ``direct``: a `Slot` (one callback, run as the answer
-        arrives, without an event-loop handle) where it can, else a future."""
+        PayloadTooLarge, ValueError (a bad timeout or request id) raise here. ``direct``: a `Slot`
+        (one callback, run as the answer arrives, without an event-loop handle) where it can, else a
+        future."""
+        rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
+        if rid is not None and not protocol.is_request_id(rid):
+            raise ValueError(f"request_id must be 1-128 chars of A-Z a-z 0-9 _ . : -, got {request_id!r}")
         data = codec.encode(x)  # refuse what cannot travel here, in the caller's stack
         limit = self.registration.max_payload_bytes or self.settings.max_payload_bytes
         if len(data) > limit:
@@ -187,20 +194,22 @@ class Gateway:
             raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
                                "or `await gw.start()` first")
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
-            return asyncio.ensure_future(self._round_robin(data, timeout))
+            return asyncio.ensure_future(self._round_robin(data, timeout, rid))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
         if self.unserved is not None:
             raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
                              f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
         if not self.registration.registered:  # rare: until this pipeline is seen registered once
-            return asyncio.ensure_future(self._when_registered(lane, data, timeout))
-        return self.hub.enqueue(lane, data, timeout, direct)
+            return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid))
+        return self.hub.enqueue(lane, data, timeout, direct, rid)
 
-    async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None) -> Any:
+    async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+                      request_id: str | bytes | None = None) -> Any:
         """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``)."""
-        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key))  # direct=False: never a Slot
+        # direct=False: never a Slot
+        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id))
 
-    async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float) -> Any:
+    async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""
         started = time.monotonic()
         await self.registration.wait(timeout_s)
@@ -208,9 +217,9 @@ class Gateway:
         if remaining <= 0:
             raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
                                "only as the request's deadline passed")
-        return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, remaining))
+        return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, remaining, request_id=request_id))
 
-    async def _round_robin(self, data: bytes, timeout_s: float) -> Any:
+    async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
         if not self.registration.registered:
             await self.registration.wait(timeout_s)
         n = len(self.lanes)
@@ -218,7 +227,9 @@ class Gateway:
             lane = self.lanes[self._next % n]
             self._next = (self._next + 1) % n
             try:
-                return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, timeout_s))
+                # A refused partition forgot the request: the next one may take it under the same id.
+                return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, timeout_s,
+                                                                        request_id=request_id))
             except Overloaded:
                 if attempt == n - 1:  # every partition is over its max_backlog
                     raise

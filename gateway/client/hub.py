@@ -156,16 +156,23 @@ class Hub:
 
     # -- requests -------------------------------------------------------------------------
 
-    def enqueue(self, lane: Lane, data: bytes, timeout_s: float, direct: bool = False) -> Waiter:
+    def enqueue(self, lane: Lane, data: bytes, timeout_s: float, direct: bool = False,
+                request_id: bytes | None = None) -> Waiter:
         """Queue one request (its input already encoded) for the lane's next turn; what its answer
-        will complete: a `Slot` (``direct``) or a future."""
+        will complete: a `Slot` (``direct``) or a future. ``request_id``: the caller's own (the HTTP
+        front's, gateway.http.request_ids), which must be unique; by default the lane makes one
+        (``<gateway id>-<lane>-<n>``). An id already in flight raises ``ValueError``: two requests
+        under one id would take each other's answers."""
         requests = self.requests
         if len(requests) >= self.settings.max_in_flight:
             raise Overloaded(f"gateway has {len(requests)} requests in flight "
                              f"(max_in_flight={self.settings.max_in_flight})")
         loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
-        lane.counter += 1
-        request_id = b"%b%d" % (lane.id_prefix, lane.counter)
+        if request_id is None:
+            lane.counter += 1
+            request_id = b"%b%d" % (lane.id_prefix, lane.counter)
+        elif request_id in requests:
+            raise ValueError(f"request id {request_id.decode()!r} is already in flight: ids must be unique")
         waiter: Waiter = Slot(loop) if direct else loop.create_future()
         now_s = loop.time()
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)

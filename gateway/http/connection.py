@@ -21,6 +21,17 @@ What this module decides is *when* to read, answer and close:
 - closing after an error: half-close, then read and discard what the client still sends for a
   moment, so that the kernel does not answer its unread bytes with a reset that would destroy
   our last response (the 400/413/503 the client most needs to see).
+
+Every answer leaves through `HttpProtocol._send`: the request's ids are given as its turn comes
+(`gateway.http.request_ids`: ``X-Request-Id`` on every answer, the id in an error's body), and with
+``HttpSettings.access_log`` one line per answer goes to the logger ``conveyor.access`` (in kv, one line)::
+
+    ... logger=conveyor.access event="access" client=127.0.0.1:50312 method=POST path=/v1/predict
+    status=200 bytes=94 duration_ms=1.27 request=5f0c2a9e81d4b7a3-17 pid=4242
+
+``duration_ms`` runs from the request's turn (read whole, its predecessors on the connection
+answered) to its answer's write; ``bytes`` counts the whole answer, head included. Off (the
+default) it costs one attribute test per answer: nothing is formatted.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from typing import Any, cast
 
 from gateway.http.framing import CONTINUE, frame
 from gateway.http.parsing import RequestReader
+from gateway.http.request_ids import HEADER as REQUEST_ID_HEADER
+from gateway.http.request_ids import with_request_id
 from gateway.http.routes import TIMED_ROUTES, Pending, Router
 from gateway.http.state import ServerState
 from gateway.http.types import HttpError, Reply, Request, overloaded, request_timeout
@@ -41,11 +54,13 @@ from gateway.http.types import HttpError, Reply, Request, overloaded, request_ti
 __all__ = ["HttpProtocol"]
 
 log = logging.getLogger("gateway.http.server")
+access_log = logging.getLogger("conveyor.access")
 
 _LINGER_S = 1.0  # after our last byte, how long we discard the client's unread bytes before closing
 _LINGER_BYTES = 1024 * 1024
 _MAX_QUEUED = 32  # pipelined requests waiting for their turn before reading pauses
 _DRAIN_IDLE_S = 0.5  # on drain, how long an idle keep-alive connection may still bring a request (503)
+_LOGGED_PATH = 512  # the access log cuts a longer path (a head may be 64 KiB of URL): its first bytes, then "..."
 
 # phases of the read side
 _IDLE, _HEAD, _BODY, _DEAD = 0, 1, 2, 3
@@ -60,6 +75,9 @@ class HttpProtocol(asyncio.Protocol):
         self.settings = state.settings
         self.router = router
         self.metrics = state.metrics
+        self.ids = state.ids
+        self.access_log = self.settings.access_log
+        self.peer = "-"  # the client's address, for the access log (read only when it is on)
         self.loop = loop
         self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
@@ -86,6 +104,8 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # create_server hands a stream transport
         self.accepted_at = self.loop.time()
+        if self.access_log:
+            self.peer = _address(transport.get_extra_info("peername"))
         why = self.server.admit(self)
         if why is not None:
             self.metrics.rejected_connections.inc()
@@ -176,18 +196,22 @@ class HttpProtocol(asyncio.Protocol):
         """Answer queued requests in order, at once while replies are ready (no task per request)."""
         while self.queue and self.current is None and not self.closed and not self.write_paused:
             item = self.queue[0]
+            self.started = self.loop.time()
             if isinstance(item, HttpError):
+                request = item.request or Request(b"-", b"-", {})
+                request.request_id, request.answer_id = self.ids.assign(request.headers.get(REQUEST_ID_HEADER))
                 self.metrics.observe_request(item.route, item.outcome)
-                self._write(frame(item.reply(), close=True))
+                self._send(request, item.route, item.reply(), close=True)
                 self._end()
                 return
+            item.request_id, item.answer_id = self.ids.assign(item.headers.get(REQUEST_ID_HEADER))
             if self.server.draining:  # not admitted: the drain began before its turn
                 reply = overloaded("the gateway is shutting down: retry on a new connection", close=True).reply()
-                self.metrics.observe_request(self.router.label(item.path), reply.outcome)
-                self._write(frame(reply, close=True))
+                label = self.router.label(item.path)
+                self.metrics.observe_request(label, reply.outcome)
+                self._send(item, label, reply, close=True)
                 self._end()
                 return
-            self.started = self.loop.time()
             label, answer = self.router.start(item)
             if isinstance(answer, Pending):
                 self.current = (item, label, answer)
@@ -224,7 +248,7 @@ class HttpProtocol(asyncio.Protocol):
     def _respond(self, item: Request, label: str, reply: Reply) -> bool:
         """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
-        self._write(frame(reply, head_only=item.method == b"HEAD", close=not keep))
+        self._send(item, label, reply, close=not keep, head_only=item.method == b"HEAD")
         duration = self.loop.time() - self.started if label in TIMED_ROUTES else None
         self.metrics.observe_request(label, reply.outcome, duration)
         if not keep:
@@ -233,6 +257,20 @@ class HttpProtocol(asyncio.Protocol):
         self.queue.popleft()
         self._maybe_resume_reading()
         return True
+
+    def _send(self, request: Request, label: str, reply: Reply, close: bool, head_only: bool = False) -> None:
+        """Write one answer, with its request's ``X-Request-Id`` (and its id in an error's body), and
+        its access-log line."""
+        if reply.status >= 400:
+            reply = with_request_id(reply, request.request_id, label)
+        data = frame(reply, head_only, close, request.answer_id)
+        self._write(data)
+        if self.access_log:
+            path = request.path if len(request.path) <= _LOGGED_PATH else request.path[:_LOGGED_PATH] + b"..."
+            access_log.info("access client=%s method=%s path=%s status=%d bytes=%d duration_ms=%.2f request=%s",
+                            self.peer, request.method.decode("latin-1"), path.decode("latin-1"),
+                            reply.status, len(data), (self.loop.time() - self.started) * 1000,
+                            request.request_id.decode("latin-1"))
 
     def _end(self) -> None:
         """Our last response is written: nothing more is read or answered on this connection."""
@@ -294,8 +332,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def _fail(self, error: HttpError) -> None:
         """Stop reading requests; answer ``error`` after what is already queued, then close."""
-        if self.phase != _IDLE and self.reader.url:  # a request was under way: count it under its route
-            error.route = self.router.label(self.reader.path)
+        if self.phase != _IDLE:  # a request was under way: what was read of it (its X-Request-Id, its path)
+            error.request = self.reader.partial()
+            if self.reader.url:  # count it under its route
+                error.route = self.router.label(self.reader.path)
         self.phase = _DEAD
         self.read_deadline = math.inf
         self._enqueue(error)
@@ -344,9 +384,14 @@ class HttpProtocol(asyncio.Protocol):
             pending.future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
             reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
             self.metrics.observe_request(label, reply.outcome)
-            self._write(frame(reply, head_only=item.method == b"HEAD", close=True))
+            self._send(item, label, reply, close=True, head_only=item.method == b"HEAD")
         elif waiting and not self.lingering:
-            self._write(frame(overloaded("the gateway is stopping: retry", close=True).reply(), close=True))
+            request = next(item for item in self.queue if isinstance(item, Request))
+            if not request.answer_id:
+                request.request_id, request.answer_id = self.ids.assign(request.headers.get(REQUEST_ID_HEADER))
+            self.started = self.loop.time()
+            self._send(request, self.router.label(request.path), overloaded("the gateway is stopping: retry",
+                                                                              close=True).reply(), close=True)
         self.queue.clear()
         if waiting and self.transport is not None and not self.transport.is_closing():
             self.server.release(self)
@@ -373,3 +418,11 @@ class HttpProtocol(asyncio.Protocol):
             self.reading_paused = False
             with contextlib.suppress(RuntimeError):
                 self.transport.resume_reading()
+
+
+def _address(peer: Any) -> str:
+    """A client's address as the access log shows it: ``host:port``, ``[v6 host]:port``."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer) if peer else "-"

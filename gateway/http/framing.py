@@ -41,12 +41,18 @@ def _head(status: int, content_type: bytes) -> bytes:
     return head
 
 
-def frame(reply: Reply, head_only: bool = False, close: bool = False) -> bytes:
-    """A whole response as one bytes object: status line, headers, body (one write, one syscall)."""
+def frame(reply: Reply, head_only: bool = False, close: bool = False, request_id: bytes = b"") -> bytes:
+    """A whole response as one bytes object: status line, headers, body (one write, one syscall).
+    ``request_id``: the ``X-Request-Id`` header's value (gateway.http.request_ids; empty: none)."""
     head = _head(reply.status, reply.content_type)
     body = reply.body
-    if not reply.headers and not close:
+    if not reply.headers and not close:  # nearly every answer: one format
+        if request_id:
+            return b"%b%d\r\nx-request-id: %b\r\n\r\n%b" % (head, len(body), request_id,
+                                                                b"" if head_only else body)
         return b"%b%d\r\n\r\n%b" % (head, len(body), b"" if head_only else body)
     headers = reply.headers
     extra = b"%b: %b\r\n" % headers[0] if len(headers) == 1 else b"".join(b"%b: %b\r\n" % pair for pair in headers)
+    if request_id:
+        extra += b"x-request-id: %b\r\n" % request_id
     return b"%b%d\r\n%b%b\r\n%b" % (head, len(body), extra, _CLOSE if close else b"", b"" if head_only else body)

@@ -17,7 +17,9 @@ pipeline's ``tokens`` output (0 without one). Token-id inputs (lists of integers
 tokenizer is a stage of the pipeline, which takes text. As OpenAI does, an empty text is refused, and so is a
 text longer than the model takes (the pipeline answers ``"truncated": true`` for it) unless the request asks
 ``"truncate": true`` (text-embeddings-inference's option), which embeds its first tokens. Errors have
-OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the status codes of the other routes.
+OpenAI's shape, ``{"error": {"message", "type", "param", "code", "request_id"}}`` (the id added as the answer is
+written: gateway.http.request_ids), with the status codes of the other routes; every answer carries
+``X-Request-Id``, which the ``openai`` package reads as a response's ``_request_id``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.oip.items import Gather, ItemFailed
 from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
+from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
 
 __all__ = ["OpenAI"]
@@ -193,7 +196,9 @@ class OpenAI:
             query.check(io)
             bound_s = request_bound_s(request.headers)
             key = request.headers.get(PARTITION_KEY_HEADER)
-            waiters = [backend.submit(text, bound_s, key, direct=True) for text in query.texts]
+            ids = item_ids(request.request_id, len(query.texts))  # one text: the request's id; several: <id>.<i>
+            waiters = [backend.submit(text, bound_s, key, direct=True, request_id=rid)
+                       for text, rid in zip(query.texts, ids, strict=True)]
         except OpenAIError as exc:
             return exc.reply()
         except HttpError as exc:

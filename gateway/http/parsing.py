@@ -70,6 +70,12 @@ class RequestReader:
         """The path of the request being read (b"" before its URL)."""
         return self.url.split(b"?", 1)[0]
 
+    def partial(self) -> Request:
+        """What was read of the request under way, for the answer that refuses it mid-way (its
+        ``X-Request-Id``, the access log): its method and path once its URL came, its headers so far."""
+        method = self.parser.get_method() if self.url else b"-"
+        return Request(method, self.path or b"-", self.headers)
+
     # -- httptools callbacks --------------------------------------------------------------------
 
     def on_message_begin(self) -> None:

@@ -5,12 +5,15 @@
     POST /v1/pipelines/NAME/predict   (and POST /v1/predict on a gateway serving one pipeline)
         body = one input, JSON (application/json, also the default when no Content-Type is sent)
         or msgpack (application/msgpack, conveyor's codec, numpy arrays included); answered in the
-        same encoding: 200 {"result": ...}, 4xx/5xx {"error": {"type", "message", "stage"[, "traceback"]}}
+        same encoding: 200 {"result": ...},
+        4xx/5xx {"error": {"type", "message", "stage"[, "traceback"], "request_id"}}
 
 A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
 ``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
 pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition). The
-other protocols (gateway.http.oip.routes, gateway.http.openai) read the same headers.
+other protocols (gateway.http.oip.routes, gateway.http.openai) read the same headers. Every answer
+carries ``X-Request-Id`` (the client's own, echoed, or one made here), and an error's body its
+``request_id`` inside ``error`` (gateway.http.request_ids).
 
 Status codes: 200; 400 bad body or header (NaN/Infinity in JSON included); 413 over
 ``max_payload_bytes``; 415 unsupported Content-Type; 422 the stage raised; 500 the gateway itself
@@ -173,7 +176,8 @@ class Predict:
             x = _decode_body(codec, request.body)
             bound_s = request_bound_s(request.headers)
             try:
-                future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True)
+                future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True,
+                                        request_id=request.request_id or None)
             except Exception as exc:
                 raise backend_error(exc, self.debug) from exc
         except HttpError as exc:

@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.http.request_ids import RequestIds
 from gateway.http.settings import HttpSettings
 from gateway.monitor.metrics import Metrics
 
@@ -34,6 +35,7 @@ class ServerState:
     connections: set[OpenConnection] = field(default_factory=set)
     draining: bool = False  # the server stops: no new request is admitted
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no connection is open
+    ids: RequestIds = field(default_factory=RequestIds)  # every request's id (gateway.http.request_ids)
 
     def __post_init__(self) -> None:
         self.idle.set()

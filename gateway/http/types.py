@@ -17,13 +17,18 @@ __all__ = ["HttpError", "Reply", "Request", "bad_request", "ok", "overloaded", "
 
 @dataclass(slots=True)
 class Request:
-    """One parsed request: header names lowercased, the first value of each kept."""
+    """One parsed request: header names lowercased, the first value of each kept. The connection
+    gives it its ids as its turn comes (gateway.http.request_ids): ``request_id``, the id it is
+    submitted under, and ``answer_id``, its answer's ``X-Request-Id``; empty before (a router
+    called without a connection, in tests)."""
 
     method: bytes
     path: bytes
     headers: dict[bytes, bytes]
     body: bytes = b""
     keep_alive: bool = True  # HTTP/1.1 without "Connection: close", or 1.0 with "keep-alive"
+    request_id: bytes = b""
+    answer_id: bytes = b""
 
 
 @dataclass(slots=True)
@@ -48,6 +53,7 @@ class HttpError(Exception):
         self.status, self.type, self.message, self.outcome = status, type_, message, outcome
         self.stage, self.trace, self.close, self.headers = stage, trace, close, tuple(headers)
         self.route = "other"  # the metrics label, when the error ends a request whose path was read
+        self.request: Request | None = None  # what was read of the request it ends (its ids, the access log)
 
     def reply(self, codec: Codec = JSON) -> Reply:
         error: dict[str, Any] = {"type": self.type, "message": self.message, "stage": self.stage}

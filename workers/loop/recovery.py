@@ -68,7 +68,8 @@ class Recovery:
                                self._spec.batch_size)
             unnamed = unnamed or page.unnamed
             if page.entries:
-                log.warning("claimed stale entries stage=%s count=%d", self._spec.name, len(page.entries))
+                log.warning("claimed stale entries stage=%s count=%d requests=%s", self._spec.name, len(page.entries),
+                            request_ids(page.entries))
                 self._redelivered(lane, page.entries)
             if page.last:
                 break
@@ -100,8 +101,8 @@ class Recovery:
         for _, fields in items:
             if fields is not None:
                 commit.back += protocol.item_values(fields)
-        log.warning("batch entry delivered again, split into single entries stage=%s entry=%r items=%d",
-                    self._spec.name, items[0][0], len(items))
+        log.warning("batch entry delivered again, split into single entries stage=%s entry=%r items=%d requests=%s",
+                    self._spec.name, items[0][0], len(items), request_ids(items))
         lane.committer(commit)
         self.committed(commit.acks)
 
@@ -109,6 +110,15 @@ class Recovery:
         """Each entry's deliveries, less this process's own re-reads after losing Redis."""
         counts = delivery_counts(self._client, stream, self._consumer, [e[0] for e in entries])
         return {entry_id: n - self._own_rereads.get(entry_id, 0) for entry_id, n in counts.items()}
+
+
+def request_ids(entries: list[Entry], most: int = 16) -> str:
+    """The request ids of ``entries``, for a log line about them (a grep for a request's id finds it):
+    comma-separated, the first ``most`` of them, then how many more; as read (not yet validated)."""
+    ids = [fields.get(protocol.F_ID, b"?")[:128].decode("utf-8", "replace") for _, fields in entries
+           if fields is not None]
+    more = f",+{len(ids) - most} more" if len(ids) > most else ""
+    return ",".join(ids[:most]) + more
 
 
 def _by_entry(entries: list[Entry]) -> list[list[Entry]]:

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         pin(args.cpu)
     limit_torch_threads(spec.threads)
     if args.stack_file:  # the supervisor asks for the stack of a stuck predict; kept open for the handler
-        stacks = open(args.stack_file, "w")  # noqa: SIM115
+        # Appending (O_APPEND): a dump after the supervisor emptied the file starts at its beginning.
+        stacks = open(args.stack_file, "a")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     busy = BusyCell(args.busy_fd, args.busy_slot) if args.busy_fd is not None else None
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,

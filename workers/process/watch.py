@@ -9,6 +9,12 @@ the cells at each of its turns (at least every second) and, for a worker past it
 dumps the stuck call's stack (``faulthandler``, on SIGUSR1, into a file it reads back), logs it,
 marks the worker stuck in Redis (``P:stuck:<i>``, for ``status`` and ``/readyz``) and replaces it.
 A batch whose items carry no deadline is watched only by ``max_run_s``.
+
+The stack is one record's block (:func:`broker.logs.block`): the record's line says what happened,
+the stack's lines follow it, once. (It used to be a ``stack=%s`` inside the message's prose, which
+the structured formatter keeps whole as the event and also takes as a field: the stack twice, on one
+escaped line.) The worker appends to its stack file (``O_APPEND``), so a dump after the supervisor
+emptied the file starts at its beginning; the supervisor reads the file once its size stops growing.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from pathlib import Path
 from broker.connection import RedisSettings
 from broker.keys import Keys
 from broker.liveness import mark_stuck
+from broker.logs import block
 from broker.protocol import now_ms
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.supervisor")
 
 _STACK_WAIT_S = 1.0  # how long the supervisor waits for a stuck worker's stack
+_STACK_POLL_S = 0.02  # the file is read once its size is the same two polls in a row
 _NO_STACK = "(no stack: the worker did not answer SIGUSR1)"
 
 
@@ -160,26 +168,32 @@ class StuckWatch:
         ``keys``), kill it (the supervisor starts another)."""
         why = (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
                f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
-        log.error("worker stuck stage=%s consumer=%s pid=%d: predict %s; replacing it (set stuck_grace_s=None "
-                  "to turn this off, or max_run_s) stack=%s", stage.name, consumer, proc.pid, why,
-                  self._dump_stack(index, proc))
+        stack = self._dump_stack(index, proc)
+        log.error("worker stuck: predict %s; replacing it (set stuck_grace_s=None to turn this off, or max_run_s); "
+                  "its stack follows stage=%s consumer=%s pid=%d", why, stage.name, consumer, proc.pid,
+                  extra=block("stack", stack))
         if keys is not None:
             self._mark(keys, stage.index, consumer)
         proc.kill()
         self._board.clear(index)
 
     def _dump_stack(self, index: int, proc: subprocess.Popen[bytes]) -> str:
-        """faulthandler's dump of every thread (SIGUSR1), read back within a bounded wait."""
+        """faulthandler's dump of every thread (SIGUSR1), read back once, within a bounded wait."""
         path = self._stack(index)
         with contextlib.suppress(OSError):
-            path.write_text("")
+            path.write_text("")  # emptied: the worker appends, so its dump starts at the beginning
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGUSR1)
-        # The child's signal handler writes the dump in one burst; nothing signals its end but time.
+        # The child's signal handler writes the dump in one burst; nothing signals its end but its size,
+        # which stops growing.
         deadline = time.monotonic() + _STACK_WAIT_S
-        while time.monotonic() < deadline and not _size(path):
-            time.sleep(0.02)
-        time.sleep(0.05)
+        size = 0
+        while time.monotonic() < deadline:
+            time.sleep(_STACK_POLL_S)
+            now = _size(path)
+            if now and now == size:
+                break
+            size = now
         with contextlib.suppress(OSError):
             return path.read_text().strip() or _NO_STACK
         return _NO_STACK

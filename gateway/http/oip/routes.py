@@ -11,7 +11,8 @@
 
 A model is a pipeline; its one version is ``1``. How tensors become items is in
 :mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key) apply as on predict.
-Errors are the protocol's ``{"error": "..."}``.
+Errors are the protocol's ``{"error": "..."}``, with the request's id beside it (``"request_id"``, added as
+the answer is written: gateway.http.request_ids).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gateway.http.oip.items import (
 )
 from gateway.http.oip.tensors import TensorError
 from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
+from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
 from gateway.monitor.metrics import PipelineStatusLike
 
@@ -133,7 +135,9 @@ class V2:
             items = inference.items()
             bound_s = request_bound_s(headers)
             key = headers.get(PARTITION_KEY_HEADER)
-            waiters = [backend.submit(x, bound_s, key, direct=True) for x in items]
+            ids = item_ids(request.request_id, len(items))  # one request: its id; a batch of rows: <id>.<row>
+            waiters = [backend.submit(x, bound_s, key, direct=True, request_id=rid)
+                       for x, rid in zip(items, ids, strict=True)]
         except HttpError as exc:
             return error_reply(exc.status, exc.message, exc.outcome)
         except TensorError as exc:
