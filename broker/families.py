@@ -40,6 +40,7 @@ HEARTBEATS = Family("P:hb:<i>", lambda k: _stem(k.heartbeats(0), "0"))
 LOADING = Family("P:loading:<i>", lambda k: _stem(k.loading(0), "0"))
 STUCK = Family("P:stuck:<i>", lambda k: _stem(k.stuck(0), "0"))
 COUNTS = Family("P:counts:<i>", lambda k: _stem(k.counts(0), "0"))
+SCALE = Family("P:scale:<i>", lambda k: _stem(k.scale(0), "0"))
 RESULTS = Family("P:result:<id>", lambda k: k.result(""))
 REPLIES = Family("P:reply:<name>", lambda k: k.reply(""))
 SPEC = Family("P:spec", lambda k: k.spec, variable=False)
@@ -50,5 +51,5 @@ SHARED_REPLIES = Family("<prefix>:reply:<name>", lambda k: k.shared_reply(""), p
 # The names of the pipelines registered under a prefix (workers add theirs; `conveyor gateway --all` reads it).
 REGISTRY = Family("<prefix>:pipelines", lambda k: k.registry, variable=False, prefix_level=True)
 # Most specific first: a key is told apart by the first family whose name it has (explain_refusal).
-FAMILIES = (FIRST_STREAM, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, RESULTS, REPLIES, SPEC,
+FAMILIES = (FIRST_STREAM, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, SCALE, RESULTS, REPLIES, SPEC,
             MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)

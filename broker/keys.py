@@ -61,6 +61,12 @@ key                                type    TTL                  written by
                                                                 or max_run_s, as it replaces it;
                                                                 removed by the replacement once
                                                                 ready (score: ms); partition 0
+``P:scale:<i>``                    hash    none (fields         the supervisors of autoscaled
+                                           pruned when stale)   stage i workers, about every
+                                                                second: field ``<supervisor>``,
+                                                                JSON of its range, its workers
+                                                                and its last change's reason;
+                                                                partition 0
 ``P:pins:<host>``                  zset    ``pin_ttl``, renewed workers pinned by claim (no
                                            with each claim;     explicit ``cpus``): member
                                            members pruned by    ``<cpu>:<i>:<consumer>``, one
@@ -176,6 +182,10 @@ class Keys:
     def counts(self, stage: int) -> str:
         """Stage ``stage``'s running totals of problems workers met (for metrics)."""
         return f"{self.base}:counts:{stage}"
+
+    def scale(self, stage: int) -> str:
+        """Stage ``stage``'s autoscaling supervisors: their ranges, workers and last changes (status, metrics)."""
+        return f"{self.base}:scale:{stage}"
 
     def stuck(self, stage: int) -> str:
         """Stage ``stage``'s workers found stuck in ``predict`` and being replaced (status, readyz)."""

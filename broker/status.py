@@ -2,7 +2,7 @@
 (:mod:`gateway.monitor.status` shapes it into a status): plain data, many pipelines and partitions in
 one pipelined round trip.
 
-Per stage of a partition, nine reads:
+Per stage of a partition, ten reads:
 
 - ``XINFO GROUPS`` / ``XINFO CONSUMERS`` of the stage stream: its group's pending entries, consumers and
   (Redis >= 7) ``lag``, the entries not yet delivered; each consumer's pending entries and idle time;
@@ -10,7 +10,8 @@ Per stage of a partition, nine reads:
 - ``ZRANGE`` of the heartbeat, loading and stuck zsets: each member and its score (Unix ms);
 - ``XRANGE`` of the stats stream from the caller's start (a window's start, or just after the last entry
   it saw): one entry per ~100 ms of a worker's batches;
-- ``HGETALL`` of the counts hash: stage errors and wrong batch lengths, in total.
+- ``HGETALL`` of the counts hash: stage errors and wrong batch lengths, in total;
+- ``HGETALL`` of the scale hash: the supervisors that autoscale the stage, their ranges and last changes.
 
 A read that Redis refuses or fails (an ACL without that command, a stream no worker made yet) leaves
 its field empty, a refusal logged once with what would allow it: a status shows what could be read.
@@ -27,10 +28,11 @@ from broker import protocol
 from broker.batch_entries import queue_reads
 from broker.connection import CONNECTION_ERRORS, is_cluster_client
 from broker.errors import ReplyError
-from broker.families import COUNTS, DEAD, HEARTBEATS, LOADING, SPEC, STATS, STREAMS, STUCK
+from broker.families import COUNTS, DEAD, HEARTBEATS, LOADING, SCALE, SPEC, STATS, STREAMS, STUCK
 from broker.keys import GROUP, Keys
 from broker.operations import GATEWAY, MONITOR, sends
 from broker.refusals import log_pipeline_refusals, queued_commands
+from broker.scaling import ScaleRecord, scale_records
 from broker.spec import SpecError, StageInfo, decode_spec
 
 __all__ = ["ConsumerInfo", "Entry", "PartitionQuery", "PartitionReads", "Spec", "StageReads", "node_names",
@@ -66,6 +68,7 @@ class StageReads:
     stats: list[Entry] = field(default_factory=list)  # oldest first
     stage_errors: int = 0
     batch_length_errors: int = 0
+    scale: list[ScaleRecord] = field(default_factory=list)  # its autoscaling supervisors (partition 0)
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ async def read_specs(client: Any, keys: Sequence[Keys]) -> list[Spec | ReplyErro
 
 @sends(GATEWAY, MONITOR, uses={"get": SPEC, "xinfo|groups": STREAMS, "xinfo|consumers": STREAMS,
                                "xlen": (STREAMS, DEAD), "zrange": (HEARTBEATS, LOADING, STUCK), "xrange": STATS,
-                               "hgetall": COUNTS},
+                               "hgetall": (COUNTS, SCALE)},
        why="each stage's backlog, workers, dead letters, counts and batch stats, every partition in one round trip")
 async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> list[PartitionReads]:
     """What each query asks of its partition, in one pipelined round trip."""
@@ -147,11 +150,12 @@ def _queue_stage(pipe: Any, keys: Keys, i: int, stats_from: bytes) -> None:
     pipe.zrange(keys.loading(i), 0, -1, withscores=True)
     pipe.zrange(keys.stuck(i), 0, -1, withscores=True)
     pipe.hgetall(keys.counts(i))
+    pipe.hgetall(keys.scale(i))
 
 
 def _partition(query: PartitionQuery, replies: Iterator[Any]) -> PartitionReads:
     spec = _spec(next(replies)) if query.spec else None
-    stages = [_stage([next(replies) for _ in range(9)]) for _ in query.stats_from]
+    stages = [_stage([next(replies) for _ in range(10)]) for _ in query.stats_from]
     sizing = (next(replies), next(replies)) if query.sizing else None
     return PartitionReads(stages, spec, sizing)
 
@@ -161,8 +165,8 @@ def _ok(value: Any, default: Any) -> Any:
 
 
 def _stage(replies: list[Any]) -> StageReads:
-    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [], [], {})
-    groups, consumers, length, beats, dead, stats, loading, stuck, counts = (
+    defaults: tuple[Any, ...] = ([], [], 0, [], 0, [], [], [], {}, {})
+    groups, consumers, length, beats, dead, stats, loading, stuck, counts, scale = (
         _ok(r, d) for r, d in zip(replies, defaults, strict=True))
     reads = StageReads(length=int(length), dead_letters=int(dead), stats=[(protocol.as_bytes(i), f) for i, f in stats])
     for group in groups:
@@ -174,6 +178,7 @@ def _stage(replies: list[Any]) -> StageReads:
     reads.heartbeats, reads.loading, reads.stuck = (_scores(z) for z in (beats, loading, stuck))
     reads.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
     reads.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
+    reads.scale = scale_records(scale)
     return reads
 
 

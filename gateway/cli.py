@@ -22,6 +22,7 @@ from broker.keys import DEFAULT_PREFIX, Keys
 from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from broker.registry import registered_pipelines
+from broker.scaling import ScaleRecord
 from gateway.client import GatewaySettings
 from gateway.http.auth import read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
@@ -240,6 +241,14 @@ def status_json(name: str, result: PipelineStatus, redis_url: str | None = None)
     return out
 
 
+def _autoscaling(record: ScaleRecord) -> str:
+    """One autoscaling supervisor's line: its range, its workers, its last change and why."""
+    last = ("no change yet" if not record.changed_ms else
+            f"last change {time.strftime('%H:%M:%S', time.localtime(record.changed_ms / 1000))} {record.reason}")
+    return (f"autoscaling {record.min_workers}..{record.max_workers}: {record.workers} worker(s) on "
+            f"{record.supervisor}; {last}")
+
+
 def format_status(name: str, result: PipelineStatus, redis_url: str | None = None) -> str:
     stamp = time.strftime("%H:%M:%S")
     where = "" if redis_url is None else f"  [redis: {safe_url(redis_url)}]"
@@ -255,6 +264,7 @@ def format_status(name: str, result: PipelineStatus, redis_url: str | None = Non
                      f"{s.batches_last_minute:>8} {_ms(s.batch_p50_s):>8} {_ms(s.batch_p99_s):>8}")
         if s.loading_workers:
             lines.append(f"{'':>3}  - {s.loading_workers} worker(s) loading: setup() still running, not live yet")
+        lines += [f"{'':>3}  - {_autoscaling(r)}" for r in s.autoscaling]
         for c in s.consumer_details:
             beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
             stuck = "" if c.stuck_since_ms is None else (

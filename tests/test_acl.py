@@ -115,7 +115,7 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
             named = {family.name: scope.patterns(family) for family in FAMILIES}
             examples = {"P:stream:0": keys.stream(0), "P:stream:<i>": keys.stream(7), "P:dead:<i>": keys.dead(2),
                         "P:stats:<i>": keys.stats(1), "P:hb:<i>": keys.heartbeats(3),
-                        "P:loading:<i>": keys.loading(0), "P:stuck:<i>": keys.stuck(1),
+                        "P:loading:<i>": keys.loading(0), "P:stuck:<i>": keys.stuck(1), "P:scale:<i>": keys.scale(0),
                         "P:counts:<i>": keys.counts(0), "P:result:<id>": keys.result("gw-17"),
                         "P:reply:<name>": keys.reply("a1b2"), "P:spec": keys.spec,
                         "P:max_backlog": keys.max_backlog, "P:pins:<host>": keys.pins("boot-id"),

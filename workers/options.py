@@ -26,7 +26,8 @@ class PipelineError(ValueError):
 
 # Settings a Stage class may set as class attributes and `Pipeline.add` may override.
 STAGE_KNOBS = (
-    "name", "workers", "cpus", "threads", "batch_size", "batch_wait_s", "batch_policy",
+    "name", "workers", "target_wait_s", "scale_down_after_s", "cpus", "threads", "batch_size", "batch_wait_s",
+    "batch_policy",
     "max_run_s", "stuck_grace_s", "handoff_after_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
 )
 _NOT_OPTIONS = frozenset({"setup", "predict"})

@@ -22,6 +22,8 @@ from workers.stage import Stage
 BATCH_POLICIES = ("adaptive", "deadline")  # see workers/batching/collector.py
 DEFAULT_STUCK_GRACE_S = 10.0
 DEFAULT_HANDOFF_AFTER_S = 1.0
+DEFAULT_TARGET_WAIT_S = 0.1
+DEFAULT_SCALE_DOWN_AFTER_S = 60.0
 LONG_BATCH_WAIT_S = 1.0  # a longer batch_wait_s is warned of: it is in seconds
 
 log = logging.getLogger("conveyor.pipeline")
@@ -36,7 +38,10 @@ class StageSpec:
     cls: type
     index: int
     name: str
-    workers: int = 1
+    workers: int = 1  # the fewest worker processes (all of them, unless max_workers is larger)
+    max_workers: int | None = None  # workers=(min, max): the most the supervisor scales to (workers.process.scaling)
+    target_wait_s: float = DEFAULT_TARGET_WAIT_S  # scale up while an item's expected wait in the backlog is longer
+    scale_down_after_s: float = DEFAULT_SCALE_DOWN_AFTER_S  # scale down one after this long with little to do
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
     batch_size: int = 1
@@ -59,6 +64,10 @@ class StageSpec:
     def batched(self) -> bool:
         return self.batch_size > 1
 
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_workers is not None and self.max_workers > self.workers
+
     def validate(self) -> None:
         """Every setting's type and range, with the stage and the setting named."""
         if not isinstance(self.name, str) or not self.name:
@@ -69,12 +78,20 @@ class StageSpec:
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_int(name, knob, value, minimum)
+        if self.max_workers is not None:
+            _check_int(name, "workers' maximum", self.max_workers, self.workers)
         for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
+                                           ("target_wait_s", False, False), ("scale_down_after_s", False, False),
                                            ("max_run_s", True, True), ("stuck_grace_s", True, True),
                                            ("handoff_after_s", False, True)):
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_number(name, knob, value, allow_zero=allow_zero)
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        """The settings that are one of a few values or a list."""
+        name = self.name
         if self.batch_policy not in BATCH_POLICIES:
             raise PipelineError(f"stage {name}: batch_policy must be one of "
                                 f"{', '.join(map(repr, BATCH_POLICIES))}, got {self.batch_policy!r}")
@@ -101,6 +118,16 @@ def _check_number(stage: str, knob: str, value: Any, allow_zero: bool) -> None:
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise PipelineError(f"stage {stage}: {knob} must be a finite number {bound}, got {value!r}")
+
+
+def _worker_range(stage: str, value: Sequence[Any]) -> tuple[Any, Any]:
+    """``workers=(min, max)``: its two bounds (checked with the other settings)."""
+    if len(value) != 2:
+        raise PipelineError(f"stage {stage}: workers must be a number or a range (min, max), got {value!r}")
+    low, high = value
+    _check_int(stage, "workers' minimum", low, 1)
+    _check_int(stage, "workers' maximum", high, low)
+    return low, high
 
 
 def _cpus(stage: str, value: Any) -> tuple[Any, ...]:
@@ -193,6 +220,8 @@ class Pipeline:
         resolved.setdefault("name", cls.__name__)
         if resolved.get("cpus") is not None:
             resolved["cpus"] = _cpus(str(resolved["name"]), resolved["cpus"])
+        if isinstance(resolved.get("workers"), (tuple, list)):
+            resolved["workers"], resolved["max_workers"] = _worker_range(str(resolved["name"]), resolved["workers"])
         spec = StageSpec(cls=cls, index=len(self.stages), kwargs=dict(options), **resolved)
         spec.validate()
         if any(s.name == spec.name for s in self.stages):

@@ -23,7 +23,12 @@ class Stage:
     """
 
     name: ClassVar[str | None] = None
-    workers: ClassVar[int | None] = None
+    # Worker processes: a number, or a range (min, max) the supervisor scales within from the stage's
+    # backlog (workers/process/scaling.py): up while the expected wait passes target_wait_s, down one
+    # after scale_down_after_s with little to do.
+    workers: ClassVar[int | tuple[int, int] | None] = None
+    target_wait_s: ClassVar[float | None] = None
+    scale_down_after_s: ClassVar[float | None] = None
     cpus: ClassVar[list[int] | None] = None
     threads: ClassVar[int | None] = None
     batch_size: ClassVar[int | None] = None

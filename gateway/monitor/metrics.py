@@ -81,6 +81,10 @@ class StageStatusLike(Protocol):
     @property
     def batch_length_errors(self) -> int: ...
     @property
+    def workers_wanted(self) -> int: ...
+    @property
+    def workers_max(self) -> int: ...
+    @property
     def batches(self) -> Sequence[tuple[int, float]]: ...
 
 
@@ -184,6 +188,11 @@ class Metrics:
             "batch_length_errors": Gauge(f"{ns}_stage_batch_length_errors",
                                          "Batched predict calls that returned the wrong number of results, in "
                                          "total (kept in Redis).", STAGE_LABELS, registry=reg),
+            "workers_wanted": Gauge(f"{ns}_stage_autoscale_workers",
+                                    "Workers its autoscaling supervisors run now (0: not autoscaled).", STAGE_LABELS,
+                                    registry=reg),
+            "workers_max": Gauge(f"{ns}_stage_autoscale_max_workers",
+                                 "The most workers its autoscaling supervisors may run.", STAGE_LABELS, registry=reg),
         }
         # Partitioned pipelines (gateway.client.gateway): the stage gauges above are totals; these the parts.
         self._partition_gauges = {

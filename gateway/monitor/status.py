@@ -28,6 +28,7 @@ from broker.connection import CONNECTION_ERRORS
 from broker.errors import ReplyError
 from broker.keys import LIVE_AFTER_MS, Keys
 from broker.protocol import as_bytes, now_ms
+from broker.scaling import ScaleRecord
 from broker.spec import SpecError, StageInfo
 from broker.status import (
     ConsumerInfo,
@@ -81,6 +82,10 @@ class StageStatus:
     batch_p50_s: float | None = None  # None: no batch in the window
     batch_p99_s: float | None = None
     stats_window_s: float = STATS_WINDOW_MS / 1000  # shorter when the stats stream was trimmed
+    # Autoscaling (workers=(min, max)): each supervisor's range, workers and last change (broker.scaling).
+    autoscaling: list[ScaleRecord] = field(default_factory=list)
+    workers_wanted: int = 0  # the workers the autoscaling supervisors run (0: none autoscales the stage)
+    workers_max: int = 0  # the most they may run
 
 
 @dataclass
@@ -175,6 +180,9 @@ def _stage(info: StageInfo, reads: StageReads, now: int) -> StageStatus:
     status.loading_workers = sum(1 for score in reads.loading.values() if score >= live_after)
     status.consumer_details = [_consumer(c, beats, reads.stuck, now) for c in reads.consumer_list]
     status.stuck_workers = sum(1 for name in reads.stuck if beats.get(name, 0) >= live_after)
+    status.autoscaling = reads.scale
+    status.workers_wanted = sum(r.workers for r in reads.scale)
+    status.workers_max = sum(r.max_workers for r in reads.scale)
     return status
 
 
@@ -283,6 +291,8 @@ def _merge_stage(parts: list[StageStatus]) -> StageStatus:
         throughput_per_s=sum(s.throughput_per_s for s in parts),
         batch_p50_s=max(p50s) if p50s else None, batch_p99_s=max(p99s) if p99s else None,
         stats_window_s=min(s.stats_window_s for s in parts),
+        autoscaling=[r for s in parts for r in s.autoscaling],
+        workers_wanted=sum(s.workers_wanted for s in parts), workers_max=sum(s.workers_max for s in parts),
     )
 
 

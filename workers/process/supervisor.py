@@ -42,6 +42,7 @@ from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.process.procs import detached_preexec
+from workers.process.scaling import Scaling
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
@@ -72,6 +73,8 @@ class Unit:
     spec: StageSpec
     count: int
     keys: Keys | None = None
+    max_count: int = 0  # more than count: autoscaled between the two (workers.process.scaling)
+    partitions: tuple[Keys, ...] = ()  # the pipeline's partitions, whose load autoscaling reads
 
 
 @dataclass
@@ -91,6 +94,7 @@ class WorkerSlot:
     killed_for_timeout: bool = False
     claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.process.pinning)
     index: int = 0  # its place among the supervisor's slots (its cell on the busy board)
+    parked: bool = False  # not wanted now: autoscaling stopped it, or has not started it yet
 
 
 class Supervisor:
@@ -119,16 +123,17 @@ class Supervisor:
     def _make_slots(self) -> None:
         allowed = allowed_cpus()
         # Unique even where containers share a host name and PID 1 (host networking).
-        host = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        host = self._host = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         spread = self.cpu_offset
         for unit in self.units:
             spec = unit.spec
-            for n in range(unit.count):
+            for n in range(max(unit.count, unit.max_count)):
                 cpu = assign_cpus(n, spec.cpus, allowed, offset=spread)
                 consumer = f"{spec.name}@{host}:{n}"
-                self.slots.append(WorkerSlot(unit, spec, n, cpu, consumer,
-                                       claim=claims_cpu(self.child.worker.pin, spec.cpus), index=len(self.slots)))
-            spread += unit.count
+                self.slots.append(WorkerSlot(unit, spec, n, cpu, consumer, restart_at=None if n >= unit.count else 0.0,
+                                             claim=claims_cpu(self.child.worker.pin, spec.cpus), index=len(self.slots),
+                                             parked=n >= unit.count))
+            spread += max(unit.count, unit.max_count)
         for keys in dict.fromkeys(u.keys for u in self.units if u.keys is not None):
             self._lay_out_claims(allowed, keys)
 
@@ -136,7 +141,7 @@ class Supervisor:
         """Claim the cores of every claiming slot in one atomic call, in slot order: alone on the
         host this is the slot spread itself; beside other workers, the free cores come first.
         Best effort: if Redis does not answer, each worker claims its own as it starts."""
-        slots = [s for s in self.slots if s.claim and s.cpu is not None and s.unit.keys == keys]
+        slots = [s for s in self.slots if s.claim and s.cpu is not None and s.unit.keys == keys and not s.parked]
         if not slots:
             return
         claims = PinClaims(keys, host_id(), self.child.worker.pin_ttl_ms)
@@ -156,6 +161,7 @@ class Supervisor:
     def run(self) -> int:
         """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
         self._make_slots()
+        self._scaling = Scaling(self.units, self.slots, self.child.redis_url, self._host)
         self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url))
         self._selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
@@ -171,6 +177,7 @@ class Supervisor:
             self._drain_companions()
         finally:
             self._stop_all()
+            self._scaling.close()
             signal.signal(signal.SIGCHLD, old_chld)
             signal.set_wakeup_fd(old_fd)
             self._stuck.close()
@@ -182,6 +189,7 @@ class Supervisor:
     def _watch(self) -> int:
         while not self.stopping:
             self._step(self._next_timeout())
+            self._scaling.turn(time.monotonic())
             for keeper in [*self.keepers, *self.companions]:  # at least every second: the selector never
                 keeper.keep()  # sleeps longer, and a child's exit wakes it at once (SIGCHLD)
             failed = [s for s in self.slots if s.start_failures >= self.settings.max_start_failures]
@@ -243,7 +251,7 @@ class Supervisor:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
-        waits = [1.0]
+        waits = [1.0, self._scaling.due_in_s(now)]
         for slot in self.slots:
             if slot.proc is None and slot.restart_at is not None:
                 waits.append(slot.restart_at - now)
@@ -321,6 +329,11 @@ class Supervisor:
             returncode = slot.proc.wait()
         slot.history.append(returncode)
         now = time.monotonic()
+        if slot.parked:  # stopped by autoscaling: not to be restarted
+            log.info("worker stopped stage=%s slot=%d pid=%d code=%s (scaled down)", slot.spec.name, slot.number,
+                     slot.proc.pid, returncode)
+            slot.proc, slot.pipe, slot.restart_at, slot.ready_at = None, None, None, None
+            return
         if slot.ready_at is None:
             slot.start_failures += 1
             slot.quick_deaths += 1

@@ -1,0 +1,233 @@
+"""Per-stage autoscaling on one host: a stage declared with ``workers=(min, max)`` runs between
+``min`` and ``max`` worker processes, chosen from its backlog.
+
+Why the expected wait: a backlog means nothing alone (64 items are 10 ms of work for a cheap stage
+and a minute for a model), so it is weighed by what the stage's workers are measured to do: each
+worker's rate while busy (items per second of ``predict`` time, from the stats every worker
+writes) times the live workers gives how long the backlog takes to clear, which is how long a new
+item waits. Above ``target_wait_s`` the supervisor starts workers at once, as many as that wait asks
+for (never past ``max``, nor past the cores this host lets it claim); below half the target, with
+the workers so idle that one fewer would still be at most 80 % busy, for ``scale_down_after_s`` in a
+row, it stops one (as Ray Serve's ``downscale_delay_s``: stopping is cheap, starting a model is not,
+so up is quick and down is slow). Every change is logged with its reason and published for
+``conveyor status`` and ``/metrics`` (:mod:`broker.scaling`).
+
+A worker that is stopped finishes the batch in hand, commits it and exits (SIGTERM, as at any
+stop): what it read is answered, nothing is left pending, nothing runs twice. Each supervisor scales
+its own workers from the stage's load on every host; several hosts that autoscale one stage each
+react to the same load (use Kubernetes with KEDA there: docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, RedisSettings
+from broker.errors import SyncClient
+from broker.keys import Keys
+from broker.protocol import now_ms
+from broker.refusals import log_refusal_once
+from broker.scaling import ScaleRecord, StageLoad, forget_scale, publish_scale, read_load
+from workers.pipeline import StageSpec
+from workers.process.pinning import allowed_cpus
+
+if TYPE_CHECKING:
+    from workers.process.supervisor import Unit, WorkerSlot
+
+log = logging.getLogger("conveyor.supervisor")
+
+RATE_WEIGHT = 0.3  # each period's measured rate, in the running estimate
+LITTLE_TO_DO = 0.8  # scale down only if the workers left would be at most this busy (some room left)
+
+
+@dataclass(frozen=True)
+class Change:
+    workers: int
+    reason: str
+
+
+class StageScaler:
+    """The decisions for one stage's workers of one supervisor (pure: given loads, no Redis)."""
+
+    def __init__(self, spec: StageSpec, cap: int) -> None:
+        """``cap``: the most workers this supervisor may run of the stage (its ``max``, less where the
+        host has fewer cores to claim)."""
+        self.spec = spec
+        self.low = spec.workers
+        self.high = max(self.low, min(spec.max_workers or spec.workers, cap))
+        self.workers = self.low
+        self.rate: float | None = None  # items per second of one busy worker (None: not measured yet)
+        self._quiet_since: float | None = None
+
+    def expected_wait_s(self, load: StageLoad) -> float:
+        if load.backlog <= 0:
+            return 0.0
+        if not self.rate:
+            return math.inf  # a backlog and no measured rate: nothing tells it will clear
+        return load.backlog / (self.rate * max(1, load.live))
+
+    def observe(self, load: StageLoad, period_s: float, now: float, starting: bool) -> Change | None:
+        """A new reading, ``period_s`` after the last; ``starting``: a worker this scaler started is
+        not ready yet (no more starts until it is: its load is not in the figures). The change to
+        make, if any."""
+        if load.items and load.busy_s > 0:
+            measured = load.items / load.busy_s
+            self.rate = measured if self.rate is None else self.rate + RATE_WEIGHT * (measured - self.rate)
+        wait_s = self.expected_wait_s(load)
+        target = self.spec.target_wait_s
+        if wait_s > target and self.workers < self.high and not starting:
+            self._quiet_since = None
+            return self._up(load, wait_s)
+        busy = load.busy_s / period_s if period_s > 0 else 0.0  # busy workers, on average
+        quiet = wait_s <= target / 2 and self.workers > self.low and busy <= LITTLE_TO_DO * max(0, load.live - 1)
+        if not quiet:
+            self._quiet_since = None
+            return None
+        if self._quiet_since is None:
+            self._quiet_since = now
+            return None
+        if now - self._quiet_since < self.spec.scale_down_after_s:
+            return None
+        self._quiet_since = now  # the next one down only after another whole delay
+        self.workers -= 1
+        return Change(self.workers, f"down: {busy:.2f} of {load.live} workers busy and an expected wait of "
+                                    f"{wait_s:.3f}s for {self.spec.scale_down_after_s:g}s")
+
+    def _up(self, load: StageLoad, wait_s: float) -> Change:
+        if math.isinf(wait_s):
+            wanted = self.workers + 1
+            why = f"up: a backlog of {load.backlog} and no measured rate yet"
+        else:
+            # Live workers that would bring the wait under the target, less those on other hosts.
+            needed = math.ceil(load.backlog / ((self.rate or 1.0) * self.spec.target_wait_s))
+            wanted = self.workers + max(1, needed - max(load.live, self.workers))
+            why = (f"up: expected wait {wait_s:.3f}s > target_wait_s {self.spec.target_wait_s:g}s "
+                   f"(backlog {load.backlog}, {load.live} live workers of {self.rate:.0f} items/s each)")
+        self.workers = min(self.high, wanted)
+        return Change(self.workers, why)
+
+
+@dataclass
+class _Scaled:
+    keys: Keys
+    partitions: list[Keys]
+    scaler: StageScaler
+    cursors: list[bytes]
+    reason: str = ""
+    changed_ms: int = 0
+
+
+class Autoscaler:
+    """Reads each autoscaled stage's load about once a second, decides with its :class:`StageScaler`,
+    and publishes the outcome; the supervisor starts and stops the workers (:meth:`turn`)."""
+
+    def __init__(self, redis_url: str, supervisor: str, period_s: float = 1.0) -> None:
+        self._settings = RedisSettings(redis_url, socket_timeout_s=2.0, connect_timeout_s=2.0)
+        self._supervisor = supervisor
+        self._period_s = period_s
+        self._stages: dict[str, _Scaled] = {}  # by unit id
+        self._client: SyncClient | None = None
+        self._last = 0.0
+
+    def add(self, unit_id: str, spec: StageSpec, keys: Keys, partitions: list[Keys], cap: int) -> StageScaler:
+        scaler = StageScaler(spec, cap)
+        self._stages[unit_id] = _Scaled(keys, partitions, scaler, [b"-"] * len(partitions))
+        return scaler
+
+    def due_in_s(self, now: float) -> float:
+        return max(0.0, self._last + self._period_s - now)
+
+    def turn(self, now: float, starting: Mapping[str, bool]) -> dict[str, Change]:
+        """The changes due now, by unit id (``starting``: whether a worker it started is not ready yet)."""
+        if not self._stages or now < self._last + self._period_s:
+            return {}
+        period_s, self._last = (now - self._last if self._last else self._period_s), now
+        if self._client is None:
+            self._client = self._settings.sync_client()
+        changes: dict[str, Change] = {}
+        for unit_id, scaled in self._stages.items():
+            try:
+                change = self._turn_stage(unit_id, scaled, period_s, now, starting.get(unit_id, False))
+            except CONNECTION_OR_REPLY_ERRORS as exc:
+                if not log_refusal_once(exc):
+                    log.warning("autoscaling: could not read stage %s's load: %r", scaled.scaler.spec.name, exc)
+                continue
+            if change is not None:
+                changes[unit_id] = change
+        return changes
+
+    def _turn_stage(self, unit_id: str, scaled: _Scaled, period_s: float, now: float,
+                    starting: bool) -> Change | None:
+        assert self._client is not None
+        spec = scaled.scaler.spec
+        load = read_load(self._client, scaled.partitions, spec.index, scaled.cursors)
+        first = scaled.cursors[0] == b"-"  # the first read takes the stats' whole history: not a period's
+        scaled.cursors = load.cursors
+        change = None if first else scaled.scaler.observe(load, period_s, now, starting)
+        if change is not None:
+            scaled.reason, scaled.changed_ms = change.reason, now_ms()
+            log.info("autoscaling stage=%s workers=%d range=%d..%d reason=%s", spec.name, change.workers,
+                     scaled.scaler.low, scaled.scaler.high, change.reason)
+        publish_scale(self._client, scaled.keys, spec.index, ScaleRecord(
+            self._supervisor, scaled.scaler.low, scaled.scaler.high, scaled.scaler.workers, scaled.reason,
+            scaled.changed_ms, now_ms()))
+        return change
+
+    def close(self) -> None:
+        """Say this supervisor no longer scales its stages (best effort)."""
+        if self._client is None:
+            return
+        for scaled in self._stages.values():
+            try:
+                forget_scale(self._client, scaled.keys, scaled.scaler.spec.index, self._supervisor)
+            except CONNECTION_OR_REPLY_ERRORS:
+                break
+        self._client.close()
+
+
+class Scaling:
+    """The supervisor's side: which of its units autoscale, and their slots started or stopped as the
+    :class:`Autoscaler` decides. Slots for ``max`` workers exist from the start; those not wanted are
+    *parked* (never started, or stopped and not restarted)."""
+
+    def __init__(self, units: Sequence[Unit], slots: Sequence[WorkerSlot], redis_url: str, supervisor: str) -> None:
+        self._slots = slots
+        scaled = {str(i): u for i, u in enumerate(units) if u.max_count > u.count and u.keys is not None}
+        self._units = scaled
+        self._auto = Autoscaler(redis_url, supervisor) if scaled else None
+        cores = len(allowed_cpus())
+        for unit_id, unit in scaled.items():
+            others = sum(u.count for u in units if u is not unit)  # every other stage at its minimum
+            assert unit.keys is not None and self._auto is not None
+            self._auto.add(unit_id, unit.spec, unit.keys, list(unit.partitions) or [unit.keys],
+                           cap=max(unit.count, cores - others))
+
+    def due_in_s(self, now: float) -> float:
+        return 1.0 if self._auto is None else self._auto.due_in_s(now)
+
+    def turn(self, now: float) -> None:
+        if self._auto is None:
+            return
+        starting = {unit_id: any(s.unit is unit and not s.parked and s.ready_at is None for s in self._slots)
+                    for unit_id, unit in self._units.items()}
+        for unit_id, change in self._auto.turn(now, starting).items():
+            self._apply(self._units[unit_id], change.workers, now)
+
+    def _apply(self, unit: Unit, workers: int, now: float) -> None:
+        mine = sorted((s for s in self._slots if s.unit is unit), key=lambda s: s.number)
+        active = [s for s in mine if not s.parked]
+        for slot in [s for s in mine if s.parked][:max(0, workers - len(active))]:
+            slot.parked, slot.restart_at = False, now  # started at the supervisor's next step
+        for slot in active[workers:]:
+            slot.parked, slot.restart_at = True, None
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGTERM)  # finishes its batch, commits, exits
+
+    def close(self) -> None:
+        if self._auto is not None:
+            self._auto.close()
