@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,40 +50,48 @@ def _burst(redis_url: str, pipeline: str, runs: Path) -> tuple[list[object], obj
     return asyncio.run(burst())
 
 
-@pytest.mark.system  # worker processes (tests/conftest.py: tiers)
-def test_innocents_behind_a_hung_call_are_handed_to_the_other_worker(redis_url: str, tmp_path: Path) -> None:
-    runs = tmp_path / "runs"
-    with running_workers(redis_url, f"{APP}:hangs", ["Hangs"], HANDOFF_RUNS=str(runs)) as workers:
-        workers.wait_ready("t-handoff")
+@dataclass
+class BurstSeen:
+    outcomes: list[object]
+    hang: object
+    innocents_s: float
+    ran: Counter[str]
+    log: str
+
+
+def _burst_with_workers(redis_url: str, app: str, pipeline: str, runs: Path, handoff: bool) -> BurstSeen:
+    """The burst against two real workers of ``app``; the hang released after it (``handoff``: wait
+    for the hung worker's line about it)."""
+    with running_workers(redis_url, f"{APP}:{app}", ["Hangs"], HANDOFF_RUNS=str(runs)) as workers:
+        workers.wait_ready(pipeline)
         try:
-            outcomes, hang, innocents_s = _burst(redis_url, "t-handoff", runs)
+            outcomes, hang, innocents_s = _burst(redis_url, pipeline, runs)
         finally:
             Path(str(runs) + ".release").touch()
-        assert outcomes == [i * 2 for i in range(60)], outcomes
-        assert innocents_s < TIMEOUT_S
-        assert isinstance(hang, TimeoutError), hang
-        ran = Counter(runs.read_text().split())
-        assert all(ran[str(i)] == 1 for i in range(60)), ran  # each innocent ran once: none twice
         stage = workers.stage("Hangs")
-        log = wait_for(lambda: "handed off" in stage.log(50_000) and stage.log(50_000), 5,
-                       "the hung worker says what it handed off")
-        line = next(line for line in log.splitlines() if "handed off" in line)
-        assert "stage=Hangs" in line and "entries=" in line, line
+        if handoff:
+            wait_for(lambda: "handed off" in stage.log(50_000), 5, "the hung worker says what it handed off")
+        return BurstSeen(outcomes, hang, innocents_s, Counter(runs.read_text().split()), stage.log(50_000))
+
+
+@pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+def test_innocents_behind_a_hung_call_are_handed_to_the_other_worker(redis_url: str, tmp_path: Path) -> None:
+    seen = _burst_with_workers(redis_url, "hangs", "t-handoff", tmp_path / "runs", handoff=True)
+    assert seen.outcomes == [i * 2 for i in range(60)], seen.outcomes
+    assert seen.innocents_s < TIMEOUT_S
+    assert isinstance(seen.hang, TimeoutError), seen.hang
+    assert all(seen.ran[str(i)] == 1 for i in range(60)), seen.ran  # each innocent ran once: none twice
+    line = next(line for line in seen.log.splitlines() if "handed off" in line)
+    assert "stage=Hangs" in line and "entries=" in line, line
 
 
 @pytest.mark.system
 def test_without_handoff_the_innocents_wait_for_the_hung_call(redis_url: str, tmp_path: Path) -> None:
     """The setting off (``handoff_after_s=None``): what the burst did before, so the test above
     shows the hand-off at work (entries read behind the hang miss their deadline)."""
-    runs = tmp_path / "runs"
-    with running_workers(redis_url, f"{APP}:patient", ["Hangs"], HANDOFF_RUNS=str(runs)) as workers:
-        workers.wait_ready("t-no-handoff")
-        try:
-            outcomes, _, _ = _burst(redis_url, "t-no-handoff", runs)
-        finally:
-            Path(str(runs) + ".release").touch()
-        assert any(isinstance(o, TimeoutError) for o in outcomes)
-        assert "handed off" not in workers.stage("Hangs").log(50_000)
+    seen = _burst_with_workers(redis_url, "patient", "t-no-handoff", tmp_path / "runs", handoff=False)
+    assert any(isinstance(o, TimeoutError) for o in seen.outcomes)
+    assert "handed off" not in seen.log
 
 
 # -- the hand-off itself, on a real Redis (no worker process) ------------------------------------

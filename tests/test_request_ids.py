@@ -42,6 +42,7 @@ from tests.ops_stages import (
     stop_all,
 )
 from tests.test_http import FakeBackend
+from tests.test_ops import restore_logging  # noqa: F401  (a fixture: logging as it was, after the test)
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.system  # worker and gateway processes (tests/conftest.py: tiers)
@@ -353,23 +354,14 @@ def test_an_error_body_gets_the_id_in_its_own_shape() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.usefixtures("restore_logging")
 def test_a_records_block_follows_its_line_once() -> None:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        for fmt in ("kv", "json"):
-            out = io.StringIO()
-            configure_logging(fmt, stream=out)
-            logging.getLogger("t").error("worker stuck stage=%s", "S", extra=block("stack", "A\n  B\n\nC"))
-            text = out.getvalue()
-            if fmt == "kv":
-                assert text.splitlines()[1:] == ["  A", "    B", "  ", "  C"] and "stack" not in text, text
-            else:
-                assert json.loads(text)["stack"] == "A\n  B\n\nC" and text.count("\n") == 1, text
-    finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
-        logging.captureWarnings(False)
+    for fmt in ("kv", "json"):
+        out = io.StringIO()
+        configure_logging(fmt, stream=out)
+        logging.getLogger("t").error("worker stuck stage=%s", "S", extra=block("stack", "A\n  B\n\nC"))
+        text = out.getvalue()
+        if fmt == "kv":
+            assert text.splitlines()[1:] == ["  A", "    B", "  ", "  C"] and "stack" not in text, text
+        else:
+            assert json.loads(text)["stack"] == "A\n  B\n\nC" and text.count("\n") == 1, text
