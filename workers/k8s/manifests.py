@@ -1,0 +1,254 @@
+"""The manifests of one pipeline, as plain dicts: a pure function of the pipeline and the settings.
+
+Per stage: a Deployment of one-worker pods (``conveyor worker APP --stage NAME --workers 1``) and, with
+KEDA, a ScaledObject on the stage's stream. Why one worker per pod: a worker is pinned to one core, so a
+pod is one core, its CPU request says exactly that (with the kubelet's static CPU manager and a memory
+limit the pod is given that core to itself), the scheduler counts what a stage uses, an evicted pod loses
+one worker, and KEDA's replica count *is* the stage's worker count (its target reads as "entries per
+worker"). The gateway: a Deployment and a Service. Credentials never appear: the pods read the URL from a
+Secret, KEDA the password through a TriggerAuthentication that names the same Secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from broker.keys import GROUP
+from workers.k8s.settings import (
+    KEDA_FIELDS,
+    K8sSettings,
+    RedisTarget,
+    StageScaling,
+    batch_bound_s,
+    grace_seconds,
+    stage_scaling,
+)
+from workers.pipeline import Pipeline, StageSpec
+
+__all__ = ["STOP_MARGIN_S", "dns_name", "manifests"]
+
+Manifest = dict[str, Any]
+
+STOP_MARGIN_S = 10  # beyond a worker's grace: the supervisor's own stop and the last commit's round trip
+GATEWAY_MARGIN_S = 10  # beyond the gateway's drain
+# An exec probe starts a Python that imports redis-py: ~0.4 s of CPU, taken from the pod's one core; every
+# 15 s that is ~3 %, and a new pod is found ready within 15 s of its model load.
+PROBE_PERIOD_S = 15
+MAX_NAME = 63  # a DNS-1123 label: Service names, and what pod names are built from
+# compose/Dockerfile's user. The image names it (USER conveyor), and the kubelet refuses runAsNonRoot for an image
+# whose user is a name unless the pod gives the number.
+IMAGE_UID = 10001
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": IMAGE_UID}
+
+
+def dns_name(*parts: str) -> str:
+    """A DNS-1123 label from ``parts``: lower case, ``[a-z0-9-]``; shortened with a hash when too long,
+    so that two long names stay apart."""
+    raw = "-".join(parts)
+    name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-") or "x"
+    if not name[0].isalpha():  # a Service name (DNS-1035) starts with a letter
+        name = f"c-{name}"
+    if len(name) <= MAX_NAME - 10:  # room for the ReplicaSet's and the pod's suffixes in the pod's name
+        return name
+    digest = hashlib.sha1(raw.encode()).hexdigest()[:8]
+    return f"{name[:MAX_NAME - 19].rstrip('-')}-{digest}"
+
+
+def _label(value: str) -> str:
+    """A label value: at most 63 of ``[A-Za-z0-9_.-]``, alphanumeric at both ends."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned) or "x"
+
+
+def _meta(name: str, settings: K8sSettings, labels: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if settings.namespace:
+        meta["namespace"] = settings.namespace
+    meta["labels"] = labels
+    return meta
+
+
+def _labels(pipeline: Pipeline, component: str, stage: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "conveyor", "app.kubernetes.io/instance": _label(pipeline.name),
+              "app.kubernetes.io/component": component}
+    if stage is not None:
+        labels["conveyor/stage"] = _label(stage)
+    return labels
+
+
+def _redis_env(settings: K8sSettings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "CONVEYOR_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": settings.secret, "key": "url"}}},
+        {"name": "CONVEYOR_LOG_FORMAT", "value": "json"},
+    ]
+    if settings.prefix:
+        env.append({"name": "CONVEYOR_PREFIX", "value": settings.prefix})
+    return env
+
+
+def _stage_names(pipeline: Pipeline) -> dict[str, str]:
+    """Each stage's Deployment name, ``<pipeline>-<stage>``; the index added where two would collide."""
+    names = {s.name: dns_name(pipeline.name, s.name) for s in pipeline.stages}
+    taken = [n for n in names.values() if list(names.values()).count(n) > 1]
+    return {s.name: dns_name(pipeline.name, str(s.index), s.name) if names[s.name] in taken else names[s.name]
+            for s in pipeline.stages}
+
+
+def worker_deployment(pipeline: Pipeline, spec: StageSpec, name: str, settings: K8sSettings,
+                      scaling: StageScaling) -> Manifest:
+    """One stage's pods: one worker each, one core each, stopped no sooner than a batch can end."""
+    labels = _labels(pipeline, "worker", spec.name)
+    bound = batch_bound_s(spec, settings.timeout_s)
+    command = ["conveyor", "worker", settings.app, "--stage", spec.name, "--workers", "1", "--grace-s", f"{bound:g}"]
+    # The pod is ready once its worker has a live heartbeat in Redis: past setup() (the model load),
+    # reading. Rolling updates wait for it before stopping an old pod (maxUnavailable 0).
+    probe = ["python", "-m", "workers.k8s.ready", "--pipeline", pipeline.name, "--prefix", pipeline.prefix,
+             "--stage-index", str(spec.index), "--stage", spec.name]
+    resources: dict[str, Any] = {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}
+    if settings.memory:
+        resources["requests"]["memory"] = settings.memory
+        resources["limits"]["memory"] = settings.memory
+    container = {
+        "name": "worker",
+        "image": settings.image,
+        "command": command,
+        "env": [*_redis_env(settings), {"name": "CONVEYOR_ROLE", "value": "worker"}],
+        "resources": resources,
+        "readinessProbe": {"exec": {"command": probe}, "periodSeconds": PROBE_PERIOD_S, "timeoutSeconds": 5,
+                           "failureThreshold": 2},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    spec_body: dict[str, Any] = {
+        "selector": {"matchLabels": labels},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {"metadata": {"labels": labels}, "spec": {
+            "terminationGracePeriodSeconds": grace_seconds(bound, STOP_MARGIN_S),
+            "securityContext": dict(POD_SECURITY),
+            "containers": [container],
+        }},
+    }
+    if not settings.keda:  # with KEDA, replicas are its to set: an apply must not reset them
+        spec_body = {"replicas": scaling.min_replicas or 1, **spec_body}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, settings, labels), "spec": spec_body}
+
+
+def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, ready_path: str) -> Manifest:
+    """The HTTP front: ``/readyz`` for readiness (``/healthz`` when a stage may have no worker on purpose)."""
+    labels = _labels(pipeline, "gateway")
+    command = ["conveyor", "gateway", pipeline.name, "--host", "0.0.0.0", "--port", str(settings.port),
+               "--timeout-s", f"{settings.timeout_s:g}", "--drain-timeout-s", f"{settings.drain_s:g}"]
+    container = {
+        "name": "gateway",
+        "image": settings.image,
+        "command": command,
+        "env": [*_redis_env(settings), {"name": "CONVEYOR_ROLE", "value": "gateway"}],
+        "ports": [{"name": "http", "containerPort": settings.port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "1"}},  # one gateway process uses at most one core
+        "readinessProbe": {"httpGet": {"path": ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, settings, labels), "spec": {
+        "replicas": settings.gateway_replicas,
+        "selector": {"matchLabels": labels},
+        "template": {"metadata": {"labels": labels}, "spec": {
+            "terminationGracePeriodSeconds": grace_seconds(settings.drain_s, GATEWAY_MARGIN_S),
+            "securityContext": dict(POD_SECURITY),
+            "containers": [container],
+        }},
+    }}
+
+
+def gateway_service(pipeline: Pipeline, name: str, settings: K8sSettings) -> Manifest:
+    labels = _labels(pipeline, "gateway")
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, settings, labels), "spec": {
+        "type": "ClusterIP",
+        "selector": labels,
+        "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+    }}
+
+
+def trigger_authentication(pipeline: Pipeline, name: str, settings: K8sSettings, redis: RedisTarget) -> Manifest:
+    """KEDA's credentials, by reference to the Secret the pods read: ``password`` (and ``username`` when the
+    URL names a user), never their values."""
+    refs = [{"parameter": "password", "name": settings.secret, "key": "password"}]
+    if redis.username:
+        refs.append({"parameter": "username", "name": settings.secret, "key": "username"})
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+            "metadata": _meta(name, settings, _labels(pipeline, "autoscaling")), "spec": {"secretTargetRef": refs}}
+
+
+def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, settings: K8sSettings, redis: RedisTarget,
+             scaling: StageScaling, auth: str) -> dict[str, Any]:
+    keys = pipeline.partition_keys[partition]
+    metadata: dict[str, str] = {}
+    if redis.cluster:
+        metadata["addresses"] = ",".join(redis.addresses)
+    else:
+        metadata["address"] = redis.addresses[0]
+        if redis.database:
+            metadata["databaseIndex"] = str(redis.database)
+    if redis.tls:
+        metadata["enableTLS"] = "true"
+    metadata["stream"] = keys.stream(spec.index)
+    if settings.metric != "length":  # the scaler reads XLEN only when no consumerGroup is given
+        metadata["consumerGroup"] = GROUP
+    metadata[KEDA_FIELDS[settings.metric]] = str(scaling.target)
+    metadata["activationLagCount"] = str(scaling.activation)  # every figure's activation threshold, whatever its name
+    trigger: dict[str, Any] = {"type": "redis-cluster-streams" if redis.cluster else "redis-streams"}
+    if pipeline.partitions > 1:
+        trigger["name"] = f"p{partition}"
+    trigger["metadata"] = metadata
+    trigger["authenticationRef"] = {"name": auth}
+    return trigger
+
+
+def scaled_object(pipeline: Pipeline, spec: StageSpec, name: str, settings: K8sSettings, redis: RedisTarget,
+                  scaling: StageScaling, auth: str) -> Manifest:
+    """KEDA scales the stage's Deployment on its stream; a partitioned pipeline has one stream per
+    partition, one trigger each, and the formula adds them up (the stage's total, as ``conveyor status``
+    shows it: the HPA alone would take the largest partition's)."""
+    triggers = [_trigger(pipeline, spec, p, settings, redis, scaling, auth) for p in range(pipeline.partitions)]
+    body: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "pollingInterval": settings.polling_s,
+        "cooldownPeriod": settings.cooldown_s,
+        "minReplicaCount": scaling.min_replicas,
+        "maxReplicaCount": scaling.max_replicas,
+    }
+    if pipeline.partitions > 1:
+        body["advanced"] = {"scalingModifiers": {
+            "formula": " + ".join(t["name"] for t in triggers), "target": str(scaling.target),
+            "activationTarget": str(scaling.activation), "metricType": "AverageValue"}}
+    body["triggers"] = triggers
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+            "metadata": _meta(name, settings, _labels(pipeline, "autoscaling", spec.name)), "spec": body}
+
+
+def manifests(pipeline: Pipeline, settings: K8sSettings) -> list[Manifest]:
+    """Every manifest, in an order ``kubectl apply`` takes: credentials' reference first, then workers
+    (with their scalers), then the gateway and its Service."""
+    settings.check(pipeline)
+    scaling = {s.name: stage_scaling(s, settings) for s in pipeline.stages}
+    names = _stage_names(pipeline)
+    out: list[Manifest] = []
+    auth = dns_name(pipeline.name, "redis")
+    if settings.keda and settings.redis is not None:
+        out.append(trigger_authentication(pipeline, auth, settings, settings.redis))
+    for spec in pipeline.stages:
+        out.append(worker_deployment(pipeline, spec, names[spec.name], settings, scaling[spec.name]))
+        if settings.keda and settings.redis is not None:
+            out.append(scaled_object(pipeline, spec, names[spec.name], settings, settings.redis, scaling[spec.name],
+                                     auth))
+    # A gateway on /readyz leaves its Service while a stage has no live worker: with a stage scaled to
+    # zero on purpose no request would ever arrive to wake it, so it is ready while it serves HTTP.
+    to_zero = settings.keda and any(s.min_replicas == 0 for s in scaling.values())
+    gateway = dns_name(pipeline.name, "gateway")
+    if gateway in names.values():  # a stage named "gateway"
+        gateway = dns_name(pipeline.name, "gateway", "http")
+    out.append(gateway_deployment(pipeline, gateway, settings, "/healthz" if to_zero else "/readyz"))
+    out.append(gateway_service(pipeline, dns_name(pipeline.name), settings))
+    return out
