@@ -67,6 +67,10 @@ _HTTP_DEFAULTS = HttpSettings()
               show_default=True, show_envvar=True,
               help="Submit a turn of several requests to a batched first stage as batch entries, several requests "
                    "each (less Redis work under load); single entries where a max_backlog is in force.")
+@click.option("--fail-fast/--no-fail-fast", envvar="CONVEYOR_FAIL_FAST", default=True, show_default=True,
+              show_envvar=True,
+              help="Answer 503 at once while a stage has had no live or loading worker for 10 s; --no-fail-fast "
+                   "submits anyway, for stages scaled to zero on purpose (KEDA wakes them from the backlog).")
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
               help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
@@ -84,7 +88,8 @@ _HTTP_DEFAULTS = HttpSettings()
                                      "path, status, bytes, duration, request id.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
-            max_connections: int, drain_timeout_s: float, batch_entries: bool, processes: int, loop: str,
+            max_connections: int, drain_timeout_s: float, batch_entries: bool, fail_fast: bool, processes: int,
+            loop: str,
             log_format: str, api_key_file: Path | None, access_log: bool) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
@@ -97,7 +102,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s,
                         api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log)
-    settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries)
+    settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries, fail_fast=fail_fast)
     chosen = choose_redis(redis_url, names)
     if not redis_url:
         click.echo(f"conveyor gateway: {chosen.said()}", err=True)

@@ -153,10 +153,11 @@ def test_per_stage_options() -> None:
 def test_scale_to_zero_is_said_with_what_it_needs() -> None:
     result = run("examples.scale_shift:pipeline", "--image", IMAGE, "--redis", URL, "--min", "Shift=0")
     assert result.exit_code == 0, result.output
-    assert "gateway refuses every request" in result.stderr
+    assert "the gateway runs with --no-fail-fast" in result.stderr
     gateway = next(d for d in yaml.safe_load_all(result.stdout) if d["metadata"]["name"] == "scale-shift-gateway")
     container = gateway["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["command"][-1] == "--no-fail-fast"  # requests reach the stream KEDA wakes the stage from
     refused = run("examples.scale_shift:pipeline", "--image", IMAGE, "--redis", URL, "--min", "0",
                   "--metric", "pending")
     assert refused.exit_code == 2 and "never scale up again" in refused.output

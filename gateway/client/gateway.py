@@ -133,7 +133,7 @@ class Gateway:
             self._unserved, self._unserved_since_s = None, None
         elif self._unserved_since_s is None or stage != self._unserved:
             self._unserved, self._unserved_since_s = stage, now
-        self.unserved = (self._unserved if self._unserved_since_s is not None
+        self.unserved = (self._unserved if self._unserved_since_s is not None and self.settings.fail_fast
                          and now - self._unserved_since_s >= UNSERVED_GRACE_S else None)
 
     async def close(self) -> None:

@@ -28,3 +28,6 @@ class GatewaySettings:
     audit_after_s: float = 5.0
     # A turn of several submissions goes to a batched first stage as batch entries (gateway.client.sizing).
     batch_entries: bool = True
+    # A stage without a live or loading worker for a while fails new requests at once (503); off for stages
+    # scaled to zero on purpose (KEDA): a request must reach the stream to wake them.
+    fail_fast: bool = True

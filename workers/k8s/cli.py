@@ -82,10 +82,11 @@ def warnings_for(pipeline: Pipeline, settings: K8sSettings) -> list[str]:
                    "scales down and never wakes a stage at zero (docs/deployment.md); --metric length has no such gap")
     zero = [s.name for s in pipeline.stages if stage_scaling(s, settings).min_replicas == 0]
     if zero:
-        out.append(f"--min 0 for {', '.join(zero)}: a gateway refuses every request once a stage has had no live or "
-                   f"loading worker for {UNSERVED_GRACE_S} s (503 Overloaded, nothing reaches Redis), so KEDA would "
-                   "never see work to wake it; only producers that write to the streams themselves wake it "
-                   "(docs/deployment.md, scale to zero). The gateway's readiness probe is /healthz for this reason")
+        out.append(f"--min 0 for {', '.join(zero)}: the gateway runs with --no-fail-fast (it would otherwise refuse "
+                   f"requests once a stage has had no worker for {UNSERVED_GRACE_S} s, and nothing would reach the "
+                   "stream KEDA wakes the stage from) and its readiness probe is /healthz; the pipeline must have been "
+                   "registered once (a worker started), and the first request waits for a pod to load "
+                   "(docs/deployment.md, scale to zero)")
     return out
 
 

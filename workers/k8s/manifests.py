@@ -134,11 +134,15 @@ def worker_deployment(pipeline: Pipeline, spec: StageSpec, name: str, settings: 
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, settings, labels), "spec": spec_body}
 
 
-def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, ready_path: str) -> Manifest:
-    """The HTTP front: ``/readyz`` for readiness (``/healthz`` when a stage may have no worker on purpose)."""
+def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_zero: bool) -> Manifest:
+    """The HTTP front: ``/readyz`` for readiness; when a stage may have no worker on purpose (``to_zero``),
+    ``/healthz``, and ``--no-fail-fast`` so that requests reach the stream whose backlog wakes the stage."""
     labels = _labels(pipeline, "gateway")
     command = ["conveyor", "gateway", pipeline.name, "--host", "0.0.0.0", "--port", str(settings.port),
                "--timeout-s", f"{settings.timeout_s:g}", "--drain-timeout-s", f"{settings.drain_s:g}"]
+    if to_zero:
+        command.append("--no-fail-fast")
+    ready_path = "/healthz" if to_zero else "/readyz"
     container = {
         "name": "gateway",
         "image": settings.image,
@@ -249,6 +253,6 @@ def manifests(pipeline: Pipeline, settings: K8sSettings) -> list[Manifest]:
     gateway = dns_name(pipeline.name, "gateway")
     if gateway in names.values():  # a stage named "gateway"
         gateway = dns_name(pipeline.name, "gateway", "http")
-    out.append(gateway_deployment(pipeline, gateway, settings, "/healthz" if to_zero else "/readyz"))
+    out.append(gateway_deployment(pipeline, gateway, settings, to_zero))
     out.append(gateway_service(pipeline, dns_name(pipeline.name), settings))
     return out
