@@ -24,7 +24,8 @@ class Backend(Protocol):
     input that cannot travel), `PayloadTooLarge`, ``ValueError`` (a bad timeout). The answer is the
     result, or `StageError` (the stage raised), `Overloaded`, ``TimeoutError`` (the deadline
     passed), `UnknownPipeline`; anything else is a gateway bug and answers 500. ``key`` picks a
-    partitioned pipeline's partition. ``pipeline_status`` is what ``/readyz`` and ``/metrics`` report
+    partitioned pipeline's partition, ``priority`` a level (1 the highest, 0 the default).
+    ``pipeline_status`` is what ``/readyz`` and ``/metrics`` report
     (a Gateway answers from its view, :mod:`gateway.client.view`, without a round trip).
     """
 
@@ -32,7 +33,7 @@ class Backend(Protocol):
     def in_flight(self) -> int: ...
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False) -> Waiter: ...
+               direct: bool = False, priority: int = 0) -> Waiter: ...
 
     async def pipeline_status(self) -> Any: ...
 

@@ -63,7 +63,7 @@ class FakeBackend:
         return fresh
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False) -> asyncio.Future[Any]:
+               direct: bool = False, priority: int = 0) -> asyncio.Future[Any]:
         return asyncio.ensure_future(self.predict(x, timeout_s))
 
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:

@@ -34,7 +34,7 @@ from gateway.backends import Backend, Backends, known_io
 from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.oip.items import Gather, ItemFailed
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
 from gateway.http.types import HttpError, Reply, Request
 
 __all__ = ["OpenAI"]
@@ -193,7 +193,8 @@ class OpenAI:
             query.check(io)
             bound_s = request_bound_s(request.headers)
             key = request.headers.get(PARTITION_KEY_HEADER)
-            waiters = [backend.submit(text, bound_s, key, direct=True) for text in query.texts]
+            priority = priority_of(request.headers)
+            waiters = [backend.submit(text, bound_s, key, direct=True, priority=priority) for text in query.texts]
         except OpenAIError as exc:
             return exc.reply()
         except HttpError as exc:
