@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import redis
-
+from broker.errors import SyncClient
 from broker.levels import LevelReader
 from broker.streams import Entry
 from workers.loop.lanes import ReadLane
@@ -93,7 +92,7 @@ class LevelTurns:
             part.reader.close()
 
 
-def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: redis.Redis,
+def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: SyncClient,
                 consumer: str) -> LevelTurns:
     """The worker's level turns; for a pipeline of one level, none: each turn is its blocking read."""
     if levels == 1:
