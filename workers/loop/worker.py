@@ -239,7 +239,8 @@ class Worker:
         claim_due, reap_due = now >= self._next_claim, now >= self._next_reap
         ahead = self._ahead.outstanding
         if ahead is not None:
-            if len(self._lanes) == 1 and not (claim_due or reap_due or ahead.recover or self.stopping):
+            if self._levels.one_node and not (claim_due or reap_due or self.stopping
+                                              or any(lane.recover for lane in self._lanes)):
                 self._read_ahead(ahead)
                 return
             self._settle()
@@ -259,15 +260,17 @@ class Worker:
         self._tell_drained()
         self._levels.turn(up, self._read_count(), self._picked, self._lane_error, self._read)  # else self._read(up)
 
-    def _picked(self, lane: ReadLane, entries: list[Entry], asked: int, first_at: float) -> None:
-        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0, first_at=first_at))
+    def _picked(self, lane: ReadLane, entries: list[Entry], asked: int, first_at: float, wait: bool) -> None:
+        """A level's batch (``wait``: filled while waiting pays; a higher level's runs at once)."""
+        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0, first_at=first_at)
+                      if wait else functools.partial(self._process, entries=entries, deliveries=None))
 
     def _read_ahead(self, lane: ReadLane) -> None:
         """The next batch, read without blocking while the last one's commit runs; with nothing
         queued, the commit's reply is taken and the next turn waits on the stream as usual."""
         asked = self._read_count()
         try:
-            entries = lane.reader.read(asked)
+            picked, entries, wait = self._levels.ahead(lane, asked)  # with levels: the highest with entries
         except Exception as exc:  # the caller tells a lost node from a bug
             lane.reader.close()
             failure = exc
@@ -282,8 +285,7 @@ class Worker:
             return
         # idle_s 0: the worker did not wait for these (the time Redis spent on the commit is not
         # idleness; a burst shared with idle peers is one that came while this worker waited).
-        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0,
-                                              first_at=time.monotonic()))
+        self._picked(picked, entries, asked, time.monotonic(), wait)
 
     def _settle(self) -> None:
         """Take the reply of a commit sent ahead, its failure handled as its lane's."""
@@ -315,7 +317,7 @@ class Worker:
         batch = fill(lane.reader, self._policy, entries, asked, idle_s, first_at)
         # Full: a backlog is likely. Not a singleton stage's read of one (its next read would mostly
         # find nothing), nor a partitioned worker's (a late failure must be its own lane's).
-        self._process(lane, batch, None, full=len(batch) >= asked > 1 and len(self._lanes) == 1)
+        self._process(lane, batch, None, full=len(batch) >= asked > 1 and self._levels.one_node)
 
     def _idle_wait_s(self) -> float:
         """How long a first read waits with nothing queued: shorter with stats in hand, so that
