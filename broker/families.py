@@ -34,6 +34,8 @@ class Family:
 
 FIRST_STREAM = Family("P:stream:0", lambda k: k.stream(0), variable=False, within="P:stream:<i>")
 STREAMS = Family("P:stream:<i>", lambda k: _stem(k.stream(0), "0"))
+# The first stage's streams of the priority levels above the default (``P:stream:0`` itself is the default's).
+FIRST_LEVELS = Family("P:stream:0:p<L>", lambda k: _stem(k.at_level(1).stream(0), "1"), within="P:stream:<i>")
 DEAD = Family("P:dead:<i>", lambda k: _stem(k.dead(0), "0"))
 STATS = Family("P:stats:<i>", lambda k: _stem(k.stats(0), "0"))
 HEARTBEATS = Family("P:hb:<i>", lambda k: _stem(k.heartbeats(0), "0"))
@@ -51,5 +53,5 @@ SHARED_REPLIES = Family("<prefix>:reply:<name>", lambda k: k.shared_reply(""), p
 # The names of the pipelines registered under a prefix (workers add theirs; `conveyor gateway --all` reads it).
 REGISTRY = Family("<prefix>:pipelines", lambda k: k.registry, variable=False, prefix_level=True)
 # Most specific first: a key is told apart by the first family whose name it has (explain_refusal).
-FAMILIES = (FIRST_STREAM, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, SCALE, RESULTS, REPLIES, SPEC,
-            MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)
+FAMILIES = (FIRST_STREAM, FIRST_LEVELS, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, SCALE, RESULTS,
+            REPLIES, SPEC, MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)

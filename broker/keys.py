@@ -18,6 +18,12 @@ key                                type    TTL                  written by
 ``P:stream:<i>``                   stream  none (entries leave  gateway / foreign producers
                                            once acked: XTRIM    (i=0); stage i-1 workers (i>0)
                                            MINID or XDEL)
+``P:stream:<i>:p<L>``              stream  as ``P:stream:<i>``  as ``P:stream:<i>``: priority
+                                                                level L (1 highest) of a
+                                                                pipeline of ``priority_levels``
+                                                                N > 1, for 1 <= L < N; the
+                                                                default (lowest) level N is
+                                                                ``P:stream:<i>`` itself
 ``P:dead:<i>``                     stream  none (MAXLEN ~)      stage i workers (dead letters)
 ``P:result:<request id>``          string  ``result_ttl_ms``    the worker that finishes the
                                                                 request (SET NX: first wins)
@@ -99,6 +105,9 @@ class Keys:
     pipeline: str
     prefix: str = DEFAULT_PREFIX
     partition: int = 0
+    # The priority level whose stage streams these keys name: 0 the default level's (``P:stream:<i>``),
+    # L >= 1 level L's (``P:stream:<i>:p<L>``). Every other key is the partition's, whatever the level.
+    level: int = 0
 
     def __post_init__(self) -> None:
         for part in (self.pipeline, self.prefix):
@@ -106,6 +115,8 @@ class Keys:
                 raise ValueError(f"invalid pipeline name or prefix {part!r}: no braces, colons or spaces")
         if isinstance(self.partition, bool) or not isinstance(self.partition, int) or self.partition < 0:
             raise ValueError(f"partition must be an integer >= 0, got {self.partition!r}")
+        if isinstance(self.level, bool) or not isinstance(self.level, int) or self.level < 0:
+            raise ValueError(f"level must be an integer >= 0, got {self.level!r}")
 
     @property
     def tag(self) -> str:
@@ -122,7 +133,18 @@ class Keys:
             raise ValueError(f"partitions must be an integer >= 1, got {n!r}")
         return [Keys(self.pipeline, self.prefix, p) for p in range(n)]
 
+    def at_level(self, level: int) -> Keys:
+        """These keys with the stage streams of priority level ``level`` (0: the default level's)."""
+        return self if level == self.level else Keys(self.pipeline, self.prefix, self.partition, level)
+
+    def levels(self, n: int) -> list[Keys]:
+        """The keys of each stream level of a pipeline of ``n`` priority levels, the highest first:
+        levels 1 .. n-1, then the default (lowest) level, 0 here. One level (n = 1): ``[self]``."""
+        return [*(self.at_level(level) for level in range(1, n)), self.at_level(0)]
+
     def stream(self, stage: int) -> str:
+        if self.level:
+            return f"{self.base}:stream:{stage}:p{self.level}"
         return f"{self.base}:stream:{stage}"
 
     def dead(self, stage: int) -> str:

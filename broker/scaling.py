@@ -42,21 +42,24 @@ class StageLoad:
 
 @sends(WORKER, uses={"xlen": STREAMS, "xrange": STATS, "zrange": HEARTBEATS},
        why="an autoscaling supervisor: each autoscaled stage's backlog, workers and finished work, about every second")
-def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, cursors: Sequence[bytes]) -> StageLoad:
-    """The stage's load in every partition; ``cursors``: the last stats entry read in each (``b"-"`` at first,
-    then :attr:`StageLoad.cursors` of the previous read)."""
+def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, cursors: Sequence[bytes],
+              levels: int = 1) -> StageLoad:
+    """The stage's load in every partition (its backlog at every priority level of ``levels``); ``cursors``:
+    the last stats entry read in each (``b"-"`` at first, then :attr:`StageLoad.cursors` of the previous read)."""
     pipe = client.pipeline(transaction=False)
     since = now_ms() - LIVE_AFTER_MS
     for keys, cursor in zip(partitions, cursors, strict=True):
-        pipe.xlen(keys.stream(stage))
+        for level_keys in keys.levels(levels):
+            pipe.xlen(level_keys.stream(stage))
         pipe.xrange(keys.stats(stage), min=cursor if cursor == b"-" else b"(" + cursor, count=1000)
         pipe.zrange(keys.heartbeats(stage), since, "+inf", byscore=True)
     replies = pipe.execute()
     load = StageLoad()
     live: set[bytes] = set()
+    per = levels + 2
     for p, cursor in enumerate(cursors):
-        backlog, entries, members = replies[3 * p:3 * p + 3]
-        load.backlog += int(backlog)
+        *backlogs, entries, members = replies[per * p:per * p + per]
+        load.backlog += sum(int(b) for b in backlogs)
         live.update(as_bytes(m) for m in members)
         for _, fields in entries:
             per_item_s = item_time_s(fields)  # None for an entry it cannot read

@@ -10,9 +10,10 @@ in pipeline order::
      "inputs": [{"name", "datatype", "shape"}], "batched": bool,    (first stage only, if declared)
      "outputs": [{"name", "datatype", "shape"}]}                     (last stage only, if declared)
 
-``partitions`` (the pipeline's partition count, the same in every stage map) is written only
-when it is above 1, so a one-partition pipeline's spec is byte for byte the v1 one; absent
-means 1. ``max_payload_bytes`` is the registering worker's limit on an entry's encoded input:
+``partitions`` (the pipeline's partition count, the same in every stage map) and
+``priority_levels`` (its priority levels, :mod:`broker.levels`) are written only when above 1,
+so a one-partition pipeline's spec without priorities is byte for byte the v1 one; absent means 1.
+``max_payload_bytes`` is the registering worker's limit on an entry's encoded input:
 a gateway refuses a larger input before it reaches Redis (absent: the gateway's own default).
 ``inputs``/``outputs``/``batched`` are the pipeline's tensors as the Open Inference Protocol
 serves them (``Pipeline(..., inputs=, outputs=, batched=)``): names, datatypes (``FP32``, ``BYTES``...)
@@ -84,6 +85,8 @@ class StageInfo:
     # Its workers read batch entries (docs/protocol.md): workers write true; a spec without the key was
     # written by workers older than batch entries, to which gateways submit single entries.
     batch_entries: bool = False
+    # The pipeline's priority levels (broker.levels), the same in every stage map; written only above 1.
+    priority_levels: int = 1
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
@@ -91,6 +94,8 @@ def encode_spec(stages: Sequence[StageInfo]) -> bytes:
     for stage, item in zip(stages, maps, strict=True):
         if item["partitions"] == 1:
             del item["partitions"]
+        if item["priority_levels"] == 1:
+            del item["priority_levels"]
         if item["max_payload_bytes"] is None:
             del item["max_payload_bytes"]
         for io in ("inputs", "outputs"):
@@ -133,6 +138,7 @@ def _stage(position: int, item: Any) -> StageInfo:
             inputs=_tensors(item.get("inputs")), outputs=_tensors(item.get("outputs")),
             batched=bool(item.get("batched", False)), task=str(item.get("task") or ""),
             batch_entries=bool(item.get("batch_entries", False)),
+            priority_levels=max(1, int(item.get("priority_levels") or 1)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc

@@ -11,7 +11,8 @@ Per stage of a partition, ten reads:
 - ``XRANGE`` of the stats stream from the caller's start (a window's start, or just after the last entry
   it saw): one entry per ~100 ms of a worker's batches;
 - ``HGETALL`` of the counts hash: stage errors and wrong batch lengths, in total;
-- ``HGETALL`` of the scale hash: the supervisors that autoscale the stage, their ranges and last changes.
+- ``HGETALL`` of the scale hash: the supervisors that autoscale the stage, their ranges and last changes;
+- with priority levels, ``XLEN`` of each level stream above the default (``P:stream:<i>:p<L>``).
 
 A read that Redis refuses or fails (an ACL without that command, a stream no worker made yet) leaves
 its field empty, a refusal logged once with what would allow it: a status shows what could be read.
@@ -69,6 +70,7 @@ class StageReads:
     stage_errors: int = 0
     batch_length_errors: int = 0
     scale: list[ScaleRecord] = field(default_factory=list)  # its autoscaling supervisors (partition 0)
+    levels: list[int] = field(default_factory=list)  # XLEN of the level streams above the default, level 1 first
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class PartitionQuery:
     stats_from: tuple[bytes, ...]
     spec: bool = False
     sizing: bool = False
-
+    levels: int = 1  # the pipeline's priority levels: XLEN of each stage's level streams too
 
 @dataclass
 class PartitionReads:
@@ -123,6 +125,8 @@ async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> lis
             pipe.get(query.keys.spec)
         for index, start in enumerate(query.stats_from):
             _queue_stage(pipe, query.keys, index, start)
+            for level in range(1, query.levels):
+                pipe.xlen(query.keys.at_level(level).stream(index))
         if query.sizing:
             queue_reads(pipe, query.keys, 0)
     replies = iter(await _execute(pipe))
@@ -155,7 +159,10 @@ def _queue_stage(pipe: Any, keys: Keys, i: int, stats_from: bytes) -> None:
 
 def _partition(query: PartitionQuery, replies: Iterator[Any]) -> PartitionReads:
     spec = _spec(next(replies)) if query.spec else None
-    stages = [_stage([next(replies) for _ in range(10)]) for _ in query.stats_from]
+    stages = []
+    for _ in query.stats_from:
+        stages.append(_stage([next(replies) for _ in range(10)]))
+        stages[-1].levels = [int(_ok(next(replies), 0)) for _ in range(1, query.levels)]
     sizing = (next(replies), next(replies)) if query.sizing else None
     return PartitionReads(stages, spec, sizing)
 

@@ -122,6 +122,10 @@ class StreamReader:
         have run meanwhile (one at least, which the stage before keeps within this stage's batch)."""
         return count if self.per_entry == 1.0 else max(1, int(count / self.per_entry))
 
+    def parse_reply(self, response: Any) -> list[Entry]:
+        """The entries of an ``XREADGROUP`` reply of this reader's stream sent by another (a script's)."""
+        return self._parse(response)
+
     def _parse(self, response: Any) -> list[Entry]:
         entries, read = _parse_counted(response)
         if read and (len(entries) != read or self.per_entry != 1.0):

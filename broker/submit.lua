@@ -1,14 +1,16 @@
 -- submit.lua: a producer's turn of submissions, admitted against max_backlog, in one round trip.
 --
--- KEYS[1] the first stage's stream
+-- KEYS[1] the first stage's stream (of the requests' priority level: P:stream:0, or P:stream:0:p<L>)
 -- KEYS[2] the pipeline's admission key (P:max_backlog: the first stage's max_backlog as a decimal
 --         integer, written by workers at registration; "none" or absent: no limit stored in Redis)
 -- KEYS[3..] result keys the producer has consumed (UNLINKed, so answered requests do not hold
---           memory until their TTL; may be none)
+--           memory until their TTL; may be none), then the h streams of ARGV[4 + 4n] (below)
 -- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)
 -- then n x (request id, data, reply key, deadline ms)
 -- ARGV[3 + 4n] (optional) k: into how many batch entries to split the requests ('', absent, 0, or
 --         k >= n: single entries; a fraction is rounded down)
+-- ARGV[4 + 4n] (optional) h: the last h KEYS are the first stage's streams of the priority levels
+--         above KEYS[1]'s, whose entries count in its backlog ('' or absent: none)
 --
 -- Batch entries (docs/protocol.md): with no limit in force and 1 <= k < n, the requests go as k
 -- entries of fields `items` (a msgpack array of their 4 values each, in order) and `v`, split evenly
@@ -16,8 +18,9 @@
 -- admission counts entries (XLEN) and must count requests.
 --
 -- Admission: the stream holds the undelivered plus the pending entries (workers XDEL what they
--- ack), so XLEN is the first stage's backlog. The first min(n, limit - XLEN) entries are added,
--- in order; the rest are not. Because the check and the XADDs run in one script, the bound holds
+-- ack), so XLEN is the first stage's backlog. A priority level's backlog is its own stream's and
+-- those of the levels above it (the h last KEYS): every level has the same limit, and the lowest
+-- is refused first. The first min(n, limit - backlog) entries are added, in order; the rest are not. Because the check and the XADDs run in one script, the bound holds
 -- for every producer at once, whatever their number.
 -- Returns the number of requests added; if requests were offered and none was added, an error
 -- reply starting with OVERLOADED instead (what a foreign producer submitting one entry sees).
@@ -28,9 +31,11 @@ local limit = redis.call('GET', KEYS[2])
 limit = tonumber(limit or '')
 local own = tonumber(ARGV[2])
 if own ~= nil and (limit == nil or own < limit) then limit = own end
+local above = math.floor(tonumber(ARGV[4 + 4 * n] or '') or 0)
 local backlog = 0
 if limit ~= nil and n > 0 then
   backlog = redis.call('XLEN', KEYS[1])
+  for i = #KEYS - above + 1, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
   admit = math.max(0, math.min(n, limit - backlog))
 end
 
@@ -55,11 +60,12 @@ else
   end
 end
 
-if #KEYS > 2 then
+local last = #KEYS - above
+if last > 2 then
   local i = 3
-  while i <= #KEYS do
+  while i <= last do
     local batch = {}
-    for j = i, math.min(#KEYS, i + 999) do batch[#batch + 1] = KEYS[j] end
+    for j = i, math.min(last, i + 999) do batch[#batch + 1] = KEYS[j] end
     redis.call('UNLINK', unpack(batch))
     i = i + #batch
   end

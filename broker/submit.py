@@ -24,7 +24,7 @@ import redis
 import redis.asyncio as aredis
 
 from broker.connection import CONNECTION_ERRORS, is_cluster_client, is_transient
-from broker.families import FIRST_STREAM, MAX_BACKLOG, RESULTS
+from broker.families import FIRST_LEVELS, FIRST_STREAM, MAX_BACKLOG, RESULTS
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
 from broker.operations import GATEWAY, Script, sends
@@ -36,8 +36,9 @@ __all__ = ["OVERLOADED", "SUBMIT", "SUBMIT_LUA", "SUBMIT_SHA", "Call", "Lost", "
 
 SUBMIT_LUA = resources.files("broker").joinpath("submit.lua").read_bytes()
 SUBMIT_SHA = hashlib.sha1(SUBMIT_LUA).hexdigest().encode()
-SUBMIT = Script("submit.lua", (FIRST_STREAM, MAX_BACKLOG, RESULTS), (
-    ("get", (MAX_BACKLOG,)), ("xlen", (FIRST_STREAM,)), ("xadd", (FIRST_STREAM,)), ("unlink", (RESULTS,))))
+SUBMIT = Script("submit.lua", (FIRST_STREAM, FIRST_LEVELS, MAX_BACKLOG, RESULTS), (
+    ("get", (MAX_BACKLOG,)), ("xlen", (FIRST_STREAM, FIRST_LEVELS)), ("xadd", (FIRST_STREAM, FIRST_LEVELS)),
+    ("unlink", (RESULTS,))))
 
 # request id, encoded data, deadline (Unix ms, ASCII), and the RESP of the four ARGV of its entry
 # (``Submitter.entry``: packed once as it is queued, not per turn; b"" for a large payload, packed
@@ -83,11 +84,13 @@ def keeps_connection(exc: redis.ResponseError) -> bool:
 
 
 class Submitter:
-    """Packs ``submit.lua``'s calls for one gateway (one reply key) of one pipeline partition;
-    :class:`Submissions` sends them."""
+    """Packs ``submit.lua``'s calls for one gateway (one reply key) of one pipeline partition and
+    priority level (``keys.level``); :class:`Submissions` sends them. ``above``: the first stage's
+    streams of the levels above this one, counted in its backlog (set as the pipeline's spec tells)."""
 
     def __init__(self, keys: Keys, reply_key: bytes, max_backlog: int | None = None) -> None:
         self.stream = keys.stream(0)
+        self.above: list[bytes] = []
         self._stream = self.stream.encode()
         self._limit_key = keys.max_backlog.encode()
         self._reply_key = reply_key
@@ -103,15 +106,21 @@ class Submitter:
                                                                  len(deadline), deadline)
 
     def _head(self, batch: Sequence[Submission], unlink: Sequence[bytes]) -> list[bytes]:
-        return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink)), self._stream, self._limit_key, *unlink,
-                b"%d" % len(batch), self._own_limit]
+        return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink) + len(self.above)), self._stream, self._limit_key,
+                *unlink, *self.above, b"%d" % len(batch), self._own_limit]
+
+    def _tail(self, batch: Sequence[Submission], entries: int) -> list[bytes]:
+        tail = _tail(batch, entries)
+        if self.above:  # the optional h after the optional k
+            return [*(tail or [b""]), b"%d" % len(self.above)]
+        return tail
 
     def arguments(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> list[bytes]:
         """The call's command and arguments, unpacked (for a client that routes it, or packs it itself)."""
         args = self._head(batch, unlink)
         for request_id, data, deadline, _ in batch:
             args += (request_id, data, self._reply_key, deadline)
-        return args + _tail(batch, entries)
+        return args + self._tail(batch, entries)
 
     def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> bytes:
         """The turn's command: its head packed here, each entry as packed by :meth:`entry`.
@@ -120,7 +129,7 @@ class Submitter:
         if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
             return pack_command(self.arguments(batch, unlink, entries))
         head = self._head(batch, unlink)
-        tail = _tail(batch, entries)
+        tail = self._tail(batch, entries)
         parts = [b"*%d\r\n" % (len(head) + 4 * len(batch) + len(tail))]
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in head]
         parts += [s[3] for s in batch]

@@ -24,17 +24,17 @@ class Backend(Protocol):
     input that cannot travel), `PayloadTooLarge`, ``ValueError`` (a bad timeout). The answer is the
     result, or `StageError` (the stage raised), `Overloaded`, ``TimeoutError`` (the deadline
     passed), `UnknownPipeline`; anything else is a gateway bug and answers 500. ``key`` picks a
-    partitioned pipeline's partition; ``request_id`` is the id the request travels under (the HTTP
-    front's, :mod:`gateway.http.request_ids`; None: the backend makes one). ``pipeline_status`` is
-    what ``/readyz`` and ``/metrics`` report (a Gateway answers from its view,
-    :mod:`gateway.client.view`, without a round trip).
+    partitioned pipeline's partition, ``priority`` a level (1 the highest, 0 the default); ``request_id``
+    is the id the request travels under (the HTTP front's, :mod:`gateway.http.request_ids`; None: the
+    backend makes one). ``pipeline_status`` is what ``/readyz`` and ``/metrics`` report (a Gateway
+    answers from its view, :mod:`gateway.client.view`, without a round trip).
     """
 
     @property
     def in_flight(self) -> int: ...
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False, request_id: bytes | None = None) -> Waiter: ...
+               direct: bool = False, request_id: bytes | None = None, priority: int = 0) -> Waiter: ...
 
     async def pipeline_status(self) -> Any: ...
 

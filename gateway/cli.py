@@ -267,6 +267,9 @@ def format_status(name: str, result: PipelineStatus, redis_url: str | None = Non
         lines.append(f"{s.index:>2} {s.name:<16} {s.backlog:>8} {s.pending:>8} {s.live_workers:>5} "
                      f"{s.consumers:>9} {s.dead_letters:>6} {s.throughput_per_s:>9.2f} "
                      f"{s.batches_last_minute:>8} {_ms(s.batch_p50_s):>8} {_ms(s.batch_p99_s):>8}")
+        if s.level_backlog:
+            lines.append(f"{'':>3}  - priority levels (entries waiting or pending): " + " ".join(
+                f"{level}={n}" for level, n in s.level_backlog.items()) + " (default level: backlog above)")
         if s.loading_workers:
             lines.append(f"{'':>3}  - {s.loading_workers} worker(s) loading: setup() still running, not live yet")
         lines += [f"{'':>3}  - {_autoscaling(r)}" for r in s.autoscaling]

@@ -113,7 +113,8 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
     for pipeline in pipelines:
         for keys in Keys(pipeline, prefix).partitions(scope.partitions):
             named = {family.name: scope.patterns(family) for family in FAMILIES}
-            examples = {"P:stream:0": keys.stream(0), "P:stream:<i>": keys.stream(7), "P:dead:<i>": keys.dead(2),
+            examples = {"P:stream:0": keys.stream(0), "P:stream:0:p<L>": keys.at_level(1).stream(0),
+                        "P:stream:<i>": keys.stream(7), "P:dead:<i>": keys.dead(2),
                         "P:stats:<i>": keys.stats(1), "P:hb:<i>": keys.heartbeats(3),
                         "P:loading:<i>": keys.loading(0), "P:stuck:<i>": keys.stuck(1), "P:scale:<i>": keys.scale(0),
                         "P:counts:<i>": keys.counts(0), "P:result:<id>": keys.result("gw-17"),
@@ -123,7 +124,8 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
             assert set(examples) == set(named)
             for family, key in examples.items():
                 assert matches(named[family], key), (family, key, named[family])
-                others = [f for f in named if f != family and not (family == "P:stream:0" and f == "P:stream:<i>")]
+                others = [f for f in named if f != family
+                          and not (family in ("P:stream:0", "P:stream:0:p<L>") and f == "P:stream:<i>")]
                 assert not any(matches(named[f], key) for f in others), (family, key)
                 if family not in ("P:stream:0", "<prefix>:reply:<name>"):  # the latter: outside any pipeline
                     assert family_of(key) is not None and family_of(key)[0].name == family  # type: ignore[index]
@@ -159,7 +161,8 @@ def test_least_privilege_on_redis_7() -> None:
     gateway, monitor = role_rules("gateway"), role_rules("monitor")
     writes = {c for c, a in COMMAND_ACCESS.items() if "W" in a}
     by_command = {c: s for s in gateway.selectors for c in s.commands}
-    assert [p for p, _ in by_command["xadd"].keys] == ["conveyor:{*}:stream:0"]  # first stages only
+    # first stages only: the default level's stream and the priority levels' above it
+    assert [p for p, _ in by_command["xadd"].keys] == ["conveyor:{*}:stream:0", "conveyor:{*}:stream:0:p*"]
     # stream entries read only by the audit of forgotten requests (broker/audit.lua), and stats
     assert [p for p, _ in by_command["xrange"].keys] == ["conveyor:{*}:stream:*", "conveyor:{*}:stats:*"]
     assert all(a == "R" for p, a in by_command["xrange"].keys)

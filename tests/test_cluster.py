@@ -372,7 +372,7 @@ class KeyedBackend(FakeBackend):
     keys: list[bytes | str | None] = field(default_factory=list)
 
     def submit(self, x: Any, timeout_s: float | None = None, key: bytes | str | None = None, *,
-               direct: bool = False, request_id: bytes | None = None) -> asyncio.Future[Any]:
+               direct: bool = False, request_id: bytes | None = None, priority: int = 0) -> asyncio.Future[Any]:
         self.keys.append(key)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 

@@ -64,7 +64,7 @@ class FakeBackend:
         return fresh
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False, request_id: bytes | None = None) -> asyncio.Future[Any]:
+               direct: bool = False, request_id: bytes | None = None, priority: int = 0) -> asyncio.Future[Any]:
         self.request_ids.append(request_id)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 

@@ -185,7 +185,8 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
         raise click.UsageError(str(exc)) from exc
     # --workers N: that many, fixed; else the stage's workers (a range (min, max) autoscales).
     supervisor = Supervisor([Unit(app, spec, workers or spec.workers, pipeline.keys,
-                                  0 if workers else spec.max_workers or 0, tuple(pipeline.partition_keys))], child,
+                                  0 if workers else spec.max_workers or 0, tuple(pipeline.partition_keys),
+                                  pipeline.priority_levels)], child,
                             SupervisorSettings(grace_s=grace_s))
     sys.exit(_supervise(supervisor))
 
@@ -249,7 +250,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
             "--batch-entries" if child.worker.batch_entries else "--no-batch-entries"],
             dict(os.environ, CONVEYOR_REDIS_URL=url))
         gateway.start()
-        units = [Unit(path, spec, spec.workers, pipeline.keys, spec.max_workers or 0, tuple(pipeline.partition_keys))
+        units = [Unit(path, spec, spec.workers, pipeline.keys, spec.max_workers or 0, tuple(pipeline.partition_keys),
+                      pipeline.priority_levels)
                  for path, pipeline in pipelines
                  for spec in pipeline.stages]
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)

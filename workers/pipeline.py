@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
+from broker.levels import MAX_LEVELS
 from broker.spec import PipelineIO, StageInfo, TensorSpec, task_error
 from workers.options import STAGE_KNOBS, PipelineError, check_options, check_stage_class
 from workers.stage import Stage
@@ -166,6 +167,12 @@ def _check_io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
     return inputs, outputs, batched
 
 
+def _check_levels(levels: Any, fair_after: Any) -> None:
+    for name, value, top in (("priority_levels", levels, MAX_LEVELS), ("fair_after", fair_after, 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise PipelineError(f"{name} must be an integer from 1 to {top}, got {value!r}")
+
+
 def _set_on(cls: type, knob: str) -> bool:
     """Whether the stage class sets ``knob`` (``Stage``'s own None means "the default"; a subclass
     may set ``stuck_grace_s = None``, which turns stuck detection off, or ``handoff_after_s = None``)."""
@@ -179,7 +186,7 @@ class Pipeline:
 
     def __init__(self, name: str, *, prefix: str = DEFAULT_PREFIX, partitions: int = 1,
                  inputs: Sequence[TensorSpec] = (), outputs: Sequence[TensorSpec] = (), batched: bool = False,
-                 task: str = "") -> None:
+                 task: str = "", priority_levels: int = 1, fair_after: int = 8) -> None:
         """``partitions``: how many hash slots the pipeline spreads over on a Redis Cluster (each
         partition a full copy of the key layout; see :mod:`broker.keys`). Pipeline-wide, not per
         stage, because a stage forwards into the next stage's stream in the same atomic script.
@@ -191,7 +198,14 @@ class Pipeline:
 
         ``task``: what the pipeline declares itself, for the protocols that need one: "embeddings"
         (the OpenAI-compatible ``POST /v1/embeddings``; its tensors' contract in
-        :func:`broker.spec.task_error`)."""
+        :func:`broker.spec.task_error`).
+
+        ``priority_levels``: Triton's meaning, 1 the highest level and N the lowest, the default
+        (priority 0); every stage serves higher levels first (docs/operations.md, Priorities). ``fair_after``:
+        after this many batches in a row from levels above the lowest, a worker takes its next one from
+        the lowest level that has entries, so that the default level is not starved."""
+        _check_levels(priority_levels, fair_after)
+        self.priority_levels, self.fair_after = priority_levels, fair_after
         self.inputs, self.outputs, self.batched = _check_io(tuple(inputs), tuple(outputs), batched)
         error = task_error(PipelineIO(self.inputs, self.outputs, self.batched, task))
         if error is not None:
@@ -263,7 +277,8 @@ class Pipeline:
         return [StageInfo(s.index, s.name, s.batch_size, s.batch_wait_s, s.max_backlog, self.partitions,
                           max_payload_bytes, self.inputs if s.index == 0 else (),
                           self.outputs if s.index == last else (), self.batched and s.index == 0,
-                          self.task if s.index == 0 else "", batch_entries=True)
+                          self.task if s.index == 0 else "", batch_entries=True,
+                          priority_levels=self.priority_levels)
                 for s in self.stages]
 
     def __repr__(self) -> str:

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from broker import codec, protocol
 from broker.keys import Keys
+from broker.levels import stream_level
 from broker.spec import PipelineIO
 from gateway.client.hub import Hub
 from gateway.client.lane import Lane
@@ -61,7 +62,9 @@ class Gateway:
     requests with one key go to one partition of a partitioned pipeline. ``request_id`` (likewise):
     the id the request travels under (1-128 chars of ``A-Z a-z 0-9 _ . : -``, unique: a `ValueError`
     if one is in flight under it, and unique across gateways is the caller's to ensure); by default
-    the gateway makes one. Workers log it with what they say about the request."""
+    the gateway makes one. Workers log it with what they say about the request. ``priority`` (over
+    HTTP the header ``X-Conveyor-Priority``): Triton's meaning, 1 the highest level, 0 the default
+    (the lowest); a priority past the pipeline's ``priority_levels`` is the default (:mod:`broker.levels`)."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None, hub: Hub | None = None, views: Views | None = None) -> None:
@@ -79,7 +82,9 @@ class Gateway:
         self._own_views = views is None
         self.view: PipelineView | None = None
         self.registration = Registration(self.keys, self.settings.register_wait_s)
-        self.lanes: list[Lane] = []
+        self.lanes: list[Lane] = []  # each partition's default level
+        self.levels = 1  # the pipeline's priority levels, as its spec says
+        self._level_lanes: dict[tuple[int, int], Lane] = {}  # (partition, level) -> its lane, made at first use
         self._next = 0
         self._counted = partitions is not None  # the count is known (given, or read from a spec)
         self.unserved: str | None = None  # a stage with no worker for UNSERVED_GRACE_S: requests fail fast
@@ -123,6 +128,29 @@ class Gateway:
                 self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count)]
                 log.info("pipeline %s has %d partitions: submitting to all of them", self.pipeline, count)
         size_lanes(self.lanes, view.stages[0] if view.stages else None, self.settings.batch_entries, view.sizing)
+        levels = view.stages[0].priority_levels if view.stages else 1
+        if levels != self.levels:
+            self.levels = levels
+            for lane in [*self.lanes, *self._level_lanes.values()]:
+                self._admit_above(lane)
+
+    def _admit_above(self, lane: Lane) -> None:
+        """Its submissions' backlog counts the levels above its own (the lowest is refused first)."""
+        above = range(1, lane.keys.level or self.levels)
+        lane.submitter.above = [lane.keys.at_level(level).stream(0).encode() for level in above]
+
+    def _at_level(self, lane: Lane, priority: int) -> Lane:
+        """The lane of ``lane``'s partition for requests of ``priority`` (``lane`` itself: the default level)."""
+        level = stream_level(priority, self.levels)
+        if level == 0:
+            return lane
+        leveled = self._level_lanes.get((lane.keys.partition, level))
+        if leveled is None:
+            leveled = self.hub.lane(lane.keys.at_level(level), self._stage_count)
+            leveled.sizing = lane.sizing  # the same first stage: one view of its workers
+            self._admit_above(leveled)
+            self._level_lanes[(lane.keys.partition, level)] = leveled
+        return leveled
 
     def _note_unserved(self, stage: str | None) -> None:
         """A stage with no live or loading worker for ``UNSERVED_GRACE_S``: new requests fail fast
@@ -172,7 +200,7 @@ class Gateway:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False, request_id: str | bytes | None = None) -> Waiter:
+               direct: bool = False, request_id: str | bytes | None = None, priority: int = 0) -> Waiter:
         """:meth:`predict` without the coroutine: what ``x``'s answer will complete (the HTTP
         front adds a callback instead of creating a task per request); Overloaded, CodecError,
         PayloadTooLarge, ValueError (a bad timeout or request id) raise here. ``direct``: a `Slot`
@@ -193,9 +221,12 @@ class Gateway:
         if not lanes:
             raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
                                "or `await gw.start()` first")
+        stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
-            return asyncio.ensure_future(self._round_robin(data, timeout, rid))
+            return asyncio.ensure_future(self._round_robin(data, timeout, rid, priority))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
+        if priority:
+            lane = self._at_level(lane, priority)
         if self.unserved is not None:
             raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
                              f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
@@ -204,10 +235,12 @@ class Gateway:
         return self.hub.enqueue(lane, data, timeout, direct, rid)
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-                      request_id: str | bytes | None = None) -> Any:
-        """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``)."""
+                      request_id: str | bytes | None = None, priority: int = 0) -> Any:
+        """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``);
+        ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``)."""
         # direct=False: never a Slot
-        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id))
+        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id,
+                                                           priority=priority))
 
     async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""
@@ -219,12 +252,13 @@ class Gateway:
                                "only as the request's deadline passed")
         return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, remaining, request_id=request_id))
 
-    async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
+    async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
         if not self.registration.registered:
             await self.registration.wait(timeout_s)
         n = len(self.lanes)
         for attempt in range(n):
             lane = self.lanes[self._next % n]
+            lane = self._at_level(lane, priority) if priority else lane
             self._next = (self._next + 1) % n
             try:
                 # A refused partition forgot the request: the next one may take it under the same id.

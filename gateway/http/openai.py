@@ -36,7 +36,7 @@ from gateway.backends import Backend, Backends, known_io
 from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.oip.items import Gather, ItemFailed
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
 from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
 
@@ -197,7 +197,8 @@ class OpenAI:
             bound_s = request_bound_s(request.headers)
             key = request.headers.get(PARTITION_KEY_HEADER)
             ids = item_ids(request.request_id, len(query.texts))  # one text: the request's id; several: <id>.<i>
-            waiters = [backend.submit(text, bound_s, key, direct=True, request_id=rid)
+            priority = priority_of(request.headers)
+            waiters = [backend.submit(text, bound_s, key, direct=True, request_id=rid, priority=priority)
                        for text, rid in zip(query.texts, ids, strict=True)]
         except OpenAIError as exc:
             return exc.reply()

@@ -10,9 +10,10 @@
 
 A request may bound its wait with ``X-Conveyor-Timeout-S: <seconds>`` and/or
 ``X-Conveyor-Deadline-Ms: <absolute unix ms>``; the earlier of the two wins. For a partitioned
-pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition). The
-other protocols (gateway.http.oip.routes, gateway.http.openai) read the same headers. Every answer
-carries ``X-Request-Id`` (the client's own, echoed, or one made here), and an error's body its
+pipeline, ``X-Conveyor-Partition-Key: <key>`` picks the partition (one key, one partition).
+``X-Conveyor-Priority: <n>`` sets its priority level (1 the highest, 0 the default: see
+broker.levels). The other protocols (gateway.http.oip.routes, gateway.http.openai) read the same headers.
+Every answer carries ``X-Request-Id`` (the client's own, echoed, or one made here), and an error's body its
 ``request_id`` inside ``error`` (gateway.http.request_ids).
 
 Status codes: 200; 400 bad body or header (NaN/Infinity in JSON included); 413 over
@@ -41,7 +42,7 @@ from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipel
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
-__all__ = ["Pending", "Predict", "later", "once_declared", "request_bound_s", "timeout_s"]
+__all__ = ["Pending", "Predict", "later", "once_declared", "priority_of", "request_bound_s", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -49,6 +50,7 @@ TIMEOUT_HEADER = b"x-conveyor-timeout-s"
 DEADLINE_HEADER = b"x-conveyor-deadline-ms"
 # Partitioned pipelines: requests with one key go to one partition (gateway.client.gateway.partition_of).
 PARTITION_KEY_HEADER = b"x-conveyor-partition-key"
+PRIORITY_HEADER = b"x-conveyor-priority"  # Triton's meaning: 1 the highest level, 0 the default
 
 
 @dataclass(slots=True)
@@ -121,6 +123,18 @@ def timeout_s(headers: dict[bytes, bytes], now_s: float) -> float | None:
     return bound_s
 
 
+def priority_of(headers: dict[bytes, bytes]) -> int:
+    """The request's priority from ``X-Conveyor-Priority`` (0, the default, without it); 400 unless
+    it is a decimal integer >= 0."""
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return 0
+    if not raw.isdigit() or len(raw) > 18:
+        raise HttpError(400, "BadRequest", f"header {PRIORITY_HEADER.decode()} must be an integer >= 0 (1 the "
+                        f"highest level, 0 the default), got {raw[:32]!r}", outcome="bad_request")
+    return int(raw)
+
+
 def request_bound_s(headers: dict[bytes, bytes]) -> float | None:
     """`timeout_s` of a request about to be submitted: raises a 504 `HttpError` if its deadline passed."""
     if TIMEOUT_HEADER not in headers and DEADLINE_HEADER not in headers:
@@ -174,10 +188,10 @@ class Predict:
             return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
         try:
             x = _decode_body(codec, request.body)
-            bound_s = request_bound_s(request.headers)
+            bound_s, priority = request_bound_s(request.headers), priority_of(request.headers)
             try:
                 future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True,
-                                        request_id=request.request_id or None)
+                                        request_id=request.request_id or None, priority=priority)
             except Exception as exc:
                 raise backend_error(exc, self.debug) from exc
         except HttpError as exc:

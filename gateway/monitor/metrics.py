@@ -194,6 +194,9 @@ class Metrics:
             "workers_max": Gauge(f"{ns}_stage_autoscale_max_workers",
                                  "The most workers its autoscaling supervisors may run.", STAGE_LABELS, registry=reg),
         }
+        self.level_backlog = Gauge(f"{ns}_stage_level_backlog", "Entries (waiting or pending) in the stage's "
+                                   "stream of a priority level above the default (pipelines with priority_levels).",
+                                   [*STAGE_LABELS, "level"], registry=reg)
         # Partitioned pipelines (gateway.client.gateway): the stage gauges above are totals; these the parts.
         self._partition_gauges = {
             attr: Gauge(f"{ns}_partition_{attr}", f"Per partition: {help_}", [*STAGE_LABELS, "partition"],
@@ -239,7 +242,7 @@ class Metrics:
         not keep reporting its last numbers as if they were current.
         """
         self.reachable.set(1.0 if statuses and all(s.reachable for s in statuses.values()) else 0.0)
-        for gauge in (self.ready, *self._stage_gauges.values(), *self._partition_gauges.values()):
+        for gauge in (self.ready, self.level_backlog, *self._stage_gauges.values(), *self._partition_gauges.values()):
             gauge.clear()
         for name, status in statuses.items():
             self.ready.labels(name).set(1.0 if status.ready else 0.0)
@@ -250,6 +253,8 @@ class Metrics:
             labels = (name, str(stage.index), stage.name)
             for attr, gauge in self._stage_gauges.items():
                 gauge.labels(*labels).set(float(getattr(stage, attr)))
+            for level, entries in (getattr(stage, "level_backlog", None) or {}).items():
+                self.level_backlog.labels(*labels, str(level)).set(float(entries))
             for size, duration_s in stage.batches:
                 self.batch_size.labels(*labels).observe(size)
                 self.batch_duration.labels(*labels).observe(duration_s)

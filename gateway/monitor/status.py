@@ -73,6 +73,9 @@ class StageStatus:
     batch_length_errors: int = 0
     dead_letters: int = 0
     max_backlog: int | None = None
+    # Entries (waiting or pending) in the stage's streams of the priority levels above the default, by
+    # level (1 the highest); the default level's are ``backlog`` and ``pending``. Empty: no levels.
+    level_backlog: dict[int, int] = field(default_factory=dict)
     batches: list[tuple[int, float]] = field(default_factory=list)  # (size, seconds) since last read
     consumer_details: list[ConsumerStatus] = field(default_factory=list)
     # Over the last minute (or less: see stats_window_s), from the stats stream:
@@ -141,7 +144,8 @@ async def read_status(client: Any, keys: Keys, marks: dict[int, bytes] | None = 
         now = now_ms()
         window_start = now - window_ms
         starts = tuple(_range_start(marks, stage.index, window_start) for stage in spec)
-        [reads] = await read_partitions(client, [PartitionQuery(keys, starts)])
+        [reads] = await read_partitions(client, [PartitionQuery(keys, starts, levels=spec[0].priority_levels
+                                                                 if spec else 1)])
     except CONNECTION_ERRORS as exc:
         return PipelineStatus(False, [], f"redis unreachable: {exc}")
     stages = []
@@ -175,6 +179,7 @@ def _stage(info: StageInfo, reads: StageReads, now: int) -> StageStatus:
     # Redis >= 7 says how many entries the group has not read yet (lag; None when it cannot
     # tell); otherwise the stream holds the undelivered entries plus the pending ones.
     status.backlog = reads.lag if reads.lag is not None else max(0, reads.length - reads.pending)
+    status.level_backlog = {level: n for level, n in enumerate(reads.levels, start=1)}
     beats = reads.heartbeats
     status.live_workers = sum(1 for score in beats.values() if score >= live_after)
     status.loading_workers = sum(1 for score in reads.loading.values() if score >= live_after)
@@ -290,6 +295,7 @@ def _merge_stage(parts: list[StageStatus]) -> StageStatus:
         batches_last_minute=sum(s.batches_last_minute for s in parts),
         throughput_per_s=sum(s.throughput_per_s for s in parts),
         batch_p50_s=max(p50s) if p50s else None, batch_p99_s=max(p99s) if p99s else None,
+        level_backlog={level: sum(s.level_backlog.get(level, 0) for s in parts) for level in first.level_backlog},
         stats_window_s=min(s.stats_window_s for s in parts),
         autoscaling=[r for s in parts for r in s.autoscaling],
         workers_wanted=sum(s.workers_wanted for s in parts), workers_max=sum(s.workers_max for s in parts),
@@ -352,7 +358,7 @@ class StatusReader:
         window_start = now - self.window_ms
         count = spec[0].partitions if spec else 1
         return [PartitionQuery(k, tuple(self._window(k.partition, s.index).start(window_start) for s in spec),
-                               spec=k.partition > 0, sizing=sizing)
+                               spec=k.partition > 0, sizing=sizing, levels=spec[0].priority_levels if spec else 1)
                 for k in self.keys.partitions(count)]
 
     def shape(self, spec: list[StageInfo], reads: Sequence[PartitionReads], now: int,

@@ -52,6 +52,7 @@ from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
+from workers.loop.priorities import level_turns
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import EntryRouter, Work
@@ -118,10 +119,12 @@ class Worker:
         self._sharing = BurstSharing(Sharer(self._client, self.consumer)) if self.spec.share_bursts else None
         ttls = Ttls(self.settings.result_ttl_ms, self.settings.reply_ttl_ms)
         self._early = EarlyAnswers(self._client, self.spec, last_stage, ttls, self.settings.max_payload_bytes)
+        levels = self.pipeline.priority_levels  # each partition's level lanes together, highest first
         self._lanes = [ReadLane(keys, StreamReader(self._client, keys.stream(self.spec.index), self.consumer,
                                                fed_per_entry(self.pipeline, self.spec)),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
-                       for keys in self.pipeline.partition_keys]
+                       for part in self.pipeline.partition_keys for keys in part.levels(levels)]
+        self._levels = level_turns(self._lanes, levels, self.pipeline.fair_after, self._client, self.consumer)
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
@@ -138,9 +141,9 @@ class Worker:
                                  self.spec.handoff_after_s))
         if self._handoff is not None:  # looked at with each beat: entries behind a long call leave
             hooks.append(self._handoff)
-        self._heartbeat = Heartbeat(self.redis_settings, [lane.keys.heartbeats(index) for lane in self._lanes],
-                                    self.consumer, self.spec.name, self.settings.heartbeat_s, self.spec.claim_idle_s,
-                                    hooks)
+        beats = list(dict.fromkeys(lane.keys.heartbeats(index) for lane in self._lanes))  # one per partition
+        self._heartbeat = Heartbeat(self.redis_settings, beats, self.consumer, self.spec.name,
+                                    self.settings.heartbeat_s, self.spec.claim_idle_s, hooks)
         claim = self._claim_core()
         self._heartbeat.start(*([claim] if claim is not None else []))  # renews the claim from now on
         try:
@@ -149,6 +152,7 @@ class Worker:
             self._heartbeat.stop()  # and releases the core's claim
             for lane in self._lanes:
                 lane.close()
+            self._levels.close()
             self._early.close()
             self._client.close()
 
@@ -235,7 +239,8 @@ class Worker:
         claim_due, reap_due = now >= self._next_claim, now >= self._next_reap
         ahead = self._ahead.outstanding
         if ahead is not None:
-            if len(self._lanes) == 1 and not (claim_due or reap_due or ahead.recover or self.stopping):
+            if self._levels.one_node and not (claim_due or reap_due or self.stopping
+                                              or any(lane.recover for lane in self._lanes)):
                 self._read_ahead(ahead)
                 return
             self._settle()
@@ -253,14 +258,19 @@ class Worker:
             time.sleep(min(self.settings.idle_block_ms / 1000, max(0.0, soonest - time.monotonic())))
             return
         self._tell_drained()
-        self._read(up)
+        self._levels.turn(up, self._read_count(), self._picked, self._lane_error, self._read)  # else self._read(up)
+
+    def _picked(self, lane: ReadLane, entries: list[Entry], asked: int, first_at: float, wait: bool) -> None:
+        """A level's batch (``wait``: filled while waiting pays; a higher level's runs at once)."""
+        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0, first_at=first_at)
+                      if wait else functools.partial(self._process, entries=entries, deliveries=None))
 
     def _read_ahead(self, lane: ReadLane) -> None:
         """The next batch, read without blocking while the last one's commit runs; with nothing
         queued, the commit's reply is taken and the next turn waits on the stream as usual."""
         asked = self._read_count()
         try:
-            entries = lane.reader.read(asked)
+            picked, entries, wait = self._levels.ahead(lane, asked)  # with levels: the highest with entries
         except Exception as exc:  # the caller tells a lost node from a bug
             lane.reader.close()
             failure = exc
@@ -275,8 +285,7 @@ class Worker:
             return
         # idle_s 0: the worker did not wait for these (the time Redis spent on the commit is not
         # idleness; a burst shared with idle peers is one that came while this worker waited).
-        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0,
-                                              first_at=time.monotonic()))
+        self._picked(picked, entries, asked, time.monotonic(), wait)
 
     def _settle(self) -> None:
         """Take the reply of a commit sent ahead, its failure handled as its lane's."""
@@ -308,7 +317,7 @@ class Worker:
         batch = fill(lane.reader, self._policy, entries, asked, idle_s, first_at)
         # Full: a backlog is likely. Not a singleton stage's read of one (its next read would mostly
         # find nothing), nor a partitioned worker's (a late failure must be its own lane's).
-        self._process(lane, batch, None, full=len(batch) >= asked > 1 and len(self._lanes) == 1)
+        self._process(lane, batch, None, full=len(batch) >= asked > 1 and self._levels.one_node)
 
     def _idle_wait_s(self) -> float:
         """How long a first read waits with nothing queued: shorter with stats in hand, so that

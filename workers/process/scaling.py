@@ -118,6 +118,7 @@ class _Scaled:
     partitions: list[Keys]
     scaler: StageScaler
     cursors: list[bytes]
+    levels: int = 1
     reason: str = ""
     changed_ms: int = 0
 
@@ -134,9 +135,10 @@ class Autoscaler:
         self._client: SyncClient | None = None
         self._last = 0.0
 
-    def add(self, unit_id: str, spec: StageSpec, keys: Keys, partitions: list[Keys], cap: int) -> StageScaler:
+    def add(self, unit_id: str, spec: StageSpec, keys: Keys, partitions: list[Keys], cap: int,
+            levels: int = 1) -> StageScaler:
         scaler = StageScaler(spec, cap)
-        self._stages[unit_id] = _Scaled(keys, partitions, scaler, [b"-"] * len(partitions))
+        self._stages[unit_id] = _Scaled(keys, partitions, scaler, [b"-"] * len(partitions), levels)
         return scaler
 
     def due_in_s(self, now: float) -> float:
@@ -165,7 +167,7 @@ class Autoscaler:
                     starting: bool) -> Change | None:
         assert self._client is not None
         spec = scaled.scaler.spec
-        load = read_load(self._client, scaled.partitions, spec.index, scaled.cursors)
+        load = read_load(self._client, scaled.partitions, spec.index, scaled.cursors, scaled.levels)
         first = scaled.cursors[0] == b"-"  # the first read takes the stats' whole history: not a period's
         scaled.cursors = load.cursors
         change = None if first else scaled.scaler.observe(load, period_s, now, starting)
@@ -205,7 +207,7 @@ class Scaling:
             others = sum(u.count for u in units if u is not unit)  # every other stage at its minimum
             assert unit.keys is not None and self._auto is not None
             self._auto.add(unit_id, unit.spec, unit.keys, list(unit.partitions) or [unit.keys],
-                           cap=max(unit.count, cores - others))
+                           cap=max(unit.count, cores - others), levels=unit.levels)
 
     def due_in_s(self, now: float) -> float:
         return 1.0 if self._auto is None else self._auto.due_in_s(now)

@@ -75,6 +75,7 @@ class Unit:
     keys: Keys | None = None
     max_count: int = 0  # more than count: autoscaled between the two (workers.process.scaling)
     partitions: tuple[Keys, ...] = ()  # the pipeline's partitions, whose load autoscaling reads
+    levels: int = 1  # the pipeline's priority levels (each a stream per stage: all count in the backlog)
 
 
 @dataclass

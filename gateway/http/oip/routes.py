@@ -10,7 +10,10 @@
     POST /v2/models/NAME[/versions/1]/infer    inference (JSON, or the binary tensor data extension)
 
 A model is a pipeline; its one version is ``1``. How tensors become items is in
-:mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key) apply as on predict.
+:mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key, priority) apply as on
+predict. Triton's schedule policy parameters ``priority`` and ``timeout`` (microseconds) are read from
+the request's ``parameters`` (:func:`gateway.http.oip.infer.schedule_policy`): the parameter's priority
+wins over the header's, the earlier deadline wins.
 Errors are the protocol's ``{"error": "..."}``, with the request's id beside it (``"request_id"``, added as
 the answer is written: gateway.http.request_ids).
 """
@@ -37,7 +40,7 @@ from gateway.http.oip.items import (
     server_metadata,
 )
 from gateway.http.oip.tensors import TensorError
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, request_bound_s
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
 from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
 from gateway.monitor.metrics import PipelineStatusLike
@@ -133,10 +136,12 @@ class V2:
         try:
             inference = Inference(name, io, request.body, headers.get(HEADER_LENGTH), self._plans)
             items = inference.items()
-            bound_s = request_bound_s(headers)
+            plan = inference.plan
+            bound_s = _bound_s(request_bound_s(headers), plan.timeout_s)
             key = headers.get(PARTITION_KEY_HEADER)
             ids = item_ids(request.request_id, len(items))  # one request: its id; a batch of rows: <id>.<row>
-            waiters = [backend.submit(x, bound_s, key, direct=True, request_id=rid)
+            priority = plan.priority or priority_of(headers)
+            waiters = [backend.submit(x, bound_s, key, direct=True, request_id=rid, priority=priority)
                        for x, rid in zip(items, ids, strict=True)]
         except HttpError as exc:
             return error_reply(exc.status, exc.message, exc.outcome)
@@ -144,7 +149,6 @@ class V2:
             return error_reply(400, str(exc), "bad_request")
         except Exception as exc:  # the backend refused at once: Overloaded, PayloadTooLarge, CodecError, ...
             return failure_reply(exc)
-        plan = inference.plan
         if not waiters:  # a batch of zero rows
             return plan.respond([])
         if not io.batched:
@@ -153,6 +157,13 @@ class V2:
             return Pending(waiters[0], partial(_respond_row, plan))
         gather = Gather(asyncio.get_running_loop(), waiters)
         return Pending(gather.slot, partial(_respond, plan, False))
+
+
+def _bound_s(header_s: float | None, parameter_s: float | None) -> float | None:
+    """The request's wait: the earlier of its headers' bound and its ``parameters.timeout``."""
+    if parameter_s is None or (header_s is not None and header_s < parameter_s):
+        return header_s
+    return parameter_s
 
 
 def _refused(exc: Exception) -> Reply:

@@ -1,0 +1,274 @@
+"""Priorities: a pipeline of ``priority_levels`` N serves its higher levels first at every stage.
+
+Real redis-server, real ``conveyor worker`` processes (tests/priority_stages.py). A stage's
+``Record`` holds on a gate input while a backlog of every level builds up behind it, then the test
+releases it and reads the order the stage ran its inputs in. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from broker.keys import Keys
+from broker.levels import stream_level
+from broker.registry import register
+from broker.spec import decode_spec, encode_spec
+from broker.submit import Submitter
+from gateway import Gateway, Overloaded
+from gateway.client.settings import GatewaySettings
+from tests.helpers import Workers, running_workers, wait_for
+from tests.ops_stages import Proc, exchange, free_port, http_request, start_conveyor, status_code, stop_all
+from tests.priority_stages import plain
+from workers.embedded.server import EmbeddedRedis
+
+T = 30.0
+APP = "tests.priority_stages"
+
+
+def stream_len(client: redis.Redis, key: str) -> int:
+    return int(client.xlen(key)) if client.exists(key) else 0
+
+
+def hold(client: redis.Redis, pipeline: str, stage: int) -> None:
+    """Wait until the stage's worker holds on its gate input (sent by the caller)."""
+    wait_for(lambda: client.exists(f"t:{pipeline}:held:{stage}"), T, f"stage {stage} of {pipeline} held")
+
+
+def release(client: redis.Redis, pipeline: str, stage: int) -> None:
+    client.rpush(f"t:{pipeline}:gate:{stage}", 1)
+
+
+def order(client: redis.Redis, pipeline: str, stage: int, count: int) -> list[str]:
+    key = f"t:{pipeline}:order:{stage}"
+    wait_for(lambda: client.llen(key) >= count, T, f"{count} inputs run at stage {stage}")
+    return [v.decode() for v in client.lrange(key, 0, -1)]
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: EmbeddedRedis) -> Iterator[str]:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()  # the session's server: this module's workers run on it until its end
+    finally:
+        client.close()
+    yield redis_server.url
+
+
+@pytest.fixture(scope="module")
+def ordered(server: str) -> Iterator[Workers]:
+    with running_workers(server, f"{APP}:ordered", ["Record", "Record1"]) as group:
+        group.wait_ready("t-prio", T)
+        yield group
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(server)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+async def submit_all(url: str, pipeline: str, batches: list[tuple[list[str], int]]) -> list[Any]:
+    """Every value of each ``(values, priority)`` in order, one turn each; their answers."""
+    async with Gateway(url, pipeline, GatewaySettings(timeout_s=T)) as gw:
+        futures: list[Any] = []
+        for values, priority in batches:
+            futures += [gw.submit(v, priority=priority) for v in values]
+            await asyncio.sleep(0)  # the flusher's turn: each batch reaches Redis in order
+        return list(await asyncio.wait_for(asyncio.gather(*futures), T))
+
+
+def run_with_gate(url: str, pipeline: str, stage: int, backlog: list[tuple[list[str], int]],
+                  queued: dict[str, int]) -> list[Any]:
+    """Hold ``stage`` on its gate, submit ``backlog``, wait until Redis holds ``queued`` (stream -> XLEN),
+    release the gate; the answers."""
+    client = redis.Redis.from_url(url)
+    answers: list[Any] = []
+    try:
+        thread = threading.Thread(target=lambda: answers.extend(asyncio.run(submit_all(
+            url, pipeline, [([f"gate{stage}"], 0)]))), daemon=True)
+        thread.start()
+        hold(client, pipeline, stage)
+        done: list[Any] = []
+        second = threading.Thread(target=lambda: done.extend(asyncio.run(submit_all(url, pipeline, backlog))),
+                                  daemon=True)
+        second.start()
+        for stream, n in queued.items():
+            wait_for(lambda s=stream, n=n: stream_len(client, s) >= n, T, f"{n} entries in {stream}")
+        release(client, pipeline, stage)
+        second.join(T)
+        thread.join(T)
+        assert not second.is_alive() and not thread.is_alive(), "answers did not come in time"
+        return done
+    finally:
+        client.close()
+
+
+def test_higher_level_first_and_fifo_within_a_level(ordered: Workers, client: redis.Redis) -> None:
+    low = [f"d{i}" for i in range(6)]
+    high = [f"p{i}" for i in range(6)]
+    p = Keys("t-prio")
+    answers = run_with_gate(ordered.redis_url, "t-prio", 0, [(low, 0), (high, 1)],
+                            {p.stream(0): 1 + len(low), p.at_level(1).stream(0): len(high)})
+    assert answers == low + high
+    assert order(client, "t-prio", 0, 12)[-12:] == high + low
+
+
+def test_priority_travels_to_the_next_stage(ordered: Workers, client: redis.Redis) -> None:
+    """Stage 1 holds: stage 0 forwards each request into its own level's stream of stage 1."""
+    client.delete("t:t-prio:order:1")
+    low = [f"e{i}" for i in range(5)]
+    high = [f"q{i}" for i in range(5)]
+    p = Keys("t-prio")
+    answers = run_with_gate(ordered.redis_url, "t-prio", 1, [(low, 0), (high, 1)],
+                            {p.stream(1): 1 + len(low), p.at_level(1).stream(1): len(high)})
+    assert answers == low + high
+    assert order(client, "t-prio", 1, 10)[-10:] == high + low
+
+
+def test_a_foreign_producer_adds_to_a_level_stream(ordered: Workers, client: redis.Redis) -> None:
+    rid, reply = uuid.uuid4().hex, f"conveyor:{{t-prio}}:reply:{uuid.uuid4().hex}"
+    client.xadd("conveyor:{t-prio}:stream:0:p1", {"id": rid, "data": msgpack.packb("foreign"), "reply": reply,
+                                                 "deadline_ms": int(time.time() * 1000) + 30_000})
+    popped = client.blpop([reply], timeout=T)
+    assert popped is not None
+    assert msgpack.unpackb(popped[1]) == [{"id": rid, "ok": True, "value": "foreign"}]
+
+
+def test_http_header_and_oip_parameters(ordered: Workers, client: redis.Redis, tmp_path: Any) -> None:
+    port = free_port()
+    procs: list[Proc] = [start_conveyor(tmp_path, "gateway", "gateway", "t-prio", "--redis", ordered.redis_url,
+                                        "--port", str(port), redis_url=ordered.redis_url)]
+    try:
+        wait_for(lambda: status_code(port, "/readyz") == 200, T, "the gateway ready")
+        client.delete("t:t-prio:order:0")
+        replies: dict[str, Any] = {}
+
+        def call(name: str, path: str, body: bytes, headers: dict[str, str], timeout_s: float = T) -> None:
+            replies[name] = exchange(port, http_request("POST", path, body, {"content-type": "application/json",
+                                                                            **headers}), "POST", timeout_s)
+
+        infer = "/v2/models/t-prio/infer"
+
+        def oip(value: str, parameters: dict[str, int]) -> bytes:
+            return json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": [value]}],
+                               "parameters": parameters}).encode()
+
+        gate = threading.Thread(target=call, args=("gate", "/v1/predict", b'"gate0"', {}), daemon=True)
+        gate.start()
+        hold(client, "t-prio", 0)
+        # parameters.timeout, in microseconds: a 504 long before the gateway's default of 30 s
+        call("timeout", infer, oip("late", {"timeout": 300_000}), {}, timeout_s=10.0)
+        assert replies["timeout"].status == 504, replies["timeout"].body
+        threads = [threading.Thread(target=call, args=args, daemon=True) for args in (
+            ("low", "/v1/predict", b'"low"', {}),
+            ("header", "/v1/predict", b'"header"', {"x-conveyor-priority": "1"}),
+            ("oip", infer, oip("oip", {"priority": 1}), {}))]
+        for thread in threads:
+            thread.start()
+        p = Keys("t-prio")
+        wait_for(lambda: stream_len(client, p.at_level(1).stream(0)) == 2, T, "two requests at level 1")
+        wait_for(lambda: stream_len(client, p.stream(0)) >= 3, T, "the gate, 'late' and 'low' at the default level")
+        release(client, "t-prio", 0)
+        for thread in [*threads, gate]:
+            thread.join(T)
+        assert {name: r.status for name, r in replies.items()} == {"gate": 200, "timeout": 504, "low": 200,
+                                                                    "header": 200, "oip": 200}
+        ran = [x for x in order(client, "t-prio", 0, 3) if x != "late"]  # 'late' ran too: a stage skips it
+        assert set(ran[:2]) == {"header", "['oip']"} and ran[2] == "low", ran
+        bad = exchange(port, http_request("POST", "/v1/predict", b"1", {"content-type": "application/json",
+                                                                        "x-conveyor-priority": "high"}), "POST")
+        assert bad.status == 400
+        bad = exchange(port, http_request("POST", infer, oip("x", {"priority": -1}),
+                                          {"content-type": "application/json"}), "POST")
+        assert bad.status == 400
+    finally:
+        stop_all(procs)
+
+
+def test_starvation_guard_serves_the_default_level(server: str, client: redis.Redis) -> None:
+    """fair_after=2: after two batches of level 1 in a row, one of the default level."""
+    with running_workers(server, f"{APP}:fair", ["Record"]) as group:
+        group.wait_ready("t-prio-fair", T)
+        low = [f"d{i}" for i in range(3)]
+        high = [f"p{i}" for i in range(8)]
+        p = Keys("t-prio-fair")
+        run_with_gate(server, "t-prio-fair", 0, [(low, 0), (high, 1)],
+                      {p.stream(0): 1 + len(low), p.at_level(1).stream(0): len(high)})
+        ran = order(client, "t-prio-fair", 0, 11)
+    assert ran == ["p0", "p1", "d0", "p2", "p3", "d1", "p4", "p5", "d2", "p6", "p7"]
+
+
+def test_admission_per_level_refuses_the_lowest_first(server: str, client: redis.Redis) -> None:
+    """max_backlog=3 for every level; a level's backlog counts the levels above it."""
+    from tests.priority_stages import Record
+    from workers import Pipeline
+
+    pipeline = Pipeline("t-prio-adm", priority_levels=2).add(Record, pipeline="t-prio-adm", stage=0, max_backlog=3)
+    keys = pipeline.keys
+    register(client, pipeline.name, [(k, k.stream(0)) for k in keys.levels(2)], encode_spec(pipeline.describe()), 3)
+
+    async def scenario() -> list[str]:
+        outcomes: list[str] = []
+        async with Gateway(server, "t-prio-adm", GatewaySettings(timeout_s=T)) as gw:
+            async def one(priority: int) -> None:
+                future = gw.submit("x", priority=priority)
+                try:
+                    await asyncio.wait_for(asyncio.shield(future), 0.5)
+                except Overloaded:
+                    outcomes.append(f"refused {priority}")
+                    return
+                except TimeoutError:
+                    pass  # admitted: no worker answers it
+                outcomes.append(f"admitted {priority}")
+            for priority in (0, 0, 1, 1, 0, 1, 1):
+                await one(priority)
+        return outcomes
+
+    assert asyncio.run(scenario()) == ["admitted 0", "admitted 0", "admitted 1", "admitted 1", "refused 0",
+                                       "admitted 1", "refused 1"]
+    assert stream_len(client, keys.stream(0)) == 2 and stream_len(client, keys.at_level(1).stream(0)) == 3
+
+
+def test_unchanged_without_priorities(server: str, client: redis.Redis) -> None:
+    """A pipeline without levels: the same spec, keys and submit call as before; a priority asked of it
+    goes to the default level (Triton: a priority past the levels is the default)."""
+    assert decode_spec(encode_spec(plain.describe()))[0].priority_levels == 1
+    assert b"priority_levels" not in encode_spec(plain.describe())
+    keys = Keys("t-prio-none")
+    assert keys.levels(1) == [keys] and keys.stream(0) == "conveyor:{t-prio-none}:stream:0"
+    args = Submitter(keys, b"r").arguments([(b"i", b"d", b"9", b"")], [])
+    assert args[2:5] == [b"2", b"conveyor:{t-prio-none}:stream:0", b"conveyor:{t-prio-none}:max_backlog"]
+    assert len(args) == 11  # no optional tail
+    with running_workers(server, f"{APP}:plain", ["Record"]) as group:
+        group.wait_ready("t-prio-none", T)
+
+        async def both() -> list[Any]:
+            async with Gateway(server, "t-prio-none", GatewaySettings(timeout_s=T)) as gw:
+                return list(await asyncio.gather(gw.predict(1), gw.predict(2, priority=1)))
+
+        assert asyncio.run(both()) == [1, 2]
+    assert list(client.scan_iter(match="conveyor:{t-prio-none}:stream:*:p*")) == []
+
+
+@pytest.mark.unit
+def test_stream_level_follows_triton() -> None:
+    assert [stream_level(p, 3) for p in (0, 1, 2, 3, 4)] == [0, 1, 2, 0, 0]
+    assert [stream_level(p, 1) for p in (0, 1, 5)] == [0, 0, 0]
+    for bad in (-1, True, 1.5, "1"):
+        with pytest.raises(ValueError):
+            stream_level(bad, 2)  # type: ignore[arg-type]
+    assert [k.stream(2) for k in Keys("p").levels(3)] == ["conveyor:{p}:stream:2:p1", "conveyor:{p}:stream:2:p2",
+                                                          "conveyor:{p}:stream:2"]
