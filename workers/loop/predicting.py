@@ -95,19 +95,25 @@ class Predictor:
         self._busy = busy
         self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
         self._wrong_length = wrong_length
+        # The last run's predict calls: (first item, end, start, end in perf_counter seconds), for the
+        # spans and timings of its traced items (workers.loop.tracing).
+        self.slices: list[tuple[int, int, float, float]] = []
 
     def run(self, work: Work, stats: BatchStats) -> list[Outcome]:
         """The outcome of each item of ``work``, in order."""
         spec = self._spec
         size = spec.batch_size if spec.batched else len(work)
         outcomes: list[Outcome] = []
+        slices = self.slices = []
         for start in range(0, len(work), size):
             part = work[start:start + size]
             began = time.perf_counter()
             if self._busy is not None:
                 self._busy.batch(spec, [item.deadline_ms for item, _ in part])
             outcomes += self._call([x for _, x in part])
-            self._record(stats, len(part), (time.perf_counter() - began) * 1000)
+            ended = time.perf_counter()
+            slices.append((start, start + len(part), began, ended))
+            self._record(stats, len(part), (ended - began) * 1000)
         if self._busy is not None:
             self._busy.idle()
         return outcomes

@@ -42,6 +42,7 @@ from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
 from broker.streams import Entry, StreamReader, read_any
+from broker.tracing import TraceSettings
 from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
@@ -54,6 +55,7 @@ from workers.loop.predicting import Predictor
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import EntryRouter
+from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
 from workers.process.watch import BusyCell, StatusPipe
@@ -79,10 +81,12 @@ class WorkerSettings:
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
                  consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "",
-                 claim_cpu: int | None = None, busy: BusyCell | None = None) -> None:
+                 claim_cpu: int | None = None, busy: BusyCell | None = None,
+                 traces: TraceSettings | None = None) -> None:
         """``claim_cpu``: claim a core host-wide, preferring this one, and pin to it (else the
         process is pinned already, or not at all). ``busy``: where the supervisor watches each
-        batch's stuck time."""
+        batch's stuck time. ``traces``: whether this process exports spans (broker.tracing)."""
+        self.traces = traces or TraceSettings()
         self.pipeline = pipeline
         self.spec = spec
         self.redis_settings = redis_settings
@@ -110,6 +114,7 @@ class Worker:
         self._router = EntryRouter(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
                               self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
+        self._tracing = StageTracing.start(self.spec, self.pipeline.name, self.consumer, self.traces)
         self._policy = self._wait_policy()
         self._ahead = ReadAhead(self.settings.read_ahead)
         self._read_size = SingletonReadSize()
@@ -142,6 +147,7 @@ class Worker:
             for lane in self._lanes:
                 lane.close()
             self._client.close()
+            self._tracing.close()
 
     def _live(self, count: int) -> None:
         self._read_size.live_workers = count
@@ -361,7 +367,10 @@ class Worker:
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         if work:
+            traced = self._tracing.before(work, lane.stats, deliveries)
             outcomes = self._predictor.run(work, lane.stats)
+            if traced:
+                self._tracing.after(work, traced, outcomes, self._predictor.slices, lane.stats, deliveries)
             if not self._told_idle:
                 self.status.send(b"I")
                 self._told_idle = True
