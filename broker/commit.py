@@ -117,6 +117,26 @@ class BatchStats:
         return fields
 
 
+ItemExemplar = tuple[str, int, str, float]  # kind ("w" wait, "p" predict), bucket index, trace id, seconds
+
+
+def item_stats(fields: dict[bytes, bytes]) -> tuple[list[tuple[int, int]], list[ItemExemplar]]:
+    """A stats entry's ``w`` and ``x`` fields (BatchStats): (bucket, items) pairs and exemplars; none
+    for an entry without them (an older worker's) or one that cannot be read."""
+    waits: list[tuple[int, int]] = []
+    exemplars: list[ItemExemplar] = []
+    try:
+        for pair in fields.get(b"w", b"").split():
+            bucket, count = pair.split(b":")
+            waits.append((int(bucket), int(count)))
+        for token in fields.get(b"x", b"").split():
+            kind, bucket, trace_id, seconds = token.split(b":")
+            exemplars.append((kind.decode(), int(bucket), trace_id.decode(), float(seconds)))
+    except ValueError:
+        return [], []
+    return waits, exemplars
+
+
 def bucket_of(seconds: float) -> int:
     """The index of the first of ``ITEM_BUCKETS_S`` at or above ``seconds`` (len: +Inf)."""
     return bisect_left(ITEM_BUCKETS_S, seconds)

@@ -157,6 +157,7 @@ class SpanRecord:
     server: bool = False  # the gateway's request span (kind SERVER); stages' spans are INTERNAL
     error: tuple[str, str, str] | None = None  # exception type, message, traceback
     remote_parent: bool = True
+    tracestate: str | None = None  # the caller's W3C tracestate, kept on the gateway's span
 
 
 class SpanSink:
@@ -196,7 +197,8 @@ class SpanSink:
         records = self._records
         while records:
             r = records.popleft()
-            context = api.SpanContext(r.trace_id, r.span_id, False, flags)
+            state = api.TraceState.from_header([r.tracestate]) if r.tracestate else None
+            context = api.SpanContext(r.trace_id, r.span_id, False, flags, state)
             parent = api.SpanContext(r.trace_id, r.parent_id, r.remote_parent, flags) if r.parent_id else None
             status, events = api.Status(api.StatusCode.UNSET), ()  # type: tuple[Any, tuple[Any, ...]]
             if r.error is not None:

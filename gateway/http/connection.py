@@ -32,6 +32,7 @@ import math
 from collections import deque
 from typing import Any, cast
 
+from gateway.client.trace_context import CURRENT, RequestTrace
 from gateway.http.framing import CONTINUE, frame
 from gateway.http.parsing import RequestReader
 from gateway.http.routes import TIMED_ROUTES, Pending, Router
@@ -60,6 +61,8 @@ class HttpProtocol(asyncio.Protocol):
         self.settings = state.settings
         self.router = router
         self.metrics = state.metrics
+        self.tracing = state.tracing
+        self.trace: RequestTrace | None = None  # the current request's, if sampled or timed
         self.loop = loop
         self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
@@ -188,7 +191,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._end()
                 return
             self.started = self.loop.time()
-            label, answer = self.router.start(item)
+            if self.tracing.active and item.method == b"POST":  # the routes that run a pipeline
+                label, answer = self._start_traced(item)
+            else:
+                label, answer = self.router.start(item)
             if isinstance(answer, Pending):
                 self.current = (item, label, answer)
                 answer.future.add_done_callback(self._on_done)
@@ -200,6 +206,17 @@ class HttpProtocol(asyncio.Protocol):
                 self._close()  # the client half-closed: nothing more will come
             elif self.phase == _IDLE:
                 self._after_idle()
+
+    def _start_traced(self, item: Request) -> tuple[str, Reply | Pending]:
+        """Route a request whose trace (sampled, or timing headers on) its submissions read."""
+        self.trace = trace = self.tracing.begin(item)
+        if trace is None:
+            return self.router.start(item)
+        token = CURRENT.set(trace)
+        try:
+            return self.router.start(item)
+        finally:
+            CURRENT.reset(token)
 
     def _on_done(self, future: object) -> None:
         """The current request's answer is ready: called by a `Slot` as the reply reader resolves
@@ -224,6 +241,9 @@ class HttpProtocol(asyncio.Protocol):
     def _respond(self, item: Request, label: str, reply: Reply) -> bool:
         """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
+        if self.trace is not None:
+            reply = self.tracing.finish(self.trace, item, label, reply)
+            self.trace = None
         self._write(frame(reply, head_only=item.method == b"HEAD", close=not keep))
         duration = self.loop.time() - self.started if label in TIMED_ROUTES else None
         self.metrics.observe_request(label, reply.outcome, duration)
