@@ -20,8 +20,9 @@ the ``traceparent`` names (the gateway's request span): each stage forwards the 
 its timing token, so the parent stays one and the tree stays flat and simple.
 
 **Spans are made off the hot path** (:class:`SpanSink`): the caller records a tuple (ids, times,
-attributes) per span, a thread of the sink turns them into the SDK's ``ReadableSpan`` and hands them
-to a ``BatchSpanProcessor`` (its own thread, ``OTEL_BSP_*``), which exports them over OTLP/HTTP. The
+attributes) per span, a thread of the sink turns them into OTLP protobuf bytes (:mod:`broker.otlp`, a
+few microseconds a span where the SDK's encoder takes ~75) and sends them with the SDK's OTLP/HTTP
+exporter's client. The
 span's times are given, not measured by the SDK: a worker's wait span starts at its entry's id (when
 it entered the stream) and the numbers a timing header reports are the spans' own.
 """
@@ -145,7 +146,7 @@ def parent_of(value: bytes) -> tuple[int, int, int] | None:
 
 @dataclass(slots=True)
 class SpanRecord:
-    """One finished span, as a hot path records it: the sink makes the SDK's span of it later."""
+    """One finished span, as a hot path records it: the sink encodes it later, on its own thread."""
 
     name: str
     trace_id: int
@@ -156,29 +157,39 @@ class SpanRecord:
     attributes: dict[str, Any]
     server: bool = False  # the gateway's request span (kind SERVER); stages' spans are INTERNAL
     error: tuple[str, str, str] | None = None  # exception type, message, traceback
-    remote_parent: bool = True
+    constant: bytes = b""  # attributes every span of the process has, encoded once (broker.otlp.attributes)
     tracestate: str | None = None  # the caller's W3C tracestate, kept on the gateway's span
 
 
 class SpanSink:
-    """Turns :class:`SpanRecord` s into SDK spans on a thread of its own, every ``period_s`` or when
-    ``WAKE_AT`` wait; a ``BatchSpanProcessor`` exports them. The recording side only appends."""
+    """Encodes :class:`SpanRecord` s (:mod:`broker.otlp`) and sends them, on a thread of its own, every
+    ``period_s`` or as soon as ``WAKE_AT`` wait, at most ``MAX_BATCH`` per request; the recording side
+    only appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`).
+    At most ``MAX_QUEUE`` spans wait: past that, new ones are dropped (counted in ``dropped``), as the
+    SDK's batch processor does, so that a collector that cannot keep up never grows a process."""
 
     WAKE_AT = 512
+    MAX_BATCH = 512
+    MAX_QUEUE = 65_536
 
-    def __init__(self, processor: Any, resource: Any, period_s: float = 0.05) -> None:
-        self._processor = processor
-        self._resource = resource
+    def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 0.05) -> None:
+        self._send = send
+        self._resource = dict(resource)
         self._period_s = period_s
         self._records: deque[SpanRecord] = deque()
         self._wake = threading.Event()
         self._stopped = False
+        self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="conveyor-spans", daemon=True)
         self._thread.start()
 
     def record(self, span: SpanRecord) -> None:
-        self._records.append(span)
-        if len(self._records) >= self.WAKE_AT:
+        records = self._records
+        if len(records) >= self.MAX_QUEUE:
+            self.dropped += 1
+            return
+        records.append(span)
+        if len(records) >= self.WAKE_AT:
             self._wake.set()
 
     def _run(self) -> None:
@@ -188,61 +199,51 @@ class SpanSink:
             self._drain()
 
     def _drain(self) -> None:
-        from opentelemetry import trace as api
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from broker import otlp
 
-        scope = InstrumentationScope("conveyor")
-        flags = api.TraceFlags(api.TraceFlags.SAMPLED)
         records = self._records
         while records:
-            r = records.popleft()
-            state = api.TraceState.from_header([r.tracestate]) if r.tracestate else None
-            context = api.SpanContext(r.trace_id, r.span_id, False, flags, state)
-            parent = api.SpanContext(r.trace_id, r.parent_id, r.remote_parent, flags) if r.parent_id else None
-            status, events = api.Status(api.StatusCode.UNSET), ()  # type: tuple[Any, tuple[Any, ...]]
-            if r.error is not None:
-                kind, message, trace = r.error
-                status = api.Status(api.StatusCode.ERROR, f"{kind}: {message}")
-                events = (Event("exception", {"exception.type": kind, "exception.message": message,
-                                              "exception.stacktrace": trace}, r.end_ns),)
-            span = ReadableSpan(r.name, context, parent, self._resource, r.attributes, events,
-                                kind=api.SpanKind.SERVER if r.server else api.SpanKind.INTERNAL, status=status,
-                                start_time=r.start_ns, end_time=r.end_ns, instrumentation_scope=scope)
+            batch: list[bytes] = []
+            while records and len(batch) < self.MAX_BATCH:
+                r = records.popleft()
+                batch.append(otlp.span(r.trace_id, r.span_id, r.parent_id, r.name,
+                                       otlp.KIND_SERVER if r.server else otlp.KIND_INTERNAL, r.start_ns, r.end_ns,
+                                       r.constant, r.attributes, r.tracestate, r.error))
             try:
-                self._processor.on_end(span)
+                result = self._send(otlp.export_request(self._resource, "conveyor", batch))
+                if getattr(result, "success", True) is False:
+                    log.warning("span export failed error=%s", getattr(result, "error", None))
             except Exception:  # an exporter's trouble must never reach the request path
-                log.exception("span dropped")
+                log.exception("span export failed")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Export what was recorded (bounded), then stop."""
+        """Send what was recorded (bounded), then stop."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout_s)
         self._drain()
-        try:
-            self._processor.force_flush(int(timeout_s * 1000))
-            self._processor.shutdown()
-        except Exception:
-            log.exception("span export at shutdown failed")
 
 
 def start_sink(service_name: str, environ: Mapping[str, str]) -> SpanSink:
-    """The OTLP/HTTP exporter and a batch processor as the ``OTEL_*`` variables configure them
-    (endpoint, headers, ``OTEL_BSP_*``; ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES``, else
-    ``service_name``). Raises ImportError with the install line when the ``[otel]`` extra is missing."""
+    """A sink sending through the SDK's OTLP/HTTP exporter as the ``OTEL_*`` variables configure it
+    (endpoint, headers, compression, timeout), its resource from ``OTEL_SERVICE_NAME`` and
+    ``OTEL_RESOURCE_ATTRIBUTES``, else ``service_name``. Raises ImportError with the install line when
+    the ``[otel]`` extra is missing."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
         raise ImportError(f"tracing is configured (OTEL_*) but the OpenTelemetry SDK is missing: "
                           f"pip install 'conveyor[otel]' ({exc})") from exc
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
-    resource = Resource.create(attributes)
-    return SpanSink(BatchSpanProcessor(OTLPSpanExporter()), resource)
+    resource = Resource.create(attributes).attributes
+    exporter = OTLPSpanExporter()
+    client = getattr(exporter, "_client", None)  # the transport the exporter sends encoded bytes with (1.45)
+    if client is None:
+        raise ImportError("this opentelemetry-exporter-otlp-proto-http has no transport client: "
+                          "pip install 'conveyor[otel]' (the pinned 1.45.2)")
+    return SpanSink(client.export, resource)
 
 
 def now_ns() -> int:
     return time.time_ns()
-

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from broker import tracing
+from broker import otlp, tracing
 from broker.commit import BatchStats, bucket_of
 from workers.loop.routing import Work
 from workers.loop.runner import Outcome
@@ -41,8 +41,9 @@ class StageTracing:
         self._consumer = consumer
         self._sink = sink
         self._batches = 0
-        self._attributes = {"conveyor.pipeline": pipeline, "conveyor.stage": spec.name,
-                            "conveyor.stage.index": spec.index, "conveyor.worker": consumer}
+        # What every span of this worker says, encoded once (broker.otlp): a span adds only its own.
+        self._constant = otlp.attributes({"conveyor.pipeline": pipeline, "conveyor.stage": spec.name,
+                                          "conveyor.stage.index": spec.index, "conveyor.worker": consumer})
         self._wait_name = f"{spec.name} wait"
         self._predict_name = f"{spec.name} predict"
         self._start_ns = 0
@@ -93,11 +94,11 @@ class StageTracing:
                 continue
             entered_ns = min(now_ns, _entered_ms(item.entry_id) * 1_000_000)
             stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, f"{parent[0]:032x}")
-            attributes = {**self._attributes, "conveyor.request.id": item.request_id.decode(),
+            attributes = {"conveyor.request.id": item.request_id.decode(),
                           "conveyor.delivery": deliveries.get(item.entry_id, 1), "conveyor.entry.id":
                           item.entry_id.decode()}
             sink.record(tracing.SpanRecord(self._wait_name, parent[0], tracing.new_span_id(), parent[1],
-                                           entered_ns, now_ns, attributes))
+                                           entered_ns, now_ns, attributes, constant=self._constant))
 
     def after(self, work: Work, traced: list[int], outcomes: Sequence[Outcome],
               slices: Sequence[tuple[int, int, float, float]], stats: BatchStats,
@@ -132,11 +133,11 @@ class StageTracing:
                       batch_id: str, outcome: Outcome, delivery: int) -> None:
         ok, value = outcome
         error = None if ok else (value.type, value.message, value.traceback)
-        attributes = {**self._attributes, "conveyor.request.id": item.request_id.decode(),
-                      "conveyor.batch.size": size, "conveyor.batch.id": batch_id, "conveyor.delivery": delivery}
+        attributes = {"conveyor.request.id": item.request_id.decode(), "conveyor.batch.size": size,
+                      "conveyor.batch.id": batch_id, "conveyor.delivery": delivery}
         assert self._sink is not None
         self._sink.record(tracing.SpanRecord(self._predict_name, parent[0], tracing.new_span_id(), parent[1],
-                                             began_ns, ended_ns, attributes, error=error))
+                                             began_ns, ended_ns, attributes, error=error, constant=self._constant))
 
 
 def _entered_ms(entry_id: bytes) -> int:
