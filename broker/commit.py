@@ -87,7 +87,7 @@ class BatchStats:
     durations: list[bytes] = field(default_factory=list)
     since: float = 0.0
     waits: dict[int, int] = field(default_factory=dict)  # bucket index -> items
-    exemplars: dict[tuple[bytes, int], bytes] = field(default_factory=dict)  # (kind, bucket) -> trace id:seconds
+    exemplars: dict[tuple[bytes, int], tuple[int, float]] = field(default_factory=dict)  # -> (trace id, seconds)
 
     def add(self, size: int, duration_ms: float) -> None:
         if size > 0:
@@ -99,9 +99,9 @@ class BatchStats:
         waits = self.waits
         waits[bucket] = waits.get(bucket, 0) + items
 
-    def add_exemplar(self, kind: bytes, seconds: float, trace_id: str) -> None:
+    def add_exemplar(self, kind: bytes, seconds: float, trace_id: int) -> None:
         """A sampled item's wait (``kind`` b"w") or predict share (b"p"), for its bucket's exemplar."""
-        self.exemplars[(kind, bucket_of(seconds))] = b"%s:%.6f" % (trace_id.encode(), seconds)
+        self.exemplars[(kind, bisect_left(ITEM_BUCKETS_S, seconds))] = (trace_id, seconds)
 
     def due(self, now: float) -> bool:
         return bool(self.sizes) and now - self.since >= self.period_s
@@ -109,7 +109,7 @@ class BatchStats:
     def take(self, now: float) -> tuple[bytes, bytes, bytes, bytes]:
         """The fields of one stats entry (``n``, ``ms``, ``w``, ``x``), emptying the buffer."""
         waits = b" ".join(b"%d:%d" % pair for pair in sorted(self.waits.items()))
-        exemplars = b" ".join(b"%s:%d:%s" % (kind, bucket, value)
+        exemplars = b" ".join(b"%s:%d:%032x:%.6f" % (kind, bucket, *value)
                               for (kind, bucket), value in self.exemplars.items())
         fields = b" ".join(self.sizes), b" ".join(self.durations), waits, exemplars
         self.sizes, self.durations, self.since = [], [], now

@@ -20,10 +20,19 @@ from typing import Any
 __all__ = ["attributes", "export_request", "span"]
 
 KIND_INTERNAL, KIND_SERVER = 1, 2
+_IDS = struct.Struct(">BBQQBBQ")  # trace id (field 1, 16 bytes), span id (field 2, 8 bytes)
+_PARENT = struct.Struct(">BBQ")
+_TIMES = struct.Struct("<BBBQBQ")  # kind (field 6, < 128), start and end (fields 7, 8: fixed64)
+_LOW = (1 << 64) - 1
 STATUS_ERROR = 2
 
 
+_SMALL = [bytes((n,)) for n in range(128)]
+
+
 def _varint(n: int) -> bytes:
+    if 0 <= n < 128:
+        return _SMALL[n]
     if n < 0:
         n += 1 << 64
     out = bytearray()
@@ -36,11 +45,16 @@ def _varint(n: int) -> bytes:
 
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (``tag``: field number << 3 | 2)."""
-    return bytes((tag,)) + _varint(len(payload)) + payload
+    size = len(payload)
+    if size < 128:
+        return b"%c%c%b" % (tag, size, payload)
+    return _SMALL[tag] + _varint(size) + payload
 
 
 def _value(value: Any) -> bytes:
     """An ``AnyValue``: string 1, bool 2, int 3, double 4."""
+    if type(value) is str:
+        return _field(0x0A, value.encode())
     if isinstance(value, bool):
         return b"\x10" + (b"\x01" if value else b"\x00")
     if isinstance(value, int):
@@ -60,13 +74,13 @@ def span(trace_id: int, span_id: int, parent_id: int, name: str, kind: int, star
          constant: bytes, values: Mapping[str, Any], tracestate: str | None = None,
          error: tuple[str, str, str] | None = None) -> bytes:
     """One ``Span`` message (``constant``: attributes encoded once by :func:`attributes`)."""
-    parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
+    parts = [_IDS.pack(0x0A, 16, trace_id >> 64, trace_id & _LOW, 0x12, 8, span_id)]
     if tracestate:
         parts.append(_field(0x1A, tracestate.encode()))
     if parent_id:
-        parts += (b"\x22\x08", parent_id.to_bytes(8, "big"))
-    parts += (_field(0x2A, name.encode()), b"\x30", _varint(kind), b"\x39", struct.pack("<Q", start_ns), b"\x41",
-              struct.pack("<Q", end_ns), constant, attributes(values))
+        parts.append(_PARENT.pack(0x22, 8, parent_id))
+    parts += (_field(0x2A, name.encode()), _TIMES.pack(0x30, kind, 0x39, start_ns, 0x41, end_ns), constant,
+              attributes(values))
     if error is not None:
         kind_name, message, trace = error
         event = b"\x09" + struct.pack("<Q", end_ns) + _field(0x12, b"exception") + attributes(

@@ -48,6 +48,7 @@ class StageTracing:
         self._predict_name = f"{spec.name} predict"
         self._start_ns = 0
         self._start_perf = 0.0
+        self._parents: dict[int, tuple[int, int, int] | None] = {}  # the batch's traced items' parents
 
     @classmethod
     def start(cls, spec: StageSpec, pipeline: str, consumer: str, settings: tracing.TraceSettings) -> StageTracing:
@@ -87,13 +88,14 @@ class StageTracing:
 
     def _waits(self, work: Work, traced: list[int], stats: BatchStats, deliveries: dict[bytes, int]) -> None:
         now_ns, sink = self._start_ns, self._sink
+        parents = self._parents = {}
         for i in traced:
             item = work[i][0]
-            parent = tracing.parent_of(item.trace or b"")
+            parent = parents[i] = tracing.parent_of(item.trace or b"")
             if parent is None or sink is None:
                 continue
             entered_ns = min(now_ns, _entered_ms(item.entry_id) * 1_000_000)
-            stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, f"{parent[0]:032x}")
+            stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, parent[0])
             attributes = {"conveyor.request.id": item.request_id.decode(),
                           "conveyor.delivery": deliveries.get(item.entry_id, 1), "conveyor.entry.id":
                           item.entry_id.decode()}
@@ -122,10 +124,10 @@ class StageTracing:
             if tracing.timing_asked(value):
                 wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
                 item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
-            parent = tracing.parent_of(value)
+            parent = self._parents.get(i)
             if parent is None or self._sink is None:
                 continue
-            stats.add_exemplar(b"p", (ended - began) / size, f"{parent[0]:032x}")
+            stats.add_exemplar(b"p", (ended - began) / size, parent[0])
             self._predict_span(item, parent, began_ns, ended_ns, size, batch_id, outcomes[i],
                                deliveries.get(item.entry_id, 1))
 
