@@ -163,16 +163,17 @@ class SpanRecord:
 
 class SpanSink:
     """Encodes :class:`SpanRecord` s (:mod:`broker.otlp`) and sends them, on a thread of its own, every
-    ``period_s`` or as soon as ``WAKE_AT`` wait, at most ``MAX_BATCH`` per request; the recording side
-    only appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`).
-    At most ``MAX_QUEUE`` spans wait: past that, new ones are dropped (counted in ``dropped``), as the
-    SDK's batch processor does, so that a collector that cannot keep up never grows a process."""
+    ``period_s`` or as soon as ``batch`` wait, at most ``batch`` per request; the recording side only
+    appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`). At most
+    ``queue`` spans wait: past that, new ones are dropped (counted in ``dropped``), as the SDK's batch
+    processor does, so that a collector that cannot keep up never grows a process. Why not send
+    sooner: one HTTP request costs the exporter's client a millisecond or more of CPU, which at a low
+    sampling rate and a short period was most of tracing's cost (docs/benchmarks.md, "Tracing")."""
 
-    WAKE_AT = 512
-    MAX_BATCH = 512
-    MAX_QUEUE = 65_536
-
-    def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 0.05) -> None:
+    def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 5.0, batch: int = 512,
+                 queue: int = 65_536) -> None:
+        self.WAKE_AT = self.MAX_BATCH = max(1, batch)
+        self.MAX_QUEUE = max(1, queue)
         self._send = send
         self._resource = dict(resource)
         self._period_s = period_s
@@ -242,7 +243,17 @@ def start_sink(service_name: str, environ: Mapping[str, str]) -> SpanSink:
     if client is None:
         raise ImportError("this opentelemetry-exporter-otlp-proto-http has no transport client: "
                           "pip install 'conveyor[otel]' (the pinned 1.45.2)")
-    return SpanSink(client.export, resource)
+    return SpanSink(client.export, resource, _env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
+                    int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
+                    int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 65_536)))
+
+
+def _env_number(environ: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(environ.get(name) or default)
+    except ValueError:
+        log.warning("%s is not a number: %g", name, default)
+        return default
 
 
 def now_ns() -> int:
