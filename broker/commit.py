@@ -229,10 +229,11 @@ class Committer:
 
     @staticmethod
     def _counts(commit: Commit, n_groups: int, packed: list[bytes], traced: Traced) -> list[bytes]:
+        stats = commit.stats if len(commit.stats) == 4 else (*commit.stats, b"", b"")[:4]  # (sizes, durations) too
         return [b"%d" % len(commit.acks), b"%d" % (0 if packed else len(commit.forwards) // 4),
-                b"%d" % len(commit.results), b"%d" % (len(commit.dead) // 4), *commit.stats[:2], b"%d" % n_groups,
+                b"%d" % len(commit.results), b"%d" % (len(commit.dead) // 4), *stats[:2], b"%d" % n_groups,
                 b"%d" % len(packed), b"%d" % (len(commit.back) // 4), b"%d" % (len(traced[0]) // 2),
-                b"%d" % (len(traced[1]) // 2), *commit.stats[2:]]
+                b"%d" % (len(traced[1]) // 2), *stats[2:]]
 
     def _pack(self, commit: Commit) -> bytes:
         """The whole ``EVALSHA`` command, packed from bytes."""
