@@ -17,6 +17,12 @@
 --   last stats entry ('' for no entry now; workers hand them about every 100 ms, not per batch)
 -- ARGV[11] n_groups: the results in groups of one reply key each
 -- ARGV[12] n_packed: batch entries forwarded   ARGV[13] n_back: items put back on the in stream
+-- ARGV[14] n_trace: single entries that carry a trace   ARGV[15] n_ptrace: batch entries that do
+-- ARGV[16] items' stream waits, ARGV[17] exemplars: the stats entry's fields 'w' and 'x' ('' for none;
+--   broker/commit.py BatchStats), written with ARGV[9] and ARGV[10]
+-- then n_trace x (j, trace value): the j-th single entry added below (forwards first, then the
+--   items put back; 1-based) gets the field 'trace' (docs/protocol.md; most batches have none)
+-- then n_ptrace x (e, traces): the e-th batch entry forwarded gets the field 'traces'
 -- then n_fwd x (request id, data, reply or '', deadline ms or '')
 -- then n_packed x a batch entry's items (its 'items' field)
 -- then n_back x (request id, data, reply or '', deadline ms or ''): a batch entry delivered again,
@@ -63,21 +69,32 @@ local group, result_ttl, reply_ttl, stage = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_ack, n_fwd = tonumber(ARGV[5]), tonumber(ARGV[6])
 local n_res, n_dead, n_groups = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[11])
 local n_packed, n_back = tonumber(ARGV[12]), tonumber(ARGV[13])
-local a = 14
+local n_trace, n_ptrace = tonumber(ARGV[14]), tonumber(ARGV[15])
+local a = 18
+
+local traced, ptraced, single = {}, {}, 0
+for _ = 1, n_trace do traced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
+for _ = 1, n_ptrace do ptraced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
 
 local function add_singles(stream, n)
   for _ = 1, n do
     local args = {stream, '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
     if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
     if ARGV[a + 3] ~= '' then args[#args + 1] = 'deadline_ms'; args[#args + 1] = ARGV[a + 3] end
+    single = single + 1
+    if n_trace > 0 and traced[single] then args[#args + 1] = 'trace'; args[#args + 1] = traced[single] end
     redis.call('XADD', unpack(args))
     a = a + 4
   end
 end
 
 add_singles(KEYS[2], n_fwd)
-for _ = 1, n_packed do
-  redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'v', '1')
+for e = 1, n_packed do
+  if n_ptrace > 0 and ptraced[e] then
+    redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'traces', ptraced[e], 'v', '1')
+  else
+    redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'v', '1')
+  end
   a = a + 1
 end
 add_singles(KEYS[1], n_back)
@@ -114,7 +131,12 @@ for _ = 1, n_dead do
 end
 
 if ARGV[9] ~= '' then
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
+  if ARGV[16] ~= '' then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10], 'w', ARGV[16],
+               'x', ARGV[17])
+  else
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
+  end
 end
 
 -- ids (a table) in chunks of at most 1000 (unpack's limit).

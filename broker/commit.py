@@ -8,6 +8,7 @@ than the commit itself. It goes out on a held connection (:mod:`broker.held`), n
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -20,7 +21,7 @@ from broker.families import DEAD, REPLIES, RESULTS, SHARED_REPLIES, STATS, STREA
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
 from broker.operations import WORKER, Script, sends
-from broker.protocol import batch_entry_items
+from broker.protocol import batch_entry_items, traces_field
 from broker.refusals import log_refusal_once
 from broker.resp import pack_args
 
@@ -42,9 +43,16 @@ class Commit:
     back: list[bytes] = field(default_factory=list)  # flat as forwards: single entries put back on the in stream
     results: list[tuple[bytes, bytes, bytes | None]] = field(default_factory=list)  # key, record, reply
     dead: list[bytes] = field(default_factory=list)  # flat: entry id, request id, reason, data
-    stats: tuple[bytes, bytes] = (b"", b"")  # sizes, durations: see BatchStats
+    stats: tuple[bytes, bytes, bytes, bytes] = (b"", b"", b"", b"")  # sizes, durations, waits, exemplars: BatchStats
+    # The few forwards (and items put back) that carry a ``trace`` value: (their index among the
+    # forwards, or the items put back, from 0; the value). Empty for nearly every batch.
+    traces: list[tuple[int, bytes]] = field(default_factory=list)
+    back_traces: list[tuple[int, bytes]] = field(default_factory=list)
 
-    def forward(self, request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None) -> None:
+    def forward(self, request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None,
+                trace: bytes | None = None) -> None:
+        if trace is not None:
+            self.traces.append((len(self.forwards) // 4, trace))
         self.forwards += [request_id, data, reply or b"", b"" if deadline_ms is None else b"%d" % deadline_ms]
 
     def publish(self, result_key: bytes, record: bytes, reply: bytes | None) -> None:
@@ -55,32 +63,83 @@ class Commit:
 
 
 STATS_PERIOD_S = 0.1
+# Bounds (seconds) of the per-item histograms: an item's wait in its stage's stream (``w``) and its
+# share of a predict call; what a status reader's histograms use too (gateway.monitor.metrics).
+ITEM_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                  0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 @dataclass
 class BatchStats:
     """Batch sizes and durations, handed to Redis about every ``STATS_PERIOD_S`` as one entry of
     ``P:stats:<i>`` (fields ``n`` and ``ms``: space-separated, one value per batch) rather than
-    one XADD per batch, which under load would be a command per batch that no reader needs."""
+    one XADD per batch, which under load would be a command per batch that no reader needs.
+
+    Also, per period, the items' waits in the stream as histogram counts over ``ITEM_BUCKETS_S``
+    (field ``w``: ``<bucket index>:<count>`` pairs, buckets that counted none left out) and, for
+    sampled requests, one exemplar per histogram bucket (field ``x``: ``<w|p>:<bucket
+    index>:<trace id>:<seconds>``, the period's last traced item in that bucket: ``w`` its wait, ``p``
+    its share of a predict call). A histogram per period, not a value per item: the entry's size
+    grows with the buckets hit, not with the load."""
 
     period_s: float = STATS_PERIOD_S
     sizes: list[bytes] = field(default_factory=list)
     durations: list[bytes] = field(default_factory=list)
     since: float = 0.0
+    waits: dict[int, int] = field(default_factory=dict)  # bucket index -> items
+    exemplars: dict[tuple[bytes, int], tuple[int, float]] = field(default_factory=dict)  # -> (trace id, seconds)
 
     def add(self, size: int, duration_ms: float) -> None:
         if size > 0:
             self.sizes.append(b"%d" % size)
             self.durations.append(b"%.3f" % duration_ms)
 
+    def add_wait(self, bucket: int, items: int) -> None:
+        """``items`` waited in the stream for a time in bucket ``bucket`` (:func:`bucket_of`)."""
+        waits = self.waits
+        waits[bucket] = waits.get(bucket, 0) + items
+
+    def add_exemplar(self, kind: bytes, seconds: float, trace_id: int) -> None:
+        """A sampled item's wait (``kind`` b"w") or predict share (b"p"), for its bucket's exemplar."""
+        self.exemplars[(kind, bisect_left(ITEM_BUCKETS_S, seconds))] = (trace_id, seconds)
+
     def due(self, now: float) -> bool:
         return bool(self.sizes) and now - self.since >= self.period_s
 
-    def take(self, now: float) -> tuple[bytes, bytes]:
-        """The fields of one stats entry, emptying the buffer."""
-        fields = b" ".join(self.sizes), b" ".join(self.durations)
+    def take(self, now: float) -> tuple[bytes, bytes, bytes, bytes]:
+        """The fields of one stats entry (``n``, ``ms``, ``w``, ``x``), emptying the buffer."""
+        waits = b" ".join(b"%d:%d" % pair for pair in sorted(self.waits.items()))
+        exemplars = b" ".join(b"%s:%d:%032x:%.6f" % (kind, bucket, *value)
+                              for (kind, bucket), value in self.exemplars.items())
+        fields = b" ".join(self.sizes), b" ".join(self.durations), waits, exemplars
         self.sizes, self.durations, self.since = [], [], now
+        self.waits, self.exemplars = {}, {}
         return fields
+
+
+ItemExemplar = tuple[str, int, str, float]  # kind ("w" wait, "p" predict), bucket index, trace id, seconds
+
+
+def item_stats(fields: dict[bytes, bytes]) -> tuple[list[tuple[int, int]], list[ItemExemplar]]:
+    """A stats entry's ``w`` and ``x`` fields (BatchStats): (bucket, items) pairs and exemplars; none
+    for an entry without them (an older worker's) or one that cannot be read."""
+    waits: list[tuple[int, int]] = []
+    exemplars: list[ItemExemplar] = []
+    try:
+        for pair in fields.get(b"w", b"").split():
+            bucket, count = pair.split(b":")
+            waits.append((int(bucket), int(count)))
+        for token in fields.get(b"x", b"").split():
+            kind, bucket, trace_id, seconds = token.split(b":")
+            exemplars.append((kind.decode(), int(bucket), trace_id.decode(), float(seconds)))
+    except ValueError:
+        return [], []
+    return waits, exemplars
+
+
+def bucket_of(seconds: float) -> int:
+    """The index of the first of ``ITEM_BUCKETS_S`` at or above ``seconds`` (len: +Inf)."""
+    return bisect_left(ITEM_BUCKETS_S, seconds)
 
 
 @dataclass(frozen=True)
@@ -118,8 +177,11 @@ class Committer:
     def flush_stats(self, stats: BatchStats, now: float) -> None:
         """An idle worker's buffered stats: one XADD of their own (busy ones ride on commits)."""
         if stats.sizes:
-            sizes, durations = stats.take(now)
-            self._client.xadd(self._stats_key, {"n": sizes, "ms": durations}, maxlen=1000, approximate=True)
+            sizes, durations, waits, exemplars = stats.take(now)
+            fields: dict[Any, Any] = {"n": sizes, "ms": durations}
+            if waits:
+                fields.update(w=waits, x=exemplars)
+            self._client.xadd(self._stats_key, fields, maxlen=1000, approximate=True)
 
     def __call__(self, commit: Commit) -> int:
         """Runs the batch's ``commit.lua``; the number of results it wrote."""
@@ -157,33 +219,36 @@ class Committer:
     def _call_cluster(self, commit: Commit) -> Any:
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
-        singles, packed = _forward_args(commit)
-        args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups, packed), *singles,
-                                         *packed, *commit.back, *results, *commit.dead, *commit.acks]
+        singles, packed, traced = _forward_args(commit)
+        args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups, packed, traced),
+                                         *traced[0], *traced[1], *singles, *packed, *commit.back, *results,
+                                         *commit.dead, *commit.acks]
         command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
                    *map(_as_arg, args)]
         return self._client.execute_command("EVALSHA", self._sha, *command)
 
     @staticmethod
-    def _counts(commit: Commit, n_groups: int, packed: list[bytes]) -> list[bytes]:
+    def _counts(commit: Commit, n_groups: int, packed: list[bytes], traced: Traced) -> list[bytes]:
+        stats = commit.stats if len(commit.stats) == 4 else (*commit.stats, b"", b"")[:4]  # (sizes, durations) too
         return [b"%d" % len(commit.acks), b"%d" % (0 if packed else len(commit.forwards) // 4),
-                b"%d" % len(commit.results), b"%d" % (len(commit.dead) // 4), *commit.stats, b"%d" % n_groups,
-                b"%d" % len(packed), b"%d" % (len(commit.back) // 4)]
+                b"%d" % len(commit.results), b"%d" % (len(commit.dead) // 4), *stats[:2], b"%d" % n_groups,
+                b"%d" % len(packed), b"%d" % (len(commit.back) // 4), b"%d" % (len(traced[0]) // 2),
+                b"%d" % (len(traced[1]) // 2), *stats[2:]]
 
     def _pack(self, commit: Commit) -> bytes:
         """The whole ``EVALSHA`` command, packed from bytes."""
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
-        singles, packed = _forward_args(commit)
-        counts = self._counts(commit, n_groups, packed)
+        singles, packed, traced = _forward_args(commit)
+        counts = self._counts(commit, n_groups, packed, traced)
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
-        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(singles) + len(packed) \
-            + len(commit.back) + len(results) + len(commit.dead) + len(commit.acks)
+        n_args = 3 + n_keys + len(self._constant_head) + len(counts) + len(traced[0]) + len(traced[1]) \
+            + len(singles) + len(packed) + len(commit.back) + len(results) + len(commit.dead) + len(commit.acks)
         parts = [b"*%d\r\n" % n_args, self._packed_evalsha, b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys),
                  self._packed_static_keys]
         pack_args(result_keys, parts)
         pack_args(reply_keys, parts)
         parts.append(self._packed_head)
-        for group in (counts, singles, packed, commit.back, results, commit.dead, commit.acks):
+        for group in (counts, *traced, singles, packed, commit.back, results, commit.dead, commit.acks):
             pack_args(group, parts)
         return b"".join(parts)
 
@@ -232,19 +297,48 @@ class Committer:
             self._held.drop()
 
 
-def _forward_args(commit: Commit) -> tuple[list[bytes], list[bytes]]:
+# The trace arguments of ``commit.lua``: (single entry number, value) pairs, (batch entry number, traces) pairs.
+Traced = tuple[list[bytes], list[bytes]]
+_UNTRACED: Traced = ([], [])
+
+
+def _forward_args(commit: Commit) -> tuple[list[bytes], list[bytes], Traced]:
     """The forwards as ``commit.lua`` takes them: single entries' values, or batch entries' items
-    (``commit.forward_entries`` of them, as even as can be, in order)."""
+    (``commit.forward_entries`` of them, as even as can be, in order); and the trace values of the
+    few that carry one (:func:`_trace_args`)."""
     n_items = len(commit.forwards) // 4
     n_entries = min(commit.forward_entries, n_items)
     if n_entries < 1:
-        return commit.forwards, []
-    packed, start = [], 0
+        traced = _trace_args(commit, None) if commit.traces or commit.back_traces else _UNTRACED
+        return commit.forwards, [], traced
+    packed, bounds, start = [], [], 0
     for i in range(n_entries):
         end = start + n_items // n_entries + (i < n_items % n_entries)
         packed.append(batch_entry_items(commit.forwards[4 * start:4 * end]))
+        bounds.append((start, end))
         start = end
-    return [], packed
+    return [], packed, _trace_args(commit, bounds) if commit.traces or commit.back_traces else _UNTRACED
+
+
+def _trace_args(commit: Commit, bounds: list[tuple[int, int]] | None) -> Traced:
+    """``commit.lua``'s trace arguments: each traced single entry by its number among the single
+    entries it adds (forwards, then items put back), each batch entry holding a traced request with
+    its ``traces`` field (``bounds``: the forwards' split into batch entries; None: single entries)."""
+    singles: list[bytes] = []
+    n_single_forwards = 0 if bounds is not None else len(commit.forwards) // 4
+    if bounds is None:
+        for index, value in commit.traces:
+            singles += (b"%d" % (index + 1), value)
+    for index, value in commit.back_traces:
+        singles += (b"%d" % (n_single_forwards + index + 1), value)
+    packed: list[bytes] = []
+    if bounds is not None and commit.traces:
+        by_index = dict(commit.traces)
+        for number, (start, end) in enumerate(bounds, 1):
+            values = [by_index.get(i, b"") for i in range(start, end)]
+            if any(values):
+                packed += (b"%d" % number, traces_field(values))
+    return singles, packed
 
 
 def _text(value: bytes | str) -> str:

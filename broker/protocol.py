@@ -8,6 +8,11 @@ A stage stream entry carries these fields (bytes values):
                    several pipelines on one Redis, ``<prefix>:reply:``) to RPUSH the record to.
 - ``deadline_ms``  optional: absolute Unix time in ms after which nobody wants the answer.
 - ``v``            optional: protocol version, ``1``.
+- ``trace``        optional: the request's trace context (:mod:`broker.tracing`): a W3C ``traceparent``
+                   (or ``-`` for none), then, if the producer asked for timings, ``t`` and one
+                   ``<queue ms>,<predict ms>`` token per stage passed. Absent on most entries: only
+                   sampled (or timed) requests carry it, and each stage forwards it as it came, plus its
+                   own timing token where asked.
 
 A **batch entry** carries several requests in one entry instead: the fields ``items`` and ``v``.
 ``items`` is a msgpack array of 4k strings (raw bytes), four per request: id, data, reply (empty: none)
@@ -20,7 +25,11 @@ Gateways submit a turn to the first stage this way too where no ``max_backlog`` 
 A result record is a msgpack map ``{"id": str, "ok": true, "value": any}`` or
 ``{"id": str, "ok": false, "error": {"type", "message", "stage", "traceback"}}``. The
 result key holds one record; a reply list element is a msgpack *array* of records
-(one push per batch and reply key).
+(one push per batch and reply key). A record whose request carried timings (``trace`` with ``t``)
+also holds ``"timing": "<q>,<c> <q>,<c>"`` (one pair per stage, in ms).
+
+A batch entry's requests carry their ``trace`` values in an optional third field, ``traces``: a msgpack
+array of strings aligned with the requests (``""``: none), present only when one of them has one.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a we
 
 F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
 F_ITEMS = b"items"  # a batch entry's requests, 4 values each (see above)
+F_TRACE = b"trace"  # optional: a request's trace context and timings (see above)
+F_TRACES = b"traces"  # optional: a batch entry's requests' trace values, aligned with its items
 _VERSION = str(PROTOCOL_VERSION).encode()
 
 # Error types conveyor itself reports (besides the user's own exception names).
@@ -59,6 +70,7 @@ class Item:
     data: bytes
     reply: bytes | None
     deadline_ms: int | None
+    trace: bytes | None = None  # the entry's ``trace`` field: most entries have none
 
     def expired(self, now_ms: int) -> bool:
         return self.deadline_ms is not None and now_ms >= self.deadline_ms
@@ -121,11 +133,11 @@ def parse_entries(entries: Iterable[tuple[bytes, dict[bytes, bytes] | None]], ke
                 good_reply = good_reply if reply is None else reply
                 raw_deadline = fields.get(F_DEADLINE)
                 if not raw_deadline:
-                    append(Item(entry_id, raw_id, data, reply, None))
+                    append(Item(entry_id, raw_id, data, reply, None, fields.get(F_TRACE)))
                     continue
                 deadline = _deadline_or_zero(raw_deadline)
                 if 0 < deadline <= latest_ms:  # _parse_deadline's bounds
-                    append(Item(entry_id, raw_id, data, reply, deadline))
+                    append(Item(entry_id, raw_id, data, reply, deadline, fields.get(F_TRACE)))
                     continue
         append(_parse_checked(entry_id, fields, keys, limits, at_ms))
     return parsed
@@ -168,7 +180,7 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     deadline = _parse_deadline(fields.get(F_DEADLINE), at_ms)
     if isinstance(deadline, str):
         return reject(deadline)
-    return Item(entry_id, request_id, data, reply, deadline)
+    return Item(entry_id, request_id, data, reply, deadline, fields.get(F_TRACE) or None)
 
 
 def _unread_batch(fields: dict[bytes, bytes]) -> str:
@@ -229,7 +241,29 @@ def expand(entry_id: bytes, fields: dict[bytes, bytes]) -> list[tuple[bytes, dic
         if flat[i + 3]:
             one[F_DEADLINE] = flat[i + 3]
         entries.append((entry_id, one))
+    traces = fields.get(F_TRACES)
+    if traces is not None:  # rare: only batch entries holding a traced request carry it
+        _add_traces(entries, traces)
     return entries
+
+
+def _add_traces(entries: list[tuple[bytes, dict[bytes, bytes] | None]], raw: bytes) -> None:
+    """A batch entry's ``traces`` onto its expanded requests; ignored where it cannot be read (a
+    trace is never worth refusing a request for)."""
+    try:
+        traces = msgpack.unpackb(raw, raw=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return
+    if not isinstance(traces, list):
+        return
+    for (_, one), value in zip(entries, traces, strict=False):
+        if value and isinstance(value, bytes) and one is not None:
+            one[F_TRACE] = value
+
+
+def traces_field(values: list[bytes]) -> bytes:
+    """A batch entry's ``traces`` field: its requests' trace values in order (b"": none)."""
+    return msgpack.packb(values, use_bin_type=False)  # str family, as ``items`` (cmsgpack writes the same)
 
 
 def item_values(fields: dict[bytes, bytes]) -> tuple[bytes, bytes, bytes, bytes]:
@@ -253,11 +287,14 @@ def entry_fields(request_id: bytes, data: bytes, reply: bytes | None, deadline_m
 _OK_HEAD, _OK_MIDDLE = b"\x83\xa2id", b"\xa2ok\xc3\xa5value"
 
 
-def ok_record(request_id: bytes, value: Any, stage: str = "") -> bytes:
+def ok_record(request_id: bytes, value: Any, stage: str = "", timing: bytes | None = None) -> bytes:
     """Encode a success record; a value the codec refuses becomes an error record instead,
     naming ``stage``, the stage that returned it. Joined from its parts (once per result, on the
-    last stage's hot path): the same bytes as encoding the map, without building it."""
+    last stage's hot path): the same bytes as encoding the map, without building it. ``timing``:
+    the request asked for its stages' timings (module docstring): the record carries them."""
     try:
+        if timing is not None:
+            return encode({"id": request_id.decode(), "ok": True, "value": value, "timing": timing.decode()})
         if len(request_id) < 256 and request_id.isascii():  # a valid id always: str header = its length
             head = bytes((0xA0 | len(request_id),)) if len(request_id) < 32 else b"\xd9" + bytes((len(request_id),))
             return b"".join((_OK_HEAD, head, request_id, _OK_MIDDLE, encode(value)))
@@ -267,8 +304,11 @@ def ok_record(request_id: bytes, value: Any, stage: str = "") -> bytes:
                             "")
 
 
-def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str) -> bytes:
+def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str,
+                 timing: bytes | None = None) -> bytes:
     error = {"type": type_, "message": message, "stage": stage, "traceback": traceback}
+    if timing is not None:
+        return encode({"id": request_id.decode(), "ok": False, "error": error, "timing": timing.decode()})
     return encode({"id": request_id.decode(), "ok": False, "error": error})
 
 

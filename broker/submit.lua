@@ -11,6 +11,9 @@
 --         k >= n: single entries; a fraction is rounded down)
 -- ARGV[4 + 4n] (optional) h: the last h KEYS are the first stage's streams of the priority levels
 --         above KEYS[1]'s, whose entries count in its backlog ('' or absent: none)
+-- ARGV[5 + 4n] (optional) m, then m x (j, trace value): the j-th request (1-based) carries this
+--         'trace' field (docs/protocol.md: a W3C traceparent, maybe timings asked); in a batch entry,
+--         the entry's 'traces' field holds its requests' values in order ('' for none)
 --
 -- Batch entries (docs/protocol.md): with no limit in force and 1 <= k < n, the requests go as k
 -- entries of fields `items` (a msgpack array of their 4 values each, in order) and `v`, split evenly
@@ -41,21 +44,42 @@ end
 
 local a = 3
 local entries = math.floor(tonumber(ARGV[3 + 4 * n] or '') or 0)
+local n_traced = tonumber(ARGV[5 + 4 * n] or '') or 0
+local traced = {}
+for t = 0, n_traced - 1 do traced[tonumber(ARGV[6 + 4 * n + 2 * t])] = ARGV[7 + 4 * n + 2 * t] end
 if limit == nil and entries >= 1 and entries < admit then
   local base, extra = math.floor(admit / entries), admit % entries
+  local request = 0
   for e = 1, entries do
     local size = base
     if e <= extra then size = base + 1 end
-    local flat = {}
+    local flat, traces, any = {}, {}, false
     for i = a, a + 4 * size - 1 do flat[#flat + 1] = ARGV[i] end
+    if n_traced > 0 then
+      for j = 1, size do
+        traces[j] = traced[request + j] or ''
+        any = any or traces[j] ~= ''
+      end
+    end
+    request = request + size
     local items = cmsgpack.pack(flat)
-    redis.call('XADD', KEYS[1], '*', 'items', items, 'v', '1')
+    if any then
+      local packed_traces = cmsgpack.pack(traces)
+      redis.call('XADD', KEYS[1], '*', 'items', items, 'traces', packed_traces, 'v', '1')
+    else
+      redis.call('XADD', KEYS[1], '*', 'items', items, 'v', '1')
+    end
     a = a + 4 * size
   end
 else
-  for _ = 1, admit do
-    redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
-               'deadline_ms', ARGV[a + 3], 'v', '1')
+  for j = 1, admit do
+    if n_traced > 0 and traced[j] then
+      redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
+                 'deadline_ms', ARGV[a + 3], 'trace', traced[j], 'v', '1')
+    else
+      redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
+                 'deadline_ms', ARGV[a + 3], 'v', '1')
+    end
     a = a + 4
   end
 end

@@ -109,27 +109,27 @@ class Submitter:
         return [b"EVALSHA", SUBMIT_SHA, b"%d" % (2 + len(unlink) + len(self.above)), self._stream, self._limit_key,
                 *unlink, *self.above, b"%d" % len(batch), self._own_limit]
 
-    def _tail(self, batch: Sequence[Submission], entries: int) -> list[bytes]:
-        tail = _tail(batch, entries)
-        if self.above:  # the optional h after the optional k
-            return [*(tail or [b""]), b"%d" % len(self.above)]
-        return tail
+    def _tail(self, batch: Sequence[Submission], entries: int, traces: Sequence[tuple[int, bytes]]) -> list[bytes]:
+        return _tail(batch, entries, traces, len(self.above))
 
-    def arguments(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> list[bytes]:
+    def arguments(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0,
+                  traces: Sequence[tuple[int, bytes]] = ()) -> list[bytes]:
         """The call's command and arguments, unpacked (for a client that routes it, or packs it itself)."""
         args = self._head(batch, unlink)
         for request_id, data, deadline, _ in batch:
             args += (request_id, data, self._reply_key, deadline)
-        return args + self._tail(batch, entries)
+        return args + self._tail(batch, entries, traces)
 
-    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0) -> bytes:
+    def pack(self, batch: Sequence[Submission], unlink: Sequence[bytes], entries: int = 0,
+             traces: Sequence[tuple[int, bytes]] = ()) -> bytes:
         """The turn's command: its head packed here, each entry as packed by :meth:`entry`.
         ``entries``: split the turn into this many batch entries (``broker.batch_entries``; 0: single
-        entries; the script makes single entries anyway where a ``max_backlog`` is in force)."""
+        entries; the script makes single entries anyway where a ``max_backlog`` is in force).
+        ``traces``: (index in ``batch``, ``trace`` value) of the few requests that carry one."""
         if not all(s[3] for s in batch):  # a large payload: one join, its bytes copied once
-            return pack_command(self.arguments(batch, unlink, entries))
+            return pack_command(self.arguments(batch, unlink, entries, traces))
         head = self._head(batch, unlink)
-        tail = self._tail(batch, entries)
+        tail = self._tail(batch, entries, traces)
         parts = [b"*%d\r\n" % (len(head) + 4 * len(batch) + len(tail))]
         parts += [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in head]
         parts += [s[3] for s in batch]
@@ -137,18 +137,34 @@ class Submitter:
         return b"".join(parts)
 
 
-def _tail(batch: Sequence[Submission], entries: int) -> list[bytes]:
-    """The script's optional last argument: into how many batch entries to split the turn (none:
-    single entries). A turn with a large payload stays single entries: a batch entry would copy it
-    once more in Redis and again in the worker, which costs more than the per-entry work it saves."""
-    if entries < 1 or entries >= len(batch) or not all(s[3] for s in batch):
-        return []
-    return [b"%d" % entries]
+def _tail(batch: Sequence[Submission], entries: int, traces: Sequence[tuple[int, bytes]] = (),
+          above: int = 0) -> list[bytes]:
+    """The script's optional last arguments, each present only if it or one after it is: into how many
+    batch entries to split the turn (none: single entries), how many level streams above count in the
+    backlog (``above``), then the trace values of the requests that carry one. A turn with a large
+    payload stays single entries: a batch entry would copy it once more in Redis and again in the
+    worker, which costs more than the per-entry work it saves."""
+    split = not (entries < 1 or entries >= len(batch) or not all(s[3] for s in batch))
+    k = b"%d" % entries if split else b""
+    if traces:
+        tail = [k, b"%d" % above if above else b"", b"%d" % len(traces)]
+        for index, value in traces:
+            tail += (b"%d" % (index + 1), value)
+        return tail
+    if above:
+        return [k, b"%d" % above]
+    return [k] if split else []
 
 
 # One call of a turn: whose (its partition's packer), which requests, which consumed result keys to
-# unlink, and into how many batch entries to split them (0: single entries).
-Call = tuple[Submitter, Sequence[Submission], Sequence[bytes], int]
+# unlink, into how many batch entries to split them (0: single entries), and the trace values of the
+# requests that carry one (index in the turn, value; most turns: none).
+Call = (tuple[Submitter, Sequence[Submission], Sequence[bytes], int]
+        | tuple[Submitter, Sequence[Submission], Sequence[bytes], int, Sequence[tuple[int, bytes]]])
+
+
+def _traces(call: Call) -> Sequence[tuple[int, bytes]]:
+    return call[4] if len(call) > 4 else ()
 
 
 class Submissions:
@@ -186,13 +202,14 @@ class Submissions:
         """Each call's reply, or the exception it met (error replies as their exception objects)."""
         if self._held is not None:
             try:
-                return await self._held.call_many([sub.pack(batch, unlink, entries)
-                                                   for sub, batch, unlink, entries in calls])
+                return await self._held.call_many([call[0].pack(call[1], call[2], call[3], _traces(call))
+                                                   for call in calls])
             except CONNECTION_ERRORS as exc:
                 return [exc] * len(calls)
         return list(await asyncio.gather(
-            *(self._client.execute_command("EVALSHA", *sub.arguments(batch, unlink, entries)[1:])
-              for sub, batch, unlink, entries in calls), return_exceptions=True))
+            *(self._client.execute_command("EVALSHA", *call[0].arguments(call[1], call[2], call[3],
+                                                                         _traces(call))[1:])
+              for call in calls), return_exceptions=True))
 
     async def close(self) -> None:
         if self._held is not None:

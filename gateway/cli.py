@@ -23,6 +23,7 @@ from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from broker.registry import registered_pipelines
 from broker.scaling import ScaleRecord
+from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
 from gateway.http.auth import read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
@@ -71,6 +72,10 @@ _HTTP_DEFAULTS = HttpSettings()
               show_envvar=True,
               help="Answer 503 at once while a stage has had no live or loading worker for 10 s; --no-fail-fast "
                    "submits anyway, for stages scaled to zero on purpose (KEDA wakes them from the backlog).")
+@click.option("--timing-headers/--no-timing-headers", envvar="CONVEYOR_TIMING_HEADERS", default=False,
+              show_default=True, show_envvar=True,
+              help="Answers carry x-total-time, x-queue-time, x-inference-time (ms) and Server-Timing; every request "
+                   "then asks its stages for their timings (docs/operations.md, Traces).")
 @click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
               envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
               help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
@@ -88,9 +93,8 @@ _HTTP_DEFAULTS = HttpSettings()
                                      "path, status, bytes, duration, request id.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
-            max_connections: int, drain_timeout_s: float, batch_entries: bool, fail_fast: bool, processes: int,
-            loop: str,
-            log_format: str, api_key_file: Path | None, access_log: bool) -> None:
+            max_connections: int, drain_timeout_s: float, batch_entries: bool, fail_fast: bool, timing_headers: bool,
+            processes: int, loop: str, log_format: str, api_key_file: Path | None, access_log: bool) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
     Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
@@ -101,7 +105,8 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s,
-                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log)
+                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log,
+                        traces=TraceSettings.from_env(os.environ), timing_headers=timing_headers)
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries, fail_fast=fail_fast)
     chosen = choose_redis(redis_url, names)
     if not redis_url:

@@ -86,8 +86,8 @@ def test_an_entry_with_both_a_request_and_items_is_rejected_and_its_requester_to
 
 def test_a_forward_is_split_into_even_batch_entries_in_order() -> None:
     flat = [value for i in range(10) for value in _item(i)]
-    assert _forward_args(Commit(forwards=flat)) == (flat, [])  # off: one entry each
-    singles, packed = _forward_args(Commit(forwards=flat, forward_entries=3))
+    assert _forward_args(Commit(forwards=flat)) == (flat, [], ([], []))  # off: one entry each
+    singles, packed, _ = _forward_args(Commit(forwards=flat, forward_entries=3))
     assert singles == []
     parts = [msgpack.unpackb(blob, raw=True) for blob in packed]
     assert [len(part) // 4 for part in parts] == [4, 3, 3] and [v for part in parts for v in part] == flat

@@ -161,7 +161,7 @@ def test_commit_of_large_arrays_through_redis_and_after_a_script_flush(redis_cli
     redis_client.xreadgroup(GROUP, "c", {stream: ">"})
     committer = Committer(redis_client, keys, 0, "First", has_next=True, ttls=Ttls(60_000, 60_000))
     reply = keys.reply("gw").encode()
-    first = Commit(acks=[entries[0]], stats=(b"1", b"1.500"))
+    first = Commit(acks=[entries[0]], stats=(b"1", b"1.500", b"", b""))
     first.forward(b"r0", encode(a * 2), reply, None)
     assert committer(first) == 0  # results written: none, this batch only forwards
     redis_client.script_flush()

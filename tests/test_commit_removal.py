@@ -121,6 +121,6 @@ def test_a_commit_without_entries_to_ack(redis_client: redis.Redis) -> None:
     keys, ids = _setup(redis_client, "t-trim-none", 3)
     committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
     assert committer(Commit()) == 0
-    assert committer(Commit(stats=(b"1", b"0.5"))) == 0
+    assert committer(Commit(stats=(b"1", b"0.5", b"", b""))) == 0
     assert redis_client.xlen(keys.stats(0)) == 1
     _check(redis_client, keys, ids, 0)

@@ -11,7 +11,9 @@ import pytest
 from broker import protocol
 from broker.keys import PROTOCOL_VERSION
 
-ENTRY_FIELDS = {protocol.F_ID, protocol.F_DATA, protocol.F_REPLY, protocol.F_DEADLINE, protocol.F_VERSION}
+ENTRY_FIELDS = {protocol.F_ID, protocol.F_DATA, protocol.F_REPLY, protocol.F_DEADLINE, protocol.F_VERSION,
+                protocol.F_TRACE}
+BATCH_ENTRY_FIELDS = ({protocol.F_ITEMS, protocol.F_VERSION}, {protocol.F_ITEMS, protocol.F_TRACES, protocol.F_VERSION})
 
 
 def _xadds_to_stage_streams(script: str) -> list[str]:
@@ -34,7 +36,7 @@ def test_lua_entry_fields_are_the_protocols(script: str) -> None:
     assert calls, f"no stage-stream XADD found in {script}"
     for fields in calls:
         names = set(_field_names(fields))
-        if names == {protocol.F_ITEMS, protocol.F_VERSION}:  # a batch entry
+        if names in BATCH_ENTRY_FIELDS:  # a batch entry
             continue
         assert names <= ENTRY_FIELDS, f"{script} writes fields {names - ENTRY_FIELDS} unknown to broker.protocol"
         assert {protocol.F_ID, protocol.F_DATA, protocol.F_VERSION} <= names
@@ -55,10 +57,19 @@ def test_lua_writes_the_declared_protocol_version(script: str) -> None:
 
 
 def test_protocol_field_names_are_the_documented_ones() -> None:
-    assert {b"id", b"data", b"reply", b"deadline_ms", b"v"} == ENTRY_FIELDS
+    assert {b"id", b"data", b"reply", b"deadline_ms", b"v", b"trace"} == ENTRY_FIELDS
 
 
 def test_commit_lua_optional_fields_are_the_protocols() -> None:
     text = resources.files("broker").joinpath("commit.lua").read_text()
     optional = {name.encode() for name in re.findall(r"args\[#args \+ 1\] = '([^']+)'", text)}
-    assert optional == {protocol.F_REPLY, protocol.F_DEADLINE}
+    assert optional == {protocol.F_REPLY, protocol.F_DEADLINE, protocol.F_TRACE}
+
+
+def test_commit_and_submit_write_the_trace_fields() -> None:
+    """The optional trace context (docs/protocol.md): ``trace`` on single entries, ``traces`` on batch ones."""
+    for script in ("submit.lua", "commit.lua"):
+        kinds = {frozenset(_field_names(fields)) for fields in _xadds_to_stage_streams(script)}
+        assert frozenset({protocol.F_ITEMS, protocol.F_TRACES, protocol.F_VERSION}) in kinds, script
+    submit = {frozenset(_field_names(fields)) for fields in _xadds_to_stage_streams("submit.lua")}
+    assert any(protocol.F_TRACE in kind for kind in submit)

@@ -103,9 +103,11 @@ class Conveyor:
     """redis-server + ``conveyor worker`` per stage + ``conveyor gateway``; stop() ends them all."""
 
     def __init__(self, log_dir: Path, gateway_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-                 root: Path = ROOT) -> None:
+                 root: Path = ROOT, env: dict[str, str] | None = None) -> None:
         """``root``: the checkout whose code the gateway and workers run (another one than this
-        benchmark's for a paired comparison: ``bench.peers.paired``)."""
+        benchmark's for a paired comparison: ``bench.peers.paired``). ``env``: more environment for
+        them (``bench.traces``: the ``OTEL_*`` variables)."""
+        self.env = env or {}
         self.log_dir = log_dir
         self.root = root
         self.gateway_args = list(gateway_args)
@@ -122,7 +124,7 @@ class Conveyor:
         return f"http://127.0.0.1:{self.port}/v1/predict"
 
     def _conveyor(self, *args: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONPATH=str(self.root), CONVEYOR_LOG_LEVEL="WARNING")
+        env = dict(os.environ, PYTHONPATH=str(self.root), CONVEYOR_LOG_LEVEL="WARNING", **self.env)
         return subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=self.root, env=env,
                                 stdout=self._log, stderr=self._log)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker import codec, protocol
@@ -37,6 +37,7 @@ from gateway.client.lane import UNLINK_ALONE, InFlight, Lane
 from gateway.client.recall import Recall
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Slot, Waiter
+from gateway.client.trace_context import CURRENT
 from gateway.errors import Overloaded, StageError
 
 log = logging.getLogger("conveyor.gateway")
@@ -45,7 +46,8 @@ log = logging.getLogger("conveyor.gateway")
 # redis-py followed without an error is seen within this (gateway.client.recall).
 RUN_CHECK_S = 1.0
 
-Turn = tuple[Lane, list[InFlight], list[bytes]]
+# A lane's turn: its requests, the consumed result keys riding on it, the trace values among them.
+Turn = tuple[Lane, list[InFlight], list[bytes], Sequence[tuple[int, bytes]]]
 
 
 class Hub:
@@ -176,9 +178,12 @@ class Hub:
         waiter: Waiter = Slot(loop) if direct else loop.create_future()
         now_s = loop.time()
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)
+        trace = CURRENT.get()  # None but for a sampled or timed request (gateway.client.trace_context)
         record = requests[request_id] = InFlight(
-            waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s)
+            waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
         self.deadlines.add(loop, request_id, now_s + timeout_s)
+        if trace is not None:
+            lane.traced = True
         lane.outbox.append(record)
         lane.wake.set()
         return waiter
@@ -188,6 +193,7 @@ class Hub:
         Their result keys are left to expire, so that a late first run's SET NX loses."""
         for record in records:
             record.resent = True
+            lane.traced = lane.traced or record.trace is not None
         lane.outbox[:0] = records
         if records:
             lane.wake.set()
@@ -208,6 +214,8 @@ class Hub:
         if not record.resent:
             lane = record.lane
             lane.unlink.append(lane.keys.result_key(request_id))
+        if record.trace is not None:
+            record.trace.answered(answer.get("timing"))
         waiter = record.waiter
         if waiter.done():
             return
@@ -236,23 +244,29 @@ class Hub:
             await wake.wait()
             wake.clear()
             while any(lane.due for lane in lanes()):
-                failed = await self._send([(lane, *lane.take_turn()) for lane in lanes() if lane.due])
+                failed = await self._send([self._turn(lane) for lane in lanes() if lane.due])
                 if not failed:
                     backoff.reset()
                     continue
                 requests = self.requests
-                for lane, batch, unlink in failed:
+                for lane, batch, unlink, _ in failed:
                     live = [r for r in batch if requests.get(r.submission[0]) is r]  # expired ones are dropped
                     self._resend(lane, live)  # the failed call may have run
                     lane.unlink[:0] = unlink
                 await asyncio.sleep(backoff.next_delay_s())
 
+    @staticmethod
+    def _turn(lane: Lane) -> Turn:
+        traced = lane.traced  # take_turn clears it
+        batch, unlink = lane.take_turn()
+        return lane, batch, unlink, lane.traces(batch) if traced else ()
+
     async def _send(self, turns: list[Turn]) -> list[Turn]:
         """Each lane's ``submit.lua`` call, all in one round trip; returns the turns whose call may or
         may not have run (the connection was lost)."""
         outcomes = await self._submissions.send([
-            (lane.submitter, [r.submission for r in batch], unlink, lane.sizing.entries(len(batch)))
-            for lane, batch, unlink in turns])
+            (lane.submitter, [r.submission for r in batch], unlink, lane.sizing.entries(len(batch)), traces)
+            for lane, batch, unlink, traces in turns])
         failed = []
         for turn, outcome in zip(turns, outcomes, strict=True):
             if isinstance(outcome, Lost):
@@ -275,7 +289,7 @@ class Hub:
         """Redis refused a turn of submissions: fail those requests at once with a clear error
         rather than letting them time out. Overloaded is the submit script's admission (the first
         stage's backlog is at max_backlog); OOM, READONLY, ... are Redis's own."""
-        lane, batch, unlink = turn
+        lane, batch, unlink, _ = turn
         if refusal.overloaded:
             self._fail(batch, lambda: Overloaded(refusal.reason))
             return

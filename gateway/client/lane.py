@@ -14,6 +14,7 @@ from broker.batch_entries import EntrySizing
 from broker.keys import Keys
 from broker.submit import Submission, Submitter
 from gateway.client.slot import Waiter
+from gateway.client.trace_context import RequestTrace
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
 # many wait (one UNLINK for all of them, not one per request at low load), and get a call of their
@@ -30,16 +31,17 @@ class InFlight:
     so that a late copy's ``SET NX`` loses: one answer). The hub keeps one per request, by id; the
     outboxes, the deadline timer and the resends read them."""
 
-    __slots__ = ("lane", "resent", "since_s", "submission", "timeout_s", "waiter")
+    __slots__ = ("lane", "resent", "since_s", "submission", "timeout_s", "trace", "waiter")
 
     def __init__(self, waiter: Waiter, lane: Lane, submission: Submission, since_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, trace: RequestTrace | None = None) -> None:
         self.waiter = waiter
         self.lane = lane
         self.submission = submission
         self.since_s = since_s
         self.timeout_s = timeout_s
         self.resent = False
+        self.trace = trace  # a sampled or timed request's (gateway.client.trace_context); nearly always None
 
 
 class Lane:
@@ -56,13 +58,19 @@ class Lane:
         self.outbox: list[InFlight] = []  # requests to submit in the next turn, in order
         self.unlink: list[bytes] = []
         self.counter = 0
+        self.traced = False  # the outbox holds a request with a trace: the turn carries its value
         self.wake = wake  # set when the lane has something to send: its flusher's signal
         # Its first stage as batch entries see it (gateway.client.sizing): until known, single entries.
         self.sizing = EntrySizing()
 
+    def traces(self, batch: list[InFlight]) -> list[tuple[int, bytes]]:
+        """The ``trace`` values of a turn's requests that carry one (index in the turn, value)."""
+        return [(i, record.trace.field) for i, record in enumerate(batch) if record.trace is not None]
+
     def take_turn(self) -> tuple[list[InFlight], list[bytes]]:
         """This turn's requests, and the consumed result keys that ride on them (or go alone)."""
         batch, self.outbox = self.outbox, []
+        self.traced = False
         unlink: list[bytes] = []
         if len(self.unlink) >= (UNLINK_BATCH if batch else UNLINK_ALONE):
             unlink, self.unlink = self.unlink, []

@@ -43,6 +43,7 @@ import math
 from collections import deque
 from typing import Any, cast
 
+from gateway.client.trace_context import CURRENT, RequestTrace
 from gateway.http.framing import CONTINUE, frame
 from gateway.http.parsing import RequestReader
 from gateway.http.request_ids import HEADER as REQUEST_ID_HEADER
@@ -78,6 +79,8 @@ class HttpProtocol(asyncio.Protocol):
         self.ids = state.ids
         self.access_log = self.settings.access_log
         self.peer = "-"  # the client's address, for the access log (read only when it is on)
+        self.tracing = state.tracing
+        self.trace: RequestTrace | None = None  # the current request's, if sampled or timed
         self.loop = loop
         self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
@@ -212,7 +215,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._send(item, label, reply, close=True)
                 self._end()
                 return
-            label, answer = self.router.start(item)
+            if self.tracing.active and item.method == b"POST":  # the routes that run a pipeline
+                label, answer = self._start_traced(item)
+            else:
+                label, answer = self.router.start(item)
             if isinstance(answer, Pending):
                 self.current = (item, label, answer)
                 answer.future.add_done_callback(self._on_done)
@@ -224,6 +230,17 @@ class HttpProtocol(asyncio.Protocol):
                 self._close()  # the client half-closed: nothing more will come
             elif self.phase == _IDLE:
                 self._after_idle()
+
+    def _start_traced(self, item: Request) -> tuple[str, Reply | Pending]:
+        """Route a request whose trace (sampled, or timing headers on) its submissions read."""
+        self.trace = trace = self.tracing.begin(item)
+        if trace is None:
+            return self.router.start(item)
+        token = CURRENT.set(trace)
+        try:
+            return self.router.start(item)
+        finally:
+            CURRENT.reset(token)
 
     def _on_done(self, future: object) -> None:
         """The current request's answer is ready: called by a `Slot` as the reply reader resolves
@@ -248,6 +265,9 @@ class HttpProtocol(asyncio.Protocol):
     def _respond(self, item: Request, label: str, reply: Reply) -> bool:
         """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
+        if self.trace is not None:
+            reply = self.tracing.finish(self.trace, item, label, reply)
+            self.trace = None
         self._send(item, label, reply, close=not keep, head_only=item.method == b"HEAD")
         duration = self.loop.time() - self.started if label in TIMED_ROUTES else None
         self.metrics.observe_request(label, reply.outcome, duration)

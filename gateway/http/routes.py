@@ -37,7 +37,7 @@ from gateway.http.predict import Pending, Predict, internal, later
 from gateway.http.settings import HttpSettings
 from gateway.http.types import HttpError, Reply, Request, ok
 from gateway.monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.monitor.metrics import Metrics, PipelineStatusLike, read_statuses
+from gateway.monitor.metrics import OPENMETRICS_CONTENT_TYPE, Metrics, PipelineStatusLike, read_statuses
 
 __all__ = ["TIMED_ROUTES", "Pending", "Router", "status_body"]
 
@@ -131,7 +131,7 @@ class Router:
         table.add("/v1/models/{name}", GET, "model", openai.model)
         table.add("/healthz", GET, "healthz", lambda request, params: ok({"status": "ok"}))
         table.add("/readyz", GET, "readyz", lambda request, params: later(self._readyz()))
-        table.add("/metrics", GET, "metrics", lambda request, params: later(self._metrics()))
+        table.add("/metrics", GET, "metrics", lambda request, params: later(self._metrics(request)))
         table.add("/v2", GET, "v2_metadata", v2.server)
         table.add("/v2/health/live", GET, "v2_live", v2.live)
         table.add("/v2/health/ready", GET, "v2_ready", v2.ready)
@@ -212,7 +212,10 @@ class Router:
                     "error": "; ".join(errors) or None, "pipelines": bodies}
         return ok(body, status=200 if ready else 503, outcome="ok" if ready else "not_ready")
 
-    async def _metrics(self) -> Reply:
+    async def _metrics(self, request: Request) -> Reply:
+        """Prometheus text, or OpenMetrics (with exemplars) for a scraper that asks for it."""
+        if b"application/openmetrics-text" in request.headers.get(b"accept", b""):
+            return Reply(200, await self.metrics.scrape(openmetrics=True), OPENMETRICS_CONTENT_TYPE.encode())
         return Reply(200, await self.metrics.scrape(), METRICS_CONTENT_TYPE.encode())
 
     def internal_error(self, exc: BaseException) -> Reply:

@@ -35,6 +35,7 @@ from gateway.http.connection import HttpProtocol
 from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
 from gateway.http.state import ServerState
+from gateway.http.tracing import RequestTracing
 from gateway.monitor.metrics import Metrics
 
 __all__ = ["Backend", "Backends", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
@@ -84,7 +85,8 @@ class HttpServer:
         self.backend = backend = as_backends(backend)
         self.settings = settings or HttpSettings()
         self.metrics = metrics or Metrics(backend, status_timeout_s=self.settings.status_timeout_s)
-        self.state = ServerState(self.settings, self.metrics)
+        self.state = ServerState(self.settings, self.metrics,
+                                 RequestTracing(self.settings.traces, self.settings.timing_headers))
         self.router = Router(backend, self.settings, self.metrics, lambda: self.state.draining)
         self._server: asyncio.Server | None = None
         self._closed = asyncio.Event()
@@ -101,6 +103,7 @@ class HttpServer:
         if self._server is not None:
             raise RuntimeError("HttpServer already started")
         self.loop = asyncio.get_running_loop()
+        self.state.tracing.start()
         try:
             self._server = await self.loop.create_server(
                 lambda: HttpProtocol(self.state, self.router, self.loop), self.settings.host, self.settings.port,
@@ -192,6 +195,7 @@ class HttpServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         log.info("drain: done")
+        self.state.tracing.close()  # the last requests' spans exported (bounded)
         self._closed.set()
 
     async def _cancel_all(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from broker.tracing import TraceSettings
+
 __all__ = ["LOOPS", "HttpSettings"]
 
 LOOPS = ("auto", "asyncio", "uvloop")  # auto: uvloop where installed (as uvicorn does), else asyncio
@@ -27,6 +29,10 @@ class HttpSettings:
       (``conveyor gateway --processes N``); the kernel spreads new connections over them.
     - ``api_keys``: the keys a request must carry (``Authorization: Bearer <key>``, :mod:`gateway.http.auth`);
       none: the front is open.
+    - ``traces``: OpenTelemetry tracing (:class:`broker.tracing.TraceSettings`, from ``OTEL_*`` where the
+      command starts); off by default.
+    - ``timing_headers``: answers carry ``x-total-time``, ``x-queue-time``, ``x-inference-time`` and
+      ``Server-Timing`` (:mod:`gateway.http.tracing`); every request then asks its stages for timings.
     - ``oip_plans``: how many Open Inference Protocol request heads without data (the binary
       extension's, which a client repeats for every request of the same shapes) are kept parsed and
       checked, so that a repeated request skips that work; 0 keeps none.
@@ -51,6 +57,8 @@ class HttpSettings:
     reuse_port: bool = False
     oip_plans: int = 256
     access_log: bool = False
+    traces: TraceSettings = field(default_factory=TraceSettings)
+    timing_headers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",

@@ -10,8 +10,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker.tracing import TraceSettings
 from gateway.http.request_ids import RequestIds
 from gateway.http.settings import HttpSettings
+from gateway.http.tracing import RequestTracing
 from gateway.monitor.metrics import Metrics
 
 
@@ -32,6 +34,7 @@ class OpenConnection(Protocol):
 class ServerState:
     settings: HttpSettings
     metrics: Metrics
+    tracing: RequestTracing = field(default_factory=lambda: RequestTracing(TraceSettings(), False))
     connections: set[OpenConnection] = field(default_factory=set)
     draining: bool = False  # the server stops: no new request is admitted
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no connection is open

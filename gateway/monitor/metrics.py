@@ -31,13 +31,17 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from gateway.backends import Backend, Backends, as_backends
+from gateway.monitor.item_metrics import ItemHistograms
 from gateway.monitor.request_metrics import RequestMetrics
 
 __all__ = [
     "CONTENT_TYPE",
     "LATENCY_BUCKETS",
+    "OPENMETRICS_CONTENT_TYPE",
     "Metrics",
     "PipelineStatusLike",
     "StageStatusLike",
@@ -205,6 +209,8 @@ class Metrics:
                                 ("pending", "entries delivered and not yet acked."),
                                 ("live_workers", "workers with a recent heartbeat in this partition."))
         }
+        self.items = ItemHistograms(ns)  # per item: stream wait, predict share, with exemplars
+        reg.register(self.items)
         self.batch_size = Histogram(f"{ns}_stage_batch_size", "Items per batch a stage ran.", STAGE_LABELS,
                                     buckets=BATCH_SIZE_BUCKETS, registry=reg)
         self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
@@ -258,6 +264,7 @@ class Metrics:
             for size, duration_s in stage.batches:
                 self.batch_size.labels(*labels).observe(size)
                 self.batch_duration.labels(*labels).observe(duration_s)
+            self.items.observe(labels, stage.batches, getattr(stage, "item_waits", ()), getattr(stage, "exemplars", ()))
         for partition, part in enumerate(getattr(status, "by_partition", None) or ()):
             for stage in part.stages:
                 for attr, gauge in self._partition_gauges.items():
@@ -269,12 +276,13 @@ class Metrics:
         self.update(statuses)
         return statuses
 
-    def render(self) -> bytes:
-        """The registry in the Prometheus text format (serve with `CONTENT_TYPE`)."""
-        return generate_latest(self.registry)
+    def render(self, openmetrics: bool = False) -> bytes:
+        """The registry in the Prometheus text format (serve with `CONTENT_TYPE`), or in OpenMetrics
+        (`OPENMETRICS_CONTENT_TYPE`), which carries the item histograms' exemplars."""
+        return openmetrics_latest(self.registry) if openmetrics else generate_latest(self.registry)
 
-    async def scrape(self) -> bytes:
+    async def scrape(self, openmetrics: bool = False) -> bytes:
         """What ``GET /metrics`` answers: refresh from the pipelines' statuses, then render."""
         await self.refresh()
-        return self.render()
+        return self.render(openmetrics)
 

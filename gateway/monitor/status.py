@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from broker.commit import ItemExemplar, item_stats
 from broker.connection import CONNECTION_ERRORS
 from broker.errors import ReplyError
 from broker.keys import LIVE_AFTER_MS, Keys
@@ -77,6 +78,10 @@ class StageStatus:
     # level (1 the highest); the default level's are ``backlog`` and ``pending``. Empty: no levels.
     level_backlog: dict[int, int] = field(default_factory=dict)
     batches: list[tuple[int, float]] = field(default_factory=list)  # (size, seconds) since last read
+    # Since the last read too: items' waits in the stream, (bucket of ITEM_BUCKETS_S, items), and
+    # sampled items' exemplars (broker.commit.BatchStats).
+    item_waits: list[tuple[int, int]] = field(default_factory=list)
+    exemplars: list[ItemExemplar] = field(default_factory=list)
     consumer_details: list[ConsumerStatus] = field(default_factory=list)
     # Over the last minute (or less: see stats_window_s), from the stats stream:
     items_last_minute: int = 0
@@ -221,8 +226,17 @@ def _since_mark(status: StageStatus, stats: list[Entry], marks: dict[int, bytes]
         return
     fresh = [(eid, fields) for eid, fields in stats if _id_key(eid) > _id_key(mark)]
     status.batches = [batch for _, fields in fresh for batch in _batches(fields)]
+    _add_item_stats(status, [fields for _, fields in fresh])
     if fresh:
         marks[i] = bytes(fresh[-1][0])
+
+
+def _add_item_stats(status: StageStatus, entries: list[dict[bytes, bytes]]) -> None:
+    for fields in entries:
+        if b"w" in fields:
+            waits, exemplars = item_stats(fields)
+            status.item_waits += waits
+            status.exemplars += exemplars
 
 
 def _batches(fields: dict[bytes, bytes]) -> list[tuple[int, float]]:
@@ -291,6 +305,7 @@ def _merge_stage(parts: list[StageStatus]) -> StageStatus:
         consumers=max(s.consumers for s in parts), live_workers=min(s.live_workers for s in parts),
         dead_letters=sum(s.dead_letters for s in parts),
         batches=[b for s in parts for b in s.batches],
+        item_waits=[w for s in parts for w in s.item_waits], exemplars=[x for s in parts for x in s.exemplars],
         items_last_minute=sum(s.items_last_minute for s in parts),
         batches_last_minute=sum(s.batches_last_minute for s in parts),
         throughput_per_s=sum(s.throughput_per_s for s in parts),
@@ -306,9 +321,10 @@ class _Window:
     """One stage's batches of the window as a reader holds them (each stats entry's, by its id), and
     the last entry it saw."""
 
-    __slots__ = ("complete_ms", "entries", "mark")
+    __slots__ = ("complete_ms", "entries", "fresh_fields", "mark")
 
     def __init__(self) -> None:
+        self.fresh_fields: list[dict[bytes, bytes]] = []  # the last take's new entries
         self.entries: list[tuple[tuple[int, int], list[tuple[int, float]]]] = []
         self.mark: bytes | None = None
         self.complete_ms = 0  # the entries held are all the stream had since this time (Unix ms)
@@ -328,6 +344,7 @@ class _Window:
         elif first:
             self.mark = b"%d-0" % window_start
         fresh = [(_id_key(entry_id), _batches(fields)) for entry_id, fields in new]
+        self.fresh_fields = [] if first else [fields for _, fields in new]
         self.entries += fresh
         cut = 0
         while cut < len(self.entries) and self.entries[cut][0] < (window_start, 0):
@@ -383,4 +400,5 @@ class StatusReader:
         status = _stage(info, reads, now)
         _window_stats(status, window.batches(), max(window_start, window.complete_ms), now)
         status.batches = fresh
+        _add_item_stats(status, window.fresh_fields)
         return status

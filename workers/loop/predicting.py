@@ -97,11 +97,15 @@ class Predictor:
         self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
         self._wrong_length = wrong_length
         self._handoff = handoff  # entries waiting behind a long call go to other workers
+        # The last run's predict calls: (first item, end, start, end in perf_counter seconds), for the
+        # spans and timings of its traced items (workers.loop.tracing).
+        self.slices: list[tuple[int, int, float, float]] = []
 
     def run(self, work: Work, stats: BatchStats) -> list[Outcome | None]:
         """The outcome of each item of ``work``, in order (None: given to another worker, not run)."""
         spec = self._spec
         outcomes: list[Outcome | None] = []
+        self.slices = []
         if self._handoff is not None:
             self._handoff.track(outcomes)
             if not spec.batched:
@@ -114,17 +118,19 @@ class Predictor:
                 if kept is not None:  # some were given back: run the others
                     outcomes += self._run_kept(work, kept, start, len(part), stats)
                     continue
-            outcomes += self._run_part(part, stats)
+            outcomes += self._run_part(part, start, stats)
         if self._busy is not None:
             self._busy.idle()
         return outcomes
 
-    def _run_part(self, part: Work, stats: BatchStats) -> list[Outcome]:
+    def _run_part(self, part: Work, start: int, stats: BatchStats) -> list[Outcome]:
         began = time.perf_counter()
         if self._busy is not None:
             self._busy.batch(self._spec, [item.deadline_ms for item, _ in part])
         outcomes = self._call([x for _, x in part])
-        took_s = time.perf_counter() - began
+        ended = time.perf_counter()
+        self.slices.append((start, start + len(part), began, ended))
+        took_s = ended - began
         if self._handoff is not None:
             self._handoff.took(1, took_s)
         self._record(stats, len(part), took_s * 1000)
@@ -132,7 +138,7 @@ class Predictor:
 
     def _run_kept(self, work: Work, kept: list[int], start: int, size: int, stats: BatchStats) -> list[Outcome | None]:
         """A part of which some items were given back: the others run, the given ones are None."""
-        ran = iter(self._run_part([work[i] for i in kept], stats) if kept else ())
+        ran = iter(self._run_part([work[i] for i in kept], start, stats) if kept else ())
         keep = set(kept)
         return [next(ran) if i in keep else None for i in range(start, start + size)]
 
@@ -152,7 +158,9 @@ class Predictor:
             except Exception as exc:  # user code: any exception is that item's answer
                 append((False, failure(exc, tracebacks)))
         ran = len(work) - outcomes.count(None)
-        took_s = time.perf_counter() - began
+        ended = time.perf_counter()
+        self.slices.append((0, len(work), began, ended))  # one clock for the read: its calls share it evenly
+        took_s = ended - began
         handoff.took(ran, took_s)
         if ran:
             self._record(stats, ran, took_s * 1000)

@@ -100,6 +100,9 @@ class Recovery:
         commit = Commit(acks=[items[0][0]])
         for _, fields in items:
             if fields is not None:
+                trace = fields.get(protocol.F_TRACE)
+                if trace:  # a sampled request keeps its trace context
+                    commit.back_traces.append((len(commit.back) // 4, trace))
                 commit.back += protocol.item_values(fields)
         log.warning("batch entry delivered again, split into single entries stage=%s entry=%r items=%d requests=%s",
                     self._spec.name, items[0][0], len(items), request_ids(items))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from broker import codec, protocol
+from broker import codec, protocol, tracing
 from broker.commit import Commit
 from broker.keys import Keys
 from broker.streams import Entry
@@ -22,6 +22,11 @@ from workers.pipeline import StageSpec
 log = logging.getLogger("conveyor.worker")
 
 Work = list[tuple[protocol.Item, Any]]  # admitted items with their decoded inputs
+
+
+def timing(trace: bytes) -> bytes | None:
+    """A result record's ``timing`` where the request's producer asked for it (broker.tracing)."""
+    return tracing.timings(trace) if tracing.timing_asked(trace) else None
 
 
 class EntryRouter:
@@ -63,7 +68,8 @@ class EntryRouter:
             prefix, results = keys.result_prefix, commit.results
             for (item, _), outcome in zip(work, outcomes, strict=True):
                 if outcome[0]:
-                    record = record_of(item.request_id, outcome[1], name)
+                    trace = item.trace
+                    record = record_of(item.request_id, outcome[1], name, None if trace is None else timing(trace))
                     if len(record) <= limit:
                         results.append((prefix + item.request_id, record, item.reply))  # commit.publish, inlined
                         continue
@@ -79,6 +85,8 @@ class EntryRouter:
                     data = None
                 if data is not None and len(data) <= limit:
                     deadline = item.deadline_ms
+                    if item.trace is not None:  # a sampled (or timed) request: the value goes on
+                        commit.traces.append((len(forwards) // 4, item.trace))
                     forwards += (item.request_id, data, item.reply or b"",
                                  b"" if deadline is None else b"%d" % deadline)
                     continue
@@ -92,7 +100,8 @@ class EntryRouter:
                 self.problems.stage_error(item.request_id, value)
             self._error(item, value.type, value.message, commit, keys, value.traceback)
         elif self.last_stage:
-            record = protocol.ok_record(item.request_id, value, self.spec.name)
+            record = protocol.ok_record(item.request_id, value, self.spec.name,
+                                        None if item.trace is None else timing(item.trace))
             if not self._too_large(item, len(record), commit, keys):
                 commit.publish(keys.result_key(item.request_id), record, item.reply)
         else:
@@ -103,7 +112,7 @@ class EntryRouter:
                             f"{exc}", commit, keys)
                 return
             if not self._too_large(item, len(data), commit, keys):
-                commit.forward(item.request_id, data, item.reply, item.deadline_ms)
+                commit.forward(item.request_id, data, item.reply, item.deadline_ms, item.trace)
 
     def _redelivery_reason(self, count: int) -> str:
         limit = f"delivered {count} times (max_deliveries={self.spec.max_deliveries})"
@@ -119,7 +128,8 @@ class EntryRouter:
             commit.publish(keys.result_key(item.request_id), record, item.reply)
 
     def _error(self, item: protocol.Item, type_: str, message: str, commit: Commit, keys: Keys, tb: str = "") -> None:
-        record = protocol.error_record(item.request_id, type_, message, self.spec.name, tb)
+        record = protocol.error_record(item.request_id, type_, message, self.spec.name, tb,
+                                       None if item.trace is None else timing(item.trace))
         commit.publish(keys.result_key(item.request_id), record, item.reply)
 
     def _too_large(self, item: protocol.Item, size: int, commit: Commit, keys: Keys) -> bool:

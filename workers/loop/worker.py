@@ -42,6 +42,7 @@ from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
 from broker.streams import Entry, StreamReader, read_any
+from broker.tracing import TraceSettings
 from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
@@ -57,6 +58,7 @@ from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
+from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
 from workers.process.watch import BusyCell, StatusPipe
@@ -82,10 +84,12 @@ class WorkerSettings:
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
                  consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "",
-                 claim_cpu: int | None = None, busy: BusyCell | None = None) -> None:
+                 claim_cpu: int | None = None, busy: BusyCell | None = None,
+                 traces: TraceSettings | None = None) -> None:
         """``claim_cpu``: claim a core host-wide, preferring this one, and pin to it (else the
         process is pinned already, or not at all). ``busy``: where the supervisor watches each
-        batch's stuck time."""
+        batch's stuck time. ``traces``: whether this process exports spans (broker.tracing)."""
+        self.traces = traces or TraceSettings()
         self.pipeline = pipeline
         self.spec = spec
         self.redis_settings = redis_settings
@@ -113,6 +117,7 @@ class Worker:
         self._router = EntryRouter(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
                               self._problems)
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
+        self._tracing = StageTracing.start(self.spec, self.pipeline.name, self.consumer, self.traces)
         self._policy = self._wait_policy()
         self._ahead = ReadAhead(self.settings.read_ahead)
         self._read_size = SingletonReadSize()
@@ -155,6 +160,7 @@ class Worker:
             self._levels.close()
             self._early.close()
             self._client.close()
+            self._tracing.close()
 
     def _live(self, count: int) -> None:
         self._read_size.live_workers = count
@@ -378,7 +384,7 @@ class Worker:
         work = self._router.admit(entries, deliveries, commit, lane.keys)
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
-        size = self._run(lane, entries, work, commit) if work else 0
+        size = self._run(lane, entries, work, commit, deliveries) if work else 0
         ran = time.perf_counter()
         now = time.monotonic()
         if lane.stats.due(now):
@@ -389,14 +395,20 @@ class Worker:
         settled = functools.partial(self._committed, commit.acks, size, ran - started)
         self._ahead.commit(lane, commit, full, settled)
 
-    def _run(self, lane: ReadLane, entries: list[Entry], work: Work, commit: Commit) -> int:
+    def _run(self, lane: ReadLane, entries: list[Entry], work: Work, commit: Commit,
+             deliveries: dict[bytes, int] | None) -> int:
         """``predict`` on ``work`` and each outcome into ``commit``; the entries given to other workers
         meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
         Returns how many items ran."""
         handoff = self._handoff
         if handoff is not None:
             handoff.begin(lane.stream, lane.keys, entries, work)
+        traced = self._tracing.before(work, lane.stats, deliveries)
         outcomes = self._predictor.run(work, lane.stats)
+        if traced:  # not those given to another worker: they have not run here
+            ran_here = [i for i in traced if outcomes[i] is not None]
+            self._tracing.after(work, ran_here, cast("list[Outcome]", outcomes), self._predictor.slices, lane.stats,
+                                deliveries)
         if not self._told_idle:
             self.status.send(b"I")
             self._told_idle = True

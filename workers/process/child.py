@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
 import traceback
@@ -25,6 +26,7 @@ from typing import IO, Any
 
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
+from broker.tracing import TraceSettings
 from workers.app import AppError, load_pipeline
 from workers.loop.worker import Worker, WorkerSettings
 from workers.process.pinning import limit_torch_threads, pin
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     busy = BusyCell(args.busy_fd, args.busy_slot) if args.busy_fd is not None else None
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
-                    StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu, busy=busy)
+                    StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu, busy=busy,
+                    traces=TraceSettings.from_env(os.environ))  # OTEL_*: the worker's environment, read now
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()

@@ -1,0 +1,96 @@
+"""The ``trace`` field in Redis (docs/protocol.md): written by ``submit.lua`` and ``commit.lua`` only for
+the requests that carry one, on single and batch entries; and the W3C ``traceparent`` and sampler
+rules of :mod:`broker.tracing`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+import redis.asyncio as aredis
+
+from broker import protocol, tracing
+from broker.codec import encode
+from broker.commit import Commit, Committer, Ttls
+from broker.keys import GROUP, Keys
+from broker.submit import Submissions, Submitter
+
+TP = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def _submit(url: str, keys: Keys, n: int, entries: int, traces: list[tuple[int, bytes]]) -> None:
+    async def main() -> None:
+        client = aredis.Redis.from_url(url)
+        submissions = Submissions(client)
+        try:
+            await submissions.load()
+            submitter = Submitter(keys, keys.reply("g").encode())
+            batch = [submitter.entry(b"r%d" % i, encode(i), b"") for i in range(n)]
+            assert await submissions.send([(submitter, batch, [], entries, traces)]) == [n]
+        finally:
+            await submissions.close()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_submit_writes_trace_only_where_given(redis_url: str, redis_client: redis.Redis) -> None:
+    keys = Keys("t-field")
+    _submit(redis_url, keys, 3, 0, [(1, TP)])
+    entries = redis_client.xrange(keys.stream(0))
+    assert [fields.get(protocol.F_TRACE) for _, fields in entries] == [None, TP, None]
+    _submit(redis_url, keys, 3, 0, [])  # none traced: the entries of before, byte for byte
+    assert all(protocol.F_TRACE not in fields for _, fields in redis_client.xrange(keys.stream(0))[3:])
+
+
+def test_submit_batch_entries_carry_traces_aligned(redis_url: str, redis_client: redis.Redis) -> None:
+    keys = Keys("t-field")
+    _submit(redis_url, keys, 4, 2, [(3, b"- t")])
+    [(_, first), (id2, second)] = redis_client.xrange(keys.stream(0))
+    assert protocol.F_TRACES not in first and protocol.F_TRACES in second
+    requests = protocol.expand(id2, second)
+    assert [fields.get(protocol.F_TRACE) for _, fields in requests] == [None, b"- t"]
+
+
+def test_commit_forwards_the_trace_values(redis_url: str, redis_client: redis.Redis) -> None:
+    keys = Keys("t-field")
+    redis_client.xgroup_create(keys.stream(0), GROUP, "0", mkstream=True)
+    committer = Committer(redis_client, keys, 0, "s", True, Ttls())
+    singles = Commit()
+    singles.forward(b"a", b"\x01", None, None, TP)
+    singles.forward(b"b", b"\x02", None, None)
+    committer(singles)
+    packed = Commit(forward_entries=2)
+    for i in range(4):
+        packed.forward(b"p%d" % i, b"\x03", None, None, TP if i == 0 else None)
+    committer(packed)
+    entries = redis_client.xrange(keys.stream(1))
+    assert [fields.get(protocol.F_TRACE) for _, fields in entries[:2]] == [TP, None]
+    assert protocol.F_TRACES in entries[2][1] and protocol.F_TRACES not in entries[3][1]
+    assert [f.get(protocol.F_TRACE) for _, f in protocol.expand(*entries[2])] == [TP, None]
+
+
+@pytest.mark.unit
+def test_traceparent_parsing() -> None:
+    assert tracing.parse_traceparent(TP) == (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1)
+    for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", TP + b"-x", b"ff" + TP[2:], TP.replace(b"-", b"_")):
+        assert tracing.parse_traceparent(bad) is None
+    value = tracing.with_timing(tracing.field_value(TP, True), 1.5, 2.25)
+    assert tracing.timing_asked(value) and tracing.timings(value) == b"1.500,2.250"
+    assert tracing.timing_asked(b"- t") and not tracing.timing_asked(TP)
+    assert tracing.parent_of(value) is not None and tracing.parent_of(b"- t") is None
+
+
+@pytest.mark.unit
+def test_settings_from_the_standard_variables() -> None:
+    assert not tracing.TraceSettings.from_env({}).enabled
+    on = tracing.TraceSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                                         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                                         "OTEL_TRACES_SAMPLER_ARG": "0.25"})
+    assert on.enabled and on.ratio == 0.25
+    assert on.sampled(1) and not on.sampled(0)  # the caller's flag decides
+    assert not tracing.TraceSettings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "x", "OTEL_SDK_DISABLED": "true"}).enabled
+    assert tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp"}).enabled
+    never = tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "always_off"})
+    assert not never.sampled(None)
