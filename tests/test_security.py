@@ -188,7 +188,7 @@ def test_every_role_lives_on_its_generated_user(acl_server: AclServer, tmp_path:
 def _start_and_load(life: Life) -> None:
     """Workers start; the first stage's model loads, and status (as the monitor) shows it."""
     worker, monitor = life.urls["worker"], life.urls["monitor"]
-    life.start("load", "worker", APP, "--stage", "Load", "--workers", "1", url=worker)
+    life.start("load", "worker", APP, "--stage", "Load", url=worker)  # autoscaled: 1..2 (tests/acl_stages.py)
     life.start("tail-a", "worker", APP, "--stage", "Tail", "--workers", "1", url=worker)
     life.start("tail-b", "worker", APP, "--stage", "Tail", "--workers", "1", url=worker)
     # --all: the gateway learns the pipeline from the registry its workers add to (SMEMBERS, in its ACL)
