@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.peers.load import which_generator
-from bench.peers.paired import DEFAULT_RESULTS, _measure, render_ratios
+from bench.peers.paired import DEFAULT_RESULTS, _measure, interleaved, render_ratios
 from bench.peers.report import cpu_table, save, summarise
 from bench.peers.runner import machine
 from bench.peers.servers import Conveyor
@@ -41,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     generator = which_generator("auto")
     results = Path(args.results)
     logs = results / "logs"
-    runs: list[dict[str, Any]] = []
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with Receiver(discard=True) as receiver:
         def traced(ratio: str) -> dict[str, str]:
@@ -56,25 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         systems = list(servers)
         loads = [int(c) for c in args.connections.split(",")]
-        try:
-            for server in servers.values():
-                server.start()
-            for system in systems:  # warm-up, not recorded
-                _measure(system, servers, 64, 1.0, generator)
-            step = 0
-            for rnd in range(1, args.rounds + 1):
-                for load in loads:
-                    k = step % len(systems)
-                    for system in systems[k:] + systems[:k]:
-                        row = _measure(system, servers, load, args.duration_s, generator)
-                        row.update(round=rnd, system=system, connections=load)
-                        runs.append(row)
-                        print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
-                              file=sys.stderr, flush=True)
-                    step += 1
-        finally:
-            for server in servers.values():
-                server.stop()
+        runs = interleaved(servers, loads, args.rounds, args.duration_s,
+                           lambda system, load, duration_s: _measure(system, servers, load, duration_s, generator))
         exports = receiver.requests
     rows = summarise(runs)
     m = machine()

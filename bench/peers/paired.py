@@ -44,6 +44,38 @@ MOSEC = "mosec"
 DEFAULT_RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
+Measure = Callable[[str, int, float], dict[str, Any]]  # (system, connections, seconds): its row
+
+
+def interleaved(servers: dict[str, Any], loads: list[int], rounds: int, duration_s: float,
+                measure: Measure) -> list[dict[str, Any]]:
+    """Start ``servers``, warm each up, then measure every system at every load in ``rounds`` rounds whose
+    order of systems rotates (a shared machine's noise spreads over all of them); stop them. The rows,
+    each with its round, system and load."""
+    systems = list(servers)
+    runs: list[dict[str, Any]] = []
+    try:
+        for server in servers.values():
+            server.start()
+        for system in systems:  # warm-up, not recorded
+            measure(system, 64, 1.0)
+        step = 0
+        for rnd in range(1, rounds + 1):
+            for load in loads:
+                k = step % len(systems)
+                for system in systems[k:] + systems[:k]:
+                    row = measure(system, load, duration_s)
+                    row.update(round=rnd, system=system, connections=load)
+                    runs.append(row)
+                    print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
+                          file=sys.stderr, flush=True)
+                step += 1
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
+
+
 def _measure(system: str, servers: dict[str, Any], connections: int, duration_s: float,
              generator: str, api: bool = False, api_loop: str = "auto", body: bytes = b"3") -> dict[str, Any]:
     server = servers[system]
@@ -139,29 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                                this: Conveyor(logs / "this")}
     if not args.no_mosec:
         servers[MOSEC] = Mosec(logs)
-    systems = list(servers)
     loads = [int(c) for c in args.connections.split(",")]
-    runs: list[dict[str, Any]] = []
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    try:
-        for server in servers.values():
-            server.start()
-        for system in systems:  # warm-up, not recorded
-            _measure(system, servers, 64, 1.0, generator, args.api, args.api_loop, body)
-        step = 0
-        for rnd in range(1, args.rounds + 1):
-            for load in loads:
-                k = step % len(systems)
-                for system in systems[k:] + systems[:k]:
-                    row = _measure(system, servers, load, args.duration_s, generator, args.api, args.api_loop, body)
-                    row.update(round=rnd, system=system, connections=load)
-                    runs.append(row)
-                    print(f"round {rnd} {system} @ {load}: {row['rps']:,.0f} req/s, {row['errors']} errors",
-                          file=sys.stderr, flush=True)
-                step += 1
-    finally:
-        for server in servers.values():
-            server.stop()
+    runs = interleaved(servers, loads, args.rounds, args.duration_s,
+                       lambda system, load, duration_s: _measure(system, servers, load, duration_s, generator,
+                                                                 args.api, args.api_loop, body))
     rows = summarise(runs)
     m = machine()
     path = save(args.results / f"paired-{time.strftime('%Y%m%d-%H%M%S')}.json",
