@@ -169,11 +169,11 @@ class StuckWatch:
         why = (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
                f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
         stack = self._dump_stack(index, proc)
+        if keys is not None:  # marked before it is said: whoever reads the log finds the mark in Redis
+            self._mark(keys, stage.index, consumer)
         log.error("worker stuck: predict %s; replacing it (set stuck_grace_s=None to turn this off, or max_run_s); "
                   "its stack follows stage=%s consumer=%s pid=%d", why, stage.name, consumer, proc.pid,
                   extra=block("stack", stack))
-        if keys is not None:
-            self._mark(keys, stage.index, consumer)
         proc.kill()
         self._board.clear(index)
 
