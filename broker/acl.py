@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.families import (
+    CANCEL_FLAG,
+    CANCELS,
     DEAD,
     FAMILIES,
     FIRST_STREAM,
@@ -100,7 +102,7 @@ COMMAND_ACCESS: dict[str, str] = {
     "xack": W, "xdel": W, "xtrim": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW, "hset": W,
     "hdel": W,
-    "sadd": W, "smembers": R, "exists": R,
+    "sadd": W, "smembers": R, "exists": R, "pttl": R,
     "evalsha": RW, "eval": RW,
 }
 # Commands whose access depends on their arguments (SET ... GET reads): kept in a selector of their own,
@@ -114,6 +116,7 @@ PRODUCER_USES = (
     Use("xadd", (FIRST_STREAM,), "docs/protocol.md: a bare XADD (no admission: for a producer that bounds itself)"),
     Use("blpop", (REPLIES,), "docs/protocol.md, Reading the answer: BLPOP <reply key>"),
     Use("get", (RESULTS, SPEC), "docs/protocol.md: GET P:result:<id> (the durable answer), GET P:spec (partitions)"),
+    Use("set", (CANCELS, CANCEL_FLAG), "docs/protocol.md, Cancellation: SET P:cancel:<id> and P:cancels, with PX"),
 )
 _PRODUCER_SUBMITS = "docs/protocol.md, Submitting a request: SCRIPT LOAD, then EVALSHA or EVAL"
 OPERATOR_USES = (

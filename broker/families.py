@@ -44,6 +44,8 @@ STUCK = Family("P:stuck:<i>", lambda k: _stem(k.stuck(0), "0"))
 COUNTS = Family("P:counts:<i>", lambda k: _stem(k.counts(0), "0"))
 SCALE = Family("P:scale:<i>", lambda k: _stem(k.scale(0), "0"))
 RESULTS = Family("P:result:<id>", lambda k: k.result(""))
+CANCELS = Family("P:cancel:<id>", lambda k: k.cancel(""))
+CANCEL_FLAG = Family("P:cancels", lambda k: k.cancels, variable=False)
 REPLIES = Family("P:reply:<name>", lambda k: k.reply(""))
 SPEC = Family("P:spec", lambda k: k.spec, variable=False)
 MAX_BACKLOG = Family("P:max_backlog", lambda k: k.max_backlog, variable=False)
@@ -54,4 +56,4 @@ SHARED_REPLIES = Family("<prefix>:reply:<name>", lambda k: k.shared_reply(""), p
 REGISTRY = Family("<prefix>:pipelines", lambda k: k.registry, variable=False, prefix_level=True)
 # Most specific first: a key is told apart by the first family whose name it has (explain_refusal).
 FAMILIES = (FIRST_STREAM, FIRST_LEVELS, STREAMS, DEAD, STATS, HEARTBEATS, LOADING, STUCK, COUNTS, SCALE, RESULTS,
-            REPLIES, SPEC, MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)
+            CANCELS, CANCEL_FLAG, REPLIES, SPEC, MAX_BACKLOG, PINS, SHARED_REPLIES, REGISTRY)

@@ -27,6 +27,12 @@ key                                type    TTL                  written by
 ``P:dead:<i>``                     stream  none (MAXLEN ~)      stage i workers (dead letters)
 ``P:result:<request id>``          string  ``result_ttl_ms``    the worker that finishes the
                                                                 request (SET NX: first wins)
+``P:cancel:<request id>``          string  until the request's  whoever cancels it (a gateway
+                                           deadline (+1 s)      whose caller left or cancelled;
+                                                                a foreign producer): workers
+                                                                drop the item, a stream ends
+``P:cancels``                      string  the longest marker   with each cancel: markers may
+                                           TTL of late          be live (workers look only then)
 ``<reply key>`` (default           list    ``reply_ttl_ms``,    same worker, one RPUSH per
 ``P:reply:<gateway id>``)                  renewed per push     batch and reply key
 ``<prefix>:reply:<gateway id>``    list    ``reply_ttl_ms``,    as ``P:reply:``: the one reply
@@ -160,6 +166,19 @@ class Keys:
     def result_key(self, request_id: bytes) -> bytes:
         """``result(...)`` for the hot paths, where request ids are already bytes."""
         return self.result_prefix + request_id
+
+    def cancel(self, request_id: str) -> str:
+        """Request ``request_id`` was cancelled: its caller left (docs/protocol.md, Cancellation)."""
+        return f"{self.base}:cancel:{request_id}"
+
+    @cached_property
+    def cancel_prefix(self) -> bytes:
+        return f"{self.base}:cancel:".encode()
+
+    @property
+    def cancels(self) -> str:
+        """Set with every cancel, its TTL the longest of the markers': while it lives, workers look for markers."""
+        return f"{self.base}:cancels"
 
     def reply(self, gateway_id: str) -> str:
         return f"{self.base}:reply:{gateway_id}"

@@ -23,7 +23,7 @@ import redis.client
 from broker import protocol
 from broker.batch_entries import queue_reads
 from broker.connection import CONNECTION_OR_REPLY_ERRORS
-from broker.families import COUNTS, HEARTBEATS, LOADING, STREAMS, STUCK
+from broker.families import CANCEL_FLAG, COUNTS, HEARTBEATS, LOADING, STREAMS, STUCK
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
 from broker.pins import PinClaims
@@ -66,6 +66,11 @@ class Beat:
     def count(self, counts_key: str, field: str, n: int) -> None:
         """Add ``n`` to ``field`` of ``counts_key`` (``P:counts:<i>``)."""
         self._pipe.hincrby(counts_key, field, n)
+
+    @sends(WORKER, uses={"exists": CANCEL_FLAG}, why="whether cancel markers may be live, with the heartbeat")
+    def cancels_flag(self, flag_key: str) -> None:
+        """Whether the partition's ``P:cancels`` exists (reply: 1 or 0; :mod:`broker.cancels`)."""
+        self._pipe.exists(flag_key)
 
     def renew_pin(self, claims: PinClaims, cpu: int, stage: int, consumer: str) -> None:
         """Renew a core's claim (:meth:`broker.pins.PinClaims.renew`, declared there)."""

@@ -87,6 +87,8 @@ class StageInfo:
     batch_entries: bool = False
     # The pipeline's priority levels (broker.levels), the same in every stage map; written only above 1.
     priority_levels: int = 1
+    # Its predict yields: answers come as streams of chunks (the last stage only; written only when true).
+    streams: bool = False
 
 
 def encode_spec(stages: Sequence[StageInfo]) -> bytes:
@@ -103,12 +105,9 @@ def encode_spec(stages: Sequence[StageInfo]) -> bytes:
                 item[io] = [t.to_map() for t in getattr(stage, io)]
             else:
                 del item[io]
-        if not item["batched"]:
-            del item["batched"]
-        if not item["task"]:
-            del item["task"]
-        if not item["batch_entries"]:
-            del item["batch_entries"]
+        for unset in ("batched", "task", "batch_entries", "streams"):  # written only when set
+            if not item[unset]:
+                del item[unset]
     return codec.encode(maps)
 
 
@@ -139,6 +138,7 @@ def _stage(position: int, item: Any) -> StageInfo:
             batched=bool(item.get("batched", False)), task=str(item.get("task") or ""),
             batch_entries=bool(item.get("batch_entries", False)),
             priority_levels=max(1, int(item.get("priority_levels") or 1)),
+            streams=bool(item.get("streams", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError(f"pipeline spec stage {position} is malformed: {exc!r}") from exc

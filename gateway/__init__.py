@@ -1,6 +1,8 @@
 """The asyncio gateway (Python API), its HTTP front, health and metrics. Never imports stage code."""
 
 from gateway.client import Gateway, GatewaySettings
+from gateway.client.streams import StreamInterrupted, StreamLagged
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 
-__all__ = ["Gateway", "GatewaySettings", "Overloaded", "PayloadTooLarge", "StageError", "UnknownPipeline"]
+__all__ = ["Gateway", "GatewaySettings", "Overloaded", "PayloadTooLarge", "StageError", "StreamInterrupted",
+           "StreamLagged", "UnknownPipeline"]

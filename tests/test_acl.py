@@ -118,6 +118,7 @@ def test_patterns_cover_exactly_the_schema_keys(scope: Scope) -> None:
                         "P:stats:<i>": keys.stats(1), "P:hb:<i>": keys.heartbeats(3),
                         "P:loading:<i>": keys.loading(0), "P:stuck:<i>": keys.stuck(1), "P:scale:<i>": keys.scale(0),
                         "P:counts:<i>": keys.counts(0), "P:result:<id>": keys.result("gw-17"),
+                        "P:cancel:<id>": keys.cancel("gw-18"), "P:cancels": keys.cancels,
                         "P:reply:<name>": keys.reply("a1b2"), "P:spec": keys.spec,
                         "P:max_backlog": keys.max_backlog, "P:pins:<host>": keys.pins("boot-id"),
                         "<prefix>:reply:<name>": keys.shared_reply("c3d4"), "<prefix>:pipelines": keys.registry}
@@ -177,8 +178,11 @@ def test_least_privilege_on_redis_7() -> None:
                for p, _ in s.keys)
     set_keys = next(s for s in worker.selectors if "set" in s.commands).keys
     assert [p for p, _ in set_keys] == ["conveyor:{p}:result:*", "conveyor:{p}:spec", "conveyor:{p}:max_backlog"]
-    assert role_rules("producer").granted() == {"script|load", "eval", "evalsha", "xadd", "xlen", "get", "unlink",
-                                                "blpop"}
+    producer = role_rules("producer")
+    assert producer.granted() == {"script|load", "eval", "evalsha", "xadd", "xlen", "get", "unlink", "blpop", "set"}
+    # a foreign producer sets nothing but its cancel markers (docs/protocol.md, Cancellation)
+    assert [p for p, _ in next(s for s in producer.selectors if "set" in s.commands).keys] == [
+        "conveyor:{*}:cancel:*", "conveyor:{*}:cancels"]
 
 
 @pytest.mark.unit
@@ -334,7 +338,10 @@ def test_the_rules_follow_the_version_of_the_server_named_and_load_there(version
         try:
             assert gateway.get(Keys("p").spec) is None
             with pytest.raises(redis.exceptions.NoPermissionError):
-                gateway.set(Keys("p").spec, b"x")
+                gateway.hset(Keys("p").counts(0), "x", 1)  # not its command, on any version
+            if version == "7":  # its SET reaches its cancel markers only (6.2: any string of its keys)
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    gateway.set(Keys("p").spec, b"x")
         finally:
             gateway.close()
         unreachable = run_acl("--role", "gateway", "--redis", f"unix://{s.server.socket_path}.nothere")
@@ -405,7 +412,8 @@ PROBES: dict[str, list[tuple[tuple[Any, ...], bool, bool]]] = {
         (("XDEL", P.stream(1), "0-1"), True, True),
         (("UNLINK", P.spec), True, False),
         (("EVAL", UNLINK_FIRST_KEY, 1, P.spec), True, True),
-        (("SET", P.result("r9"), b"forged"), True, True),
+        (("SET", P.result("r9"), b"forged"), True, False),  # 6.2: its SET (for cancel markers) reaches any key
+        (("SET", P.cancel("r9"), b"1", "PX", 1000), False, False),  # its cancel markers (broker/cancels.py)
         (("XREADGROUP", "GROUP", GROUP, "intruder", "STREAMS", P.stream(0), ">"), True, True),
         (("XADD", P.stream(0), "*", "id", "ok"), False, False),
         (("XLEN", P.stream(1)), False, False),
@@ -420,6 +428,8 @@ PROBES: dict[str, list[tuple[tuple[Any, ...], bool, bool]]] = {
         (("ZRANGE", P.heartbeats(0), 0, -1), True, True),
         (("XADD", P.stream(0), "*", "id", "ok"), False, False),
         (("GET", P.result("r0")), False, False),
+        (("SET", P.cancel("r0"), b"1", "PX", 1000), False, False),  # cancels its requests
+        (("SET", P.result("r0"), b"forged"), True, False),
         (("GET", OTHER_TENANT.result("r0")), True, True),
     ],
     "monitor": [

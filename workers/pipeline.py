@@ -7,6 +7,7 @@ never import it (they read the stages from ``P:spec``, :mod:`broker.spec`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
@@ -59,7 +60,13 @@ class StageSpec:
     max_deliveries: int = 5
     claim_idle_s: float = 30.0
     share_bursts: bool = True
+    deterministic: bool = False  # a streaming stage's re-run yields the same chunks (workers.loop.streaming)
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def streams(self) -> bool:
+        """Its ``predict`` is a generator: its answers are streamed, chunk by chunk."""
+        return inspect.isgeneratorfunction(getattr(self.cls, "predict", None))
 
     @property
     def batched(self) -> bool:
@@ -100,8 +107,9 @@ class StageSpec:
             raise PipelineError(f"stage {name}: cpus must not be empty (omit it for the default spread)")
         for cpu in self.cpus or ():
             _check_int(name, "cpus entries", cpu, 0)
-        if not isinstance(self.share_bursts, bool):
-            raise PipelineError(f"stage {name}: share_bursts must be True or False, got {self.share_bursts!r}")
+        for knob in ("share_bursts", "deterministic"):
+            if not isinstance(getattr(self, knob), bool):
+                raise PipelineError(f"stage {name}: {knob} must be True or False, got {getattr(self, knob)!r}")
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:
@@ -240,6 +248,11 @@ class Pipeline:
         spec.validate()
         if any(s.name == spec.name for s in self.stages):
             raise PipelineError(f"pipeline {self.name}: two stages are named {spec.name!r}")
+        streaming = next((s for s in self.stages if s.streams), None)
+        if streaming is not None:
+            raise PipelineError(f"pipeline {self.name}: stage {streaming.name} streams (its predict yields), so it "
+                                f"must be the last stage; {spec.name} cannot follow it (only the last stage streams "
+                                "to the caller: make the earlier stage return its whole answer)")
         self._warn(spec)
         self.stages.append(spec)
         return self
@@ -278,7 +291,7 @@ class Pipeline:
                           max_payload_bytes, self.inputs if s.index == 0 else (),
                           self.outputs if s.index == last else (), self.batched and s.index == 0,
                           self.task if s.index == 0 else "", batch_entries=True,
-                          priority_levels=self.priority_levels)
+                          priority_levels=self.priority_levels, streams=s.streams)
                 for s in self.stages]
 
     def __repr__(self) -> str:

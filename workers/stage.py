@@ -6,6 +6,19 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 
+class _End:
+    """The type of :data:`END`: one value, compared by identity."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+# In a streaming batched stage's step, the item at this place has finished (its stream ends).
+END = _End()
+
+
 class Stage:
     """Subclass it and write ``predict``.
 
@@ -15,6 +28,13 @@ class Stage:
     With ``batch_size > 1``, ``predict(xs)`` takes a list and returns a list, tuple or array of
     the same length, one result per input, in order (a dict, str, set or generator is each item's
     ``BatchResultError``); conveyor waits at most ``batch_wait_s`` after a batch's first item.
+    A ``predict`` that is a generator (it ``yield``s) **streams** its answer (the last stage only):
+    unbatched, each yielded value is one chunk of the item's answer; batched, each yielded step is a
+    sequence aligned with the batch, per item a chunk, ``None`` (nothing this step) or :data:`END`
+    (that item is done). A caller who leaves closes the generator (``GeneratorExit``) before its next
+    step (unbatched; batched: once every item of the batch has ended or left). ``deterministic =
+    True`` says a re-run yields the same chunks: a stream cut by a worker's death then continues
+    where it was; otherwise it ends with a ``StreamInterrupted`` error.
     ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
     "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
     Other keyword arguments of ``add`` arrive in ``__init__`` as plain data: parameters your
@@ -41,6 +61,7 @@ class Stage:
     # Entries read behind a predict call that has run this long (and 4x the longest call of late) go to
     # the stage's other workers (default 1 s; Pipeline.add(cls, handoff_after_s=None) turns it off).
     handoff_after_s: ClassVar[float | None] = None
+    deterministic: ClassVar[bool | None] = None  # a streaming stage's re-run yields the same chunks
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None

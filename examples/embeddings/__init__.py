@@ -1,6 +1,7 @@
 """Sentence embeddings (all-MiniLM-L6-v2, 384-d) through conveyor: ``tokenize -> embed``.
 
-Run it:  pip install -e '.[embeddings]' --extra-index-url https://download.pytorch.org/whl/cpu && conveyor run examples.embeddings:pipeline
+Run it:  pip install -e '.[embeddings]' --extra-index-url https://download.pytorch.org/whl/cpu \
+         && conveyor run examples.embeddings:pipeline
 Call it: curl -s localhost:8000/v1/predict -H 'content-type: application/json' -d '"A sentence."'
          -> {"result": {"embedding": [0.0123, ...], "tokens": 5}}   (384 floats, L2 norm 1)
 with the openai SDK: OpenAI(base_url="http://localhost:8000/v1", api_key="-").embeddings.create(

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import zlib
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, cast
 
@@ -36,6 +37,7 @@ from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
 from gateway.client.sizing import size_lanes
 from gateway.client.slot import Waiter
+from gateway.client.streams import StreamSink
 from gateway.client.view import PipelineView, Views
 from gateway.errors import Overloaded, PayloadTooLarge
 from gateway.monitor.status import PipelineStatus
@@ -206,6 +208,86 @@ class Gateway:
         PayloadTooLarge, ValueError (a bad timeout or request id) raise here. ``direct``: a `Slot`
         (one callback, run as the answer arrives, without an event-loop handle) where it can, else a
         future."""
+        rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
+        if self.registration.streams:
+            raise ValueError(f"pipeline {self.pipeline!r} streams its answers (its last stage's predict yields): "
+                             "use Gateway.stream")
+        lanes = self.lanes
+        if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
+            return asyncio.ensure_future(self._round_robin(data, timeout, rid, priority))
+        lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
+        if priority:
+            lane = self._at_level(lane, priority)
+        self._check_served()
+        if not self.registration.registered:  # rare: until this pipeline is seen registered once
+            return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid))
+        return self.hub.enqueue(lane, data, timeout, direct, rid)
+
+    async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+                      request_id: str | bytes | None = None, priority: int = 0) -> Any:
+        """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``);
+        ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``). A caller
+        that cancels the awaiting task cancels the request: workers drop it (broker.cancels)."""
+        # direct=False: never a Slot
+        future = cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id, priority=priority))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
+
+    def cancel(self, waiter: Any) -> bool:
+        """The caller of the request that ``waiter`` answers left: it is cancelled (workers drop it,
+        a stream's generator is closed). False if it was no longer in flight."""
+        return self.hub.cancel(waiter)
+
+    async def stream(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+                     request_id: str | bytes | None = None, priority: int = 0) -> AsyncIterator[Any]:
+        """Run ``x`` through a pipeline whose last stage streams (its ``predict`` yields) and yield each
+        chunk of the answer as it arrives, in order, each once; the errors of :meth:`predict`, raised
+        from the iteration, and `StreamInterrupted` (a worker died mid-stream and the stage is not
+        deterministic) or `StreamLagged` (this reader fell ``stream_buffer_chunks`` behind).
+        ``timeout_s`` bounds the whole stream. Leaving the loop early (``break``, an exception, a
+        cancelled task) cancels the request: the stage's generator is closed before its next step."""
+        sink = await self.submit_stream(x, timeout_s, key, request_id=request_id, priority=priority)
+        try:
+            while True:
+                more, value = await sink.next()
+                if not more:
+                    return
+                yield value
+        finally:
+            if not sink.done():
+                self.hub.cancel(sink)
+
+    async def submit_stream(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
+                            request_id: str | bytes | None = None, priority: int = 0) -> StreamSink:
+        """:meth:`stream` without the iteration: the request's `StreamSink` (the HTTP front listens to
+        it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
+        rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
+        if not self.registration.registered:
+            started = time.monotonic()
+            await self.registration.wait(timeout)
+            timeout -= time.monotonic() - started
+            if timeout <= 0:
+                raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
+                                   "only as the request's deadline passed")
+        if not self.registration.streams:
+            raise ValueError(f"pipeline {self.pipeline!r} does not stream its answers (its last stage's predict "
+                             "returns): use Gateway.predict")
+        lanes = self.lanes
+        if key is not None:
+            lane = lanes[partition_of(key, len(lanes))]
+        else:
+            lane, self._next = lanes[self._next % len(lanes)], (self._next + 1) % len(lanes)
+        if priority:
+            lane = self._at_level(lane, priority)
+        self._check_served()
+        return self.hub.enqueue_stream(lane, data, timeout, self.settings.stream_buffer_chunks, rid)
+
+    def _prepare(self, x: Any, timeout_s: float | None, request_id: str | bytes | None,
+                 priority: int) -> tuple[bytes | None, bytes, float]:
+        """A request's id, encoded input and timeout, each checked in the caller's stack."""
         rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
         if rid is not None and not protocol.is_request_id(rid):
             raise ValueError(f"request_id must be 1-128 chars of A-Z a-z 0-9 _ . : -, got {request_id!r}")
@@ -217,30 +299,16 @@ class Gateway:
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
         if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
             raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
-        lanes = self.lanes
-        if not lanes:
+        if not self.lanes:
             raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
                                "or `await gw.start()` first")
         stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
-        if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
-            return asyncio.ensure_future(self._round_robin(data, timeout, rid, priority))
-        lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
-        if priority:
-            lane = self._at_level(lane, priority)
+        return rid, data, timeout
+
+    def _check_served(self) -> None:
         if self.unserved is not None:
             raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
                              f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
-        if not self.registration.registered:  # rare: until this pipeline is seen registered once
-            return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid))
-        return self.hub.enqueue(lane, data, timeout, direct, rid)
-
-    async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-                      request_id: str | bytes | None = None, priority: int = 0) -> Any:
-        """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``);
-        ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``)."""
-        # direct=False: never a Slot
-        return await cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id,
-                                                           priority=priority))
 
     async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it."""

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from broker import codec, protocol
 from broker.connection import Backoff, RedisSettings, is_cluster_client
@@ -32,11 +32,13 @@ from broker.keys import Keys
 from broker.replies import ReplyList
 from broker.server_info import acheck_server
 from broker.submit import Lost, Refused, Submissions, Submitter
+from gateway.client.cancels import Canceller
 from gateway.client.deadlines import Deadlines
 from gateway.client.lane import UNLINK_ALONE, InFlight, Lane
 from gateway.client.recall import Recall
 from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Slot, Waiter
+from gateway.client.streams import StreamSink
 from gateway.client.trace_context import CURRENT
 from gateway.errors import Overloaded, StageError
 
@@ -67,6 +69,7 @@ class Hub:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._started = False  # connected: what `close` has to undo
+        self.cancels = 0  # requests cancelled because their callers left
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -91,6 +94,8 @@ class Hub:
             self._wake = asyncio.Event()
             self._spawn(self._flusher(lambda: list(self._lanes.values()), self._wake), "conveyor-flusher")
             self._spawn(self._reader(self._reply_list(self._shared_reply, 1)), "conveyor-reader")
+        self._canceller = Canceller(self._client)
+        self._spawn(self._canceller.run(), "conveyor-canceller")
         if self.settings.resend_forgotten and self.settings.audit_after_s > 0:
             self._spawn(self.recall.audit_forever(self._client), "conveyor-audit")
         self._started = True
@@ -165,28 +170,46 @@ class Hub:
         front's, gateway.http.request_ids), which must be unique; by default the lane makes one
         (``<gateway id>-<lane>-<n>``). An id already in flight raises ``ValueError``: two requests
         under one id would take each other's answers."""
+        request_id = self._admit(lane, request_id)
+        waiter: Waiter = Slot(self._loop) if direct else self._loop.create_future()
+        self._add(lane, request_id, data, timeout_s, waiter)
+        return waiter
+
+    def enqueue_stream(self, lane: Lane, data: bytes, timeout_s: float, max_buffered: int,
+                       request_id: bytes | None = None) -> StreamSink:
+        """:meth:`enqueue` for a streamed answer: its chunks arrive in a `StreamSink` that holds at most
+        ``max_buffered`` of them not yet taken (else the stream is cancelled: StreamLagged)."""
+        request_id = self._admit(lane, request_id)
+        sink = StreamSink(self._loop, max_buffered)
+        sink.on_abandon = self.cancel
+        self._add(lane, request_id, data, timeout_s, sink)
+        return sink
+
+    def _admit(self, lane: Lane, request_id: bytes | None) -> bytes:
+        """The request's id (made here, or the caller's checked unique), within ``max_in_flight``."""
         requests = self.requests
         if len(requests) >= self.settings.max_in_flight:
             raise Overloaded(f"gateway has {len(requests)} requests in flight "
                              f"(max_in_flight={self.settings.max_in_flight})")
-        loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
         if request_id is None:
             lane.counter += 1
-            request_id = b"%b%d" % (lane.id_prefix, lane.counter)
-        elif request_id in requests:
+            return b"%b%d" % (lane.id_prefix, lane.counter)
+        if request_id in requests:
             raise ValueError(f"request id {request_id.decode()!r} is already in flight: ids must be unique")
-        waiter: Waiter = Slot(loop) if direct else loop.create_future()
+        return request_id
+
+    def _add(self, lane: Lane, request_id: bytes, data: bytes, timeout_s: float, waiter: Waiter | StreamSink) -> None:
+        loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
         now_s = loop.time()
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)
         trace = CURRENT.get()  # None but for a sampled or timed request (gateway.client.trace_context)
-        record = requests[request_id] = InFlight(
+        record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
         self.deadlines.add(loop, request_id, now_s + timeout_s)
         if trace is not None:
             lane.traced = True
         lane.outbox.append(record)
         lane.wake.set()
-        return waiter
 
     def _resend(self, lane: Lane, records: list[InFlight]) -> None:
         """Queue again requests Redis forgot (gateway.client.recall): first in the lane's next turn.
@@ -211,6 +234,9 @@ class Hub:
         if record is None:
             self.late_answers += 1  # expired, or a duplicate answer: the first one won
             return
+        if type(record.waiter) is StreamSink:
+            self._end_stream(request_id, record, answer)
+            return
         if not record.resent:
             lane = record.lane
             lane.unlink.append(lane.keys.result_key(request_id))
@@ -222,11 +248,47 @@ class Hub:
         if answer.get("ok"):
             waiter.set_result(answer.get("value"))
         else:
-            err = answer.get("error")
-            err = err if isinstance(err, dict) else {}
-            waiter.set_exception(StageError(
-                str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
-                str(err.get("traceback", ""))))
+            waiter.set_exception(_stage_error(answer))
+
+    def _end_stream(self, request_id: bytes, record: InFlight, answer: dict[str, Any]) -> None:
+        """A streamed request's last record: its end, unless it is an earlier run's (kept waiting).
+        Its result key is left to expire: the worker writes it after pushing this record."""
+        sink = cast(StreamSink, record.waiter)
+        if sink.finish(answer):
+            if not sink.done():
+                self.requests[request_id] = record  # a straggler of an earlier run: the stream goes on
+            return
+        if answer.get("ok"):
+            sink.set_result(answer.get("value"))
+        else:
+            sink.set_exception(_stage_error(answer))
+
+
+    def _chunk(self, answer: dict[str, Any]) -> None:
+        """One chunk of a streamed answer, to its request's sink (else late: the stream ended or left)."""
+        rid = answer.get("id", "")
+        record = self.requests.get(rid.encode() if type(rid) is str else str(rid).encode())
+        if record is None or type(record.waiter) is not StreamSink:
+            self.late_answers += 1
+            return
+        record.waiter.chunk(answer)
+
+    # -- cancellation: callers who left ----------------------------------------------------------
+
+    def cancel(self, waiter: Waiter | StreamSink) -> bool:
+        """The caller waiting on ``waiter`` left (a cancelled task, a closed connection, a stream not
+        read): the request leaves the table and is marked cancelled in Redis, so that workers drop it
+        (:mod:`broker.cancels`). False if it was no longer in flight."""
+        found = next((rid for rid, record in reversed(self.requests.items()) if record.waiter is waiter), None)
+        if found is None:
+            return False
+        record = self.requests.pop(found)
+        if type(waiter) is StreamSink:
+            waiter.cancel()
+        remaining_s = record.since_s + record.timeout_s - self._loop.time()
+        self._canceller.add(record.lane.keys, found, int(remaining_s * 1000))
+        self.cancels += 1
+        return True
 
     def _fail(self, records: list[InFlight], error: Callable[[], Exception]) -> None:
         """Fail these requests at once, each with an exception of its own."""
@@ -343,7 +405,10 @@ class Hub:
             return
         for answer in answers if isinstance(answers, list) else []:
             if isinstance(answer, dict):
-                self._resolve(answer)
+                if "seq" in answer:
+                    self._chunk(answer)
+                else:
+                    self._resolve(answer)
 
     def _lanes_of(self, reply_key: bytes) -> list[Lane]:
         return [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
@@ -358,3 +423,11 @@ class Hub:
             ids = [rid for rid, record in self.requests.items() if record.lane is lane]
             for result in await replies.results(lane.keys, ids):
                 self._deliver(protocol.array_of([result]))
+
+
+def _stage_error(answer: dict[str, Any]) -> StageError:
+    """An error record's error, as the caller meets it."""
+    err = answer.get("error")
+    err = err if isinstance(err, dict) else {}
+    return StageError(str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
+                      str(err.get("traceback", "")))

@@ -14,6 +14,7 @@ from broker.batch_entries import EntrySizing
 from broker.keys import Keys
 from broker.submit import Submission, Submitter
 from gateway.client.slot import Waiter
+from gateway.client.streams import StreamSink
 from gateway.client.trace_context import RequestTrace
 
 # Consumed result keys are unlinked in groups: they ride on a submission's script call once this
@@ -33,7 +34,7 @@ class InFlight:
 
     __slots__ = ("lane", "resent", "since_s", "submission", "timeout_s", "trace", "waiter")
 
-    def __init__(self, waiter: Waiter, lane: Lane, submission: Submission, since_s: float,
+    def __init__(self, waiter: Waiter | StreamSink, lane: Lane, submission: Submission, since_s: float,
                  timeout_s: float, trace: RequestTrace | None = None) -> None:
         self.waiter = waiter
         self.lane = lane

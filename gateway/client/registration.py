@@ -37,6 +37,7 @@ class Registration:
         self.registered = False  # once true, it stays true
         self.max_payload_bytes: int | None = None  # the first stage's workers' limit, from the spec
         self.io = PipelineIO()  # the tensors the pipeline declares (the Open Inference Protocol's view)
+        self.streams = False  # its last stage streams its answers (Gateway.stream, not predict)
         self.stages = 0  # how many stages the pipeline has (0: not known yet)
         self._views: Views | None = None
         self._view: PipelineView | None = None
@@ -56,6 +57,7 @@ class Registration:
         if stages:
             self.max_payload_bytes = stages[0].max_payload_bytes
             self.io = PipelineIO.of(stages)
+            self.streams = stages[-1].streams
             self.stages = len(stages)
 
     def polls(self) -> list[asyncio.Future[bool | None]]:

@@ -31,3 +31,6 @@ class GatewaySettings:
     # A stage without a live or loading worker for a while fails new requests at once (503); off for stages
     # scaled to zero on purpose (KEDA): a request must reach the stream to wake them.
     fail_fast: bool = True
+    # A streamed answer's chunks arrived and not yet taken by its reader, at most: past it the stream is
+    # cancelled (StreamLagged) and the stage's generator closed (gateway.client.streams).
+    stream_buffer_chunks: int = 1024

@@ -23,7 +23,7 @@ from workers.loop.runner import Failure
 
 log = logging.getLogger("conveyor.worker")
 
-_FIELDS = ("stage_errors", "batch_length_errors")
+_FIELDS = ("stage_errors", "batch_length_errors", "cancelled")
 
 
 class Problems:
@@ -48,6 +48,11 @@ class Problems:
             log.log(logging.INFO if first else logging.DEBUG,
                     "stage traceback stage=%s request=%s type=%s traceback=%s", self._stage,
                     request_id.decode(errors="replace"), failure.type, failure.traceback.rstrip())
+
+    def cancelled(self, n: int) -> None:
+        """``n`` items dropped because their callers left (broker.cancels): acked, never run (or their
+        stream stopped)."""
+        self._total["cancelled"] += n
 
     def wrong_length(self, expected: int, returned: int) -> None:
         self._total["batch_length_errors"] += 1

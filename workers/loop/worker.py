@@ -48,6 +48,7 @@ from workers.batching.collector import FixedWait, WaitPolicy, fill
 from workers.batching.sharing import BurstSharing
 from workers.loop.ahead import ReadAhead
 from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
+from workers.loop.cancels import SLOW_BATCH_S, CancelWatch
 from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import ReadLane, lane_failure
@@ -58,6 +59,7 @@ from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
+from workers.loop.streaming import StreamRunner
 from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
@@ -137,11 +139,13 @@ class Worker:
             self._client.close()
             return  # asked to stop before Redis could be reached: never "ready"
         index = self.spec.index
+        self._cancels = CancelWatch(self.pipeline.partition_keys, self._client, self._problems)
         hooks: list[BeatHook] = [LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live),
-                                 self._problems]
+                                 self._problems, self._cancels]
         if self._forward_sizing.enabled:  # how many batch entries a forward becomes
             hooks.append(NextStage(self.pipeline.keys, index + 1, self._forward_sizing))
-        self._handoff = (None if self.spec.handoff_after_s is None else
+        # Not for a streaming stage: its calls are long by nature, and a stream cannot be handed over.
+        self._handoff = (None if self.spec.handoff_after_s is None or self.spec.streams else
                          Handoff(Sharer(self._client, self.consumer), self._early, self.spec.name,
                                  self.spec.handoff_after_s))
         if self._handoff is not None:  # looked at with each beat: entries behind a long call leave
@@ -180,6 +184,9 @@ class Worker:
                            self.settings.heartbeat_s):
             stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length, self._handoff)
+        self._streaming = (StreamRunner(stage, self.spec, self._client, self.settings.reply_ttl_ms,
+                                        self.settings.max_payload_bytes, self._problems, self._busy)
+                           if self.spec.streams else None)
         self._heartbeat.ready()
         self.ready = True
         self.status.send(b"R")
@@ -381,7 +388,7 @@ class Worker:
         and commit them as one batch in ``lane``'s partition (``full``: a full batch, whose
         commit's reply may be taken after the next read: :mod:`workers.loop.ahead`)."""
         commit = Commit(acks=list(dict.fromkeys(e[0] for e in entries)))  # a batch entry's items share its id
-        work = self._router.admit(entries, deliveries, commit, lane.keys)
+        work = self._cancels.drop(self._router.admit(entries, deliveries, commit, lane.keys), lane.keys)
         self._heartbeat.lease.hold(lane.stream, commit.acks)
         started = time.perf_counter()
         size = self._run(lane, entries, work, commit, deliveries) if work else 0
@@ -400,6 +407,8 @@ class Worker:
         """``predict`` on ``work`` and each outcome into ``commit``; the entries given to other workers
         meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
         Returns how many items ran."""
+        if self._streaming is not None:
+            return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats)
         handoff = self._handoff
         if handoff is not None:
             handoff.begin(lane.stream, lane.keys, entries, work)
@@ -425,6 +434,8 @@ class Worker:
         """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead):
         its measured cost feeds whatever learns from it (adaptive wait, read size, sharing)."""
         self._recovery.committed(acks)
+        if size:  # a batch whose items all left says nothing of the stage's speed
+            self._cancels.slow = predict_s >= SLOW_BATCH_S
         if isinstance(self._policy, AdaptiveWait):
             self._policy.observe_batch(size, predict_s, commit_s)
         self._read_size.observe_batch(size, predict_s, commit_s)

@@ -1,0 +1,47 @@
+"""A gateway process's cancels, sent as they come: each partition's in one call (:mod:`broker.cancels`).
+
+The hub takes a request whose caller left out of its table (:meth:`gateway.client.hub.Hub.cancel`) and
+hands its id here; one task sends the markers of every partition, on the hub's client, off the
+caller's path. A cancel that cannot be sent is logged and dropped: the item then runs and its answer
+is a late one, nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from broker.cancels import send_cancels
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.keys import Keys
+
+__all__ = ["Canceller"]
+
+log = logging.getLogger("conveyor.gateway")
+
+
+class Canceller:
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._pending: dict[Keys, list[tuple[bytes, int]]] = {}
+        self._wake = asyncio.Event()
+
+    def add(self, keys: Keys, request_id: bytes, remaining_ms: int) -> None:
+        """Mark ``request_id`` (of partition ``keys``, ``remaining_ms`` before its deadline) cancelled;
+        one whose deadline passed needs no marker (workers drop it anyway)."""
+        if remaining_ms > 0:
+            self._pending.setdefault(keys, []).append((request_id, remaining_ms))
+            self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, {}
+            for keys, cancels in batch.items():
+                try:
+                    await send_cancels(self._client, keys, cancels)
+                except CONNECTION_OR_REPLY_ERRORS as exc:  # an optimisation lost: the items run, nobody reads them
+                    log.warning("could not mark %d requests cancelled stream=%s error=%r", len(cancels),
+                                keys.stream(0), exc)

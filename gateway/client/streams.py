@@ -1,0 +1,200 @@
+"""A streamed answer as it arrives: the chunks of one request, in order, each once.
+
+The hub's reply reader hands each chunk record (:mod:`broker.chunks`) of a request to its
+:class:`StreamSink` (``chunk``), and its final record (``finish``), the result record that carries the
+chunk count. The sink keeps the order and says when it cannot: a chunk missing (a sequence number
+skipped), or a second run of a stage that does not declare itself deterministic after chunks of the
+first were given out, ends the stream with :class:`StreamInterrupted`, never a silent splice of two
+runs. A deterministic stage's re-run says ``resume``: its chunks already given are skipped.
+
+Bounded: a consumer that does not take its chunks (a slow HTTP client, an ``async for`` that stalls) may
+leave at most ``max_buffered`` of them here; past that the stream ends with :class:`StreamLagged` and the
+hub cancels the request, so the stage's generator is closed at its next step (as for a caller who left).
+
+A sink has the parts of a `Slot` the hub uses (``done``, ``cancelled``, ``result``, ``exception``,
+``set_result``, ``set_exception``, ``cancel``), so it waits in the hub's one table of requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import StageError
+
+__all__ = ["StreamInterrupted", "StreamLagged", "StreamSink"]
+
+_PENDING, _DONE, _CANCELLED = 0, 1, 2
+
+
+class StreamInterrupted(StageError):
+    """The stream cannot go on as one answer: a worker died mid-stream and the stage's re-run is not
+    declared deterministic, or chunks went missing (Redis lost them)."""
+
+    def __init__(self, message: str, stage: str = "") -> None:
+        super().__init__("StreamInterrupted", message, stage)
+
+
+class StreamLagged(StageError):
+    """The consumer fell more than ``max_buffered`` chunks behind: the stream was cancelled."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("StreamLagged", message, "")
+
+
+class StreamSink:
+    __slots__ = ("_chunks", "_exception", "_listener", "_loop", "_max", "_next", "_result", "_run", "_state",
+                 "_wakeup", "on_abandon")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_buffered: int) -> None:
+        self._loop = loop
+        self._max = max_buffered
+        self._chunks: deque[Any] = deque()
+        self._state = _PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._next = 0  # the sequence number of the next chunk expected
+        self._run = 0  # the delivery (run) whose chunks are being given out; 0: none yet
+        self._wakeup: asyncio.Future[None] | None = None
+        self._listener: Callable[[], object] | None = None
+        # Called when the sink gives up on its own (interrupted, lagged): the hub cancels the request.
+        self.on_abandon: Callable[[StreamSink], object] | None = None
+
+    # -- what the hub calls --------------------------------------------------------------------
+
+    def chunk(self, record: dict[str, Any]) -> None:
+        """One chunk record, as the reply reader decoded it."""
+        if self._state != _PENDING:
+            return
+        seq, run = record.get("seq"), record.get("run", 1)
+        if type(seq) is not int or type(run) is not int:
+            return
+        if run != self._run and not self._adopt(run, bool(record.get("resume"))):
+            return
+        if seq < self._next:
+            return  # given already (a deterministic re-run's first chunks)
+        if seq > self._next:
+            self._give_up(StreamInterrupted(f"chunk {self._next} of the stream is missing (chunk {seq} came "
+                                            "next): Redis lost part of it"))
+            return
+        self._next += 1
+        self._chunks.append(record.get("chunk"))
+        if len(self._chunks) > self._max:
+            self._give_up(StreamLagged(f"the stream's reader fell {len(self._chunks)} chunks behind "
+                                       f"(stream_buffer_chunks={self._max}): cancelled"))
+            return
+        self._wake()
+
+    def finish(self, record: dict[str, Any]) -> bool:
+        """The stream's last record (a result record); False if it is not this stream's end (an
+        earlier run's, or one whose chunks did not all come)."""
+        if self._state != _PENDING:
+            return True
+        run, chunks = record.get("run", 1), record.get("chunks")
+        if run != self._run and not self._adopt(run if type(run) is int else 1, bool(record.get("resume"))):
+            return True
+        if type(chunks) is int and chunks > self._next:
+            self._give_up(StreamInterrupted(f"the stream ended after {chunks} chunks, of which {self._next} came: "
+                                            "Redis lost part of it"))
+            return True
+        return False
+
+    def _adopt(self, run: int, resume: bool) -> bool:
+        """A record of another run than the chunks given so far: whether its chunks may follow them."""
+        if run < self._run:
+            return False  # an earlier run's straggler
+        if self._next and not resume:
+            self._give_up(StreamInterrupted(f"the stage ran the request again (its worker stopped mid-stream, run "
+                                            f"{run}) after {self._next} chunks of the first run were sent, and it "
+                                            "does not declare itself deterministic"))
+            return False
+        self._run = run
+        return True
+
+    def _give_up(self, exc: BaseException) -> None:
+        self.set_exception(exc)
+        if self.on_abandon is not None:
+            self.on_abandon(self)
+
+    # -- the Slot interface the hub uses ---------------------------------------------------------
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def result(self) -> Any:
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError("stream still running")
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError("stream still running")
+        return self._exception
+
+    def set_result(self, value: Any) -> None:
+        if self._state == _PENDING:
+            self._result, self._state = value, _DONE
+            self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self._state == _PENDING:
+            self._exception, self._state = exc, _DONE
+            self._wake()
+
+    def cancel(self) -> bool:
+        if self._state != _PENDING:
+            return False
+        self._state = _CANCELLED
+        self._wake()
+        return True
+
+    # -- the consumer's side ---------------------------------------------------------------------
+
+    def listen(self, listener: Callable[[], object]) -> None:
+        """``listener()`` is called as chunks arrive and at the end (the HTTP front: no task per
+        stream); it takes them with :meth:`take`."""
+        self._listener = listener
+        if self._chunks or self._state != _PENDING:
+            self._loop.call_soon(listener)
+
+    def take(self) -> list[Any]:
+        """The chunks arrived and not yet taken, oldest first."""
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        return chunks
+
+    @property
+    def buffered(self) -> int:
+        return len(self._chunks)
+
+    async def next(self) -> tuple[bool, Any]:
+        """(True, the next chunk), or (False, the generator's return value) at the end; raises the
+        stream's error."""
+        while True:
+            if self._chunks:
+                return True, self._chunks.popleft()
+            if self._state != _PENDING:
+                return False, self.result()
+            self._wakeup = self._loop.create_future()
+            try:
+                await self._wakeup
+            finally:
+                self._wakeup = None
+
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+        if self._listener is not None:
+            self._listener()

@@ -1,0 +1,82 @@
+"""Streaming stages for tests/test_streaming.py: each yields its answer piece by piece, and records
+what it ran and what was closed in a file (``STREAM_RUNS``), so a test sees the worker's side."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from workers import END, Pipeline, Stage
+
+
+def _note(line: str) -> None:
+    path = os.environ.get("STREAM_RUNS")
+    if path:
+        with Path(path).open("a") as f:
+            f.write(line + "\n")
+
+
+class Upper(Stage):
+    """A unary stage before the streaming one."""
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+class Words(Stage):
+    """Yields each word of a text, ``pause_s`` apart; a text with "boom" raises after its first word."""
+
+    pause_s = 0.0
+
+    def predict(self, text: str) -> Iterator[str]:
+        _note(f"start {text}")
+        try:
+            for n, word in enumerate(text.split()):
+                if word == "boom" and n:
+                    raise RuntimeError("boom in the middle")
+                yield word
+                time.sleep(self.pause_s)
+        except GeneratorExit:
+            _note(f"closed {text}")
+            raise
+        _note(f"end {text}")
+        return len(text.split())
+
+
+class Count(Stage):
+    """Batched: item ``n`` yields 0..n-1, then END; a step per number, ``pause_s`` apart."""
+
+    batch_size = 8
+    batch_wait_s = 0.005
+    pause_s = 0.0
+
+    def predict(self, ns: list[int]) -> Iterator[list[Any]]:
+        _note(f"batch {len(ns)}")
+        try:
+            for step in range(max(ns) + 1):
+                yield [step if step < n else (END if step == n else None) for n in ns]
+                time.sleep(self.pause_s)
+        except GeneratorExit:
+            _note("closed batch")
+            raise
+
+
+words = Pipeline("t-words").add(Words)
+slow_words = Pipeline("t-slow-words").add(Words, pause_s=0.05)
+counts = Pipeline("t-counts").add(Count)
+two = Pipeline("t-two").add(Upper).add(Words)
+
+
+class Slow(Stage):
+    """Unary, 0.1 s per item: a backlog whose callers leave."""
+
+    def predict(self, x: Any) -> Any:
+        _note(f"ran {x}")
+        time.sleep(0.1)
+        return x
+
+
+slow = Pipeline("t-slow").add(Slow)

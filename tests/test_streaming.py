@@ -1,0 +1,121 @@
+"""Streaming answers and cancellation, through real workers and a real Redis (tests/stream_stages.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway import Gateway, GatewaySettings, StageError
+from tests.helpers import running_workers, wait_for
+from workers import END, Pipeline, PipelineError
+from workers.stage import Stage
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
+APP = "tests.stream_stages"
+
+
+async def _collect(chunks: AsyncIterator[Any]) -> list[Any]:
+    return [chunk async for chunk in chunks]
+
+
+def _runs(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_chunks_arrive_in_order_then_the_stream_ends(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:words", ["Words"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-words")
+
+        async def scenario() -> tuple[list[list[str]], list[str], BaseException]:
+            async with Gateway(redis_url, "t-words", GatewaySettings(timeout_s=10)) as gw:
+                texts = [" ".join(f"w{i}-{j}" for j in range(i)) for i in range(1, 30)]
+                streams = await asyncio.gather(*(_collect(gw.stream(text)) for text in texts))
+                first: list[str] = []
+                with pytest.raises(StageError) as failed:
+                    async for chunk in gw.stream("x boom y"):
+                        first.append(chunk)
+                with pytest.raises(ValueError, match=r"use Gateway\.stream"):
+                    await gw.predict("a b")
+                return streams, first, failed.value
+
+        streams, first, error = asyncio.run(scenario())
+        assert streams == [[f"w{i}-{j}" for j in range(i)] for i in range(1, 30)]
+        assert first == ["x"] and error.type == "RuntimeError" and "boom in the middle" in error.message
+
+
+def test_a_batched_stream_lets_short_answers_leave_early(redis_url: str) -> None:
+    with running_workers(redis_url, f"{APP}:counts", ["Count"]) as workers:
+        workers.wait_ready("t-counts")
+
+        async def scenario() -> list[list[int]]:
+            async with Gateway(redis_url, "t-counts", GatewaySettings(timeout_s=10)) as gw:
+                return list(await asyncio.gather(*(_collect(gw.stream(n)) for n in [5, 0, 3, 1, 12, 7])))
+
+        assert asyncio.run(scenario()) == [list(range(n)) for n in [5, 0, 3, 1, 12, 7]]
+
+
+def test_a_stream_left_early_closes_the_stages_generator(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    text = " ".join(f"w{j}" for j in range(200))  # 200 words, 50 ms apart: 10 s if never closed
+    with running_workers(redis_url, f"{APP}:slow_words", ["Words"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow-words")
+
+        async def scenario() -> list[str]:
+            async with Gateway(redis_url, "t-slow-words", GatewaySettings(timeout_s=30)) as gw:
+                got: list[str] = []
+                async for chunk in gw.stream(text):
+                    got.append(chunk)
+                    if len(got) == 3:
+                        break  # the caller leaves: the request is cancelled
+                await asyncio.to_thread(wait_for, lambda: f"closed {text}" in _runs(runs), 5,
+                                        "the stage's generator was closed")
+                # The worker serves the next stream at once: it did not run the left one to its end.
+                again = [c async for c in gw.stream("a b")]
+                return got + again
+
+        assert asyncio.run(scenario()) == ["w0", "w1", "w2", "a", "b"]
+        assert f"end {text}" not in _runs(runs)
+
+
+def test_cancelled_callers_items_never_reach_predict(redis_url: str, tmp_path: Path) -> None:
+    """A backlog of a slow stage (0.1 s per item) whose callers cancel their tasks: the items left in
+    the stream are dropped (acked, counted), not run."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow")
+
+        async def scenario() -> None:
+            async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=30)) as gw:
+                assert await gw.predict("warm") == "warm"  # the worker has measured its batches: slow
+                tasks = [asyncio.ensure_future(gw.predict(i)) for i in range(40)]
+                await asyncio.to_thread(wait_for, lambda: "ran 0" in _runs(runs), 10, "the first item started")
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                assert gw.hub.cancels == 40 and not gw.hub.requests
+                assert await gw.predict("after", timeout_s=10) == "after"  # behind them in the stream
+
+        asyncio.run(scenario())
+        ran = [line for line in _runs(runs) if line.startswith("ran ") and line not in ("ran warm", "ran after")]
+        assert ran and len(ran) <= 2, ran  # the one running when they left, perhaps the one read next
+
+
+def test_only_the_last_stage_may_stream() -> None:
+    class Gen(Stage):
+        def predict(self, x: object) -> object:
+            yield x
+
+    class Plain(Stage):
+        def predict(self, x: object) -> object:
+            return x
+
+    Pipeline("ok").add(Plain).add(Gen)
+    with pytest.raises(PipelineError, match=r"stage Gen streams .* must be the last stage"):
+        Pipeline("no").add(Gen).add(Plain)
+    assert END is not None and repr(END) == "END"

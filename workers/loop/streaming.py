@@ -1,0 +1,275 @@
+"""A streaming stage's batch: its generator stepped, each step's chunks sent as they are made.
+
+A stage whose ``predict`` yields (:class:`workers.stage.Stage`) runs here instead of
+:mod:`workers.loop.predicting`. Unbatched, each item has its own generator, run one after the other;
+batched, each slice of at most ``batch_size`` items has one, whose every step is a sequence aligned
+with the slice (per item a chunk, ``None`` or :data:`workers.stage.END`). After each step one round
+trip (:func:`broker.chunks.publish_step`) pushes the step's chunk records to their callers' reply
+lists and reads the cancel markers of the items still running: an item whose caller left, or whose
+deadline passed, leaves at once; a generator left with no item is closed (``GeneratorExit`` in the
+stage's code) before its next step.
+
+An item's stream ends with its result record (``"chunks": n``), pushed with the step that ended it,
+so that a short answer is not held for the batch's longest; the batch's one commit later writes the
+result keys (without pushing them again) and acks. A generator that raises ends every item it still
+serves with that error: a stream cannot be bisected as a batch is (:mod:`workers.loop.runner`).
+
+Delivery stays at-least-once: a worker killed mid-stream leaves the batch pending and another runs it
+again. Its records carry the delivery count (``run``); from a stage that declares itself
+``deterministic`` they also say ``resume``, and the caller skips the chunks it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import codec, protocol
+from broker.chunks import publish_step
+from broker.commit import BatchStats, Commit
+from broker.errors import SyncClient
+from broker.keys import Keys
+from workers.loop.problems import Problems
+from workers.loop.routing import Work
+from workers.loop.runner import failure
+from workers.loop.tracebacks import Tracebacks
+from workers.pipeline import StageSpec
+from workers.process.watch import BusyCell
+from workers.stage import END, Stage
+
+log = logging.getLogger("conveyor.worker")
+
+__all__ = ["E_INTERRUPTED", "StreamRunner"]
+
+E_INTERRUPTED = "StreamInterrupted"  # the type a caller sees when a stream cannot go on (docs/protocol.md)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One item's stream: how many chunks it sent, and how it ended (None: still running)."""
+
+    item: protocol.Item
+    run: int
+    seq: int = 0
+    final: bytes | None = None  # its result record, once it ended with one
+    left: bool = False  # its caller left (cancelled) or its deadline passed: no record at all
+    value: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.final is None and not self.left
+
+
+@dataclass
+class _Step:
+    """What one step sends: records by reply key."""
+
+    pushes: dict[bytes, list[bytes]] = field(default_factory=dict)
+
+    def add(self, reply: bytes | None, record: bytes) -> None:
+        if reply is not None:
+            self.pushes.setdefault(reply, []).append(record)
+
+
+class StreamRunner:
+    def __init__(self, stage: Stage, spec: StageSpec, client: SyncClient, reply_ttl_ms: int, max_payload_bytes: int,
+                 problems: Problems, busy: BusyCell | None) -> None:
+        self._stage = stage
+        self._spec = spec
+        self._client = client
+        self._reply_ttl_ms = reply_ttl_ms
+        self._limit = max_payload_bytes
+        self._problems = problems
+        self._busy = busy
+        self._tracebacks = Tracebacks()
+
+    def run(self, work: Work, deliveries: dict[bytes, int] | None, keys: Keys, commit: Commit,
+            stats: BatchStats) -> int:
+        """Stream every item of ``work``; their result records into ``commit`` (written, not pushed
+        again: each was pushed as its stream ended). Returns how many items ran."""
+        streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
+        size = self._spec.batch_size if self._spec.batched else 1
+        for start in range(0, len(work), size):
+            part = streams[start:start + size]
+            began = time.perf_counter()
+            if self._busy is not None:
+                self._busy.batch(self._spec, [s.item.deadline_ms for s in part])
+            inputs = [x for _, x in work[start:start + size]]
+            if self._spec.batched:
+                self._run_batched(part, inputs, keys)
+            else:
+                self._run_one(part[0], inputs[0], keys)
+            stats.add(len(part), (time.perf_counter() - began) * 1000)
+        if self._busy is not None:
+            self._busy.idle()
+        for stream in streams:
+            if stream.final is not None:
+                commit.publish(keys.result_key(stream.item.request_id), stream.final, None)
+        return len(streams)
+
+    # -- one generator per item ------------------------------------------------------------------
+
+    def _run_one(self, stream: _Stream, x: Any, keys: Keys) -> None:
+        if self._gone([stream], keys):
+            return
+        try:
+            chunks: Iterator[Any] = self._stage.predict(x)
+        except Exception as exc:  # user code
+            self._failed([stream], exc, keys)
+            return
+        try:
+            while stream.running:
+                step = _Step()
+                try:
+                    chunk = next(chunks)
+                except StopIteration as stop:
+                    self._end(stream, step, stop.value)
+                except Exception as exc:  # user code: the item's answer is its error
+                    self._fail(stream, step, exc)
+                else:
+                    self._chunk(stream, step, chunk)
+                self._send(step, [stream], keys)
+        finally:
+            _close(chunks)
+
+    # -- one generator per slice of a batch ------------------------------------------------------
+
+    def _run_batched(self, part: list[_Stream], inputs: list[Any], keys: Keys) -> None:
+        if self._gone(part, keys):
+            return
+        try:
+            steps: Iterator[Any] = self._stage.predict(inputs)
+        except Exception as exc:  # user code
+            self._failed(part, exc, keys)
+            return
+        try:
+            while any(s.running for s in part):
+                step = _Step()
+                self._step(steps, part, step)
+                self._send(step, part, keys)
+        finally:
+            _close(steps)
+
+    def _step(self, steps: Iterator[Any], part: list[_Stream], step: _Step) -> None:
+        """One step of a batched stream into ``step``: its chunks and the items it ended."""
+        try:
+            values = next(steps)
+            _check_step(values, len(part))
+        except StopIteration:  # every item still running ends with it
+            for stream in part:
+                if stream.running:
+                    self._end(stream, step, None)
+        except Exception as exc:  # user code: every item it still serves gets the error
+            for stream in part:
+                if stream.running:
+                    self._fail(stream, step, exc)
+        else:
+            self._apply(part, values, step)
+
+    def _apply(self, part: list[_Stream], values: Sequence[Any], step: _Step) -> None:
+        for stream, value in zip(part, values, strict=True):
+            if not stream.running or value is None:
+                continue
+            if value is END:
+                self._end(stream, step, None)
+            else:
+                self._chunk(stream, step, value)
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def _chunk(self, stream: _Stream, step: _Step, value: Any) -> None:
+        item = stream.item
+        record = {"id": item.request_id.decode(), "seq": stream.seq, "chunk": value, "run": stream.run}
+        if self._spec.deterministic:
+            record["resume"] = True
+        try:
+            data = codec.encode(record)
+        except codec.CodecError as exc:
+            self._final(stream, step, protocol.error_record(
+                item.request_id, protocol.E_UNENCODABLE, f"chunk {stream.seq} of stage {self._spec.name!r} cannot be "
+                f"encoded: {exc}", self._spec.name, ""))
+            return
+        if len(data) > self._limit:
+            self._final(stream, step, protocol.error_record(
+                item.request_id, protocol.E_TOO_LARGE, f"chunk {stream.seq} of stage {self._spec.name!r} too large: "
+                f"{len(data)} bytes > max_payload_bytes={self._limit}", self._spec.name, ""))
+            return
+        stream.seq += 1
+        step.add(item.reply, data)
+
+    def _end(self, stream: _Stream, step: _Step, value: Any) -> None:
+        item = stream.item
+        record = {"id": item.request_id.decode(), "ok": True, "value": value, "chunks": stream.seq,
+                  "run": stream.run}
+        try:
+            data = codec.encode(record)
+        except codec.CodecError as exc:
+            data = protocol.error_record(item.request_id, protocol.E_UNENCODABLE, f"return value of stage "
+                                         f"{self._spec.name!r} cannot be encoded: {exc}", self._spec.name, "")
+        self._final(stream, step, data)
+
+    def _fail(self, stream: _Stream, step: _Step, exc: Exception) -> None:
+        why = failure(exc, self._tracebacks)
+        self._problems.stage_error(stream.item.request_id, why)
+        self._final(stream, step, protocol.error_record(stream.item.request_id, why.type, why.message,
+                                                        self._spec.name, why.traceback))
+
+    def _final(self, stream: _Stream, step: _Step, record: bytes) -> None:
+        stream.final = record
+        step.add(stream.item.reply, record)
+
+    def _failed(self, part: list[_Stream], exc: Exception, keys: Keys) -> None:
+        """``predict`` raised before it was a generator (a wrapper that is not one): every item's error."""
+        step = _Step()
+        for stream in part:
+            self._fail(stream, step, exc)
+        self._send(step, part, keys)
+
+    # -- Redis ------------------------------------------------------------------------------------
+
+    def _gone(self, part: list[_Stream], keys: Keys) -> bool:
+        """Before a generator starts: its items already cancelled or past their deadline leave; True
+        if none is left to run."""
+        self._send(_Step(), part, keys)
+        return not any(s.running for s in part)
+
+    def _send(self, step: _Step, part: list[_Stream], keys: Keys) -> None:
+        """The step's records out, and the markers of the items still running in: those whose callers
+        left, and those past their deadline, leave the stream (nobody reads it)."""
+        running = [s for s in part if s.running]
+        pushes = [(reply, protocol.array_of(records)) for reply, records in step.pushes.items()]
+        if not pushes and not running:
+            return
+        prefix = keys.cancel_prefix
+        left = publish_step(self._client, pushes, self._reply_ttl_ms, [prefix + s.item.request_id for s in running])
+        now = protocol.now_ms()
+        for stream, cancelled in zip(running, left, strict=True):
+            deadline = stream.item.deadline_ms
+            if cancelled or (deadline is not None and now >= deadline):
+                stream.left = True
+                if cancelled:
+                    self._problems.cancelled(1)
+
+
+def _check_step(values: Any, size: int) -> None:
+    """A batched stream's step must be a sequence of one value per item (a chunk, None or END)."""
+    sized = hasattr(values, "__len__") and hasattr(values, "__getitem__") and getattr(values, "ndim", 1) > 0
+    if isinstance(values, (str, bytes, dict)) or not sized or len(values) != size:
+        raise TypeError(f"a streaming batched predict yields a sequence of {size} values per step (per item a "
+                        f"chunk, None for nothing this step, or END), got {type(values).__name__}"
+                        + (f" of {len(values)}" if sized else ""))
+
+
+def _close(generator: Any) -> None:
+    """Close the stage's generator (GeneratorExit in its code, so it may free what it holds); what it
+    raises then is logged, never the batch's end."""
+    close = getattr(generator, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:  # user code
+        log.exception("a streaming predict raised as it was closed")
