@@ -30,3 +30,7 @@ class UnknownPipeline(Exception):
 class PayloadTooLarge(ValueError):
     """An input whose encoded form is over the workers' ``max_payload_bytes``: refused before Redis
     (a worker would dead-letter it)."""
+
+
+class WrongRoute(ValueError):
+    """A streaming pipeline asked for one answer, or a unary one for a stream: said before Redis."""

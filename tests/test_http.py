@@ -68,6 +68,10 @@ class FakeBackend:
         self.request_ids.append(request_id)
         return asyncio.ensure_future(self.predict(x, timeout_s))
 
+    def cancel(self, waiter: Any) -> bool:
+        """The client left (gateway.client.gateway.Gateway.cancel): the request's task is cancelled."""
+        return bool(waiter.cancel())
+
     async def predict(self, x: Any, timeout_s: float | None = None) -> Any:
         self.calls.append((x, timeout_s))
         self._in_flight += 1
@@ -850,7 +854,7 @@ async def test_nan_result_is_a_clear_500_in_json_and_fine_in_msgpack(server: Htt
     assert error["type"] == "UnencodableResult" and "NaN or Infinity" in error["message"]
 
 
-@http_test()
+@http_test(half_close_answers=True)
 async def test_half_closed_client_gets_its_answers_then_the_connection_closes(
         server: HttpServer, backend: FakeBackend) -> None:
     client = await Client.open(server.port)
@@ -859,6 +863,18 @@ async def test_half_closed_client_gets_its_answers_then_the_connection_closes(
     assert (await client.response()).json() == {"result": "a"}
     assert (await client.response()).json() == {"result": "b"}
     assert await client.closed()  # at once, not after the keep-alive timeout
+    await client.close()
+
+
+@http_test()
+async def test_a_client_that_ends_its_side_while_waiting_has_left_its_request_is_cancelled(
+        server: HttpServer, backend: FakeBackend) -> None:
+    client = await Client.open(server.port)
+    await client.send(predict_json({"op": "block"}))
+    await asyncio.wait_for(backend.entered.wait(), 5)
+    client.writer.write_eof()
+    await asyncio.wait_for(backend.cancelled.wait(), 5)  # the backend was told: workers drop it
+    assert await client.closed()
     await client.close()
 
 

@@ -32,7 +32,7 @@ def test_chunks_arrive_in_order_then_the_stream_ends(redis_url: str, tmp_path: P
     with running_workers(redis_url, f"{APP}:words", ["Words"], STREAM_RUNS=str(runs)) as workers:
         workers.wait_ready("t-words")
 
-        async def scenario() -> tuple[list[list[str]], list[str], BaseException]:
+        async def scenario() -> tuple[list[list[str]], list[str], StageError]:
             async with Gateway(redis_url, "t-words", GatewaySettings(timeout_s=10)) as gw:
                 texts = [" ".join(f"w{i}-{j}" for j in range(i)) for i in range(1, 30)]
                 streams = await asyncio.gather(*(_collect(gw.stream(text)) for text in texts))

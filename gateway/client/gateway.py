@@ -39,7 +39,7 @@ from gateway.client.sizing import size_lanes
 from gateway.client.slot import Waiter
 from gateway.client.streams import StreamSink
 from gateway.client.view import PipelineView, Views
-from gateway.errors import Overloaded, PayloadTooLarge
+from gateway.errors import Overloaded, PayloadTooLarge, WrongRoute
 from gateway.monitor.status import PipelineStatus
 
 log = logging.getLogger("conveyor.gateway")
@@ -210,8 +210,8 @@ class Gateway:
         future."""
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
         if self.registration.streams:
-            raise ValueError(f"pipeline {self.pipeline!r} streams its answers (its last stage's predict yields): "
-                             "use Gateway.stream")
+            raise WrongRoute(f"pipeline {self.pipeline!r} streams its answers (its last stage's predict yields): "
+                             "use Gateway.stream (HTTP: POST .../stream)")
         lanes = self.lanes
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout, rid, priority))
@@ -273,8 +273,8 @@ class Gateway:
                 raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
                                    "only as the request's deadline passed")
         if not self.registration.streams:
-            raise ValueError(f"pipeline {self.pipeline!r} does not stream its answers (its last stage's predict "
-                             "returns): use Gateway.predict")
+            raise WrongRoute(f"pipeline {self.pipeline!r} does not stream its answers (its last stage's predict "
+                             "returns): use Gateway.predict (HTTP: POST .../predict)")
         lanes = self.lanes
         if key is not None:
             lane = lanes[partition_of(key, len(lanes))]

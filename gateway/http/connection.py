@@ -37,7 +37,6 @@ default) it costs one attribute test per answer: nothing is formatted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections import deque
@@ -45,10 +44,12 @@ from typing import Any, cast
 
 from gateway.client.trace_context import CURRENT, RequestTrace
 from gateway.http.framing import CONTINUE, frame
+from gateway.http.pacing import MAX_QUEUED, Pacing
 from gateway.http.parsing import RequestReader
 from gateway.http.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.http.request_ids import with_request_id
 from gateway.http.routes import TIMED_ROUTES, Pending, Router
+from gateway.http.sse import StreamReply
 from gateway.http.state import ServerState
 from gateway.http.types import HttpError, Reply, Request, overloaded, request_timeout
 
@@ -58,8 +59,6 @@ log = logging.getLogger("gateway.http.server")
 access_log = logging.getLogger("conveyor.access")
 
 _LINGER_S = 1.0  # after our last byte, how long we discard the client's unread bytes before closing
-_LINGER_BYTES = 1024 * 1024
-_MAX_QUEUED = 32  # pipelined requests waiting for their turn before reading pauses
 _DRAIN_IDLE_S = 0.5  # on drain, how long an idle keep-alive connection may still bring a request (503)
 _LOGGED_PATH = 512  # the access log cuts a longer path (a head may be 64 KiB of URL): its first bytes, then "..."
 
@@ -67,7 +66,7 @@ _LOGGED_PATH = 512  # the access log cuts a longer path (a head may be 64 KiB of
 _IDLE, _HEAD, _BODY, _DEAD = 0, 1, 2, 3
 
 
-class HttpProtocol(asyncio.Protocol):
+class HttpProtocol(Pacing, asyncio.Protocol):
     """One client connection; its `RequestReader` calls the hooks ``head_started``, ``head_complete``
     and ``request_complete`` from ``feed``."""
 
@@ -85,7 +84,7 @@ class HttpProtocol(asyncio.Protocol):
         self.reader = RequestReader(self, self.settings)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[Request | HttpError] = deque()
-        self.current: tuple[Request, str, Pending] | None = None  # the request whose reply is awaited
+        self.current: tuple[Request, str, Pending | StreamReply] | None = None  # the request whose reply is awaited
         self.started = 0.0
         self.feeding = False  # inside parser.feed_data: requests are answered once it returns
         self.eof = False  # the client half-closed its side
@@ -130,13 +129,20 @@ class HttpProtocol(asyncio.Protocol):
         if error is not None:
             self._fail(error)
             return
-        if len(self.queue) >= _MAX_QUEUED:
+        if len(self.queue) >= MAX_QUEUED:
             self._pause_reading()
         self._advance()
 
     def eof_received(self) -> bool | None:
         self.eof = True
         if self.lingering or not self.queue:
+            self._close()
+            return None
+        if not self.settings.half_close_answers:  # the client left (nginx's reading): cancel, close
+            if self.current is not None:
+                self._abandon(self.current[2])
+                self.current = None
+            self.queue.clear()
             self._close()
             return None
         return True  # half-closed by the client: answer what it already sent, then close
@@ -146,6 +152,15 @@ class HttpProtocol(asyncio.Protocol):
         self.server.release(self)
         if self.timer is not None:
             self.timer.cancel()
+        if self.current is not None:  # the client left before its answer: the request is cancelled
+            self._abandon(self.current[2])
+
+    @staticmethod
+    def _abandon(answer: Pending | StreamReply) -> None:
+        if isinstance(answer, StreamReply):
+            answer.abandon()
+        elif answer.cancel is not None and not answer.future.done():
+            answer.cancel(answer.future)
 
     def pause_writing(self) -> None:
         """Our send buffer is full (the client reads slowly or not at all)."""
@@ -188,7 +203,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def waiting_on(self) -> Any:
         """The future (or `Slot`) of the request whose reply is awaited, if any."""
-        return None if self.current is None else self.current[2].future
+        if self.current is None or isinstance(self.current[2], StreamReply):
+            return None
+        return self.current[2].future
 
     def _enqueue(self, item: Request | HttpError) -> None:
         self.queue.append(item)
@@ -200,20 +217,8 @@ class HttpProtocol(asyncio.Protocol):
         while self.queue and self.current is None and not self.closed and not self.write_paused:
             item = self.queue[0]
             self.started = self.loop.time()
-            if isinstance(item, HttpError):
-                request = item.request or Request(b"-", b"-", {})
-                request.request_id, request.answer_id = self.ids.assign(request.headers.get(REQUEST_ID_HEADER))
-                self.metrics.observe_request(item.route, item.outcome)
-                self._send(request, item.route, item.reply(), close=True)
-                self._end()
-                return
-            item.request_id, item.answer_id = self.ids.assign(item.headers.get(REQUEST_ID_HEADER))
-            if self.server.draining:  # not admitted: the drain began before its turn
-                reply = overloaded("the gateway is shutting down: retry on a new connection", close=True).reply()
-                label = self.router.label(item.path)
-                self.metrics.observe_request(label, reply.outcome)
-                self._send(item, label, reply, close=True)
-                self._end()
+            if isinstance(item, HttpError) or self._refused(item):
+                self._end_with(item)
                 return
             if self.tracing.active and item.method == b"POST":  # the routes that run a pipeline
                 label, answer = self._start_traced(item)
@@ -223,6 +228,11 @@ class HttpProtocol(asyncio.Protocol):
                 self.current = (item, label, answer)
                 answer.future.add_done_callback(self._on_done)
                 return
+            if isinstance(answer, StreamReply):
+                self.current = (item, label, answer)
+                close = b"connection: close\r\n" if not item.keep_alive or self.server.draining else b""
+                answer.attach(b"x-request-id: %b\r\n%b" % (item.answer_id, close), self._write, self._stream_done)
+                return
             if not self._respond(item, label, answer):
                 return
         if not self.queue and not self.closed and not self.lingering:
@@ -231,7 +241,26 @@ class HttpProtocol(asyncio.Protocol):
             elif self.phase == _IDLE:
                 self._after_idle()
 
-    def _start_traced(self, item: Request) -> tuple[str, Reply | Pending]:
+    def _refused(self, item: Request) -> bool:
+        """Gives the request its ids; True if it is not admitted: the drain began before its turn."""
+        item.request_id, item.answer_id = self.ids.assign(item.headers.get(REQUEST_ID_HEADER))
+        return self.server.draining
+
+    def _end_with(self, item: Request | HttpError) -> None:
+        """The last answer of this connection: a reader's error, or a request refused by the drain."""
+        if isinstance(item, HttpError):
+            request = item.request or Request(b"-", b"-", {})
+            request.request_id, request.answer_id = self.ids.assign(request.headers.get(REQUEST_ID_HEADER))
+            self.metrics.observe_request(item.route, item.outcome)
+            self._send(request, item.route, item.reply(), close=True)
+        else:
+            reply = overloaded("the gateway is shutting down: retry on a new connection", close=True).reply()
+            label = self.router.label(item.path)
+            self.metrics.observe_request(label, reply.outcome)
+            self._send(item, label, reply, close=True)
+        self._end()
+
+    def _start_traced(self, item: Request) -> tuple[str, Reply | Pending | StreamReply]:
         """Route a request whose trace (sampled, or timing headers on) its submissions read."""
         self.trace = trace = self.tracing.begin(item)
         if trace is None:
@@ -248,6 +277,8 @@ class HttpProtocol(asyncio.Protocol):
         if self.current is None:
             return
         item, label, pending = self.current
+        if isinstance(pending, StreamReply):
+            return
         self.current = None
         if self.closed:
             return
@@ -261,6 +292,28 @@ class HttpProtocol(asyncio.Protocol):
             reply = self.router.internal_error(exc)
         if self._respond(item, label, reply):
             self._advance()
+
+    def _stream_done(self, reply: Reply | None, outcome: str) -> None:
+        """A streamed answer ended: ``reply``, an ordinary answer (nothing was streamed: an error before
+        the first chunk), or None (its last bytes are written)."""
+        if self.current is None or self.closed:
+            return
+        item, label, _ = self.current
+        self.current = None
+        if reply is not None:
+            if self._respond(item, label, reply):
+                self._advance()
+            return
+        self.trace = None
+        self.metrics.observe_request(label, outcome, self.loop.time() - self.started)
+        if self.access_log:
+            self._log_access(item, 200, 0)
+        if not item.keep_alive or self.server.draining:
+            self._end()
+            return
+        self.queue.popleft()
+        self._maybe_resume_reading()
+        self._advance()
 
     def _respond(self, item: Request, label: str, reply: Reply) -> bool:
         """Send one reply; True if the connection can carry another request."""
@@ -286,11 +339,13 @@ class HttpProtocol(asyncio.Protocol):
         data = frame(reply, head_only, close, request.answer_id)
         self._write(data)
         if self.access_log:
-            path = request.path if len(request.path) <= _LOGGED_PATH else request.path[:_LOGGED_PATH] + b"..."
-            access_log.info("access client=%s method=%s path=%s status=%d bytes=%d duration_ms=%.2f request=%s",
-                            self.peer, request.method.decode("latin-1"), path.decode("latin-1"),
-                            reply.status, len(data), (self.loop.time() - self.started) * 1000,
-                            request.request_id.decode("latin-1"))
+            self._log_access(request, reply.status, len(data))
+
+    def _log_access(self, request: Request, status: int, size: int) -> None:
+        path = request.path if len(request.path) <= _LOGGED_PATH else request.path[:_LOGGED_PATH] + b"..."
+        access_log.info("access client=%s method=%s path=%s status=%d bytes=%d duration_ms=%.2f request=%s",
+                        self.peer, request.method.decode("latin-1"), path.decode("latin-1"), status, size,
+                        (self.loop.time() - self.started) * 1000, request.request_id.decode("latin-1"))
 
     def _end(self) -> None:
         """Our last response is written: nothing more is read or answered on this connection."""
@@ -309,34 +364,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.phase == _IDLE and not self.queue:
             self._after_idle()
 
-    # -- limits and timeouts --------------------------------------------------------------------
-
-    def _set_read_deadline(self, when: float) -> None:
-        self.read_deadline = when
-        self._arm(when)
-
-    def _arm(self, when: float) -> None:
-        """One timer per connection, re-armed lazily: moving a deadline later costs nothing."""
-        if when < self.timer_at:
-            if self.timer is not None:
-                self.timer.cancel()
-            self.timer = self.loop.call_at(when, self._on_timer)
-            self.timer_at = when
-
-    def _on_timer(self) -> None:
-        self.timer, self.timer_at = None, math.inf
-        if self.closed:
-            return
-        now = self.loop.time()
-        if self.write_deadline <= now:
-            log.debug("client stopped reading: dropping the connection")
-            self._abort()
-            return
-        if self.read_deadline <= now:
-            self._read_timed_out()
-        nxt = min(self.read_deadline, self.write_deadline)
-        if nxt < math.inf and not self.closed:
-            self._arm(max(nxt, now + 0.001))
+    # -- limits and timeouts (the timer itself: gateway.http.pacing) -----------------------------
 
     def _read_timed_out(self) -> None:
         self.read_deadline = math.inf
@@ -378,30 +406,20 @@ class HttpProtocol(asyncio.Protocol):
             return
         self._set_read_deadline(self.loop.time() + _LINGER_S)
 
-    def _discard(self, size: int) -> None:
-        self.discarded += size
-        if self.lingering and self.discarded > _LINGER_BYTES:
-            self._close()
-
-    def _close(self) -> None:
-        """Release the slot first: a client that sees its connection end can count on it being free."""
-        self.server.release(self)
-        if self.transport is not None:
-            self.transport.close()
-
-    def _abort(self) -> None:
-        self.server.release(self)
-        if self.transport is not None:
-            self.transport.abort()
-
     def cancel(self) -> None:
         """End the connection now (drain timeout, an impatient second stop): a request still
         waiting for its answer gets 503 with ``Connection: close``, never a closed socket alone."""
         waiting = self.current is not None or any(isinstance(item, Request) for item in self.queue)
+        if self.current is not None and isinstance(self.current[2], StreamReply):
+            self.current[2].abandon()  # a stream under way: cut (its client sees the connection end)
+            self.current = None
+            self.queue.clear()
+            self._abort()
+            return
         if self.current is not None:
             item, label, pending = self.current
             self.current = None
-            pending.future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
+            cast(Pending, pending).future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
             reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
             self.metrics.observe_request(label, reply.outcome)
             self._send(item, label, reply, close=True, head_only=item.method == b"HEAD")
@@ -423,21 +441,6 @@ class HttpProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None and not self.lingering:
-            self.reading_paused = True
-            with contextlib.suppress(RuntimeError):
-                self.transport.pause_reading()
-
-    def _maybe_resume_reading(self) -> None:
-        if self.reading_paused and not self.write_paused and len(self.queue) < _MAX_QUEUED // 2:
-            self._resume_reading()
-
-    def _resume_reading(self) -> None:
-        if self.reading_paused and self.transport is not None:
-            self.reading_paused = False
-            with contextlib.suppress(RuntimeError):
-                self.transport.resume_reading()
 
 
 def _address(peer: Any) -> str:

@@ -38,11 +38,11 @@ from broker import protocol
 from broker.codec import CodecError
 from gateway.backends import Backend
 from gateway.client.slot import Waiter, awaitable, failure
-from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
+from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline, WrongRoute
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
-__all__ = ["Pending", "Predict", "later", "once_declared", "priority_of", "request_bound_s", "timeout_s"]
+__all__ = ["Pending", "Predict", "decode_body", "later", "once_declared", "priority_of", "request_bound_s", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -59,6 +59,7 @@ class Pending:
 
     future: Waiter
     finish: Callable[[Waiter], Reply]
+    cancel: Callable[[Waiter], object] | None = None  # the client left: the request is cancelled
 
 
 def _reply_of(future: Any) -> Reply:
@@ -160,6 +161,8 @@ def backend_error(exc: Exception, debug: bool) -> HttpError:
         return HttpError(503, "UnknownPipeline", str(exc), outcome="unknown_pipeline")
     if isinstance(exc, PayloadTooLarge):  # checked before Redis: a worker would dead-letter it
         return HttpError(413, "PayloadTooLarge", str(exc), outcome="too_large")
+    if isinstance(exc, WrongRoute):
+        return HttpError(400, "WrongRoute", str(exc), outcome="bad_request")
     if isinstance(exc, CodecError):  # e.g. a JSON integer beyond 64 bits: valid JSON, not carried
         return HttpError(400, "BadRequest", f"input cannot be sent to the pipeline: {exc}", outcome="bad_request")
     log.error("predict failed inside the gateway", exc_info=exc)
@@ -187,7 +190,7 @@ class Predict:
         except UnsupportedMediaType as exc:
             return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
         try:
-            x = _decode_body(codec, request.body)
+            x = decode_body(codec, request.body)
             bound_s, priority = request_bound_s(request.headers), priority_of(request.headers)
             try:
                 future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True,
@@ -196,7 +199,8 @@ class Predict:
                 raise backend_error(exc, self.debug) from exc
         except HttpError as exc:
             return exc.reply(codec)
-        return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec))
+        return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec),
+                       getattr(backend, "cancel", None))
 
     def _finish(self, codec: Codec, future: Waiter) -> Reply:
         exc = failure(future)  # not raised: see gateway.client.slot.failure
@@ -209,7 +213,7 @@ class Predict:
                              outcome="error").reply(codec)
 
 
-def _decode_body(codec: Codec, body: bytes) -> Any:
+def decode_body(codec: Codec, body: bytes) -> Any:
     try:
         return codec.decode(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, NonFiniteNumber, UnicodeDecodeError, CodecError

@@ -4,6 +4,8 @@ Routes (the protocols' own modules say their bodies and status codes)::
 
     POST /v1/pipelines/NAME/predict   conveyor's predict (gateway.http.predict)
     POST /v1/predict                  the same, on a gateway serving exactly one pipeline
+    POST /v1/pipelines/NAME/stream    a streamed answer, server-sent events (gateway.http.sse)
+    POST /v1/stream                   the same, on a gateway serving exactly one pipeline
     GET  /v1/pipelines                the pipelines served: {"pipelines": [names]}
     POST /v1/embeddings, GET /v1/models[/NAME]   the OpenAI-compatible embeddings API (gateway.http.openai)
     /v2/...                           the Open Inference Protocol (gateway.http.oip.routes)
@@ -35,6 +37,7 @@ from gateway.http.oip.routes import V2
 from gateway.http.openai import OpenAI
 from gateway.http.predict import Pending, Predict, internal, later
 from gateway.http.settings import HttpSettings
+from gateway.http.sse import StreamReply, start_stream
 from gateway.http.types import HttpError, Reply, Request, ok
 from gateway.monitor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.monitor.metrics import OPENMETRICS_CONTENT_TYPE, Metrics, PipelineStatusLike, read_statuses
@@ -42,9 +45,9 @@ from gateway.monitor.metrics import OPENMETRICS_CONTENT_TYPE, Metrics, PipelineS
 __all__ = ["TIMED_ROUTES", "Pending", "Router", "status_body"]
 
 # Routes whose latency the metrics observe (the requests that run through a pipeline).
-TIMED_ROUTES = frozenset({"predict", "infer", "embeddings"})
+TIMED_ROUTES = frozenset({"predict", "infer", "embeddings", "stream"})
 
-Handler = Callable[[Request, tuple[str, ...]], "Reply | Pending"]
+Handler = Callable[[Request, tuple[str, ...]], "Reply | Pending | StreamReply"]
 GET = frozenset({b"GET", b"HEAD"})
 POST = frozenset({b"POST"})
 
@@ -124,6 +127,8 @@ class Router:
         table = self.table = RouteTable()
         table.add("/v1/predict", POST, "predict", self._predict_only)
         table.add("/v1/pipelines/{name}/predict", POST, "predict", self._predict_named)
+        table.add("/v1/stream", POST, "stream", self._stream_only)
+        table.add("/v1/pipelines/{name}/stream", POST, "stream", self._stream_named)
         table.add("/v1/pipelines", GET, "pipelines", self._pipelines)
         openai = OpenAI(self.backends)
         table.add("/v1/embeddings", POST, "embeddings", openai.embeddings)
@@ -145,7 +150,7 @@ class Router:
         found = self.table.match(path) if path is not None else None
         return found[0].label if found else "other"
 
-    def start(self, request: Request) -> tuple[str, Reply | Pending]:
+    def start(self, request: Request) -> tuple[str, Reply | Pending | StreamReply]:
         """Route one request: (route label for metrics, the reply or a `Pending` one).
 
         Why not a coroutine: a predict is a `Slot` of the backend plus a callback, so that a request
@@ -168,21 +173,37 @@ class Router:
     # -- conveyor's predict -----------------------------------------------------------------------
 
     def _predict_named(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
-        backend = self.backends.get(params[0])
-        if backend is None:
-            served = ", ".join(self.backends.names())
-            return HttpError(404, "UnknownPipeline", f"this gateway does not serve pipeline {params[0]!r} "
-                                                     f"(it serves: {served})", outcome="not_found").reply()
-        return self._predict.start(request, backend)
+        backend = self._named(params[0])
+        return backend if isinstance(backend, Reply) else self._predict.start(request, backend)
 
     def _predict_only(self, request: Request, params: tuple[str, ...]) -> Reply | Pending:
+        backend = self._only("predict")
+        return backend if isinstance(backend, Reply) else self._predict.start(request, backend)
+
+    def _stream_named(self, request: Request, params: tuple[str, ...]) -> Reply | StreamReply:
+        backend = self._named(params[0])
+        return backend if isinstance(backend, Reply) else start_stream(request, backend, self.settings.debug)
+
+    def _stream_only(self, request: Request, params: tuple[str, ...]) -> Reply | StreamReply:
+        backend = self._only("stream")
+        return backend if isinstance(backend, Reply) else start_stream(request, backend, self.settings.debug)
+
+    def _named(self, name: str) -> Backend | Reply:
+        backend = self.backends.get(name)
+        if backend is None:
+            served = ", ".join(self.backends.names())
+            return HttpError(404, "UnknownPipeline", f"this gateway does not serve pipeline {name!r} "
+                                                     f"(it serves: {served})", outcome="not_found").reply()
+        return backend
+
+    def _only(self, route: str) -> Backend | Reply:
         names = self.backends.names()
         backend = self.backends.get(names[0]) if len(names) == 1 else None
         if backend is None:
             return HttpError(404, "NotFound", f"this gateway serves {len(names)} pipelines "
-                                              f"({', '.join(names)}): POST /v1/pipelines/NAME/predict",
+                                              f"({', '.join(names)}): POST /v1/pipelines/NAME/{route}",
                              outcome="not_found").reply()
-        return self._predict.start(request, backend)
+        return backend
 
     def _pipelines(self, request: Request, params: tuple[str, ...]) -> Reply:
         return ok({"pipelines": self.backends.names()})

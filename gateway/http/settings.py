@@ -36,6 +36,9 @@ class HttpSettings:
     - ``oip_plans``: how many Open Inference Protocol request heads without data (the binary
       extension's, which a client repeats for every request of the same shapes) are kept parsed and
       checked, so that a repeated request skips that work; 0 keeps none.
+    - ``half_close_answers``: a client that ends its side (EOF) while an answer is pending has left, as
+      nginx takes it: its requests are cancelled (workers drop them) and the connection closes. True
+      keeps answering what a half-closed client sent (a client that shuts its side down on purpose).
     - ``access_log``: one INFO line per answer on the logger ``conveyor.access`` (client, method,
       path, status, bytes, duration, request id: gateway.http.connection); off, it costs nothing.
     """
@@ -59,6 +62,7 @@ class HttpSettings:
     access_log: bool = False
     traces: TraceSettings = field(default_factory=TraceSettings)
     timing_headers: bool = False
+    half_close_answers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",

@@ -1,0 +1,101 @@
+"""The pace of one HTTP connection: its one timer, and when it reads (a mixin of
+:class:`gateway.http.connection.HttpProtocol`, which holds the state named below).
+
+One timer per connection, re-armed lazily, checks the current deadline: the read side's (head,
+body, keep-alive idle, linger) and the write side's (a response stuck in our buffer: the client
+stopped reading, the connection is dropped). Reading pauses while too many pipelined requests wait
+or while the client does not read our answers. And how it ends: closed, aborted, or (lingering)
+after the client's last bytes are discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import Any
+
+log = logging.getLogger("gateway.http.server")
+
+MAX_QUEUED = 32  # pipelined requests waiting for their turn before reading pauses
+_LINGER_BYTES = 1024 * 1024  # a lingering connection closes once the client sent this much more
+
+
+class Pacing:
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport | None
+    queue: deque[Any]
+    closed: bool
+    lingering: bool
+    reading_paused: bool
+    write_paused: bool
+    read_deadline: float
+    write_deadline: float
+    timer: asyncio.TimerHandle | None
+    timer_at: float
+    discarded: int
+    server: Any  # gateway.http.state.ServerState: the slot a connection holds
+
+    def _read_timed_out(self) -> None:
+        raise NotImplementedError
+
+    def _set_read_deadline(self, when: float) -> None:
+        self.read_deadline = when
+        self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        """One timer per connection, re-armed lazily: moving a deadline later costs nothing."""
+        if when < self.timer_at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(when, self._on_timer)
+            self.timer_at = when
+
+    def _on_timer(self) -> None:
+        self.timer, self.timer_at = None, math.inf
+        if self.closed:
+            return
+        now = self.loop.time()
+        if self.write_deadline <= now:
+            log.debug("client stopped reading: dropping the connection")
+            self._abort()
+            return
+        if self.read_deadline <= now:
+            self._read_timed_out()
+        nxt = min(self.read_deadline, self.write_deadline)
+        if nxt < math.inf and not self.closed:
+            self._arm(max(nxt, now + 0.001))
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None and not self.lingering:
+            self.reading_paused = True
+            with contextlib.suppress(RuntimeError):
+                self.transport.pause_reading()
+
+    def _maybe_resume_reading(self) -> None:
+        if self.reading_paused and not self.write_paused and len(self.queue) < MAX_QUEUED // 2:
+            self._resume_reading()
+
+    def _resume_reading(self) -> None:
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
+            with contextlib.suppress(RuntimeError):
+                self.transport.resume_reading()
+
+    def _discard(self, size: int) -> None:
+        self.discarded += size
+        if self.lingering and self.discarded > _LINGER_BYTES:
+            self._close()
+
+    def _close(self) -> None:
+        """Release the slot first: a client that sees its connection end can count on it being free."""
+        self.server.release(self)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        self.server.release(self)
+        if self.transport is not None:
+            self.transport.abort()

@@ -1,0 +1,151 @@
+"""Streamed answers over HTTP (server-sent events) and cancellation by disconnect: real workers, real
+Redis, the gateway's HTTP front on loopback (tests/stream_stages.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gateway import Gateway, GatewaySettings
+from gateway.http.server import HttpServer, HttpSettings
+from tests.helpers import running_workers, wait_for
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
+APP = "tests.stream_stages"
+T = TypeVar("T")
+
+
+def _events(body: bytes) -> list[tuple[str, Any]]:
+    """(event name, data as JSON) of each server-sent event; "message" for unnamed ones."""
+    events = []
+    for block in body.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return events
+
+
+def _post(port: int, path: str, body: bytes, conn: http.client.HTTPConnection | None = None
+          ) -> tuple[int, dict[str, str], bytes]:
+    own = conn is None
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        if own:
+            conn.close()
+
+
+def _served(redis_url: str, pipeline: str, body: Callable[[int], T]) -> T:
+    """``body(port)`` in a thread while a gateway serves ``pipeline`` over HTTP."""
+    async def scenario() -> T:
+        async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=20)) as gw:
+            server = HttpServer(gw, HttpSettings(port=0))
+            await server.start()
+            try:
+                return await asyncio.to_thread(body, server.port)
+            finally:
+                await server.close()
+    return asyncio.run(scenario())
+
+
+def test_server_sent_events_one_per_chunk_then_done(redis_url: str) -> None:
+    with running_workers(redis_url, f"{APP}:words", ["Words"]) as workers:
+        workers.wait_ready("t-words")
+
+        def calls(port: int) -> list[tuple[int, dict[str, str], bytes]]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:  # one keep-alive connection: a stream, an error in-band, a refused predict, a stream again
+                return [_post(port, "/v1/stream", b'"a b c"', conn),
+                        _post(port, "/v1/pipelines/t-words/stream", b'"x boom y"', conn),
+                        _post(port, "/v1/predict", b'"a b"', conn),
+                        _post(port, "/v1/stream", b'"last one"', conn)]
+            finally:
+                conn.close()
+
+        ok, failed, refused, again = _served(redis_url, "t-words", calls)
+        assert ok[0] == 200 and ok[1]["content-type"] == "text/event-stream" and "x-request-id" in ok[1]
+        assert _events(ok[2]) == [("message", "a"), ("message", "b"), ("message", "c"),
+                                  ("done", {"chunks": 3, "result": 3})]
+        assert ok[2].startswith(b"id: 0\ndata: \"a\"\n\n")
+        events = _events(failed[2])
+        assert failed[0] == 200 and events[0] == ("message", "x") and events[1][0] == "error"
+        error = events[1][1]["error"]
+        assert error["type"] == "RuntimeError" and error["stage"] == "Words" and error["request_id"]
+        assert refused[0] == 400 and json.loads(refused[2])["error"]["type"] == "WrongRoute"
+        assert _events(again[2])[:2] == [("message", "last"), ("message", "one")]
+
+
+def test_an_error_before_the_first_chunk_is_an_ordinary_answer(redis_url: str) -> None:
+    with running_workers(redis_url, f"{APP}:words", ["Words"]) as workers:
+        workers.wait_ready("t-words")
+
+        def calls(port: int) -> list[tuple[int, dict[str, str], bytes]]:
+            return [_post(port, "/v1/stream", b"[1, 2]"),  # text.split() on a list raises at once
+                    _post(port, "/v1/pipelines/nope/stream", b'"a"'),
+                    _post(port, "/v1/stream", b"{not json")]
+
+        raised, unknown, bad = _served(redis_url, "t-words", calls)
+        assert raised[0] == 422 and json.loads(raised[2])["error"]["type"] == "AttributeError"
+        assert unknown[0] == 404 and bad[0] == 400
+
+
+def test_a_client_that_disconnects_closes_the_stream(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    text = " ".join(f"w{j}" for j in range(200))  # 50 ms apart: 10 s unless closed
+
+    def leave_early(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            body = json.dumps(text).encode()
+            sock.sendall(b"POST /v1/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            got = b""
+            while b"data: \"w1\"" not in got:
+                got += sock.recv(65536)
+        wait_for(lambda: f"closed {text}" in (runs.read_text() if runs.exists() else ""), 5,
+                 "the stage's generator was closed")
+        return got
+
+    with running_workers(redis_url, f"{APP}:slow_words", ["Words"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow-words")
+        got = _served(redis_url, "t-slow-words", leave_early)
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and f"end {text}" not in runs.read_text()
+
+
+def test_a_unary_caller_that_disconnects_cancels_its_request(redis_url: str, tmp_path: Path) -> None:
+    """Predict requests to a slow stage whose clients close their connections: dropped, not run."""
+    runs = tmp_path / "runs"
+
+    def leave(port: int) -> None:
+        socks = []
+        for i in range(20):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%d" % (len(str(i)), i))
+            socks.append(sock)
+        wait_for(lambda: "ran 0" in (runs.read_text() if runs.exists() else ""), 10, "the first item started")
+        for sock in socks:
+            sock.close()
+
+
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow")
+        def calls(port: int) -> list[int]:
+            warm = _post(port, "/v1/predict", b'"warm"')[0]
+            leave(port)
+            return [warm, _post(port, "/v1/predict", b'"after"')[0]]
+
+        assert _served(redis_url, "t-slow", calls) == [200, 200]
+    ran = [line for line in runs.read_text().splitlines() if line not in ("ran warm", "ran after")]
+    assert ran and len(ran) <= 3, ran  # the one running, perhaps one read before the markers landed
