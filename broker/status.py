@@ -69,6 +69,7 @@ class StageReads:
     stats: list[Entry] = field(default_factory=list)  # oldest first
     stage_errors: int = 0
     batch_length_errors: int = 0
+    cancelled: int = 0  # items dropped because their callers left (broker.cancels)
     scale: list[ScaleRecord] = field(default_factory=list)  # its autoscaling supervisors (partition 0)
     levels: list[int] = field(default_factory=list)  # XLEN of the level streams above the default, level 1 first
 
@@ -185,6 +186,7 @@ def _stage(replies: list[Any]) -> StageReads:
     reads.heartbeats, reads.loading, reads.stuck = (_scores(z) for z in (beats, loading, stuck))
     reads.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
     reads.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
+    reads.cancelled = int(counts.get(b"cancelled", counts.get("cancelled", 0)))
     reads.scale = scale_records(scale)
     return reads
 

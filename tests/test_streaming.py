@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from broker.keys import Keys
 from gateway import Gateway, GatewaySettings, StageError
-from tests.helpers import running_workers, wait_for
+from tests.helpers import read_pipeline_status, running_workers, wait_for
 from workers import END, Pipeline, PipelineError
 from workers.stage import Stage
 
@@ -83,7 +85,7 @@ def test_a_stream_left_early_closes_the_stages_generator(redis_url: str, tmp_pat
         assert f"end {text}" not in _runs(runs)
 
 
-def test_cancelled_callers_items_never_reach_predict(redis_url: str, tmp_path: Path) -> None:
+def test_cancelled_callers_items_never_reach_predict(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
     """A backlog of a slow stage (0.1 s per item) whose callers cancel their tasks: the items left in
     the stream are dropped (acked, counted), not run."""
     runs = tmp_path / "runs"
@@ -104,6 +106,11 @@ def test_cancelled_callers_items_never_reach_predict(redis_url: str, tmp_path: P
         asyncio.run(scenario())
         ran = [line for line in _runs(runs) if line.startswith("ran ") and line not in ("ran warm", "ran after")]
         assert ran and len(ran) <= 2, ran  # the one running when they left, perhaps the one read next
+        # Counted where status and /metrics read them (with the worker's next heartbeat).
+        wait_for(lambda: int(redis_client.hget(Keys("t-slow").counts(0), "cancelled") or 0) >= 40 - len(ran), 5,
+                 "the cancelled items counted in P:counts:0")
+        status = asyncio.run(read_pipeline_status(redis_url, "t-slow"))
+        assert status.stages[0].cancelled >= 40 - len(ran)
 
 
 def test_only_the_last_stage_may_stream() -> None:

@@ -149,3 +149,12 @@ def test_a_unary_caller_that_disconnects_cancels_its_request(redis_url: str, tmp
         assert _served(redis_url, "t-slow", calls) == [200, 200]
     ran = [line for line in runs.read_text().splitlines() if line not in ("ran warm", "ran after")]
     assert ran and len(ran) <= 3, ran  # the one running, perhaps one read before the markers landed
+
+
+def test_the_streaming_example_sends_pi_as_the_readme_says(redis_url: str) -> None:
+    with running_workers(redis_url, "examples.streaming:pipeline", ["PiDigits"]) as workers:
+        workers.wait_ready("pi-digits")
+        status, _, body = _served(redis_url, "pi-digits", lambda port: _post(port, "/v1/stream", b"60"))
+    events = _events(body)
+    assert status == 200 and events[-1] == ("done", {"chunks": 6, "result": 60})
+    assert "".join(data for _, data in events[:-1]) == "3.14159265358979323846264338327950288419716939937510582097494"

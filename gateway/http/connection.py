@@ -49,7 +49,7 @@ from gateway.http.parsing import RequestReader
 from gateway.http.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.http.request_ids import with_request_id
 from gateway.http.routes import TIMED_ROUTES, Pending, Router
-from gateway.http.sse import StreamReply
+from gateway.http.sse import StreamReply, abandon
 from gateway.http.state import ServerState
 from gateway.http.types import HttpError, Reply, Request, overloaded, request_timeout
 
@@ -140,7 +140,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             return None
         if not self.settings.half_close_answers:  # the client left (nginx's reading): cancel, close
             if self.current is not None:
-                self._abandon(self.current[2])
+                abandon(self.current[2])
                 self.current = None
             self.queue.clear()
             self._close()
@@ -153,14 +153,8 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         if self.current is not None:  # the client left before its answer: the request is cancelled
-            self._abandon(self.current[2])
+            abandon(self.current[2])
 
-    @staticmethod
-    def _abandon(answer: Pending | StreamReply) -> None:
-        if isinstance(answer, StreamReply):
-            answer.abandon()
-        elif answer.cancel is not None and not answer.future.done():
-            answer.cancel(answer.future)
 
     def pause_writing(self) -> None:
         """Our send buffer is full (the client reads slowly or not at all)."""

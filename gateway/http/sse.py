@@ -32,10 +32,17 @@ from typing import Any
 from gateway.backends import Backend
 from gateway.client.streams import StreamSink
 from gateway.http.codecs import JSON, UnsupportedMediaType, codec_for
-from gateway.http.predict import PARTITION_KEY_HEADER, backend_error, decode_body, priority_of, request_bound_s
+from gateway.http.predict import (
+    PARTITION_KEY_HEADER,
+    Pending,
+    backend_error,
+    decode_body,
+    priority_of,
+    request_bound_s,
+)
 from gateway.http.types import HttpError, Reply, Request
 
-__all__ = ["StreamReply", "start_stream"]
+__all__ = ["StreamReply", "abandon", "start_stream"]
 
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
          b"transfer-encoding: chunked\r\n")
@@ -174,3 +181,12 @@ def start_stream(request: Request, backend: Backend, debug: bool) -> Reply | Str
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),
                                            request_id=request.request_id or None, priority=priority))
     return StreamReply(opening, request.request_id, debug, getattr(backend, "cancel", lambda sink: None))
+
+
+def abandon(answer: Pending | StreamReply) -> None:
+    """The client of a pending answer left: its request is cancelled (workers drop it, a stream's
+    generator is closed)."""
+    if isinstance(answer, StreamReply):
+        answer.abandon()
+    elif answer.cancel is not None and not answer.future.done():
+        answer.cancel(answer.future)

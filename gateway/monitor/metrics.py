@@ -85,6 +85,8 @@ class StageStatusLike(Protocol):
     @property
     def batch_length_errors(self) -> int: ...
     @property
+    def cancelled(self) -> int: ...
+    @property
     def workers_wanted(self) -> int: ...
     @property
     def workers_max(self) -> int: ...
@@ -192,6 +194,9 @@ class Metrics:
             "batch_length_errors": Gauge(f"{ns}_stage_batch_length_errors",
                                          "Batched predict calls that returned the wrong number of results, in "
                                          "total (kept in Redis).", STAGE_LABELS, registry=reg),
+            "cancelled": Gauge(f"{ns}_stage_cancelled", "Items dropped because their callers left (disconnected, "
+                               "cancelled, stopped reading a stream), in total (kept in Redis).", STAGE_LABELS,
+                               registry=reg),
             "workers_wanted": Gauge(f"{ns}_stage_autoscale_workers",
                                     "Workers its autoscaling supervisors run now (0: not autoscaled).", STAGE_LABELS,
                                     registry=reg),

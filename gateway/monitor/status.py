@@ -72,6 +72,7 @@ class StageStatus:
     stuck_workers: int = 0  # found stuck in predict by their supervisor, not yet replaced
     stage_errors: int = 0  # totals since the pipeline's keys were made (P:counts:<i>)
     batch_length_errors: int = 0
+    cancelled: int = 0  # items dropped (or streams stopped) because their callers left
     dead_letters: int = 0
     max_backlog: int | None = None
     # Entries (waiting or pending) in the stage's streams of the priority levels above the default, by
@@ -180,7 +181,8 @@ def _stage(info: StageInfo, reads: StageReads, now: int) -> StageStatus:
     live_after = now - LIVE_AFTER_MS
     status = StageStatus(info.index, info.name, pending=reads.pending, consumers=reads.consumers,
                          dead_letters=reads.dead_letters, max_backlog=info.max_backlog,
-                         stage_errors=reads.stage_errors, batch_length_errors=reads.batch_length_errors)
+                         stage_errors=reads.stage_errors, batch_length_errors=reads.batch_length_errors,
+                         cancelled=reads.cancelled)
     # Redis >= 7 says how many entries the group has not read yet (lag; None when it cannot
     # tell); otherwise the stream holds the undelivered entries plus the pending ones.
     status.backlog = reads.lag if reads.lag is not None else max(0, reads.length - reads.pending)
