@@ -80,3 +80,27 @@ class Slow(Stage):
 
 
 slow = Pipeline("t-slow").add(Slow)
+
+
+class Ticks(Stage):
+    """Batched and deterministic: item n yields n * 1000 + 0 .. 31, a step each 10 ms."""
+
+    batch_size = 16
+    batch_wait_s = 0.002
+    deterministic = True
+    claim_idle_s = 2.0
+
+    def predict(self, ns: list[int]) -> Iterator[list[int]]:
+        for step in range(32):
+            yield [n * 1000 + step for n in ns]
+            time.sleep(0.01)
+
+
+class Dice(Ticks):
+    """The same chunks, but the stage does not say a re-run yields them again."""
+
+    deterministic = False
+
+
+ticks = Pipeline("t-ticks").add(Ticks, workers=2)
+dice = Pipeline("t-dice").add(Dice, workers=2)

@@ -225,6 +225,12 @@ def _serve(life: Life) -> None:
         async with Gateway(life.urls["gateway"], NAME, settings) as gw:
             held = asyncio.ensure_future(gw.predict("audited"))
             await _until(lambda: gw.hub.recall.audits >= 2, "two audits of the held request")
+            # A caller that leaves: its request is marked cancelled under the gateway user (cancel.lua).
+            left = asyncio.ensure_future(gw.predict("audited"))
+            await _until(lambda: len(gw.hub.requests) == 2, "the second request in flight")
+            left.cancel()
+            await asyncio.gather(left, return_exceptions=True)
+            await _until(lambda: bool(life.acl.admin.exists(KEYS.cancels)), "the cancel marked in Redis")
             (life.tmp / "audited.go").touch()
             assert await held == ["done", "audited"] and gw.hub.recall.resubmitted == 0
 

@@ -5,7 +5,10 @@ The hub's reply reader hands each chunk record (:mod:`broker.chunks`) of a reque
 chunk count. The sink keeps the order and says when it cannot: a chunk missing (a sequence number
 skipped), or a second run of a stage that does not declare itself deterministic after chunks of the
 first were given out, ends the stream with :class:`StreamInterrupted`, never a silent splice of two
-runs. A deterministic stage's re-run says ``resume``: its chunks already given are skipped.
+runs. A deterministic stage's re-run says ``resume``: its chunks already given are skipped. A re-run is
+told by its ``run`` (the delivery count) or, where that restarted at 1 (a batch entry delivered again
+is split into new entries), by a chunk whose sequence number was given already: within one run each
+sequence number comes once, in order.
 
 Bounded: a consumer that does not take its chunks (a slow HTTP client, an ``async for`` that stalls) may
 leave at most ``max_buffered`` of them here; past that the stream ends with :class:`StreamLagged` and the
@@ -71,10 +74,15 @@ class StreamSink:
         seq, run = record.get("seq"), record.get("run", 1)
         if type(seq) is not int or type(run) is not int:
             return
-        if run != self._run and not self._adopt(run, bool(record.get("resume"))):
+        resume = bool(record.get("resume"))
+        if run != self._run and not self._adopt(run, resume):
             return
-        if seq < self._next:
-            return  # given already (a deterministic re-run's first chunks)
+        if seq < self._next:  # a chunk given already: the stage runs the request again
+            if not resume:  # (a batch entry run again is split into new entries: its run may say 1 again)
+                self._give_up(StreamInterrupted(f"the stage ran the request again (its worker stopped mid-stream) "
+                                                f"after {self._next} chunks were sent, and it does not declare "
+                                                "itself deterministic"))
+            return
         if seq > self._next:
             self._give_up(StreamInterrupted(f"chunk {self._next} of the stream is missing (chunk {seq} came "
                                             "next): Redis lost part of it"))
