@@ -37,9 +37,11 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from click.testing import CliRunner
 
 from broker import codec, protocol
 from broker.keys import GROUP, Keys
+from gateway.cli import status as status_command
 from tests import keda_scaler
 from tests.helpers import (
     REPO_ROOT,
@@ -101,11 +103,12 @@ def _raw(client: redis.Redis) -> tuple[object, ...]:
 
 
 def _status(url: str) -> dict[str, int]:
-    """``conveyor status NAME --json``, the command itself: its one stage's numbers (none live before a
+    """``conveyor status NAME --json``, the command itself (its click command, in this process: a new
+    interpreter per sample cost most of this test's time): its one stage's numbers (none live before a
     worker registered the pipeline: the command then exits 1)."""
-    done = subprocess.run(conveyor_argv("status", pipeline.name, "--json"), cwd=REPO_ROOT, env=conveyor_env(url),
-                          capture_output=True, timeout=30)
-    assert done.returncode in (0, 1), done.stderr
+    done = CliRunner().invoke(status_command, [pipeline.name, "--json", "--redis", url], env={
+        name: None for name in os.environ if name.startswith("CONVEYOR_")})
+    assert done.exit_code in (0, 1), done.output
     stages = json.loads(done.stdout)["stages"]
     if not stages:
         return {"backlog": 0, "pending": 0, "live": 0}
