@@ -430,13 +430,24 @@ RATIOS = {"chunks/s": "chunks_per_s", "TTFC p50": "ttfc_p50_ms", "TTFC p99": "tt
           "server CPU us/chunk": "server_cpu_us_per_chunk"}
 
 
-def ratio_table(runs: list[dict[str, Any]], a: str, b: str) -> str:
-    """Per load and figure, ``a / b`` within each round (the paired figure) and their median."""
+def _median_of(runs: list[dict[str, Any]], system: str, load_: int, key: str) -> float:
+    values = [r[key] for r in runs if r["system"] == system and r["connections"] == load_ and r[key] == r[key]]
+    return statistics.median(values) if values else float("nan")
+
+
+def best_of(runs: list[dict[str, Any]], systems: list[str]) -> dict[int, str]:
+    """Per load, the one of ``systems`` (mosec's settings) with the most chunks/s, median over rounds."""
+    return {load_: max(systems, key=lambda system: _median_of(runs, system, load_, "chunks_per_s"))
+            for load_ in sorted({r["connections"] for r in runs})}
+
+
+def ratio_table(runs: list[dict[str, Any]], a: str, against: dict[int, str], title: str) -> str:
+    """Per load and figure, ``a`` over ``against[load]`` within each round (the paired figure) and their
+    median."""
     keyed = {(r["round"], r["connections"], r["system"]): r for r in runs}
-    loads = sorted({r["connections"] for r in runs})
     rounds = sorted({r["round"] for r in runs})
-    lines = [f"| streams | {a} / {b} | median | per round |", "|---:|---|---:|---|"]
-    for load_ in loads:
+    lines = [f"| streams | {a} / {title} | against | median | per round |", "|---:|---|---|---:|---|"]
+    for load_, b in sorted(against.items()):
         for name, key in RATIOS.items():
             values = []
             for rnd in rounds:
@@ -444,7 +455,7 @@ def ratio_table(runs: list[dict[str, Any]], a: str, b: str) -> str:
                 if x and y and y[key] and y[key] == y[key] and x[key] == x[key]:
                     values.append(x[key] / y[key])
             if values:
-                lines.append(f"| {load_} | {name} | **{statistics.median(values):.2f}** "
+                lines.append(f"| {load_} | {name} | {b} | **{statistics.median(values):.2f}** "
                              f"| {', '.join(f'{v:.2f}' for v in values)} |")
     return "\n".join(lines)
 
@@ -477,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=6.0, help="measured window of each measurement")
     p.add_argument("--warmup-s", type=float, default=1.0, help="load before each window, not counted")
     p.add_argument("--timeout-s", type=float, default=30.0, help="bound on each connect and each stream")
-    p.add_argument("--mosec-workers", type=int, default=1, help="mosec's worker processes for the stage")
+    p.add_argument("--mosec-workers", default="1,2",
+                   help="mosec's worker processes for the stage: each number is a mosec of its own in the run, and "
+                        "conveyor is set against the best of them at each load (and each of them)")
     p.add_argument("--batch-policy", choices=sorted(APPS), default="adaptive",
                    help="conveyor's stage's batch policy (adaptive: conveyor's default; deadline: waits as mosec)")
     p.add_argument("--quickack", action=argparse.BooleanOptionalAction, default=True,
@@ -487,9 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     loads = [int(s) for s in args.streams.split(",")]
     logs = args.results / "logs"
-    servers: dict[str, Any] = {CONVEYOR: StreamConveyor(logs, args.batch_policy),
-                               MOSEC: StreamMosec(logs, args.mosec_workers)}
-    paths = {CONVEYOR: CONVEYOR_PATH, MOSEC: MOSEC_PATH}
+    servers: dict[str, Any] = {CONVEYOR: StreamConveyor(logs, args.batch_policy)}
+    paths = {CONVEYOR: CONVEYOR_PATH}
+    mosecs = []
+    for n in (int(w) for w in args.mosec_workers.split(",")):
+        name = f"{MOSEC} ({n} worker{'s' if n > 1 else ''})"
+        servers[name], paths[name] = StreamMosec(logs, n), MOSEC_PATH
+        mosecs.append(name)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
     runs = interleaved(servers, loads, args.rounds, args.duration_s,
@@ -512,7 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(medians_table(runs))
     print()
-    print(ratio_table(runs, CONVEYOR, MOSEC))
+    print(ratio_table(runs, CONVEYOR, best_of(runs, mosecs), "mosec at its best (most chunks/s at that load)"))
+    if len(mosecs) > 1:
+        for name in mosecs:
+            print()
+            print(ratio_table(runs, CONVEYOR, dict.fromkeys(loads, name), name))
     print(f"\nresults: {out}")
     return 0
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 
 from gateway import Gateway, GatewaySettings
+from gateway.client.pipelines import Pipelines
 from gateway.http.server import HttpServer, HttpSettings
 from tests.helpers import running_workers, wait_for
 
@@ -158,3 +159,45 @@ def test_the_streaming_example_sends_pi_as_the_readme_says(redis_url: str) -> No
     events = _events(body)
     assert status == 200 and events[-1] == ("done", {"chunks": 6, "result": 60})
     assert "".join(data for _, data in events[:-1]) == "3.14159265358979323846264338327950288419716939937510582097494"
+
+
+def test_the_generate_extension_streams_and_answers_as_triton_does(redis_url: str) -> None:
+    """POST /v2/models/NAME/generate_stream: a data event per chunk, each the answer object; an error after
+    the first one in-band; /generate answers a unary pipeline and refuses a streaming one (400)."""
+    with running_workers(redis_url, f"{APP}:words", ["Words"]) as words, \
+            running_workers(redis_url, f"{APP}:slow", ["Slow"]) as slow:
+        words.wait_ready("t-words")
+        slow.wait_ready("t-slow")
+
+        async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+            pipelines = Pipelines(redis_url, ["t-words", "t-slow"])  # one front, two pipelines
+            await pipelines.start()
+            try:
+                server = HttpServer(pipelines, HttpSettings(port=0))
+                await server.start()
+                try:
+                    port = server.port
+                    return await asyncio.to_thread(lambda: [
+                        _post(port, "/v2/models/t-words/generate_stream", b'{"text_input": "a b c"}'),
+                        _post(port, "/v2/models/t-words/versions/1/generate_stream",
+                              b'{"text_input": "x boom", "parameters": {"priority": 0}}'),
+                        _post(port, "/v2/models/t-slow/generate", b'{"x": 5}'),
+                        _post(port, "/v2/models/t-words/generate", b'{"text_input": "a"}'),
+                        _post(port, "/v2/models/t-slow/generate_stream", b'{"x": 5}'),
+                        _post(port, "/v2/models/t-words/generate_stream", b'[1]')])
+                finally:
+                    await server.close()
+            finally:
+                await pipelines.close()
+
+        streamed, failed, unary, not_unary, not_streaming, bad = asyncio.run(scenario())
+    assert streamed[0] == 200 and streamed[1]["content-type"] == "text/event-stream"
+    assert [data for _, data in _events(streamed[2])] == [
+        {"model_name": "t-words", "model_version": "1", "output": word} for word in "abc"]
+    events = [data for _, data in _events(failed[2])]
+    assert events[0]["output"] == "x" and "boom in the middle" in events[1]["error"] and len(events) == 2
+    assert unary[0] == 200 and json.loads(unary[2]) == {"model_name": "t-slow", "model_version": "1", "output": 5}
+    assert not_unary[0] == 400 and "generate_stream" not in json.loads(not_unary[2])["error"]
+    assert "streams its answers" in json.loads(not_unary[2])["error"]
+    assert not_streaming[0] == 400 and "does not stream" in json.loads(not_streaming[2])["error"]
+    assert bad[0] == 400 and "JSON object" in json.loads(bad[2])["error"]

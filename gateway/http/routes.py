@@ -144,6 +144,8 @@ class Router:
             table.add(model, GET, "v2_metadata", v2.metadata)
             table.add(model + "/ready", GET, "v2_ready", v2.model_ready)
             table.add(model + "/infer", POST, "infer", v2.infer)
+            table.add(model + "/generate", POST, "infer", v2.generate)
+            table.add(model + "/generate_stream", POST, "stream", v2.generate_stream)
 
     def label(self, path: bytes | None) -> str:
         """The metrics label of a route (``other`` for unknown paths or no request)."""

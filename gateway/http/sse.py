@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.backends import Backend
 from gateway.client.streams import StreamSink
@@ -42,7 +42,7 @@ from gateway.http.predict import (
 )
 from gateway.http.types import HttpError, Reply, Request
 
-__all__ = ["StreamReply", "abandon", "start_stream"]
+__all__ = ["ConveyorEvents", "EventFormat", "StreamReply", "abandon", "event", "start_stream"]
 
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
          b"transfer-encoding: chunked\r\n")
@@ -58,19 +58,69 @@ def _piece(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def _event(data: bytes, event: bytes = b"", event_id: int | None = None) -> bytes:
-    head = (b"event: %b\n" % event if event else b"") + (b"id: %d\n" % event_id if event_id is not None else b"")
+def event(data: bytes, name: bytes = b"", event_id: int | None = None) -> bytes:
+    """One server-sent event."""
+    head = (b"event: %b\n" % name if name else b"") + (b"id: %d\n" % event_id if event_id is not None else b"")
     return head + b"data: " + data + b"\n\n"
+
+
+class EventFormat(Protocol):
+    """How a protocol writes a stream's events: conveyor's (:class:`ConveyorEvents`) or the Open Inference
+    Protocol's generate extension (gateway.http.oip.generate)."""
+
+    def chunk(self, index: int, value: Any) -> bytes:
+        """The event of chunk ``index``; TypeError or ValueError if ``value`` cannot be written."""
+
+    def done(self, chunks: int, result: Any) -> bytes:
+        """The last event of a stream that ended well (b"": none)."""
+
+    def error(self, exc: BaseException, request_id: bytes) -> tuple[bytes, str]:
+        """The event of an error after the first chunk, and its outcome (for the metrics)."""
+
+    def refusal(self, exc: BaseException) -> Reply:
+        """An error before the first chunk: an ordinary answer."""
+
+
+class ConveyorEvents:
+    """``id: n`` / ``data: <chunk>`` per chunk, ``event: done`` or ``event: error`` at the end."""
+
+    def __init__(self, debug: bool) -> None:
+        self._debug = debug
+
+    def chunk(self, index: int, value: Any) -> bytes:
+        return event(JSON.encode(value), event_id=index)
+
+    def done(self, chunks: int, result: Any) -> bytes:
+        return event(json.dumps({"chunks": chunks, "result": result}, default=repr).encode(), b"done")
+
+    def error(self, exc: BaseException, request_id: bytes) -> tuple[bytes, str]:
+        error = _http_error(exc, self._debug)
+        body: dict[str, Any] = {"type": error.type, "message": error.message, "stage": error.stage,
+                                "request_id": request_id.decode("latin-1")}
+        if error.trace is not None:
+            body["traceback"] = error.trace
+        return event(json.dumps({"error": body}).encode(), b"error"), error.outcome
+
+    def refusal(self, exc: BaseException) -> Reply:
+        return _http_error(exc, self._debug).reply()
+
+
+def _http_error(exc: BaseException, debug: bool) -> HttpError:
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, Exception):
+        return backend_error(exc, debug)
+    return HttpError(500, type(exc).__name__, str(exc), outcome="error")
 
 
 class StreamReply:
     """A streamed answer on its way: opened (the request submitted), then its events as they come."""
 
-    def __init__(self, opening: asyncio.Future[StreamSink], request_id: bytes, debug: bool,
+    def __init__(self, opening: asyncio.Future[StreamSink], request_id: bytes, events: EventFormat,
                  cancel: Callable[[StreamSink], object]) -> None:
         self._opening = opening
         self._request_id = request_id
-        self._debug = debug
+        self._events = events
         self._cancel = cancel
         self._sink: StreamSink | None = None
         self._write: Callable[[bytes], None] = lambda data: None
@@ -93,13 +143,11 @@ class StreamReply:
             self._opening.cancel()
 
     def _opened(self, opening: asyncio.Future[StreamSink]) -> None:
-        if self.ended:
-            return
-        if opening.cancelled():
+        if self.ended or opening.cancelled():
             return
         exc = opening.exception()
         if exc is not None:
-            self._finish_with(backend_error(exc, self._debug) if isinstance(exc, Exception) else _internal(exc))
+            self._refuse(exc)
             return
         self._sink = opening.result()
         self._sink.listen(self._on_events)
@@ -109,35 +157,33 @@ class StreamReply:
         if sink is None or self.ended:
             return
         chunks = sink.take()
-        if not self._sent and not chunks and sink.done() and sink.exception() is not None:
-            self._finish_with(self._error_of(sink.exception()))  # nothing streamed: an ordinary answer
+        failed = sink.exception() if sink.done() else None
+        if not self._sent and not chunks and failed is not None:
+            self._refuse(failed)  # nothing streamed: an ordinary answer
             return
         out = [] if self._head is None else [_HEAD + self._head + b"\r\n"]
         for chunk in chunks:
             try:
-                data = JSON.encode(chunk)
+                out.append(_piece(self._events.chunk(self._sent, chunk)))
             except (TypeError, ValueError) as exc:
                 self._cancel(sink)
-                out.append(self._error_event(HttpError(500, "UnencodableResult", f"chunk {self._sent} cannot be sent "
-                                                       f"as JSON: {exc}", outcome="error")))
-                self._end(out, "error")
+                self._fail(out, HttpError(500, "UnencodableResult", f"chunk {self._sent} cannot be sent as JSON: {exc}",
+                                          outcome="error"))
                 return
-            out.append(_piece(_event(data, event_id=self._sent)))
             self._sent += 1
-        if sink.done():
-            failed = sink.exception()
-            if failed is None:
-                done = json.dumps({"chunks": self._sent, "result": sink.result()}, default=repr).encode()
-                out.append(_piece(_event(done, b"done")))
-                self._end(out, "ok")
-            else:
-                error = self._error_of(failed)
-                out.append(self._error_event(error))
-                self._end(out, error.outcome)
-            return
-        if out:
-            self._write(b"".join(out))
-            self._head = None
+        if not sink.done():
+            if out:
+                self._write(b"".join(out))
+                self._head = None
+        elif failed is None:
+            last = self._events.done(self._sent, sink.result())
+            self._end([*out, _piece(last)] if last else out, "ok")
+        else:
+            self._fail(out, failed)
+
+    def _fail(self, out: list[bytes], exc: BaseException) -> None:
+        data, outcome = self._events.error(exc, self._request_id)
+        self._end([*out, _piece(data)], outcome)
 
     def _end(self, out: list[bytes], outcome: str) -> None:
         self.ended = True
@@ -145,23 +191,10 @@ class StreamReply:
         self._write(b"".join(out))
         self._done(None, outcome)
 
-    def _finish_with(self, error: HttpError) -> None:
+    def _refuse(self, exc: BaseException) -> None:
         self.ended = True
-        self._done(error.reply(), error.outcome)
-
-    def _error_of(self, exc: BaseException | None) -> HttpError:
-        return backend_error(exc, self._debug) if isinstance(exc, Exception) else _internal(exc)
-
-    def _error_event(self, error: HttpError) -> bytes:
-        body: dict[str, Any] = {"type": error.type, "message": error.message, "stage": error.stage,
-                                "request_id": self._request_id.decode("latin-1")}
-        if error.trace is not None:
-            body["traceback"] = error.trace
-        return _piece(_event(json.dumps({"error": body}).encode(), b"error"))
-
-
-def _internal(exc: BaseException | None) -> HttpError:
-    return HttpError(500, type(exc).__name__, str(exc), outcome="error")
+        reply = self._events.refusal(exc)
+        self._done(reply, reply.outcome)
 
 
 def start_stream(request: Request, backend: Backend, debug: bool) -> Reply | StreamReply:
@@ -180,7 +213,8 @@ def start_stream(request: Request, backend: Backend, debug: bool) -> Reply | Str
         return exc.reply(codec)
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),
                                            request_id=request.request_id or None, priority=priority))
-    return StreamReply(opening, request.request_id, debug, getattr(backend, "cancel", lambda sink: None))
+    cancel = getattr(backend, "cancel", lambda sink: None)
+    return StreamReply(opening, request.request_id, ConveyorEvents(debug), cancel)
 
 
 def abandon(answer: Pending | StreamReply) -> None:

@@ -8,6 +8,7 @@
     GET  /v2/models/NAME[/versions/1]          model metadata: the tensors the pipeline declares
     GET  /v2/models/NAME[/versions/1]/ready    200 when the pipeline is ready, else 503
     POST /v2/models/NAME[/versions/1]/infer    inference (JSON, or the binary tensor data extension)
+    POST /v2/models/NAME[/versions/1]/generate[_stream]   Triton's generate extension (gateway.http.oip.generate)
 
 A model is a pipeline; its one version is ``1``. How tensors become items is in
 :mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key, priority) apply as on
@@ -27,7 +28,8 @@ from typing import Any
 
 from broker.spec import PipelineIO
 from gateway.backends import Backend, Backends, known_io
-from gateway.client.slot import failure
+from gateway.client.slot import awaitable, failure
+from gateway.http.oip.generate import generate, generate_stream
 from gateway.http.oip.infer import Inference, Plan, Plans
 from gateway.http.oip.items import (
     HEADER_LENGTH,
@@ -42,6 +44,7 @@ from gateway.http.oip.items import (
 from gateway.http.oip.tensors import TensorError
 from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
 from gateway.http.request_ids import item_ids
+from gateway.http.sse import StreamReply
 from gateway.http.types import HttpError, Reply, Request
 from gateway.monitor.metrics import PipelineStatusLike
 
@@ -129,6 +132,42 @@ class V2:
             return later(once_declared(request, backend, lambda io: self._infer(request, name, backend, io),
                                        _refused))
         return self._infer(request, name, backend, io)
+
+    def generate(self, request: Request, params: tuple[str, ...]) -> Reply | Pending | StreamReply:
+        return self._with_io(request, params, generate)
+
+    def generate_stream(self, request: Request, params: tuple[str, ...]) -> Reply | Pending | StreamReply:
+        return self._with_io(request, params, generate_stream)
+
+    def _with_io(self, request: Request, params: tuple[str, ...],
+                 route: Callable[[Request, str, Backend, PipelineIO], Reply | Pending | StreamReply]
+                 ) -> Reply | Pending | StreamReply:
+        """``route`` with the model's declared tensors (learned first if its spec was not seen yet)."""
+        found = self._model(params)
+        if isinstance(found, Reply):
+            return found
+        name, backend = found
+        io = known_io(backend)
+        if io is None:
+            return later(self._io_later(request, name, backend, route))
+        return route(request, name, backend, io)
+
+    async def _io_later(self, request: Request, name: str, backend: Backend,
+                        route: Callable[[Request, str, Backend, PipelineIO], Reply | Pending | StreamReply]) -> Reply:
+        """A model whose spec this gateway has not seen yet: its unary answer once learned (a stream must be
+        asked again once the gateway knows the model: 503, retry)."""
+        try:
+            io = await backend.pipeline_io(request_bound_s(request.headers))
+        except Exception as exc:  # UnknownPipeline, TimeoutError, a bad header
+            return _refused(exc)
+        answer = route(request, name, backend, io)
+        if isinstance(answer, StreamReply):
+            answer.abandon()
+            return error_reply(503, f"model {name!r} was not known to this gateway yet: retry", "overloaded")
+        if isinstance(answer, Reply):
+            return answer
+        await awaitable(answer.future)
+        return answer.finish(answer.future)
 
     def _infer(self, request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
         """Refused before Redis when the tensors do not fit; else one item (or one per row) submitted."""
