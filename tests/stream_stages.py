@@ -104,3 +104,29 @@ class Dice(Ticks):
 
 ticks = Pipeline("t-ticks").add(Ticks, workers=2)
 dice = Pipeline("t-dice").add(Dice, workers=2)
+
+
+class Growing(Stage):
+    """Continuous: item n yields n, n - 1, ..., 1 then ends, a step each 20 ms; new items join between
+    steps (each generator start is noted)."""
+
+    batch_size = 8
+    batch_wait_s = 0.002
+    continuous = True
+
+    def predict(self, batch: Any) -> Iterator[list[Any]]:
+        _note("generator start")
+        left: dict[int, int] = {}
+        while batch:
+            for slot in batch.joined():
+                left[slot] = batch[slot]
+            step: list[Any] = [None] * len(batch)
+            for slot in range(len(batch)):
+                if batch.occupied(slot):
+                    step[slot] = left[slot] if left[slot] > 0 else END
+                    left[slot] -= 1
+            yield step
+            time.sleep(0.02)
+
+
+growing = Pipeline("t-growing").add(Growing)

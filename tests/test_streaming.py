@@ -126,3 +126,41 @@ def test_only_the_last_stage_may_stream() -> None:
     with pytest.raises(PipelineError, match=r"stage Gen streams .* must be the last stage"):
         Pipeline("no").add(Gen).add(Plain)
     assert END is not None and repr(END) == "END"
+
+
+def test_a_continuous_stage_takes_new_items_into_its_running_batch(redis_url: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:growing", ["Growing"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-growing")
+
+        async def scenario() -> tuple[list[list[int]], list[int]]:
+            ended: list[int] = []
+
+            async def one(gw: Gateway, n: int) -> list[int]:
+                got = await _collect(gw.stream(n))
+                ended.append(n)
+                return got
+
+            async with Gateway(redis_url, "t-growing", GatewaySettings(timeout_s=20)) as gw:
+                first = gw.stream(40)  # 40 steps of 20 ms: the batch runs ~0.8 s
+                got = [await anext(first)]
+                longs = [asyncio.ensure_future(one(gw, n)) for n in (30, 35)]
+                shorts = [asyncio.ensure_future(one(gw, n)) for n in (2, 3, 4)]  # join while it runs
+                rest = await asyncio.gather(_collect(first), *longs, *shorts)
+                return [got + rest[0], *rest[1:]], ended
+
+        streams, ended = asyncio.run(scenario())
+    assert streams == [list(range(n, 0, -1)) for n in (40, 30, 35, 2, 3, 4)]
+    assert set(ended[:3]) == {2, 3, 4}  # the short ones left the batch first
+    assert _runs(runs).count("generator start") == 1  # every item joined the one running generator
+
+
+def test_continuous_needs_a_streaming_batched_stage() -> None:
+    class Plain(Stage):
+        batch_size = 4
+
+        def predict(self, xs: list[object]) -> list[object]:
+            return xs
+
+    with pytest.raises(PipelineError, match="continuous=True needs a streaming batched predict"):
+        Pipeline("no").add(Plain, continuous=True)

@@ -2,6 +2,6 @@
 
 from broker.spec import TensorSpec as Tensor
 from workers.pipeline import Pipeline, PipelineError, StageSpec
-from workers.stage import END, Stage
+from workers.stage import END, LiveBatch, Stage
 
-__all__ = ["END", "Pipeline", "PipelineError", "Stage", "StageSpec", "Tensor"]
+__all__ = ["END", "LiveBatch", "Pipeline", "PipelineError", "Stage", "StageSpec", "Tensor"]

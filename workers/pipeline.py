@@ -61,6 +61,7 @@ class StageSpec:
     claim_idle_s: float = 30.0
     share_bursts: bool = True
     deterministic: bool = False  # a streaming stage's re-run yields the same chunks (workers.loop.streaming)
+    continuous: bool = False  # a streaming batched stage: new items join a running batch between steps
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -107,9 +108,12 @@ class StageSpec:
             raise PipelineError(f"stage {name}: cpus must not be empty (omit it for the default spread)")
         for cpu in self.cpus or ():
             _check_int(name, "cpus entries", cpu, 0)
-        for knob in ("share_bursts", "deterministic"):
+        for knob in ("share_bursts", "deterministic", "continuous"):
             if not isinstance(getattr(self, knob), bool):
                 raise PipelineError(f"stage {name}: {knob} must be True or False, got {getattr(self, knob)!r}")
+        if self.continuous and not (self.streams and self.batched):
+            raise PipelineError(f"stage {name}: continuous=True needs a streaming batched predict (it yields, and "
+                                f"batch_size > 1), got {'a returning' if not self.streams else 'an unbatched'} one")
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, overload
 
 
 class _End:
@@ -17,6 +17,51 @@ class _End:
 
 # In a streaming batched stage's step, the item at this place has finished (its stream ends).
 END = _End()
+
+
+class LiveBatch(Sequence[Any]):
+    """A continuous batch (a streaming stage with ``continuous = True``): ``batch_size`` slots, each an
+    input or None (free). Between steps conveyor frees the slots of items that ended or whose callers
+    left, and fills free slots with new items; :meth:`joined` says which slots were filled since it was
+    last called. Each step yields one value per slot (a chunk, None, or END); a free slot's is ignored.
+    True while a slot is occupied: ``while batch:`` ends the generator once nothing is left."""
+
+    def __init__(self, size: int) -> None:
+        self._slots: list[Any] = [None] * size
+        self._occupied = [False] * size
+        self._joined: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._slots[index]
+
+    def __bool__(self) -> bool:
+        return any(self._occupied)
+
+    def joined(self) -> list[int]:
+        """The slots filled since the last call, in order."""
+        joined, self._joined = self._joined, []
+        return joined
+
+    def occupied(self, slot: int) -> bool:
+        return self._occupied[slot]
+
+    def fill(self, slot: int, x: Any) -> None:
+        """conveyor's: a new item in a free slot."""
+        self._slots[slot], self._occupied[slot] = x, True
+        self._joined.append(slot)
+
+    def free(self, slot: int) -> None:
+        """conveyor's: the slot's item ended or left."""
+        self._slots[slot], self._occupied[slot] = None, False
+        if slot in self._joined:
+            self._joined.remove(slot)
 
 
 class Stage:
@@ -34,7 +79,9 @@ class Stage:
     (that item is done). A caller who leaves closes the generator (``GeneratorExit``) before its next
     step (unbatched; batched: once every item of the batch has ended or left). ``deterministic =
     True`` says a re-run yields the same chunks: a stream cut by a worker's death then continues
-    where it was; otherwise it ends with a ``StreamInterrupted`` error.
+    where it was; otherwise it ends with a ``StreamInterrupted`` error. ``continuous = True`` (a
+    streaming batched stage): ``predict`` takes a :class:`LiveBatch`, into which new items join between
+    steps, as generative servers batch (continuous batching).
     ``batch_policy`` "adaptive" (default) dispatches as soon as waiting can no longer pay;
     "deadline" always waits for ``batch_size`` items or ``batch_wait_s`` (gather N callers).
     Other keyword arguments of ``add`` arrive in ``__init__`` as plain data: parameters your
@@ -62,6 +109,8 @@ class Stage:
     # the stage's other workers (default 1 s; Pipeline.add(cls, handoff_after_s=None) turns it off).
     handoff_after_s: ClassVar[float | None] = None
     deterministic: ClassVar[bool | None] = None  # a streaming stage's re-run yields the same chunks
+    # A streaming batched stage whose predict takes a LiveBatch: new items join between steps.
+    continuous: ClassVar[bool | None] = None
     max_backlog: ClassVar[int | None] = None
     max_deliveries: ClassVar[int | None] = None
     claim_idle_s: ClassVar[float | None] = None

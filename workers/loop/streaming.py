@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,17 +32,22 @@ from broker.chunks import publish_step
 from broker.commit import BatchStats, Commit
 from broker.errors import SyncClient
 from broker.keys import Keys
+from workers.loop.cancels import CancelWatch
+from workers.loop.heartbeat import Lease
+from workers.loop.lanes import ReadLane
 from workers.loop.problems import Problems
-from workers.loop.routing import Work
+from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import failure
 from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
-from workers.stage import END, Stage
+from workers.stage import END, LiveBatch, Stage
 
 log = logging.getLogger("conveyor.worker")
 
-__all__ = ["E_INTERRUPTED", "StreamRunner"]
+__all__ = ["E_INTERRUPTED", "More", "StreamRunner", "read_more"]
+
+More = Callable[[int], "Work"]  # up to n new items, read and admitted into the batch's commit
 
 E_INTERRUPTED = "StreamInterrupted"  # the type a caller sees when a stream cannot go on (docs/protocol.md)
 
@@ -61,6 +66,10 @@ class _Stream:
     @property
     def running(self) -> bool:
         return self.final is None and not self.left
+
+
+# What a free slot of a continuous batch is to a step: an item that is not running (its value is ignored).
+_FREE = _Stream(protocol.Item(b"0-0", b"free", b"", None, None), 0, left=True)
 
 
 @dataclass
@@ -87,10 +96,15 @@ class StreamRunner:
         self._tracebacks = Tracebacks()
 
     def run(self, work: Work, deliveries: dict[bytes, int] | None, keys: Keys, commit: Commit,
-            stats: BatchStats) -> int:
+            stats: BatchStats, more: More | None = None) -> int:
         """Stream every item of ``work``; their result records into ``commit`` (written, not pushed
-        again: each was pushed as its stream ended). Returns how many items ran."""
+        again: each was pushed as its stream ended). Returns how many items ran. ``more(n)``: up to
+        ``n`` new items, read and admitted into ``commit`` (a continuous stage's joiners)."""
         streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
+        if self._spec.continuous:
+            streams = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats,
+                                           more or (lambda n: []))
+            return self._publish(streams, keys, commit)
         size = self._spec.batch_size if self._spec.batched else 1
         for start in range(0, len(work), size):
             part = streams[start:start + size]
@@ -105,10 +119,76 @@ class StreamRunner:
             stats.add(len(part), (time.perf_counter() - began) * 1000)
         if self._busy is not None:
             self._busy.idle()
+        return self._publish(streams, keys, commit)
+
+    @staticmethod
+    def _publish(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
         for stream in streams:
             if stream.final is not None:
                 commit.publish(keys.result_key(stream.item.request_id), stream.final, None)
         return len(streams)
+
+    # -- a continuous batch: new items join between steps -------------------------------------------
+
+    def _run_continuous(self, queue: list[tuple[_Stream, Any]], keys: Keys, stats: BatchStats,
+                        more: More) -> list[_Stream]:
+        """Generators over a `LiveBatch` until nothing is queued or readable: between steps, the slots of
+        items that ended or left are freed and free slots take queued items, then new ones (``more``)."""
+        done: list[_Stream] = [stream for stream, _ in queue]
+        while queue:
+            began = time.perf_counter()
+            batch = LiveBatch(self._spec.batch_size)
+            slots: list[_Stream | None] = [None] * self._spec.batch_size
+            joined = self._join(batch, slots, queue, keys, more, done)
+            if not joined:
+                break
+            if self._busy is not None:
+                self._busy.batch(self._spec, [s.item.deadline_ms for s in slots if s is not None])
+            self._run_live(batch, slots, queue, keys, more, done)
+            stats.add(joined, (time.perf_counter() - began) * 1000)
+        if self._busy is not None:
+            self._busy.idle()
+        return done
+
+    def _run_live(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]],
+                  keys: Keys, more: More, done: list[_Stream]) -> None:
+        try:
+            steps: Iterator[Any] = self._stage.predict(batch)
+        except Exception as exc:  # user code
+            self._failed([s for s in slots if s is not None], exc, keys)
+            return
+        try:
+            while batch:
+                live = [s for s in slots if s is not None]
+                step = _Step()
+                self._step(steps, [s or _FREE for s in slots], step)
+                self._send(step, live, keys)
+                for slot, stream in enumerate(slots):
+                    if stream is not None and not stream.running:
+                        slots[slot] = None
+                        batch.free(slot)
+                self._join(batch, slots, queue, keys, more, done)
+        finally:
+            _close(steps)
+
+    def _join(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]], keys: Keys,
+              more: More, done: list[_Stream]) -> int:
+        """Free slots take queued items, then newly read ones; returns how many joined."""
+        free = [slot for slot, stream in enumerate(slots) if stream is None]
+        if free and len(queue) < len(free):
+            fresh = [(_Stream(item, 1), x) for item, x in more(len(free) - len(queue))]
+            done += [stream for stream, _ in fresh]
+            queue += fresh
+        joined = 0
+        while free and queue:
+            stream, x = queue.pop(0)
+            if not stream.running:
+                continue
+            slot = free.pop(0)
+            slots[slot] = stream
+            batch.fill(slot, x)
+            joined += 1
+        return joined
 
     # -- one generator per item ------------------------------------------------------------------
 
@@ -171,7 +251,7 @@ class StreamRunner:
 
     def _apply(self, part: list[_Stream], values: Sequence[Any], step: _Step) -> None:
         for stream, value in zip(part, values, strict=True):
-            if not stream.running or value is None:
+            if value is None or not stream.running:  # nothing this step, or a finished (or free) slot
                 continue
             if value is END:
                 self._end(stream, step, None)
@@ -273,3 +353,15 @@ def _close(generator: Any) -> None:
         close()
     except Exception:  # user code
         log.exception("a streaming predict raised as it was closed")
+
+
+def read_more(lane: ReadLane, router: EntryRouter, cancels: CancelWatch, lease: Lease, commit: Commit,
+              count: int) -> Work:
+    """A continuous batch's joiners: up to ``count`` new entries of ``lane`` (a read that does not block),
+    admitted into the running batch's ``commit`` (acked with it) and held by its lease."""
+    entries = lane.reader.read(count)
+    if not entries:
+        return []
+    commit.acks += [entry_id for entry_id in dict.fromkeys(e[0] for e in entries)]
+    lease.hold(lane.stream, commit.acks)
+    return cancels.drop(router.admit(entries, None, commit, lane.keys), lane.keys)

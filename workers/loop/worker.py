@@ -59,7 +59,7 @@ from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
-from workers.loop.streaming import StreamRunner
+from workers.loop.streaming import StreamRunner, read_more
 from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
@@ -407,8 +407,10 @@ class Worker:
         """``predict`` on ``work`` and each outcome into ``commit``; the entries given to other workers
         meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
         Returns how many items ran."""
-        if self._streaming is not None:
-            return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats)
+        if self._streaming is not None:  # a continuous stage reads joiners while it runs
+            more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit)
+                    if self.spec.continuous else None)
+            return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more)
         handoff = self._handoff
         if handoff is not None:
             handoff.begin(lane.stream, lane.keys, entries, work)
