@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from workers import Pipeline, Stage
+from workers import END, Pipeline, Stage
 
 CHUNKS = 32
 BATCH_SIZE = 64
@@ -59,3 +59,31 @@ pipeline = Pipeline(PIPELINE_NAME).add(Ticks)
 # batcher does), for ``bench.streams --batch-policy deadline``: the default "adaptive" policy starts a batch
 # as soon as waiting cannot pay for a unary batch, but a streaming batch holds its worker for all its steps.
 pipeline_deadline = Pipeline(PIPELINE_NAME + "-deadline").add(Ticks, batch_policy="deadline")
+
+
+class LiveTicks(Stage):
+    """The same chunks from a continuous batch (``continuous = True``): items join the running generator
+    between its steps instead of waiting for the batch before them to end; ``t`` counts from the step
+    at which the stage saw the item join."""
+
+    batch_size = BATCH_SIZE
+    batch_wait_s = BATCH_WAIT_MS / 1000
+    continuous = True
+
+    def predict(self, batch: Any) -> Iterator[list[Any]]:
+        steps: dict[int, int] = {}
+        joined_at: dict[int, float] = {}
+        while batch:
+            for slot in batch.joined():
+                steps[slot], joined_at[slot] = 0, time.perf_counter()
+            out: list[Any] = [None] * len(batch)
+            for slot in range(len(batch)):
+                if batch.occupied(slot):
+                    i = steps[slot]
+                    out[slot] = END if i >= CHUNKS else (
+                        first_chunk(batch[slot], joined_at[slot]) if i == 0 else chunk(batch[slot], i))
+                    steps[slot] = i + 1
+            yield out
+
+
+pipeline_continuous = Pipeline(PIPELINE_NAME + "-continuous").add(LiveTicks)

@@ -1,7 +1,7 @@
 """Streamed answers: conveyor's server-sent events against mosec's ``SSEWorker``, side by side in one run.
 
     python -m bench.streams --rounds 3 --streams 1,16,256 [--duration-s 6] [--mosec-workers 1]
-        [--batch-policy adaptive|deadline] [--no-quickack]
+        [--batch-policy adaptive|deadline|continuous] [--no-quickack]
 
 Workload (``bench.stream_apps``): one stage, batched (max 64 items, 2 ms window, one worker process
 on both sides), each request ``n`` asks for a stream of 32 small JSON chunks, one step per chunk
@@ -34,7 +34,9 @@ its best case, and conveyor the same client; ``--no-quickack`` shows what an ord
 ``--batch-policy deadline`` runs conveyor's stage under the policy that always waits its batch
 window for a fuller batch (as mosec's batcher does) instead of conveyor's default ``adaptive``, which
 starts a batch as soon as waiting cannot pay: a streaming batch holds its worker for all its steps,
-so callers who just miss it wait a whole stream for their first chunk.
+so callers who just miss it wait a whole stream for their first chunk. ``--batch-policy continuous``
+runs the stage as a continuous batch (``continuous = True``, ``bench.stream_apps.LiveTicks``): new
+items join the running generator between its steps.
 
 Rounds interleave (``bench.peers.paired.interleaved``: every system at every load, the order of
 systems rotating), so the shared machine's noise falls on both; read the ratios conveyor/mosec
@@ -69,7 +71,8 @@ from gateway.serve import resolve_loop, run_loop
 CONVEYOR = "conveyor"
 MOSEC = "mosec"
 APPS = {"adaptive": ("bench.stream_apps:pipeline", PIPELINE_NAME),  # batch policy -> (app, pipeline name)
-        "deadline": ("bench.stream_apps:pipeline_deadline", PIPELINE_NAME + "-deadline")}
+        "deadline": ("bench.stream_apps:pipeline_deadline", PIPELINE_NAME + "-deadline"),
+        "continuous": ("bench.stream_apps:pipeline_continuous", PIPELINE_NAME + "-continuous")}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 CONVEYOR_PATH = "/v1/stream"
 MOSEC_PATH = "/inference"
@@ -492,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mosec's worker processes for the stage: each number is a mosec of its own in the run, and "
                         "conveyor is set against the best of them at each load (and each of them)")
     p.add_argument("--batch-policy", choices=sorted(APPS), default="adaptive",
-                   help="conveyor's stage's batch policy (adaptive: conveyor's default; deadline: waits as mosec)")
+                   help="conveyor's stage's batching (adaptive: conveyor's default; deadline: waits as mosec; "
+                        "continuous: items join the running batch between steps)")
     p.add_argument("--quickack", action=argparse.BooleanOptionalAction, default=True,
                    help="the client acknowledges each read at once (TCP_QUICKACK): mosec at its best, see above")
     p.add_argument("--loop", default="auto", help="the load generator's event loop (auto: uvloop if installed)")

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from broker.connection import is_cluster_client
 from broker.families import CANCELS, REPLIES, SHARED_REPLIES
 from broker.operations import WORKER, sends
 from broker.refusals import log_refusal_once
@@ -29,7 +30,8 @@ __all__ = ["publish_step"]
 log = logging.getLogger("conveyor.worker")
 
 
-@sends(WORKER, uses={"rpush": (REPLIES, SHARED_REPLIES), "pexpire": (REPLIES, SHARED_REPLIES), "mget": CANCELS},
+@sends(WORKER, uses={"rpush": (REPLIES, SHARED_REPLIES), "pexpire": (REPLIES, SHARED_REPLIES), "mget": CANCELS,
+                     "exists": CANCELS},
        why="a streaming stage's step: its chunks out, its running items' cancel markers in")
 def publish_step(client: redis.Redis, pushes: Sequence[tuple[bytes, bytes]], reply_ttl_ms: int,
                  markers: Sequence[bytes]) -> list[bool]:
@@ -40,16 +42,21 @@ def publish_step(client: redis.Redis, pushes: Sequence[tuple[bytes, bytes]], rep
     for key, element in pushes:
         pipe.rpush(key, element)
         pipe.pexpire(key, reply_ttl_ms)
-    if markers:
+    cluster = is_cluster_client(client)
+    if markers and not cluster:
         pipe.mget(list(markers))
+    elif markers:  # a cluster's pipeline refuses MGET (its keys may span slots; ours share one): one each
+        for marker in markers:
+            pipe.exists(marker)
     replies: list[Any] = pipe.execute(raise_on_error=False)
     for (key, _), pushed in zip(pushes, replies[0::2], strict=False):
         if isinstance(pushed, redis.ResponseError) and "WRONGTYPE" not in str(pushed):
             log_refusal_once(pushed, "rpush", key.decode(errors="replace"))
     if not markers:
         return []
-    found = replies[-1]
-    if isinstance(found, Exception):
-        log_refusal_once(found, "mget", markers[0].decode(errors="replace"))
+    found = replies[2 * len(pushes):] if cluster else replies[-1]
+    if isinstance(found, Exception) or any(isinstance(value, Exception) for value in found):
+        error = found if isinstance(found, Exception) else next(v for v in found if isinstance(v, Exception))
+        log_refusal_once(error, "exists" if cluster else "mget", markers[0].decode(errors="replace"))
         return [False] * len(markers)
-    return [value is not None for value in found]
+    return [bool(value) for value in found] if cluster else [value is not None for value in found]

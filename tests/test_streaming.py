@@ -164,3 +164,24 @@ def test_continuous_needs_a_streaming_batched_stage() -> None:
 
     with pytest.raises(PipelineError, match="continuous=True needs a streaming batched predict"):
         Pipeline("no").add(Plain, continuous=True)
+
+
+def test_streams_and_cancels_on_a_redis_cluster(cluster_url: str, tmp_path: Path) -> None:
+    """The chunks' pipeline, the markers' MGET and cancel.lua on a cluster client: every key of a request
+    is in its partition's slot."""
+    runs = tmp_path / "runs"
+    text = " ".join(f"w{j}" for j in range(200))
+    with running_workers(cluster_url, f"{APP}:slow_words", ["Words"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow-words")
+
+        async def scenario() -> list[str]:
+            async with Gateway(cluster_url, "t-slow-words", GatewaySettings(timeout_s=30)) as gw:
+                got = await _collect(gw.stream("a b c"))
+                async for chunk in gw.stream(text):
+                    got.append(chunk)
+                    break  # leaves: cancel.lua on the cluster, the worker's step reads the marker
+                await asyncio.to_thread(wait_for, lambda: f"closed {text}" in _runs(runs), 5,
+                                        "the stage's generator was closed")
+                return got
+
+        assert asyncio.run(scenario()) == ["a", "b", "c", "w0"]
