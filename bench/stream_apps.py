@@ -66,6 +66,7 @@ class LiveTicks(Stage):
     between its steps instead of waiting for the batch before them to end; ``t`` counts from the step
     at which the stage saw the item join."""
 
+    name = STAGE_NAME  # the benchmark starts the worker of stage "Ticks", whichever variant
     batch_size = BATCH_SIZE
     batch_wait_s = BATCH_WAIT_MS / 1000
     continuous = True

@@ -1,15 +1,18 @@
 """Streamed answers: conveyor's server-sent events against mosec's ``SSEWorker``, side by side in one run.
 
-    python -m bench.streams --rounds 3 --streams 1,16,256 [--duration-s 6] [--mosec-workers 1]
+    python -m bench.streams --rounds 3 --streams 1,16,256 [--duration-s 6] [--mosec-workers 1,2]
         [--batch-policy adaptive|deadline|continuous] [--no-quickack]
 
-Workload (``bench.stream_apps``): one stage, batched (max 64 items, 2 ms window, one worker process
-on both sides), each request ``n`` asks for a stream of 32 small JSON chunks, one step per chunk
-for the whole batch, no sleep: what is measured is the serving machinery. conveyor: its own
+Workload (``bench.stream_apps``): one stage, batched (max 64 items, 2 ms window), each request
+``n`` asks for a stream of 32 small JSON chunks, one step per chunk for the whole batch, no sleep:
+what is measured is the serving machinery. conveyor: its own
 ``redis-server`` (Unix socket), ``conveyor worker`` (pinned as ``conveyor worker`` pins by default,
 as in ``bench.peers``) and ``conveyor gateway`` serving ``POST /v1/stream``; mosec:
-``python -m bench.stream_mosec`` (its Rust front and one ``SSEWorker`` process), ``POST /inference``.
-Everything, this load generator included, shares the machine's two cores.
+``python -m bench.stream_mosec`` (its Rust front and its ``SSEWorker`` processes), ``POST /inference``.
+conveyor runs one worker process; mosec is measured at each of ``--mosec-workers`` (default 1 and 2,
+each a system of its own in the run: on two cores either may be its best), and conveyor is set
+against the best of them at each load, and against each. Everything, this load generator included,
+shares the machine's two cores.
 
 Load: a closed loop of S concurrent streams, each on its own keep-alive HTTP/1.1 connection, a
 new stream as soon as the last one ended, for ``--warmup-s`` (not counted) then ``--duration-s``;

@@ -124,29 +124,39 @@ def test_a_client_that_disconnects_closes_the_stream(redis_url: str, tmp_path: P
     assert got.startswith(b"HTTP/1.1 200 OK\r\n") and f"end {text}" not in runs.read_text()
 
 
-def test_a_unary_caller_that_disconnects_cancels_its_request(redis_url: str, tmp_path: Path) -> None:
-    """Predict requests to a slow stage whose clients close their connections: dropped, not run."""
+ROUTES = {  # a request for item i on each protocol
+    "predict": lambda i: ("/v1/predict", b"%d" % i),
+    "infer": lambda i: ("/v2/models/t-slow/infer",
+                        b'{"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [%d]}]}' % i),
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_unary_caller_that_disconnects_cancels_its_request(redis_url: str, tmp_path: Path, route: str) -> None:
+    """Requests to a slow stage whose clients close their connections: dropped, not run (conveyor's predict
+    and the Open Inference Protocol's infer)."""
     runs = tmp_path / "runs"
 
     def leave(port: int) -> None:
         socks = []
         for i in range(20):
+            path, body = ROUTES[route](i)
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-            sock.sendall(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%d" % (len(str(i)), i))
+            sock.sendall(b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (path.encode(), len(body), body))
             socks.append(sock)
-        wait_for(lambda: "ran 0" in (runs.read_text() if runs.exists() else ""), 10, "the first item started")
+        wait_for(lambda: "ran " in (runs.read_text() if runs.exists() else "").replace("ran warm", ""), 10,
+                 "the first item started")
         for sock in socks:
             sock.close()
 
+    def calls(port: int) -> list[int]:
+        warm = _post(port, "/v1/predict", b'"warm"')[0]
+        leave(port)
+        return [warm, _post(port, "/v1/predict", b'"after"')[0]]
 
     with running_workers(redis_url, f"{APP}:slow", ["Slow"], STREAM_RUNS=str(runs)) as workers:
         workers.wait_ready("t-slow")
-        def calls(port: int) -> list[int]:
-            warm = _post(port, "/v1/predict", b'"warm"')[0]
-            leave(port)
-            return [warm, _post(port, "/v1/predict", b'"after"')[0]]
-
         assert _served(redis_url, "t-slow", calls) == [200, 200]
     ran = [line for line in runs.read_text().splitlines() if line not in ("ran warm", "ran after")]
     assert ran and len(ran) <= 3, ran  # the one running, perhaps one read before the markers landed

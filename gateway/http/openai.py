@@ -36,7 +36,15 @@ from gateway.backends import Backend, Backends, known_io
 from gateway.client.slot import failure
 from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline
 from gateway.http.oip.items import Gather, ItemFailed
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
+from gateway.http.predict import (
+    PARTITION_KEY_HEADER,
+    Pending,
+    cancelling,
+    later,
+    once_declared,
+    priority_of,
+    request_bound_s,
+)
 from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
 
@@ -207,7 +215,7 @@ class OpenAI:
         except Exception as exc:  # refused at once: Overloaded, PayloadTooLarge, CodecError
             return _failure(exc).reply()
         gather = Gather(asyncio.get_running_loop(), waiters)
-        return Pending(gather.slot, lambda slot: _finish(query, slot))
+        return Pending(gather.slot, lambda slot: _finish(query, slot), cancelling(backend, waiters))
 
 
 def _finish(query: Query, slot: Any) -> Reply:

@@ -30,7 +30,7 @@ import logging
 import math
 import time
 import traceback as tb
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,8 @@ from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipel
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
-__all__ = ["Pending", "Predict", "decode_body", "later", "once_declared", "priority_of", "request_bound_s", "timeout_s"]
+__all__ = ["Pending", "Predict", "cancelling", "decode_body", "later", "once_declared", "priority_of",
+           "request_bound_s", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -60,6 +61,17 @@ class Pending:
     future: Waiter
     finish: Callable[[Waiter], Reply]
     cancel: Callable[[Waiter], object] | None = None  # the client left: the request is cancelled
+
+
+def cancelling(backend: Backend, waiters: Sequence[Waiter]) -> Callable[[Waiter], object] | None:
+    """What cancels the requests of ``waiters`` when their client leaves (a request of several items:
+    each of them); None for a backend that cannot cancel (a test's fake)."""
+    cancel = getattr(backend, "cancel", None)
+    if cancel is None:
+        return None
+    if len(waiters) == 1:
+        return cancel
+    return lambda _: [cancel(waiter) for waiter in waiters if not waiter.done()]
 
 
 def _reply_of(future: Any) -> Reply:
@@ -200,7 +212,7 @@ class Predict:
         except HttpError as exc:
             return exc.reply(codec)
         return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec),
-                       getattr(backend, "cancel", None))
+                       cancelling(backend, [future]))
 
     def _finish(self, codec: Codec, future: Waiter) -> Reply:
         exc = failure(future)  # not raised: see gateway.client.slot.failure

@@ -28,7 +28,7 @@ from gateway.client.slot import failure
 from gateway.http.oip.infer import schedule_policy
 from gateway.http.oip.items import error_reply, failure_reply, json_reply
 from gateway.http.oip.tensors import TensorError
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, priority_of, request_bound_s
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, cancelling, priority_of, request_bound_s
 from gateway.http.sse import StreamReply, event
 from gateway.http.types import HttpError, Reply, Request
 
@@ -89,7 +89,7 @@ def generate(request: Request, name: str, backend: Backend, io: PipelineIO) -> R
         exc = failure(done)
         return _error(exc) if exc is not None else json_reply(_answer(name, io, done.result()))
 
-    return Pending(waiter, finish, getattr(backend, "cancel", None))
+    return Pending(waiter, finish, cancelling(backend, [waiter]))
 
 
 class GenerateEvents:

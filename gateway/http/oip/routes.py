@@ -42,7 +42,15 @@ from gateway.http.oip.items import (
     server_metadata,
 )
 from gateway.http.oip.tensors import TensorError
-from gateway.http.predict import PARTITION_KEY_HEADER, Pending, later, once_declared, priority_of, request_bound_s
+from gateway.http.predict import (
+    PARTITION_KEY_HEADER,
+    Pending,
+    cancelling,
+    later,
+    once_declared,
+    priority_of,
+    request_bound_s,
+)
 from gateway.http.request_ids import item_ids
 from gateway.http.sse import StreamReply
 from gateway.http.types import HttpError, Reply, Request
@@ -190,12 +198,13 @@ class V2:
             return failure_reply(exc)
         if not waiters:  # a batch of zero rows
             return plan.respond([])
+        cancel = cancelling(backend, waiters)  # its client leaves: its items are cancelled
         if not io.batched:
-            return Pending(waiters[0], partial(_respond, plan, True))
+            return Pending(waiters[0], partial(_respond, plan, True), cancel)
         if len(waiters) == 1:  # one row: its own waiter, no Gather (a Slot and a callback fewer per request)
-            return Pending(waiters[0], partial(_respond_row, plan))
+            return Pending(waiters[0], partial(_respond_row, plan), cancel)
         gather = Gather(asyncio.get_running_loop(), waiters)
-        return Pending(gather.slot, partial(_respond, plan, False))
+        return Pending(gather.slot, partial(_respond, plan, False), cancel)
 
 
 def _bound_s(header_s: float | None, parameter_s: float | None) -> float | None:
