@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import codec, protocol
-from broker.chunks import publish_step
+from broker.chunks import StepPublisher
 from broker.commit import BatchStats, Commit
 from broker.errors import SyncClient
 from broker.keys import Keys
@@ -88,8 +88,7 @@ class StreamRunner:
                  problems: Problems, busy: BusyCell | None) -> None:
         self._stage = stage
         self._spec = spec
-        self._client = client
-        self._reply_ttl_ms = reply_ttl_ms
+        self._publish = StepPublisher(client, reply_ttl_ms)
         self._limit = max_payload_bytes
         self._problems = problems
         self._busy = busy
@@ -104,7 +103,7 @@ class StreamRunner:
         if self._spec.continuous:
             streams = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats,
                                            more or (lambda n: []))
-            return self._publish(streams, keys, commit)
+            return self._results(streams, keys, commit)
         size = self._spec.batch_size if self._spec.batched else 1
         for start in range(0, len(work), size):
             part = streams[start:start + size]
@@ -119,10 +118,10 @@ class StreamRunner:
             stats.add(len(part), (time.perf_counter() - began) * 1000)
         if self._busy is not None:
             self._busy.idle()
-        return self._publish(streams, keys, commit)
+        return self._results(streams, keys, commit)
 
     @staticmethod
-    def _publish(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
+    def _results(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
         for stream in streams:
             if stream.final is not None:
                 commit.publish(keys.result_key(stream.item.request_id), stream.final, None)
@@ -324,7 +323,7 @@ class StreamRunner:
         if not pushes and not running:
             return
         prefix = keys.cancel_prefix
-        left = publish_step(self._client, pushes, self._reply_ttl_ms, [prefix + s.item.request_id for s in running])
+        left = self._publish(pushes, [prefix + s.item.request_id for s in running])
         now = protocol.now_ms()
         for stream, cancelled in zip(running, left, strict=True):
             deadline = stream.item.deadline_ms
@@ -332,6 +331,10 @@ class StreamRunner:
                 stream.left = True
                 if cancelled:
                     self._problems.cancelled(1)
+
+
+    def close(self) -> None:
+        self._publish.close()
 
 
 def _check_step(values: Any, size: int) -> None:

@@ -163,6 +163,9 @@ class Worker:
                 lane.close()
             self._levels.close()
             self._early.close()
+            streaming: StreamRunner | None = getattr(self, "_streaming", None)  # set once setup() ran
+            if streaming is not None:
+                streaming.close()
             self._client.close()
             self._tracing.close()
 
