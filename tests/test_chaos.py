@@ -44,7 +44,7 @@ pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "tests.chaos_stages:chaos"
 PIPELINE = "c-chaos"
-REQUESTS = 12_000  # ~15 s of load on 2 cores: some 25 kills and the three drops
+REQUESTS = 8_000  # ~10 s of load on 2 cores: some 15 kills and the three drops
 IN_FLIGHT = 256
 KILL_EVERY_S = 0.5
 CONNECTION_DROPS = 3

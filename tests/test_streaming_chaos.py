@@ -21,10 +21,10 @@ from tests.test_chaos import connected
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 APP = "tests.stream_stages"
-STREAMS = 128  # with 64 in flight: ~4 rounds of two batches of 16, ~0.35 s each, and the re-runs
+STREAMS = 96  # with 64 in flight: ~3 rounds of two batches of 16, ~0.35 s each, and the re-runs
 IN_FLIGHT = 64
 KILL_EVERY_S = 0.5
-MAX_KILLS = 6  # then the streams drain: the test is bounded however slow the restarts are
+MAX_KILLS = 4  # then the streams drain: the test is bounded however slow the restarts are
 MIN_AGE_S = 1.0  # a worker younger than this may not be ready: three deaths before ready end its stage
 
 
