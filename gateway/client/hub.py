@@ -170,7 +170,12 @@ class Hub:
         front's, gateway.http.request_ids), which must be unique; by default the lane makes one
         (``<gateway id>-<lane>-<n>``). An id already in flight raises ``ValueError``: two requests
         under one id would take each other's answers."""
-        request_id = self._admit(lane, request_id)
+        requests = self.requests  # _admit, inlined: every request of every pipeline passes here
+        if len(requests) >= self.settings.max_in_flight or (request_id is not None and request_id in requests):
+            request_id = self._admit(lane, request_id)  # raises
+        elif request_id is None:
+            lane.counter += 1
+            request_id = b"%b%d" % (lane.id_prefix, lane.counter)
         waiter: Waiter = Slot(self._loop) if direct else self._loop.create_future()
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter

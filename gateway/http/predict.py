@@ -212,7 +212,7 @@ class Predict:
         except HttpError as exc:
             return exc.reply(codec)
         return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec),
-                       cancelling(backend, [future]))
+                       getattr(backend, "cancel", None))  # cancelling(), inlined for one item: the hot path
 
     def _finish(self, codec: Codec, future: Waiter) -> Reply:
         exc = failure(future)  # not raised: see gateway.client.slot.failure
