@@ -17,7 +17,10 @@ for j = 1, n do
   end
 end
 local flags = {}
-for k = n + 1, #KEYS do
-  flags[#flags + 1] = redis.call('EXISTS', KEYS[k]) == 1 and '1' or '0'
+-- One MGET per 1000 markers (unpack's limit; one slot: the partition's), not a call each.
+for first = n + 1, #KEYS, 1000 do
+  local markers = {}
+  for k = first, math.min(first + 999, #KEYS) do markers[#markers + 1] = KEYS[k] end
+  for _, value in ipairs(redis.call('MGET', unpack(markers))) do flags[#flags + 1] = value and '1' or '0' end
 end
 return {table.concat(flags), unpack(failed)}

@@ -38,7 +38,7 @@ log = logging.getLogger("conveyor.worker")
 
 CHUNKS_LUA = resources.files("broker").joinpath("chunks.lua").read_text()
 CHUNKS = Script("chunks.lua", (REPLIES, SHARED_REPLIES, CANCELS), (
-    ("rpush", (REPLIES, SHARED_REPLIES)), ("pexpire", (REPLIES, SHARED_REPLIES)), ("exists", (CANCELS,))))
+    ("rpush", (REPLIES, SHARED_REPLIES)), ("pexpire", (REPLIES, SHARED_REPLIES)), ("mget", (CANCELS,))))
 
 
 class StepPublisher:
