@@ -14,8 +14,8 @@ Bounded: a consumer that does not take its chunks (a slow HTTP client, an ``asyn
 leave at most ``max_buffered`` of them here; past that the stream ends with :class:`StreamLagged` and the
 hub cancels the request, so the stage's generator is closed at its next step (as for a caller who left).
 
-A sink has the parts of a `Slot` the hub uses (``done``, ``cancelled``, ``result``, ``exception``,
-``set_result``, ``set_exception``, ``cancel``), so it waits in the hub's one table of requests.
+A sink is a `Slot` (``done``, ``cancelled``, ``result``, ``exception``, ``set_result``, ``set_exception``,
+``cancel``), so it waits in the hub's one table of requests.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gateway.client.slot import Slot
 from gateway.errors import StageError
 
 __all__ = ["StreamInterrupted", "StreamLagged", "StreamSink"]
-
-_PENDING, _DONE, _CANCELLED = 0, 1, 2
 
 
 class StreamInterrupted(StageError):
@@ -47,19 +46,18 @@ class StreamLagged(StageError):
         super().__init__("StreamLagged", message, "")
 
 
-class StreamSink:
-    __slots__ = ("_chunks", "_exception", "_listener", "_loop", "_max", "_next", "_result", "_run", "_state",
-                 "_wakeup", "on_abandon")
+class StreamSink(Slot):
+    """A `Slot` (its state, result and exception) that also holds the stream's chunks; its consumer listens
+    (:meth:`listen`) or awaits (:meth:`next`) instead of taking a done-callback."""
+
+    __slots__ = ("_chunks", "_delivery", "_listener", "_max", "_next", "_wakeup", "on_abandon")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_buffered: int) -> None:
-        self._loop = loop
+        super().__init__(loop)
         self._max = max_buffered
         self._chunks: deque[Any] = deque()
-        self._state = _PENDING
-        self._result: Any = None
-        self._exception: BaseException | None = None
         self._next = 0  # the sequence number of the next chunk expected
-        self._run = 0  # the delivery (run) whose chunks are being given out; 0: none yet
+        self._delivery = 0  # the delivery (run) whose chunks are being given out; 0: none yet
         self._wakeup: asyncio.Future[None] | None = None
         self._listener: Callable[[], object] | None = None
         # Called when the sink gives up on its own (interrupted, lagged): the hub cancels the request.
@@ -69,13 +67,13 @@ class StreamSink:
 
     def chunk(self, record: dict[str, Any]) -> None:
         """One chunk record, as the reply reader decoded it."""
-        if self._state != _PENDING:
+        if self.done():
             return
         seq, run = record.get("seq"), record.get("run", 1)
         if type(seq) is not int or type(run) is not int:
             return
         resume = bool(record.get("resume"))
-        if run != self._run and not self._adopt(run, resume):
+        if run != self._delivery and not self._adopt(run, resume):
             return
         if seq < self._next:  # a chunk given already: the stage runs the request again
             if not resume:  # (a batch entry run again is split into new entries: its run may say 1 again)
@@ -98,10 +96,10 @@ class StreamSink:
     def finish(self, record: dict[str, Any]) -> bool:
         """The stream's last record (a result record); False if it is not this stream's end (an
         earlier run's, or one whose chunks did not all come)."""
-        if self._state != _PENDING:
+        if self.done():
             return True
         run, chunks = record.get("run", 1), record.get("chunks")
-        if run != self._run and not self._adopt(run if type(run) is int else 1, bool(record.get("resume"))):
+        if run != self._delivery and not self._adopt(run if type(run) is int else 1, bool(record.get("resume"))):
             return True
         if type(chunks) is int and chunks > self._next:
             self._give_up(StreamInterrupted(f"the stream ended after {chunks} chunks, of which {self._next} came: "
@@ -111,14 +109,14 @@ class StreamSink:
 
     def _adopt(self, run: int, resume: bool) -> bool:
         """A record of another run than the chunks given so far: whether its chunks may follow them."""
-        if run < self._run:
+        if run < self._delivery:
             return False  # an earlier run's straggler
         if self._next and not resume:
             self._give_up(StreamInterrupted(f"the stage ran the request again (its worker stopped mid-stream, run "
                                             f"{run}) after {self._next} chunks of the first run were sent, and it "
                                             "does not declare itself deterministic"))
             return False
-        self._run = run
+        self._delivery = run
         return True
 
     def _give_up(self, exc: BaseException) -> None:
@@ -128,42 +126,19 @@ class StreamSink:
 
     # -- the Slot interface the hub uses ---------------------------------------------------------
 
-    def done(self) -> bool:
-        return self._state != _PENDING
-
-    def cancelled(self) -> bool:
-        return self._state == _CANCELLED
-
-    def result(self) -> Any:
-        if self._state == _CANCELLED:
-            raise asyncio.CancelledError()
-        if self._state == _PENDING:
-            raise asyncio.InvalidStateError("stream still running")
-        if self._exception is not None:
-            raise self._exception
-        return self._result
-
-    def exception(self) -> BaseException | None:
-        if self._state == _CANCELLED:
-            raise asyncio.CancelledError()
-        if self._state == _PENDING:
-            raise asyncio.InvalidStateError("stream still running")
-        return self._exception
-
     def set_result(self, value: Any) -> None:
-        if self._state == _PENDING:
-            self._result, self._state = value, _DONE
+        if not self.done():  # a stream ends once: a late end (a run again) is dropped, not an error
+            super().set_result(value)
             self._wake()
 
     def set_exception(self, exc: BaseException) -> None:
-        if self._state == _PENDING:
-            self._exception, self._state = exc, _DONE
+        if not self.done():
+            super().set_exception(exc)
             self._wake()
 
     def cancel(self) -> bool:
-        if self._state != _PENDING:
+        if not super().cancel():
             return False
-        self._state = _CANCELLED
         self._wake()
         return True
 
@@ -173,7 +148,7 @@ class StreamSink:
         """``listener()`` is called as chunks arrive and at the end (the HTTP front: no task per
         stream); it takes them with :meth:`take`."""
         self._listener = listener
-        if self._chunks or self._state != _PENDING:
+        if self._chunks or self.done():
             self._loop.call_soon(listener)
 
     def take(self) -> list[Any]:
@@ -192,7 +167,7 @@ class StreamSink:
         while True:
             if self._chunks:
                 return True, self._chunks.popleft()
-            if self._state != _PENDING:
+            if self.done():
                 return False, self.result()
             self._wakeup = self._loop.create_future()
             try:

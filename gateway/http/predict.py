@@ -42,7 +42,7 @@ from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipel
 from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, codec_for
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
-__all__ = ["Pending", "Predict", "cancelling", "decode_body", "later", "once_declared", "priority_of",
+__all__ = ["Pending", "Predict", "cancelling", "decode_body", "later", "once_declared", "priority_of", "read_request",
            "request_bound_s", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
@@ -72,6 +72,19 @@ def cancelling(backend: Backend, waiters: Sequence[Waiter]) -> Callable[[Waiter]
     if len(waiters) == 1:
         return cancel
     return lambda _: [cancel(waiter) for waiter in waiters if not waiter.done()]
+
+
+def read_request(request: Request) -> tuple[Codec, Any, float | None, int] | Reply:
+    """A predict-shaped request (conveyor's predict and stream routes) read: its codec, its decoded input,
+    its wait's bound and its priority; or the reply that refuses it (415, 400, 504)."""
+    try:
+        codec = codec_for(request.headers.get(b"content-type"))
+    except UnsupportedMediaType as exc:
+        return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
+    try:
+        return codec, decode_body(codec, request.body), request_bound_s(request.headers), priority_of(request.headers)
+    except HttpError as exc:
+        return exc.reply(codec)
 
 
 def _reply_of(future: Any) -> Reply:
@@ -197,20 +210,15 @@ class Predict:
     def start(self, request: Request, backend: Backend) -> Reply | Pending:
         """Why not a coroutine: a predict is the backend's `Slot` plus a callback, so that a request
         costs no task of its own."""
+        read = read_request(request)
+        if isinstance(read, Reply):
+            return read
+        codec, x, bound_s, priority = read
         try:
-            codec = codec_for(request.headers.get(b"content-type"))
-        except UnsupportedMediaType as exc:
-            return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
-        try:
-            x = decode_body(codec, request.body)
-            bound_s, priority = request_bound_s(request.headers), priority_of(request.headers)
-            try:
-                future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True,
-                                        request_id=request.request_id or None, priority=priority)
-            except Exception as exc:
-                raise backend_error(exc, self.debug) from exc
-        except HttpError as exc:
-            return exc.reply(codec)
+            future = backend.submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER), direct=True,
+                                    request_id=request.request_id or None, priority=priority)
+        except Exception as exc:
+            return backend_error(exc, self.debug).reply(codec)
         return Pending(future, self._finishers.get(codec.name) or functools.partial(self._finish, codec),
                        getattr(backend, "cancel", None))  # cancelling(), inlined for one item: the hot path
 

@@ -31,15 +31,8 @@ from typing import Any, Protocol
 
 from gateway.backends import Backend
 from gateway.client.streams import StreamSink
-from gateway.http.codecs import JSON, UnsupportedMediaType, codec_for
-from gateway.http.predict import (
-    PARTITION_KEY_HEADER,
-    Pending,
-    backend_error,
-    decode_body,
-    priority_of,
-    request_bound_s,
-)
+from gateway.http.codecs import JSON
+from gateway.http.predict import PARTITION_KEY_HEADER, Pending, backend_error, read_request
 from gateway.http.types import HttpError, Reply, Request
 
 __all__ = ["ConveyorEvents", "EventFormat", "StreamReply", "abandon", "event", "start_stream"]
@@ -202,15 +195,10 @@ def start_stream(request: Request, backend: Backend, debug: bool) -> Reply | Str
     submit = getattr(backend, "submit_stream", None)
     if submit is None:  # a backend that cannot stream (a test's fake)
         return HttpError(501, "NotImplemented", "this backend does not stream", outcome="error").reply()
-    try:
-        codec = codec_for(request.headers.get(b"content-type"))
-    except UnsupportedMediaType as exc:
-        return HttpError(415, "UnsupportedMediaType", str(exc), outcome="unsupported_media_type").reply()
-    try:
-        x = decode_body(codec, request.body)
-        bound_s, priority = request_bound_s(request.headers), priority_of(request.headers)
-    except HttpError as exc:
-        return exc.reply(codec)
+    read = read_request(request)
+    if isinstance(read, Reply):
+        return read
+    _, x, bound_s, priority = read
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),
                                            request_id=request.request_id or None, priority=priority))
     cancel = getattr(backend, "cancel", lambda sink: None)
