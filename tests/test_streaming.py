@@ -185,3 +185,25 @@ def test_streams_and_cancels_on_a_redis_cluster(cluster_url: str, tmp_path: Path
                 return got
 
         assert asyncio.run(scenario()) == ["a", "b", "c", "w0"]
+
+
+def test_a_gateway_closes_while_its_cancels_are_on_their_way(redis_url: str) -> None:
+    """A request cancelled just before its gateway closes: the cancel's script call is cut by the close
+    (redis-py reports that as a connection error); the gateway still closes, at once, every time."""
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"]) as workers:
+        workers.wait_ready("t-slow")
+
+        async def cycle() -> None:
+            async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=30)) as gw:
+                task = asyncio.ensure_future(gw.predict("left"))
+                while not gw.hub.requests:
+                    await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await asyncio.sleep(0)  # the canceller's call under way as the gateway closes
+
+        async def cycles() -> None:
+            for _ in range(30):
+                await asyncio.wait_for(cycle(), 5)
+
+        asyncio.run(cycles())

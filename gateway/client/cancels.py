@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from broker.cancels import send_cancels
@@ -22,8 +23,10 @@ log = logging.getLogger("conveyor.gateway")
 
 
 class Canceller:
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, closing: Callable[[], bool]) -> None:
+        """``closing()``: the hub is closing (its tasks are being cancelled)."""
         self._client = client
+        self._closing = closing
         self._pending: dict[Keys, list[tuple[bytes, int]]] = {}
         self._wake = asyncio.Event()
 
@@ -35,7 +38,7 @@ class Canceller:
             self._wake.set()
 
     async def run(self) -> None:
-        while True:
+        while not self._closing():
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, {}
@@ -43,5 +46,9 @@ class Canceller:
                 try:
                     await send_cancels(self._client, keys, cancels)
                 except CONNECTION_OR_REPLY_ERRORS as exc:  # an optimisation lost: the items run, nobody reads them
+                    # A cancellation of this task mid-command comes back from redis-py as a connection error
+                    # (as the hub's reader sees it): closing, the task must end, not wait for the next cancel.
+                    if self._closing():
+                        return
                     log.warning("could not mark %d requests cancelled stream=%s error=%r", len(cancels),
                                 keys.stream(0), exc)

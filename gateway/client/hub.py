@@ -94,7 +94,7 @@ class Hub:
             self._wake = asyncio.Event()
             self._spawn(self._flusher(lambda: list(self._lanes.values()), self._wake), "conveyor-flusher")
             self._spawn(self._reader(self._reply_list(self._shared_reply, 1)), "conveyor-reader")
-        self._canceller = Canceller(self._client)
+        self._canceller = Canceller(self._client, lambda: self._closing)
         self._spawn(self._canceller.run(), "conveyor-canceller")
         if self.settings.resend_forgotten and self.settings.audit_after_s > 0:
             self._spawn(self.recall.audit_forever(self._client), "conveyor-audit")
