@@ -45,11 +45,10 @@ from workers.stage import END, LiveBatch, Stage
 
 log = logging.getLogger("conveyor.worker")
 
-__all__ = ["E_INTERRUPTED", "More", "StreamRunner", "read_more"]
+__all__ = ["More", "StreamRunner", "read_more"]
 
 More = Callable[[int], "Work"]  # up to n new items, read and admitted into the batch's commit
 
-E_INTERRUPTED = "StreamInterrupted"  # the type a caller sees when a stream cannot go on (docs/protocol.md)
 
 
 @dataclass(slots=True)
@@ -61,7 +60,6 @@ class _Stream:
     seq: int = 0
     final: bytes | None = None  # its result record, once it ended with one
     left: bool = False  # its caller left (cancelled) or its deadline passed: no record at all
-    value: Any = None
 
     @property
     def running(self) -> bool:
