@@ -4,10 +4,9 @@ would take them, and against what each stage needs.
 - Deployments and Services: Kubernetes' own OpenAPI schemas, strict (an unknown field fails), for an
   older and the newest version ``kubernetes-validate`` carries.
 - ScaledObjects and TriggerAuthentications: KEDA's CRDs (their ``openAPIV3Schema``, and the one CEL rule
-  they hold, min <= max, evaluated here) where the files are given: ``tests/data/keda/`` or
-  ``$CONVEYOR_KEDA_CRDS`` (``keda.sh_scaledobjects.yaml``, ``keda.sh_triggerauthentications.yaml`` from
-  kedacore/keda ``config/crd/bases``); otherwise that test skips, saying so. A structural schema of our
-  own (the fields KEDA's scaler reads: docs/deployment.md) always runs.
+  they hold, min <= max, evaluated here): KEDA v2.20.2's files, vendored in ``tests/data/keda/``, or
+  another release's in ``$CONVEYOR_KEDA_CRDS``. A structural schema of our own (the fields KEDA's scaler
+  reads: docs/deployment.md) runs as well.
 - What each stage needs: its worker command, one core, a stop longer than a batch, the readiness probe,
   the stream and figure KEDA reads, and never a credential in the output.
 """
