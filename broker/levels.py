@@ -1,5 +1,5 @@
 """Priority levels: which stream a request of a given priority goes to, and a worker's first read
-that takes the highest level with entries (``levels.lua``).
+that takes the highest level with entries, and lower levels' into the room left (``levels.lua``).
 
 A pipeline of ``priority_levels`` N (Triton's meaning: 1 is the highest level, N the lowest, and
 priority 0 the default) keeps one stream per level at every stage: the default level, N, is the
@@ -43,28 +43,48 @@ class LevelReader:
     """Runs ``levels.lua`` for one partition's level streams of one stage, as one consumer, on a
     connection of its own."""
 
-    def __init__(self, client: redis.Redis, streams: Sequence[str], consumer: str) -> None:
+    def __init__(self, client: redis.Redis, streams: Sequence[str], consumer: str, fill: bool = True) -> None:
+        """``fill``: a batch read from one level takes the room left from the levels after it."""
         self.streams = list(streams)
         self._client = client
         self._sha = client.register_script(LEVELS_LUA).sha
         self._consumer = consumer
+        self._fill = b"1" if fill else b"0"
         self._held = HeldConnection(client, self.streams[0])
 
     @sends(WORKER, scripts=(LEVELS,), why="a batch's first read on a stage with priority levels")
-    def read(self, order: Sequence[int], counts: Sequence[int]) -> tuple[int, Any] | None:
-        """The first of ``streams[i] for i in order`` with new entries: its index in ``streams`` and
-        its ``XREADGROUP`` reply (``counts[i]`` entries at most); None when none has any."""
+    def read(self, order: Sequence[int], counts: Sequence[int]) -> list[tuple[int, Any]]:
+        """The first of ``streams[i] for i in order`` with new entries (``counts[i]`` at most), then with
+        ``fill`` the next ones in ``order`` for the room left: each stream read, as its index in
+        ``streams`` and its ``XREADGROUP`` reply, in ``order``; none when no level has entries."""
         keys = [self.streams[i] for i in order]
         args = [b"EVALSHA", self._sha.encode(), b"%d" % len(keys), *(k.encode() for k in keys), GROUP.encode(),
-                self._consumer.encode(), *(b"%d" % counts[i] for i in order)]
+                self._consumer.encode(), self._fill, *(b"%d" % counts[i] for i in order)]
         try:
             reply = self._held.call(pack_command(args))
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
             self._client.script_load(LEVELS_LUA)
             reply = self._held.call(pack_command(args))
         if not reply:
-            return None
-        return order[int(reply[0]) - 1], reply[1]
+            return []
+        return [(order[int(reply[k]) - 1], reply[k + 1]) for k in range(0, len(reply), 2)]
+
+    @sends(WORKER, uses={"xreadgroup": STREAMS}, why="an idle worker's wait on every level of its stage at once")
+    def block(self, count: int, block_ms: int) -> dict[int, Any]:
+        """One ``XREADGROUP ... BLOCK`` naming every level's stream (they share a node and a hash slot):
+        the streams that had new entries, by index in ``streams``, each as an ``XREADGROUP`` reply of
+        its own. Where one blocking read per level would take a call per level to start and end the
+        others' reads (``CLIENT UNBLOCK``) at every wake-up. Levels that all got entries during the
+        wait (rare: all were empty) give up to ``count`` each."""
+        args = [b"XREADGROUP", b"GROUP", GROUP.encode(), self._consumer.encode(), b"COUNT", b"%d" % count,
+                b"BLOCK", b"%d" % block_ms, b"STREAMS", *(s.encode() for s in self.streams),
+                *([b">"] * len(self.streams))]
+        reply = self._held.call(pack_command(args))
+        if not reply:
+            return {}
+        index = {s.encode(): i for i, s in enumerate(self.streams)}
+        items = reply.items() if isinstance(reply, dict) else reply
+        return {index[bytes(name)]: [[name, entries]] for name, entries in items}
 
     def close(self) -> None:
         self._held.drop()

@@ -7,6 +7,7 @@ holds, a backlog builds up behind it in every level of its stage.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -41,8 +42,24 @@ class Record1(Record):
     """The same at the second stage (stage names are unique within a pipeline)."""
 
 
+class RecordBatches(Record):
+    """A batched ``Record``: writes each batch it runs, as a JSON list, to ``t:<pipeline>:batches:<stage>``."""
+
+    batch_size = 8
+    batch_wait_s = 0.01
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        if f"gate{self.stage}" in xs:
+            super().predict(f"gate{self.stage}")
+        else:
+            self.redis.rpush(f"t:{self.pipeline}:batches:{self.stage}", json.dumps(xs))
+        return xs
+
+
 ordered = (Pipeline("t-prio", priority_levels=2, fair_after=1000)
            .add(Record, pipeline="t-prio", stage=0).add(Record1, pipeline="t-prio", stage=1))
 fair = Pipeline("t-prio-fair", priority_levels=2, fair_after=2).add(Record, pipeline="t-prio-fair", stage=0)
 three = Pipeline("t-prio-three", priority_levels=3).add(Record, pipeline="t-prio-three", stage=0)
+filled = (Pipeline("t-prio-fill", priority_levels=2)
+          .add(RecordBatches, pipeline="t-prio-fill", stage=0).add(Record1, pipeline="t-prio-fill", stage=1))
 plain = Pipeline("t-prio-none").add(Record, pipeline="t-prio-none", stage=0, delay_s=0.0)

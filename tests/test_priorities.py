@@ -8,6 +8,7 @@ releases it and reads the order the stage ran its inputs in. Every wait is bound
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -136,6 +137,51 @@ def test_priority_travels_to_the_next_stage(ordered: Workers, client: redis.Redi
                             {p.stream(1): 1 + len(low), p.at_level(1).stream(1): len(high)})
     assert answers == low + high
     assert order(client, "t-prio", 1, 10)[-10:] == high + low
+
+
+@pytest.mark.parametrize("fill", [True, False], ids=["fill", "no-fill"])
+def test_a_higher_levels_batch_is_filled_from_the_levels_below(server: str, client: redis.Redis, fill: bool) -> None:
+    """A batched stage holds while 6 default-level requests and 1 of priority 1 queue: released, it runs
+    the priority-1 request at the head of one batch with the six (``--fill-levels``, the default), or
+    alone and then the six (``--no-fill-levels``). Either way each part moves on at its own level: the
+    next stage, held meanwhile, runs the priority-1 request first."""
+    pipeline, p = "t-prio-fill", Keys("t-prio-fill")
+    client.delete(*(f"t:{pipeline}:{what}" for what in ("batches:0", "order:1")))
+    low, high = [f"d{i}" for i in range(6)], ["p0"]
+    with running_workers(server, f"{APP}:filled", ["RecordBatches", "Record1"],
+                         CONVEYOR_FILL_LEVELS="1" if fill else "0") as group:
+        group.wait_ready(pipeline, T)
+        answers: dict[str, list[Any]] = {}
+
+        def submit(name: str, batches: list[tuple[list[str], int]]) -> threading.Thread:
+            def send() -> None:
+                answers[name] = asyncio.run(submit_all(server, pipeline, batches))
+
+            thread = threading.Thread(target=send, daemon=True)
+            thread.start()
+            return thread
+
+        threads = [submit("gate1", [(["gate1"], 0)])]
+        hold(client, pipeline, 1)
+        threads.append(submit("gate0", [(["gate0"], 0)]))
+        hold(client, pipeline, 0)
+        threads.append(submit("backlog", [(low, 0), (high, 1)]))
+        for stream, n in ((p.stream(0), 1 + len(low)), (p.at_level(1).stream(0), len(high))):
+            wait_for(lambda s=stream, n=n: stream_len(client, s) >= n, T, f"{n} entries in {stream}")
+        release(client, pipeline, 0)
+        def done(stream: str) -> bool:
+            return not client.xpending(stream, "workers")["pending"] and not client.xinfo_groups(stream)[0]["lag"]
+
+        for stream in (p.stream(0), p.at_level(1).stream(0)):  # stage 0 committed all: stage 1 holds them
+            wait_for(functools.partial(done, stream), T, f"stage 0 done with {stream}")
+        release(client, pipeline, 1)
+        for thread in threads:
+            thread.join(T)
+        ran_next = order(client, pipeline, 1, 8)
+    assert answers == {"gate1": ["gate1"], "gate0": ["gate0"], "backlog": low + high}
+    batches = [json.loads(b) for b in client.lrange(f"t:{pipeline}:batches:0", 0, -1)]
+    assert batches == [["gate1"], *([high + low] if fill else [high, low])]
+    assert ran_next == [*high, "gate0", *low]
 
 
 def test_a_foreign_producer_adds_to_a_level_stream(ordered: Workers, client: redis.Redis) -> None:

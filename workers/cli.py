@@ -78,6 +78,11 @@ def _options(func: Any) -> Any:
                      help="Forward a batch to the next (batched) stage as batch entries, several requests "
                           "each, rather than one stream entry per request (less Redis work under load). "
                           "Workers read both kinds either way."),
+        click.option("--fill-levels/--no-fill-levels", envvar="CONVEYOR_FILL_LEVELS",
+                     default=_WORKER_DEFAULTS.fill_levels, show_default=True, show_envvar=True,
+                     help="With priority levels: the room a higher level's entries leave in a batch is filled "
+                          "from the levels below (an urgent request rides in a batch of the backlog instead of "
+                          "costing each stage a batch of its own)."),
         click.option("--log-format", type=click.Choice(FORMATS, case_sensitive=False), default="kv",
                      show_default=True, envvar=FORMAT_ENV, show_envvar=True,
                      help="Log lines as key=value pairs or JSON objects (workers inherit it)."),
@@ -100,7 +105,7 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
                             reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
                             max_payload_bytes=opts["max_payload_bytes"], pin=opts["pin"],
                             pin_ttl_ms=int(opts["pin_ttl_s"] * 1000), read_ahead=opts["read_ahead"],
-                            batch_entries=opts["batch_entries"])
+                            batch_entries=opts["batch_entries"], fill_levels=opts["fill_levels"])
     return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
                          log_level=log_level)
 

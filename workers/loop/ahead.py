@@ -67,6 +67,29 @@ class ReadAhead:
         lane.committer.finish()
         settled(time.perf_counter() - started)
 
+    def commit_all(self, parts: list[tuple[ReadLane, Commit]], settled: Settled) -> None:
+        """A batch of several priority levels: each level's commit sent on its lane's connection, then
+        every reply taken (one round trip for all); never read ahead. Each sent commit's reply is taken
+        even when another failed (a committer holds one at a time); the first failure is then raised."""
+        self.settle()
+        started = time.perf_counter()
+        failures: list[Exception] = []
+        sent = []
+        for lane, commit in parts:
+            try:
+                lane.committer.send(commit)
+                sent.append(lane)
+            except Exception as exc:  # raised below, once every sent reply is in
+                failures.append(exc)
+        for lane in sent:
+            try:
+                lane.committer.finish()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+        settled(time.perf_counter() - started)
+
     def settle(self) -> None:
         """Take the reply of the commit under way, if any; raises what the commit raised."""
         sent, self._sent = self._sent, None

@@ -42,16 +42,20 @@ class BeatHook(Protocol):
 class Lease:
     """The entries of the batch in hand: set by the worker's loop, read by the heartbeat thread.
 
-    One tuple, replaced whole, so the thread never sees one batch's stream with another's ids."""
+    One tuple, replaced whole, so the thread never sees one batch's stream with another's ids. A
+    batch of several priority levels holds entries of each level's stream."""
 
     def __init__(self) -> None:
-        self.held: tuple[str, list[bytes], float] = ("", [], 0.0)  # stream, entry ids, since (monotonic)
+        self.held: tuple[tuple[tuple[str, list[bytes]], ...], float] = ((), 0.0)  # (stream, ids)s, since
 
     def hold(self, stream: str, ids: list[bytes]) -> None:
-        self.held = (stream, ids, time.monotonic())
+        self.held = (((stream, ids),), time.monotonic())
+
+    def hold_all(self, parts: list[tuple[str, list[bytes]]]) -> None:
+        self.held = (tuple(parts), time.monotonic())
 
     def release(self) -> None:
-        self.held = ("", [], 0.0)
+        self.held = ((), 0.0)
 
 
 class LiveWorkers:
@@ -152,7 +156,9 @@ class Heartbeat:
         now = protocol.now_ms()
         for hb_key in self._hb_keys:
             beat.alive(hb_key, self._consumer, now)
-        stream, held, since = self.lease.held
+        held, since = self.lease.held
         if held and time.monotonic() - since > self._renew_after_s:
             # Renew the lease: a long batch must not be claimed by another worker.
-            beat.lease(stream, self._consumer, held)
+            for stream, ids in held:
+                if ids:
+                    beat.lease(stream, self._consumer, ids)

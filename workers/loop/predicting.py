@@ -101,20 +101,22 @@ class Predictor:
         # spans and timings of its traced items (workers.loop.tracing).
         self.slices: list[tuple[int, int, float, float]] = []
 
-    def run(self, work: Work, stats: BatchStats) -> list[Outcome | None]:
-        """The outcome of each item of ``work``, in order (None: given to another worker, not run)."""
+    def run(self, work: Work, stats: BatchStats, handoff: bool = True) -> list[Outcome | None]:
+        """The outcome of each item of ``work``, in order (None: given to another worker, not run).
+        ``handoff``: False for a batch read from several streams (a hand-off gives back to one)."""
         spec = self._spec
         outcomes: list[Outcome | None] = []
         self.slices = []
-        if self._handoff is not None:
-            self._handoff.track(outcomes)
+        giver = self._handoff if handoff else None
+        if giver is not None:
+            giver.track(outcomes)
             if not spec.batched:
-                return self._run_singles(work, stats, self._handoff, outcomes)
+                return self._run_singles(work, stats, giver, outcomes)
         size = spec.batch_size if spec.batched else len(work)
         for start in range(0, len(work), size):
             part = work[start:start + size]
-            if self._handoff is not None:
-                kept = self._handoff.start(start, start + len(part))
+            if giver is not None:
+                kept = giver.start(start, start + len(part))
                 if kept is not None:  # some were given back: run the others
                     outcomes += self._run_kept(work, kept, start, len(part), stats)
                     continue

@@ -13,7 +13,11 @@ whatever came.
 
 A batch read from a level above the lowest runs at once: waiting for more of its level (the
 stage's wait policy, ``batch_wait_s``) would hold the lower levels' backlog behind a few requests
-that want their answer soonest; the lowest level's batch is filled as any stage's.
+that want their answer soonest; the lowest level's batch is filled as any stage's. The room a
+higher level leaves in a batch is filled from the levels below it, in the same read (``fill``, on
+by default): under load a lone urgent request then rides at the head of a batch of the default
+level's backlog, one ``predict`` call, instead of costing every stage a batch of its own. Each
+level's part of such a batch is committed in its own lane, so it still moves on at its own level.
 
 Starvation: after ``fair_after`` batches in a row from levels above the lowest (in one
 partition), the next first read tries the levels in the other order, lowest first: while the
@@ -23,18 +27,31 @@ and a higher level waits at most one batch more.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
+from broker.commit import BatchStats, Commit
 from broker.errors import SyncClient
 from broker.levels import LevelReader
-from broker.streams import Entry
+from broker.streams import Entry, ReadOutcome, read_any
+from workers.loop.ahead import ReadAhead, Settled
+from workers.loop.batch_entries import ForwardSizing
+from workers.loop.cancels import CancelWatch
+from workers.loop.heartbeat import Lease
 from workers.loop.lanes import ReadLane
+from workers.loop.routing import EntryRouter, Work
+from workers.loop.runner import Outcome
 
-__all__ = ["LevelTurns", "level_turns"]
+__all__ = ["LevelBatch", "LevelTurns", "Segments", "level_turns"]
 
-RunBatch = Callable[[ReadLane, list[Entry], int, float, bool], None]  # lane, entries, asked, when read, wait
+Segments = list[tuple[ReadLane, list[Entry]]]  # one batch's entries, by level, in the order read
+RunBatch = Callable[[Segments, int, float, bool], None]  # segments, asked, when read, wait
+Predict = Callable[[Work, BatchStats], "list[Outcome | None]"]
+Committed = Callable[[list[bytes], int, float, "float | None"], None]  # acks, items, predict_s, commit_s
 
 
 @dataclass
@@ -67,26 +84,28 @@ class LevelTurns:
         # (workers.loop.ahead), whose failure is then the same node's.
         self.one_node = len(lanes) == levels
 
-    def ahead(self, lane: ReadLane, count: int) -> tuple[ReadLane, list[Entry], bool]:
+    def ahead(self, lane: ReadLane, count: int) -> tuple[Segments, bool]:
         """The read that does not block after a full batch (one partition): ``lane``'s, or with levels the
-        highest level's with entries; the lane read, its entries, and whether its batch may wait to fill."""
+        highest level's with entries and the room it leaves; the entries read by lane, and whether their
+        batch may wait to fill."""
         if not self.partitions:
-            return lane, lane.reader.read(count), True
+            return [(lane, lane.reader.read(count))], True
         picked = self._pick(self.partitions[0], count)
-        return picked if picked is not None else (lane, [], True)
+        return picked if picked is not None else ([], True)
 
-    def _pick(self, part: _Partition, count: int) -> tuple[ReadLane, list[Entry], bool] | None:
-        """``levels.lua`` on one partition: the lane read, its entries, and whether it is the lowest level."""
+    def _pick(self, part: _Partition, count: int) -> tuple[Segments, bool] | None:
+        """``levels.lua`` on one partition: the entries read by lane, and whether the batch may wait to
+        fill (the lowest level's alone)."""
         order = part.order(self.fair_after)
         picked = part.reader.read(order, [lane.reader.entries_for(count) for lane in part.lanes])
-        if picked is None:
+        if not picked:
             part.streak = 0
             return None
-        index, reply = picked
-        lane = part.lanes[index]
-        lowest = index == len(part.lanes) - 1
-        part.streak = 0 if lowest or order[0] != 0 else part.streak + 1
-        return lane, lane.reader.parse_reply(reply), lowest
+        lowest = len(part.lanes) - 1
+        levels_read = [i for i, _ in picked]
+        part.streak = 0 if lowest in levels_read or order[0] != 0 else part.streak + 1
+        segments = [(part.lanes[i], part.lanes[i].reader.parse_reply(reply)) for i, reply in picked]
+        return segments, levels_read == [lowest]
 
     def turn(self, up: list[ReadLane], count: int, run: RunBatch, failed: Callable[[ReadLane, Exception], None],
              block: Callable[[list[ReadLane]], None]) -> None:
@@ -104,16 +123,76 @@ class LevelTurns:
                 continue
             if picked is not None:
                 served = True
-                run(*picked[:2], count, time.monotonic(), picked[2])
+                run(picked[0], count, time.monotonic(), picked[1])
         if not served:
             block(up)
+
+    def read_any(self, lanes: list[ReadLane], count: int, timeout_s: float) -> list[ReadOutcome]:
+        """The blocking first read on ``lanes``, an outcome per lane: with one partition's levels, all up,
+        one ``XREADGROUP`` naming every level (:meth:`broker.levels.LevelReader.block`); else a read per
+        lane (:func:`broker.streams.read_any`)."""
+        if len(self.partitions) != 1 or len(lanes) != len(self.partitions[0].lanes) or any(
+                a is not b for a, b in zip(lanes, self.partitions[0].lanes, strict=True)):
+            return read_any([lane.reader for lane in lanes], count, timeout_s)
+        reader = self.partitions[0].reader
+        try:
+            replies = reader.block(max(lane.reader.entries_for(count) for lane in lanes),
+                                   max(1, math.ceil(timeout_s * 1000)))
+        except Exception as exc:  # the caller tells a lost node from a bug
+            reader.close()
+            return [exc for _ in lanes]
+        return [lane.reader.parse_reply(replies[i]) if i in replies else [] for i, lane in enumerate(lanes)]
 
     def close(self) -> None:
         for part in self.partitions:
             part.reader.close()
 
 
+class LevelBatch:
+    """A batch of several levels' new entries (``levels.lua``'s fill): one ``predict`` on them all, in
+    the order read, each level's part admitted, routed and committed in its own lane, the commits sent
+    together and their replies taken together. Without hand-off (it gives entries back to one stream)."""
+
+    def __init__(self, router: EntryRouter, cancels: CancelWatch, lease: Lease, sizing: ForwardSizing,
+                 ahead: ReadAhead, predict: Predict, committed: Committed,
+                 lane_error: Callable[[ReadLane, Exception], None]) -> None:
+        self._router, self._cancels, self._lease, self._sizing = router, cancels, lease, sizing
+        self._ahead, self._predict, self._committed, self._lane_error = ahead, predict, committed, lane_error
+
+    def run(self, segments: Segments) -> None:
+        """Every level of a partition is on one node: a failure is told to each of its lanes."""
+        try:
+            self._run(segments)
+        except Exception as exc:  # the worker tells a lost node from a bug (and raises a bug)
+            for lane, _ in segments:
+                self._lane_error(lane, exc)
+
+    def _run(self, segments: Segments) -> None:
+        parts = []
+        for lane, entries in segments:
+            commit = Commit(acks=list(dict.fromkeys(e[0] for e in entries)))  # a batch entry's items share its id
+            parts.append((lane, commit, self._cancels.drop(self._router.admit(entries, None, commit, lane.keys),
+                                                           lane.keys)))
+        self._lease.hold_all([(lane.stream, commit.acks) for lane, commit, _ in parts])
+        stats = max(parts, key=lambda part: len(part[2]))[0].stats  # the batch's figures go with its largest part
+        work = [item for _, _, part_work in parts for item in part_work]
+        started = time.perf_counter()
+        outcomes = cast("list[Outcome]", self._predict(work, stats) if work else [])
+        ran, now, start = time.perf_counter(), time.monotonic(), 0
+        for lane, commit, part_work in parts:
+            self._router.route_all(part_work, outcomes[start:start + len(part_work)], commit, lane.keys)
+            start += len(part_work)
+            if lane.stats.due(now):
+                commit.stats = lane.stats.take(now)
+            commit.forward_entries = self._sizing.entries(len(commit.forwards) // 4)
+        self._ahead.settle()  # the last batch's commit first: if it failed, this one stays pending
+        self._lease.release()
+        acks = [entry_id for _, commit, _ in parts for entry_id in commit.acks]
+        settled: Settled = functools.partial(self._committed, acks, len(work), ran - started)
+        self._ahead.commit_all([(lane, commit) for lane, commit, _ in parts], settled)
+
+
 def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: SyncClient,
-                consumer: str) -> LevelTurns:
+                consumer: str, fill: bool = True) -> LevelTurns:
     """The worker's level turns; for a pipeline of one level, none: each turn is its blocking read."""
-    return LevelTurns(lanes, levels, fair_after, lambda streams: LevelReader(client, streams, consumer))
+    return LevelTurns(lanes, levels, fair_after, lambda streams: LevelReader(client, streams, consumer, fill))

@@ -23,25 +23,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from broker.commit import Commit, Committer, Ttls
+from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.connection import (
-    CONNECTION_OR_REPLY_ERRORS,
-    Backoff,
     RedisSettings,
     is_nogroup,
-    is_transient,
-    unreachable,
 )
-from broker.errors import ReplyError
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from broker.liveness import unmark_stuck
-from broker.logs import Throttle
 from broker.refusals import log_refusal_once
 from broker.registry import register
 from broker.server_info import check_server
 from broker.share import Sharer
 from broker.spec import encode_spec
-from broker.streams import Entry, StreamReader, read_any
+from broker.streams import Entry, StreamReader
 from broker.tracing import TraceSettings
 from workers.batching.adaptive import AdaptiveWait, SingletonReadSize
 from workers.batching.collector import FixedWait, WaitPolicy, fill
@@ -54,9 +48,10 @@ from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
-from workers.loop.priorities import level_turns
+from workers.loop.priorities import LevelBatch, Segments, level_turns
 from workers.loop.problems import Problems
 from workers.loop.recovery import Recovery
+from workers.loop.retry import with_redis
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
 from workers.loop.streaming import StreamRunner, read_more
@@ -81,6 +76,7 @@ class WorkerSettings:
     pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
     read_ahead: bool = True  # after a full batch, read the next one while its commit runs (workers.loop.ahead)
     batch_entries: bool = True  # forward a batch as batch entries, not one entry per item (workers.loop.batch_entries)
+    fill_levels: bool = True  # a higher priority level's batch takes lower levels' entries (workers.loop.priorities)
 
 
 class Worker:
@@ -131,7 +127,8 @@ class Worker:
                                                fed_per_entry(self.pipeline, self.spec)),
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
                        for part in self.pipeline.partition_keys for keys in part.levels(levels)]
-        self._levels = level_turns(self._lanes, levels, self.pipeline.fair_after, self._client, self.consumer)
+        self._levels = level_turns(self._lanes, levels, self.pipeline.fair_after, self._client, self.consumer,
+                                  self.settings.fill_levels)
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
@@ -187,6 +184,9 @@ class Worker:
                            self.settings.heartbeat_s):
             stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length, self._handoff)
+        self._level_batch = LevelBatch(self._router, self._cancels, self._heartbeat.lease, self._forward_sizing,
+                                       self._ahead, functools.partial(self._predict, deliveries=None, handoff=False),
+                                       self._committed, self._lane_error)
         self._streaming = (StreamRunner(stage, self.spec, self._client, self.settings.reply_ttl_ms,
                                         self.settings.max_payload_bytes, self._problems, self._busy)
                            if self.spec.streams else None)
@@ -223,28 +223,8 @@ class Worker:
         self.stopping = True
 
     def _with_redis(self, action: Callable[[], Any]) -> bool:
-        """``action()``, retried with backoff while Redis cannot be reached; False if the worker
-        was asked to stop first. Said once, then at most every 10 s, with the URL and what to check."""
-        backoff, throttle, attempts = Backoff(), Throttle(10.0), 0
-        while not self.stopping:
-            try:
-                action()
-                return True
-            except CONNECTION_OR_REPLY_ERRORS as exc:
-                if isinstance(exc, ReplyError) and not is_transient(exc):
-                    log_refusal_once(exc)
-                    raise
-                attempts += 1
-                if throttle.allow("unreachable") is not None:
-                    log.warning("%s retrying attempts=%d", unreachable(self.redis_settings.url, exc), attempts)
-                self._pause(backoff.next_delay_s())
-        return False
-
-    def _pause(self, seconds: float) -> None:
-        """A backoff's wait, cut short by a stop request (a signal handler only sets the flag)."""
-        until = time.monotonic() + seconds
-        while not self.stopping and time.monotonic() < until:
-            time.sleep(min(0.05, max(0.0, until - time.monotonic())))
+        """``action()``, retried while Redis cannot be reached; False if asked to stop first."""
+        return with_redis(action, self.redis_settings.url, lambda: self.stopping)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -276,17 +256,23 @@ class Worker:
         self._tell_drained()
         self._levels.turn(up, self._read_count(), self._picked, self._lane_error, self._read)  # else self._read(up)
 
-    def _picked(self, lane: ReadLane, entries: list[Entry], asked: int, first_at: float, wait: bool) -> None:
-        """A level's batch (``wait``: filled while waiting pays; a higher level's runs at once)."""
-        self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0, first_at=first_at)
-                      if wait else functools.partial(self._process, entries=entries, deliveries=None))
+    def _picked(self, segments: Segments, asked: int, first_at: float, wait: bool) -> None:
+        """A batch read by level (``wait``: the lowest level's alone, filled while waiting pays; one
+        with a higher level's entries runs at once)."""
+        if len(segments) > 1 and self._streaming is None:  # a stream is one level's: each part on its own
+            self._level_batch.run(segments)
+            return
+        for lane, entries in segments:
+            self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0,
+                                                  first_at=first_at)
+                          if wait else functools.partial(self._process, entries=entries, deliveries=None))
 
     def _read_ahead(self, lane: ReadLane) -> None:
         """The next batch, read without blocking while the last one's commit runs; with nothing
         queued, the commit's reply is taken and the next turn waits on the stream as usual."""
         asked = self._read_count()
         try:
-            picked, entries, wait = self._levels.ahead(lane, asked)  # with levels: the highest with entries
+            segments, wait = self._levels.ahead(lane, asked)  # with levels: the highest with entries first
         except Exception as exc:  # the caller tells a lost node from a bug
             lane.reader.close()
             failure = exc
@@ -296,12 +282,12 @@ class Worker:
                 failure = commit_exc
             self._lane_error(lane, failure)
             return
-        if not entries:
+        if not any(entries for _, entries in segments):
             self._settle()
             return
         # idle_s 0: the worker did not wait for these (the time Redis spent on the commit is not
         # idleness; a burst shared with idle peers is one that came while this worker waited).
-        self._picked(picked, entries, asked, time.monotonic(), wait)
+        self._picked(segments, asked, time.monotonic(), wait)
 
     def _settle(self) -> None:
         """Take the reply of a commit sent ahead, its failure handled as its lane's."""
@@ -312,7 +298,7 @@ class Worker:
     def _read(self, lanes: list[ReadLane]) -> None:
         """The first read on every lane at once, then each lane's batch."""
         asked, sent_at = self._read_count(), time.monotonic()
-        outcomes = read_any([lane.reader for lane in lanes], asked, self._idle_wait_s())
+        outcomes = self._levels.read_any(lanes, asked, self._idle_wait_s())  # without levels: streams.read_any
         first_at = time.monotonic()
         for lane, outcome in zip(lanes, outcomes, strict=True):
             if isinstance(outcome, Exception):
@@ -417,15 +403,7 @@ class Worker:
         handoff = self._handoff
         if handoff is not None:
             handoff.begin(lane.stream, lane.keys, entries, work)
-        traced = self._tracing.before(work, lane.stats, deliveries)
-        outcomes = self._predictor.run(work, lane.stats)
-        if traced:  # not those given to another worker: they have not run here
-            ran_here = [i for i in traced if outcomes[i] is not None]
-            self._tracing.after(work, ran_here, cast("list[Outcome]", outcomes), self._predictor.slices, lane.stats,
-                                deliveries)
-        if not self._told_idle:
-            self.status.send(b"I")
-            self._told_idle = True
+        outcomes = self._predict(work, lane.stats, deliveries, handoff is not None)
         ran = len(work)
         if handoff is not None:
             given, published = handoff.finish()
@@ -434,6 +412,20 @@ class Worker:
                 commit.acks = [entry_id for entry_id in commit.acks if entry_id not in given]
         self._router.route_all(work, cast("list[Outcome]", outcomes), commit, lane.keys)
         return ran
+
+    def _predict(self, work: Work, stats: BatchStats, deliveries: dict[bytes, int] | None,
+                 handoff: bool) -> list[Outcome | None]:
+        """``predict`` on ``work``, with its spans where traced (None: an item given to another worker)."""
+        traced = self._tracing.before(work, stats, deliveries)
+        outcomes = self._predictor.run(work, stats, handoff)
+        if traced:  # not those given to another worker: they have not run here
+            ran_here = [i for i in traced if outcomes[i] is not None]
+            self._tracing.after(work, ran_here, cast("list[Outcome]", outcomes), self._predictor.slices, stats,
+                                deliveries)
+        if not self._told_idle:
+            self.status.send(b"I")
+            self._told_idle = True
+        return outcomes
 
     def _committed(self, acks: list[bytes], size: int, predict_s: float, commit_s: float | None) -> None:
         """A batch's commit ran (``commit_s``: how long its reply was waited for; None if read ahead):
