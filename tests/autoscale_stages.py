@@ -1,15 +1,33 @@
-"""Stages for tests/test_autoscale.py and bench/autoscale.py: an item that costs ~2 ms of CPU."""
+"""Stages for tests/test_autoscale.py and bench/autoscale.py: an item that costs ~2 ms of CPU, and one that
+can be held in ``predict`` for as long as a test wants."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
+from types import FrameType
 from typing import Any
 
 from workers import Pipeline, Stage
 
 ITEM_S = float(os.environ.get("AUTOSCALE_ITEM_S", "0.002"))
 RUNS = os.environ.get("AUTOSCALE_RUNS", "")  # a file each worker appends the inputs it ran to
+RELEASE = os.environ.get("AUTOSCALE_RELEASE", "")  # Hold: a held input waits in predict until this file exists
+HOLD_MAX_S = 30.0  # ... or this long at most
+SCALE_DOWN_AFTER_S = float(os.environ.get("AUTOSCALE_SCALE_DOWN_AFTER_S", "2.0"))
+
+
+def _burn(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def _record(line: str) -> None:
+    if RUNS:
+        with open(RUNS, "a") as f:  # one short write in append mode: the workers' lines never interleave
+            f.write(f"{line}\n")
 
 
 class Burn(Stage):
@@ -17,17 +35,50 @@ class Burn(Stage):
 
     workers = (1, 2)
     target_wait_s = 0.05
-    scale_down_after_s = float(os.environ.get("AUTOSCALE_SCALE_DOWN_AFTER_S", "2.0"))
+    scale_down_after_s = SCALE_DOWN_AFTER_S
 
     def predict(self, x: Any) -> Any:
-        until = time.perf_counter() + ITEM_S
-        while time.perf_counter() < until:
-            pass
-        if RUNS:
-            with open(RUNS, "a") as f:
-                f.write(f"{x}\n")
+        _burn(ITEM_S)
+        _record(str(x))
+        return x
+
+
+class Hold(Stage):
+    """As Burn, but an input ``"hold:<name>"`` waits inside ``predict`` until the file AUTOSCALE_RELEASE exists
+    (at most HOLD_MAX_S): a worker held mid-batch. Each call is recorded as it starts (``start <x> <pid>``) and
+    as it returns (``done <x> <pid>``), so a call cut short by a killed worker has a start and no end; a SIGTERM
+    too, with the input whose call it came in (``sigterm <x> <pid>``; ``-``: between calls)."""
+
+    workers = (1, 2)
+    target_wait_s = 0.05
+    scale_down_after_s = SCALE_DOWN_AFTER_S
+    claim_idle_s = 1.0  # a killed worker's entries go to a live worker about a second later
+
+    def setup(self) -> None:
+        self._in_call = "-"
+        stop = signal.getsignal(signal.SIGTERM)  # the worker's own: finish the batch, commit, exit
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            _record(f"sigterm {self._in_call} {os.getpid()}")
+            if callable(stop):
+                stop(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def predict(self, x: Any) -> Any:
+        self._in_call = str(x)
+        _record(f"start {x} {os.getpid()}")
+        if isinstance(x, str) and x.startswith("hold:"):
+            until = time.monotonic() + HOLD_MAX_S
+            while not os.path.exists(RELEASE) and time.monotonic() < until:
+                time.sleep(0.005)
+        else:
+            _burn(ITEM_S)
+        _record(f"done {x} {os.getpid()}")
+        self._in_call = "-"
         return x
 
 
 burn = Pipeline("t-autoscale").add(Burn)
 fixed = Pipeline("t-fixed").add(Burn, workers=2)
+hold = Pipeline("t-autoscale-hold").add(Hold)

@@ -1,18 +1,21 @@
 """Per-stage autoscaling on one host (workers.process.scaling): the decisions on their own, then a real
-supervisor scaling a real stage up under load and back down when it ends, nothing lost or run twice."""
+supervisor scaling a real stage up under load and back down when it ends, nothing lost or run twice, also
+when the worker a scale-down stops is SIGKILLed before it could finish its batch."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from broker.scaling import StageLoad
 from gateway import Gateway, GatewaySettings
-from tests.helpers import read_pipeline_status, running_workers, wait_for
+from tests.helpers import WorkerProc, read_pipeline_status, running_workers, wait_for
 from workers import Pipeline, Stage
 from workers.process.scaling import StageScaler
 
@@ -96,9 +99,10 @@ def test_the_range_is_checked_where_it_is_written() -> None:
 # -- a real supervisor -----------------------------------------------------------------------------
 
 
-async def _load_for(redis_url: str, in_flight: int, until: asyncio.Event, first: int) -> list[int]:
+async def _load_for(redis_url: str, in_flight: int, until: asyncio.Event, first: int,
+                    pipeline: str = "t-autoscale") -> list[int]:
     """``in_flight`` callers, each sending its next request as soon as its last is answered, until ``until``."""
-    async with Gateway(redis_url, "t-autoscale", GatewaySettings(timeout_s=30.0)) as gw:
+    async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=30.0)) as gw:
         async def caller(c: int) -> list[int]:
             answers, n = [], 0
             while not until.is_set():
@@ -144,3 +148,152 @@ def test_a_stage_scales_up_under_load_and_back_down_when_it_ends(redis_url: str,
         assert status.stages[0].autoscaling[0].workers == 1 and status.stages[0].backlog == 0
         ran = Counter(runs.read_text().split())
         assert len(ran) == len(answers) and set(ran.values()) == {1}  # each request ran once: none lost, none twice
+
+
+HOLD = "t-autoscale-hold"
+
+
+def _calls(runs: Path) -> dict[str, dict[str, list[int]]]:
+    """What the Hold stage's workers wrote in the runs file: by event (``start``, ``done``, ``sigterm``), by
+    input, the pids of the workers, in order."""
+    calls: dict[str, dict[str, list[int]]] = {"start": {}, "done": {}, "sigterm": {}}
+    lines = runs.read_text().splitlines() if runs.exists() else []
+    for event, x, pid in (line.split() for line in lines):
+        calls[event].setdefault(x, []).append(int(pid))
+    return calls
+
+
+def _started_in(runs: Path, x: str) -> int | None:
+    """The pid of the worker whose predict holds ``x`` now (None: not started yet)."""
+    pids = _calls(runs)["start"].get(x)
+    return pids[0] if pids else None
+
+
+def _pid_of_slot(log: str, slot: int) -> int:
+    """The pid the supervisor last started in ``slot``."""
+    return int(re.findall(rf'started worker"? stage=Hold slot={slot} pid=(\d+)', log)[-1])
+
+
+def _status_settled(redis_url: str) -> bool:
+    """``conveyor status``: the stage wants one worker, and nothing waits or is pending, at any consumer."""
+    (stage,) = asyncio.run(read_pipeline_status(redis_url, HOLD)).stages
+    return (stage.workers_wanted == 1 and [r.workers for r in stage.autoscaling] == [1] and stage.backlog == 0
+            and stage.pending == 0 and all(c.pending == 0 for c in stage.consumer_details))
+
+
+async def _scale_up(redis_url: str, supervisor: WorkerProc) -> list[int]:
+    """Load until the supervisor runs two live workers of the stage, then none: the load's answers."""
+    stop = asyncio.Event()
+    load = asyncio.ensure_future(_load_for(redis_url, 32, stop, 0, pipeline=HOLD))
+
+    def two_live() -> bool:
+        return asyncio.run(read_pipeline_status(redis_url, HOLD)).stages[0].live_workers == 2
+
+    try:
+        await asyncio.to_thread(wait_for, lambda: "autoscaling stage=Hold workers=2" in supervisor.log(200_000),
+                                20, "the supervisor scales up", supervisor.report)
+        await asyncio.to_thread(wait_for, two_live, 20, "two live workers", supervisor.report)
+    finally:
+        stop.set()
+    return await load
+
+
+async def _hold_one_in_each(gw: Gateway, runs: Path, supervisor: WorkerProc,
+                            held: list[asyncio.Future[object]]) -> None:
+    """``hold:a`` into one worker's predict, then ``hold:b`` into the other's (the first cannot read while it
+    is in predict): both workers held mid-batch, with nothing else queued, so the stage looks idle. The
+    calls' futures go into ``held``."""
+    pids = []
+    for x in ("hold:a", "hold:b"):
+        held.append(asyncio.ensure_future(gw.predict(x)))
+        pids.append(await asyncio.to_thread(wait_for, lambda x=x: _started_in(runs, x), 10,
+                                            f"{x} in a worker's predict", supervisor.report))
+    assert pids[0] != pids[1], f"both held items went to pid {pids[0]}"
+    assert {p.pid for p in supervisor.children()} == set(pids), "the held items are not in the stage's two workers"
+    # The scale-down is still to come: its SIGTERM will reach a worker in the middle of its predict.
+    assert "autoscaling stage=Hold workers=1 " not in supervisor.log(200_000), supervisor.report()
+
+
+async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path,
+                                   supervisor: WorkerProc) -> tuple[list[int], list[object], int, int]:
+    """Two workers, each held in its predict; the scale-down's SIGTERM reaches one of them there, and both are
+    SIGKILLed before they return, under a light load. Returns the answers to the load before and around it,
+    the held items' answers, and the pids killed: the parked slot's, the other slot's."""
+    answers = await _scale_up(redis_url, supervisor)
+    held: list[asyncio.Future[object]] = []
+    try:
+        async with Gateway(redis_url, HOLD, GatewaySettings(timeout_s=30.0)) as gw:
+            await _hold_one_in_each(gw, runs, supervisor, held)
+            parked, other = await _kill_the_held_workers(runs, supervisor)
+            stop = asyncio.Event()
+            around = asyncio.ensure_future(_load_for(redis_url, 2, stop, 100_000_000, pipeline=HOLD))
+            try:
+                release.touch()
+                await asyncio.wait(held, timeout=15)
+                lost = [x for x, future in zip(("hold:a", "hold:b"), held, strict=True) if not future.done()]
+                assert not lost, f"{lost} not answered 15 s after the kill\n{supervisor.report()}"
+                answered = [future.result() for future in held]
+            finally:
+                stop.set()
+                answers += await around
+    finally:
+        release.touch()  # also when something failed: the held workers then stop at once
+        for future in held:
+            future.cancel()
+    return answers, answered, parked, other
+
+
+async def _kill_the_held_workers(runs: Path, supervisor: WorkerProc) -> tuple[int, int]:
+    """Once the supervisor scaled down, SIGKILL both workers where they are (in the held predict): the one the
+    scale-down stopped (slot 1, parked) and the other. Returns their pids."""
+    await asyncio.to_thread(wait_for, lambda: "autoscaling stage=Hold workers=1 " in supervisor.log(200_000),
+                            15, "the supervisor scales down", supervisor.report)
+    log = supervisor.log(200_000)
+    parked, other = _pid_of_slot(log, 1), _pid_of_slot(log, 0)
+    held_by_parked = next(x for x in ("hold:a", "hold:b") if _started_in(runs, x) == parked)
+    await asyncio.to_thread(wait_for, lambda: _calls(runs)["sigterm"] == {held_by_parked: [parked]}, 5,
+                            f"the parked slot's worker (pid {parked}) SIGTERMed in its predict", supervisor.report)
+    # SIGTERMed, it finishes its batch before it exits: both workers are still in their held predict.
+    log = supervisor.log(200_000)
+    assert {p.pid for p in supervisor.children()} == {parked, other} and "(scaled down)" not in log, \
+        supervisor.report()
+    assert not _calls(runs)["done"].keys() & {"hold:a", "hold:b"}
+    for pid in (parked, other):
+        psutil.Process(pid).kill()
+    await asyncio.to_thread(wait_for, lambda: not {parked, other} & {p.pid for p in supervisor.children()}, 5,
+                            "the killed workers gone", supervisor.report)
+    return parked, other
+
+
+@pytest.mark.system
+def test_a_worker_killed_while_a_scale_down_stops_it_loses_nothing_and_answers_nothing_twice(
+        redis_url: str, tmp_path: Path) -> None:
+    runs, release = tmp_path / "runs", tmp_path / "release"
+    with running_workers(redis_url, f"{APP}:hold", ["Hold"], AUTOSCALE_RUNS=str(runs), AUTOSCALE_RELEASE=str(release),
+                         AUTOSCALE_SCALE_DOWN_AFTER_S="1.5") as workers:
+        workers.wait_ready(HOLD)
+        supervisor = workers.stage("Hold")
+        answers, held, parked, other = asyncio.run(_kill_while_scaling_down(redis_url, runs, release, supervisor))
+        assert answers and all(answers) and held == ["hold:a", "hold:b"]
+        wait_for(lambda: _status_settled(redis_url), 10, "status: 1 worker, no backlog, nothing pending",
+                 supervisor.report)
+        log = supervisor.log(200_000)
+        # The parked slot stays stopped; the other slot, killed, is started again.
+        assert f"worker stopped stage=Hold slot=1 pid={parked} code=-9 (scaled down)" in log, supervisor.report()
+        assert re.search(rf'worker exited"? stage=Hold slot=0 pid={other} code=-9 ', log), supervisor.report()
+        assert len(re.findall(r'started worker"? stage=Hold slot=1 ', log)) == 1, supervisor.report()
+        successor = _pid_of_slot(log, 0)
+        assert successor not in (parked, other) and [p.pid for p in supervisor.children()] == [successor]
+        assert re.search(r'claimed stale entries"? stage=Hold count=1 ', log), supervisor.report()  # slot 1's entry
+    calls = _calls(runs)
+    started, done = calls["start"], calls["done"]
+    # Each held item started twice, in a worker killed in its predict and then in the successor (which drained
+    # its own slot's entry and took the parked slot's over), and returned once; every other item ran once.
+    held_started = {x: started.pop(x) for x in ("hold:a", "hold:b")}
+    assert sorted(pids[0] for pids in held_started.values()) == sorted((parked, other)), held_started
+    assert all(pids[1:] == [successor] for pids in held_started.values()), held_started
+    assert {x: done.pop(x) for x in ("hold:a", "hold:b")} == {"hold:a": [successor], "hold:b": [successor]}
+    assert len(done) == len(answers) and started == done and {len(pids) for pids in done.values()} == {1}
+    # SIGTERMs: the scale-down's, to the parked slot's worker in its held call, and the successor's at the end.
+    held_by_parked = next(x for x, pids in held_started.items() if pids[0] == parked)
+    assert calls["sigterm"] == {held_by_parked: [parked], "-": [successor]}, calls["sigterm"]
