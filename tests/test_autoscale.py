@@ -20,6 +20,7 @@ from workers import Pipeline, Stage
 from workers.process.scaling import StageScaler
 
 APP = "tests.autoscale_stages"
+SCALED = 'event="autoscaling" '  # the supervisor's log line of a change, as the kv format writes it
 
 
 class Work(Stage):
@@ -125,7 +126,7 @@ def test_a_stage_scales_up_under_load_and_back_down_when_it_ends(redis_url: str,
         async def scenario() -> list[int]:
             stop = asyncio.Event()
             load = asyncio.ensure_future(_load_for(redis_url, 32, stop, 0))
-            await asyncio.to_thread(wait_for, lambda: "autoscaling stage=Burn workers=2" in supervisor.log(50_000),
+            await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Burn workers=2" in supervisor.log(50_000),
                                     20, "the supervisor scales up", supervisor.report)
             status = await read_pipeline_status(redis_url, "t-autoscale")
             (record,) = status.stages[0].autoscaling
@@ -190,7 +191,7 @@ async def _scale_up(redis_url: str, supervisor: WorkerProc) -> list[int]:
         return asyncio.run(read_pipeline_status(redis_url, HOLD)).stages[0].live_workers == 2
 
     try:
-        await asyncio.to_thread(wait_for, lambda: "autoscaling stage=Hold workers=2" in supervisor.log(200_000),
+        await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=2" in supervisor.log(200_000),
                                 20, "the supervisor scales up", supervisor.report)
         await asyncio.to_thread(wait_for, two_live, 20, "two live workers", supervisor.report)
     finally:
@@ -211,7 +212,7 @@ async def _hold_one_in_each(gw: Gateway, runs: Path, supervisor: WorkerProc,
     assert pids[0] != pids[1], f"both held items went to pid {pids[0]}"
     assert {p.pid for p in supervisor.children()} == set(pids), "the held items are not in the stage's two workers"
     # The scale-down is still to come: its SIGTERM will reach a worker in the middle of its predict.
-    assert "autoscaling stage=Hold workers=1 " not in supervisor.log(200_000), supervisor.report()
+    assert SCALED + "stage=Hold workers=1 " not in supervisor.log(200_000), supervisor.report()
 
 
 async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path,
@@ -246,7 +247,7 @@ async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path,
 async def _kill_the_held_workers(runs: Path, supervisor: WorkerProc) -> tuple[int, int]:
     """Once the supervisor scaled down, SIGKILL both workers where they are (in the held predict): the one the
     scale-down stopped (slot 1, parked) and the other. Returns their pids."""
-    await asyncio.to_thread(wait_for, lambda: "autoscaling stage=Hold workers=1 " in supervisor.log(200_000),
+    await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=1 " in supervisor.log(200_000),
                             15, "the supervisor scales down", supervisor.report)
     log = supervisor.log(200_000)
     parked, other = _pid_of_slot(log, 1), _pid_of_slot(log, 0)

@@ -173,8 +173,8 @@ class Autoscaler:
         change = None if first else scaled.scaler.observe(load, period_s, now, starting)
         if change is not None:
             scaled.reason, scaled.changed_ms = change.reason, now_ms()
-            log.info("autoscaling stage=%s workers=%d range=%d..%d reason=%s", spec.name, change.workers,
-                     scaled.scaler.low, scaled.scaler.high, change.reason)
+            log.info("autoscaling stage=%s workers=%d range=%s reason=%s", spec.name, change.workers,
+                     f"{scaled.scaler.low}..{scaled.scaler.high}", change.reason)  # one field: "1..4"
         publish_scale(self._client, scaled.keys, spec.index, ScaleRecord(
             self._supervisor, scaled.scaler.low, scaled.scaler.high, scaled.scaler.workers, scaled.reason,
             scaled.changed_ms, now_ms()))
