@@ -1,6 +1,7 @@
 """Priorities at saturation: 256 requests in flight at the default level and a 5 % stream of priority 1.
 
     python -m bench.priorities [--rounds 3] [--duration-s 10] [--connections 256] [--share 0.05]
+                               [--stream-client same|own]
 
 Scale -> Shift (examples/scale_shift.py's stages and settings) as two pipelines on one embedded
 Redis, their workers all running: ``bench-prio`` with ``priority_levels=2`` and ``bench-flat``
@@ -14,6 +15,10 @@ in turn:
   default level's throughput;
 - **levels**: the same load on ``bench-prio``, where the stream is served first at every stage.
 
+With ``--stream-client own`` the priority-1 stream (and its idle measurement) comes from a process
+with a gateway of its own, so that its latency is not the 256 callers' event loop's (the stages are
+what a priority reorders; the caller's own process is not).
+
 Printed per round and as medians: the stream's p99 in each, levels p99 / idle p99 (the goal: at
 most 2), and the default level's throughput levels / flat (the goal: at least 0.95). Both loaded
 runs carry the same extra stream, so the throughput ratio is the price of the priority machinery.
@@ -23,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import statistics
+import sys
 import time
 
 from bench.harness import embedded_redis, machine, percentile, wait_ready, workers
@@ -45,8 +53,49 @@ async def idle_p99(gw: Gateway, total: int) -> float:
     return percentile(sorted(latencies), 0.99)
 
 
-async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rate: float) -> tuple[float, float, int]:
-    """The default level's throughput (closed loop), and the p99 and count of the priority-1 stream."""
+async def open_loop(gw: Gateway, stop: float, stream_rate: float, stream: list[float]) -> None:
+    """Priority-1 requests at ``stream_rate`` until ``stop`` (from 0.5 s on, after the callers fill the
+    stages), each one's latency appended to ``stream``."""
+    async def one(t0: float) -> None:
+        await gw.predict(5, priority=1)
+        stream.append(time.perf_counter() - t0)
+
+    tasks = []
+    interval, next_at = 1.0 / stream_rate, time.perf_counter() + 0.5
+    while next_at < stop:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(one(time.perf_counter())))
+        next_at += interval
+    await asyncio.gather(*tasks)
+
+
+async def child_stream(url: str, pipeline: str, rate: float, duration_s: float) -> tuple[float, int]:
+    """``--stream-client own``: the stream (or, at rate 0, the idle measurement) from a process of its own,
+    with a gateway of its own: its p99 and count."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.priorities", "--child", url, pipeline,
+                                                str(rate), str(duration_s), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    figures = json.loads(out.decode().strip().splitlines()[-1])
+    return float(figures["p99"]), int(figures["n"])
+
+
+async def child_main(url: str, pipeline: str, rate: float, duration_s: float) -> None:
+    async with Gateway(url, pipeline) as gw:
+        for _ in range(50):  # warm: connections, registration
+            await gw.predict(5, priority=1)
+        if rate <= 0:
+            p99, n = await idle_p99(gw, int(duration_s)), int(duration_s)
+        else:
+            stream: list[float] = []
+            await open_loop(gw, time.perf_counter() + duration_s, rate, stream)
+            p99, n = percentile(sorted(stream), 0.99), len(stream)
+    print(json.dumps({"p99": p99, "n": n}), flush=True)
+
+
+async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rate: float,
+                    own_client: tuple[str, str] | None = None) -> tuple[float, float, int]:
+    """The default level's throughput (closed loop), and the p99 and count of the priority-1 stream
+    (``own_client``: its Redis URL and pipeline, sent by a process of its own)."""
     stop = time.perf_counter() + duration_s
     done = 0
     stream: list[float] = []
@@ -57,39 +106,37 @@ async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rat
             await gw.predict(3)
             done += 1
 
-    async def one(t0: float) -> None:
-        await gw.predict(5, priority=1)
-        stream.append(time.perf_counter() - t0)
-
-    async def feed() -> None:
-        tasks = []
-        if stream_rate <= 0:
-            return
-        interval, next_at = 1.0 / stream_rate, time.perf_counter() + 0.5  # after the callers fill the stages
-        while next_at < stop:
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            tasks.append(asyncio.ensure_future(one(time.perf_counter())))
-            next_at += interval
-        await asyncio.gather(*tasks)
-
     t0 = time.perf_counter()
-    await asyncio.gather(feed(), *(caller() for _ in range(connections)))
+    if stream_rate <= 0:
+        await asyncio.gather(*(caller() for _ in range(connections)))
+        return done / (time.perf_counter() - t0), math.nan, 0
+    if own_client:
+        child = asyncio.ensure_future(child_stream(*own_client, stream_rate, duration_s - 2.0))  # starts in ~1 s
+        await asyncio.gather(*(caller() for _ in range(connections)))
+        p99, n = await child
+        return done / (time.perf_counter() - t0), p99, n
+    await asyncio.gather(open_loop(gw, stop, stream_rate, stream), *(caller() for _ in range(connections)))
     return done / (time.perf_counter() - t0), percentile(sorted(stream), 0.99), len(stream)
 
 
-async def run(url: str, rounds: int, duration_s: float, connections: int, share: float, idle_total: int) -> None:
+async def run(url: str, rounds: int, duration_s: float, connections: int, share: float, idle_total: int,
+              own: bool) -> None:
     async with Gateway(url, "bench-prio") as prio, Gateway(url, "bench-flat") as plain:
         await saturated(plain, connections, 2.0, 0)  # warm up both
         await saturated(prio, connections, 2.0, 0)
         rate = 0.0
         rows = []
         for r in range(rounds):
-            idle = await idle_p99(prio, idle_total)
-            flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share)
+            idle = (await child_stream(url, "bench-prio", 0, idle_total))[0] if own else \
+                await idle_p99(prio, idle_total)
+            flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
+                                                     (url, "bench-flat") if own else None)
             rate = rate or flat_tput
             if r == 0:  # the first flat run set the stream's rate: measured again with the stream
-                flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share)
-            tput, p99, n = await saturated(prio, connections, duration_s, rate * share)
+                flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
+                                                         (url, "bench-flat") if own else None)
+            tput, p99, n = await saturated(prio, connections, duration_s, rate * share,
+                                           (url, "bench-prio") if own else None)
             rows.append((idle, flat_p99, p99, flat_tput, tput))
             print(f"round {r + 1}: stream {rate * share:.0f}/s ({n} requests): p99 idle {idle * 1e3:.2f} ms, "
                   f"flat {flat_p99 * 1e3:.1f} ms, levels {p99 * 1e3:.2f} ms (x{p99 / idle:.2f} idle); default level "
@@ -108,14 +155,23 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=256)
     parser.add_argument("--share", type=float, default=0.05)
     parser.add_argument("--idle-requests", type=int, default=1000)
+    parser.add_argument("--stream-client", choices=("same", "own"), default="same",
+                        help="same: the priority-1 stream shares the callers' process and gateway; own: it comes "
+                             "from a process with a gateway of its own (another service, or a gateway replica)")
+    parser.add_argument("--child", nargs=4, metavar=("URL", "PIPELINE", "RATE", "DURATION_S"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(machine(), time.strftime("%Y-%m-%d %H:%M %Z"), flush=True)
+    if args.child:
+        url, pipeline, rate, duration_s = args.child
+        asyncio.run(child_main(url, pipeline, float(rate), float(duration_s)))
+        return
+    print(machine(), time.strftime("%Y-%m-%d %H:%M %Z"), f"stream client: {args.stream_client}", flush=True)
     with embedded_redis() as url:
         stages = ["Scale", "Shift"]
         with workers("bench.priorities:with_levels", stages, url), workers("bench.priorities:flat", stages, url):
             asyncio.run(wait_ready(url, "bench-prio", 2))
             asyncio.run(wait_ready(url, "bench-flat", 2))
-            asyncio.run(run(url, args.rounds, args.duration_s, args.connections, args.share, args.idle_requests))
+            asyncio.run(run(url, args.rounds, args.duration_s, args.connections, args.share, args.idle_requests,
+                            args.stream_client == "own"))
 
 
 if __name__ == "__main__":
