@@ -72,7 +72,7 @@ class StreamReader:
         self.stream = stream
         self._consumer = consumer
         self._client_id = 0
-        self._held = HeldConnection(client, stream, on_connect=self._identify, keep=_unblocked)
+        self._held = HeldConnection(client, stream, on_connect=self._identify, keep=unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
         self._packed: dict[tuple[int, int | None, str], bytes] = {}
         self.per_entry = per_entry  # requests per stream entry lately (batch entries hold several)
@@ -138,7 +138,7 @@ class StreamReader:
         try:
             return self._parse(self._held.read())
         except redis.ResponseError as exc:
-            if _unblocked(exc):  # CLIENT UNBLOCK ... ERROR from someone else: an empty read, no more
+            if unblocked(exc):  # CLIENT UNBLOCK ... ERROR from someone else: an empty read, no more
                 return []
             raise
 
@@ -150,7 +150,7 @@ class StreamReader:
             reply = self._held.read_within(max(0.0, timeout_s))
         except redis.ResponseError as exc:
             self._sent = False
-            if _unblocked(exc):
+            if unblocked(exc):
                 return []
             raise
         if reply is TIMED_OUT:
@@ -172,6 +172,15 @@ class StreamReader:
             if self._held.server.execute_command("CLIENT", "UNBLOCK", self._client_id) or self._held.ready(0.005):
                 return
 
+    @sends(WORKER, uses={"client|unblock": ()}, why="a stopping worker's blocked read ended at once")
+    def interrupt(self) -> None:
+        """End this reader's blocked read, if one is blocked, from another thread (the heartbeat's, when
+        the worker is asked to stop): one ``CLIENT UNBLOCK`` on the pool of the reader's server, never its
+        own connection. A read not blocked yet is not waited for: it ends at its own timeout."""
+        client_id = self._client_id
+        if client_id:
+            self._held.server.execute_command("CLIENT", "UNBLOCK", client_id)
+
     def finish_waiting(self) -> list[Entry]:
         """Take the reply of a blocking read sent earlier, ending it first if it is still blocked."""
         if not self._held.ready(0):
@@ -182,7 +191,7 @@ class StreamReader:
         return self._held.fileno()
 
 
-def _unblocked(exc: redis.ResponseError) -> bool:
+def unblocked(exc: redis.ResponseError) -> bool:
     """A read ended by ``CLIENT UNBLOCK <id> ERROR``: the connection is in step, nothing was read."""
     return str(exc).startswith("UNBLOCKED")
 

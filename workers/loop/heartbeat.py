@@ -25,6 +25,8 @@ from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.worker")
 
+STOP_POLL_S = 0.05  # how soon a stop request ends an idle worker's blocked read
+
 
 class BeatHook(Protocol):
     """Something said to Redis with every beat, on the heartbeat's round trip."""
@@ -81,7 +83,11 @@ class LiveWorkers:
 
 class Heartbeat:
     def __init__(self, settings: RedisSettings, hb_keys: Sequence[str], consumer: str, stage_name: str,
-                 interval_s: float, claim_idle_s: float, hooks: Sequence[BeatHook] = ()) -> None:
+                 interval_s: float, claim_idle_s: float, hooks: Sequence[BeatHook] = (),
+                 on_stop: tuple[Callable[[], bool], Callable[[], None]] | None = None) -> None:
+        """``on_stop``: (stopping, interrupt): once ``stopping()`` (a flag a signal handler set), the
+        thread calls ``interrupt()`` within ``STOP_POLL_S``, which ends the worker's blocked read (an idle
+        worker would otherwise stop only when its read times out)."""
         self._settings = settings
         self._hb_keys = list(hb_keys)  # one per partition: each partition's janitor and status read its own
         self._consumer = consumer
@@ -93,6 +99,7 @@ class Heartbeat:
         self.lease = Lease()
         self._ready = False
         self._stopped = False
+        self._on_stop = on_stop
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
@@ -123,8 +130,7 @@ class Heartbeat:
             except ReplyError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
                 if not log_refusal_once(exc):
                     log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
-            self._wake.wait(self._interval_s)
-            self._wake.clear()
+            self._wait()
         for hook in self._hooks:
             try:
                 hook.stop(client)
@@ -132,6 +138,24 @@ class Heartbeat:
                 if not log_refusal_once(exc):
                     log.debug("heartbeat hook's last word failed error=%r", exc)
         client.close()
+
+    def _wait(self) -> None:
+        """Until the next beat (or :meth:`ready`, :meth:`stop`); meanwhile, with ``on_stop``, a look at
+        the stop flag every ``STOP_POLL_S``, and the worker's read interrupted once it is set."""
+        until = time.monotonic() + self._interval_s
+        while not self._wake.is_set() and (left := until - time.monotonic()) > 0:
+            watch = self._on_stop
+            if watch is None:
+                self._wake.wait(left)
+            elif watch[0]():
+                self._on_stop = None  # once
+                try:
+                    watch[1]()
+                except CONNECTION_OR_REPLY_ERRORS as exc:  # the read then ends at its own timeout
+                    log.debug("interrupting a stopping worker's read failed error=%r", exc)
+            else:
+                self._wake.wait(min(left, STOP_POLL_S))
+        self._wake.clear()
 
     def _beat(self, client: SyncClient) -> None:
         beat = Beat(client)

@@ -143,6 +143,11 @@ class LevelTurns:
             return [exc for _ in lanes]
         return [lane.reader.parse_reply(replies[i]) if i in replies else [] for i, lane in enumerate(lanes)]
 
+    def interrupt(self) -> None:
+        """End a blocked :meth:`read_any` (from another thread: the worker is stopping)."""
+        for part in self.partitions:
+            part.reader.interrupt()
+
     def close(self) -> None:
         for part in self.partitions:
             part.reader.close()
