@@ -1,7 +1,7 @@
 """Priorities at saturation: 256 requests in flight at the default level and a 5 % stream of priority 1.
 
     python -m bench.priorities [--rounds 3] [--duration-s 10] [--connections 256] [--share 0.05]
-                               [--stream-client same|own]
+                               [--stream-client same|own [--stage-timings]]
 
 Scale -> Shift (examples/scale_shift.py's stages and settings) as two pipelines on one embedded
 Redis, their workers all running: ``bench-prio`` with ``priority_levels=2`` and ``bench-flat``
@@ -37,6 +37,7 @@ import time
 from bench.harness import embedded_redis, machine, percentile, wait_ready, workers
 from examples.scale_shift import Scale, Shift
 from gateway import Gateway
+from gateway.client.trace_context import CURRENT, RequestTrace
 from workers import Pipeline
 
 CORES = [0, 1]
@@ -53,12 +54,20 @@ async def idle_p99(gw: Gateway, total: int) -> float:
     return percentile(sorted(latencies), 0.99)
 
 
-async def open_loop(gw: Gateway, stop: float, stream_rate: float, stream: list[float]) -> None:
+async def open_loop(gw: Gateway, stop: float, stream_rate: float, stream: list[float],
+                    timings: list[list[tuple[float, float]]] | None = None) -> None:
     """Priority-1 requests at ``stream_rate`` until ``stop`` (from 0.5 s on, after the callers fill the
-    stages), each one's latency appended to ``stream``."""
+    stages), each one's latency appended to ``stream``; with ``timings``, each one's stage timings too
+    (queue and predict ms per stage: the ``t`` token of broker.tracing, as ``--timing-headers`` asks)."""
     async def one(t0: float) -> None:
+        trace = None
+        if timings is not None:
+            trace = RequestTrace(0, 0, 0, False, b"- t", time.time_ns())
+            CURRENT.set(trace)  # this task's context: the hub reads it as it queues the request
         await gw.predict(5, priority=1)
         stream.append(time.perf_counter() - t0)
+        if trace is not None and timings is not None:
+            timings.append(trace.timing or [])
 
     tasks = []
     interval, next_at = 1.0 / stream_rate, time.perf_counter() + 0.5
@@ -69,31 +78,50 @@ async def open_loop(gw: Gateway, stop: float, stream_rate: float, stream: list[f
     await asyncio.gather(*tasks)
 
 
-async def child_stream(url: str, pipeline: str, rate: float, duration_s: float) -> tuple[float, int]:
+async def child_stream(url: str, pipeline: str, rate: float, duration_s: float,
+                       timed: bool = False) -> tuple[float, int]:
     """``--stream-client own``: the stream (or, at rate 0, the idle measurement) from a process of its own,
-    with a gateway of its own: its p99 and count."""
+    with a gateway of its own: its p99 and count (``timed``: where its time went, printed)."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.priorities", "--child", url, pipeline,
-                                                str(rate), str(duration_s), stdout=asyncio.subprocess.PIPE)
+                                                str(rate), str(duration_s), "1" if timed else "0",
+                                                stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     figures = json.loads(out.decode().strip().splitlines()[-1])
+    if "where" in figures:
+        print(f"  {pipeline}, the stream's time: {figures['where']}", flush=True)
     return float(figures["p99"]), int(figures["n"])
 
 
-async def child_main(url: str, pipeline: str, rate: float, duration_s: float) -> None:
+async def child_main(url: str, pipeline: str, rate: float, duration_s: float, timed: bool) -> None:
+    figures: dict[str, object] = {}
     async with Gateway(url, pipeline) as gw:
         for _ in range(50):  # warm: connections, registration
             await gw.predict(5, priority=1)
         if rate <= 0:
-            p99, n = await idle_p99(gw, int(duration_s)), int(duration_s)
+            figures.update(p99=await idle_p99(gw, int(duration_s)), n=int(duration_s))
         else:
             stream: list[float] = []
-            await open_loop(gw, time.perf_counter() + duration_s, rate, stream)
-            p99, n = percentile(sorted(stream), 0.99), len(stream)
-    print(json.dumps({"p99": p99, "n": n}), flush=True)
+            timings: list[list[tuple[float, float]]] | None = [] if timed else None
+            await open_loop(gw, time.perf_counter() + duration_s, rate, stream, timings)
+            figures.update(p99=percentile(sorted(stream), 0.99), n=len(stream))
+            if timings:
+                figures["where"] = where_the_time_went(stream, timings)
+    print(json.dumps(figures), flush=True)
+
+
+def where_the_time_went(stream: list[float], timings: list[list[tuple[float, float]]]) -> str:
+    """The stream's p99 split: each stage's queue (p50 / p99 ms), and the rest (outside the stages:
+    the submit and the answer's way back)."""
+    parts = []
+    for stage in range(min(len(t) for t in timings)):
+        queues = sorted(t[stage][0] for t in timings)
+        parts.append(f"stage {stage} queue {percentile(queues, 0.5):.1f} / {percentile(queues, 0.99):.1f} ms")
+    outside = sorted(s * 1e3 - sum(q + c for q, c in t) for s, t in zip(stream, timings, strict=True))
+    return "; ".join([*parts, f"outside {percentile(outside, 0.5):.1f} / {percentile(outside, 0.99):.1f} ms"])
 
 
 async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rate: float,
-                    own_client: tuple[str, str] | None = None) -> tuple[float, float, int]:
+                    own_client: tuple[str, str] | None = None, timed: bool = False) -> tuple[float, float, int]:
     """The default level's throughput (closed loop), and the p99 and count of the priority-1 stream
     (``own_client``: its Redis URL and pipeline, sent by a process of its own)."""
     stop = time.perf_counter() + duration_s
@@ -111,7 +139,7 @@ async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rat
         await asyncio.gather(*(caller() for _ in range(connections)))
         return done / (time.perf_counter() - t0), math.nan, 0
     if own_client:
-        child = asyncio.ensure_future(child_stream(*own_client, stream_rate, duration_s - 2.0))  # starts in ~1 s
+        child = asyncio.ensure_future(child_stream(*own_client, stream_rate, duration_s - 2.0, timed))  # starts in ~1 s
         await asyncio.gather(*(caller() for _ in range(connections)))
         p99, n = await child
         return done / (time.perf_counter() - t0), p99, n
@@ -120,7 +148,7 @@ async def saturated(gw: Gateway, connections: int, duration_s: float, stream_rat
 
 
 async def run(url: str, rounds: int, duration_s: float, connections: int, share: float, idle_total: int,
-              own: bool) -> None:
+              own: bool, timed: bool = False) -> None:
     async with Gateway(url, "bench-prio") as prio, Gateway(url, "bench-flat") as plain:
         await saturated(plain, connections, 2.0, 0)  # warm up both
         await saturated(prio, connections, 2.0, 0)
@@ -130,13 +158,13 @@ async def run(url: str, rounds: int, duration_s: float, connections: int, share:
             idle = (await child_stream(url, "bench-prio", 0, idle_total))[0] if own else \
                 await idle_p99(prio, idle_total)
             flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
-                                                     (url, "bench-flat") if own else None)
+                                                     (url, "bench-flat") if own else None, timed)
             rate = rate or flat_tput
             if r == 0:  # the first flat run set the stream's rate: measured again with the stream
                 flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
-                                                         (url, "bench-flat") if own else None)
+                                                         (url, "bench-flat") if own else None, timed)
             tput, p99, n = await saturated(prio, connections, duration_s, rate * share,
-                                           (url, "bench-prio") if own else None)
+                                           (url, "bench-prio") if own else None, timed)
             rows.append((idle, flat_p99, p99, flat_tput, tput))
             print(f"round {r + 1}: stream {rate * share:.0f}/s ({n} requests): p99 idle {idle * 1e3:.2f} ms, "
                   f"flat {flat_p99 * 1e3:.1f} ms, levels {p99 * 1e3:.2f} ms (x{p99 / idle:.2f} idle); default level "
@@ -158,11 +186,15 @@ def main() -> None:
     parser.add_argument("--stream-client", choices=("same", "own"), default="same",
                         help="same: the priority-1 stream shares the callers' process and gateway; own: it comes "
                              "from a process with a gateway of its own (another service, or a gateway replica)")
-    parser.add_argument("--child", nargs=4, metavar=("URL", "PIPELINE", "RATE", "DURATION_S"), help=argparse.SUPPRESS)
+    parser.add_argument("--stage-timings", action="store_true",
+                        help="with --stream-client own: print where the stream's time went (each stage's queue, "
+                             "the rest), from the stages' own timings")
+    parser.add_argument("--child", nargs=5, metavar=("URL", "PIPELINE", "RATE", "DURATION_S", "TIMED"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        url, pipeline, rate, duration_s = args.child
-        asyncio.run(child_main(url, pipeline, float(rate), float(duration_s)))
+        url, pipeline, rate, duration_s, timed = args.child
+        asyncio.run(child_main(url, pipeline, float(rate), float(duration_s), timed == "1"))
         return
     print(machine(), time.strftime("%Y-%m-%d %H:%M %Z"), f"stream client: {args.stream_client}", flush=True)
     with embedded_redis() as url:
@@ -171,7 +203,7 @@ def main() -> None:
             asyncio.run(wait_ready(url, "bench-prio", 2))
             asyncio.run(wait_ready(url, "bench-flat", 2))
             asyncio.run(run(url, args.rounds, args.duration_s, args.connections, args.share, args.idle_requests,
-                            args.stream_client == "own"))
+                            args.stream_client == "own", args.stage_timings))
 
 
 if __name__ == "__main__":
