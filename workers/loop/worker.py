@@ -200,6 +200,9 @@ class Worker:
         while not self.stopping:
             self._turn()
         self._settle()  # the last batch's commit: its reply is taken before the worker says it stopped
+        for lane in self._lanes:  # the stats not yet due (status counts every item a worker ran)
+            if lane.stats.sizes:
+                self._on_lane(lane, lambda lane: lane.committer.flush_stats(lane.stats, time.monotonic()))
 
     def _wait_policy(self) -> WaitPolicy:
         if not self.spec.batched:
@@ -224,8 +227,7 @@ class Worker:
         self.stopping = True
 
     def _interrupt_reads(self) -> None:
-        """From the heartbeat thread once a stop is asked: the blocked first read ends now, not at its
-        timeout (``idle_block_ms``), so an idle worker stops in milliseconds."""
+        """From the heartbeat thread once a stop is asked: the blocked read ends now, not at its timeout."""
         for lane in self._lanes:
             lane.reader.interrupt()
         self._levels.interrupt()
