@@ -89,20 +89,25 @@ def test_int8_loads_from_the_cached_graph_and_stays_close(ids: list[np.ndarray],
     assert cosines.mean() > 0.97 and cosines.min() > 0.95, cosines
 
 
-def test_torch_bf16_keeps_the_vectors(ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
+@pytest.fixture(scope="module")
+def bf16() -> Any:
+    """The traced bf16 engine, loaded once for the module (its trace is seconds; more where bf16 is emulated)."""
+    return load_engine("torch-bf16")
+
+
+def test_torch_bf16_keeps_the_vectors(bf16: Any, ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
     """bf16 weights and compute, pooled in fp32: measured mean 0.99995, min 0.99992 (docs/embeddings.md);
     correct on any CPU (emulated without AVX512-BF16 or AMX), fast only with them."""
-    bf16 = load_engine("torch-bf16")
     got = bf16(ids)
     assert got.dtype == np.float32 and got.shape == torch_vectors.shape
     cosines = np.sum(got * torch_vectors, axis=1)
     assert cosines.mean() > 0.999 and cosines.min() > 0.999, cosines
 
 
-def test_traced_bf16_gives_eager_bf16s_vectors_in_any_batch(ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
+def test_traced_bf16_gives_eager_bf16s_vectors_in_any_batch(bf16: Any, ids: list[np.ndarray],
+                                                            torch_vectors: np.ndarray) -> None:
     """The traced graph (examples/embeddings/traced.py) against eager bf16 on batches of every size and
     padding, and a lone text: the trace must not have baked in one batch's shape or mask."""
-    bf16 = load_engine("torch-bf16")
     assert isinstance(bf16, Embedder) and bf16.traced
     eager_encode = eager(bf16._model)
     for batch in (ids, ids[:2], ids[3:8], [ids[-1]], [ids[0]]):
