@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -62,12 +61,9 @@ def test_an_idle_worker_stops_without_waiting_for_its_read(redis_url: str, shape
         assert asyncio.run(one()) == 41
         reads = 2 if shape == "partitions" else 1
         wait_for(lambda: blocked_reads(admin) >= reads, 10, f"{reads} blocked read(s) of the idle worker")
-        asked = time.monotonic()
         worker.request_stop()  # what its SIGTERM handler does: set the flag
         thread.join(STOP_BOUND_S)
         assert not thread.is_alive(), f"an idle worker still running {STOP_BOUND_S}s after a stop (its read: 60 s)"
-        took_s = time.monotonic() - asked
-        assert took_s < STOP_BOUND_S
         assert blocked_reads(admin) == 0
     finally:
         worker.request_stop()
