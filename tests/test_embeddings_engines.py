@@ -92,6 +92,27 @@ def test_the_fastest_engine_by_cpu_time_wins_and_stays_loaded(tmp_path: Path) ->
     assert summary.startswith("torch-bf16 on this CPU (") and " texts/s for onnx, " in summary, summary
 
 
+def test_a_candidate_far_slower_after_the_first_round_is_not_timed_again(tmp_path: Path) -> None:
+    """``CUT``: torch-bf16 emulated in software is ~6x onnx's time (docs/embeddings.md); its second round would
+    only lengthen the first start. It is timed once, still reported; the others are timed every round."""
+    loaded: dict[str, FakeEngine] = {}
+    loader = fakes(bf16_ms=1.0, onnx_ms=0.15, torch_ms=0.3)
+    real = loader.__call__
+
+    def load(name: str) -> FakeEngine:
+        loaded[name] = real(name)
+        return loaded[name]
+
+    name, _, decision = auto_engine(1, 8, str(tmp_path), load=load, ids=lambda: IDS)
+    assert name == "onnx" and set(decision.figures) == {"onnx", "torch", "torch-bf16"}
+    groups = {n: len(calibration._plan(IDS, 8, GROUP_SPREAD.get(n))) for n in loaded}
+    per_pass = {n: groups[n] + calibration.LONE for n in loaded}  # one grouped read and the lone texts
+    calls = {n: engine.calls // per_pass[n] for n, engine in loaded.items()}
+    rounds = calibration.ROUNDS
+    assert calls == {"onnx": 1 + rounds, "torch": 1 + rounds, "torch-bf16": 1 + 1}, calls
+    assert decision.figures["torch-bf16"].cpu_ms_per_text > calibration.CUT * decision.figures["onnx"].cpu_ms_per_text
+
+
 def test_the_accuracy_check_rejects_a_fast_wrong_engine(tmp_path: Path) -> None:
     name, _, decision = auto(tmp_path, fakes(bf16_ms=0.02, onnx_ms=0.1, torch_ms=0.3, wrong=True))
     assert name == "onnx"
