@@ -90,9 +90,15 @@ def test_int8_loads_from_the_cached_graph_and_stays_close(ids: list[np.ndarray],
 
 
 @pytest.fixture(scope="module")
-def bf16() -> Any:
+def bf16_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A cache folder of the module's own: the first load traces (and keeps) the graph."""
+    return str(tmp_path_factory.mktemp("bf16-cache"))
+
+
+@pytest.fixture(scope="module")
+def bf16(bf16_cache: str) -> Any:
     """The traced bf16 engine, loaded once for the module (its trace is seconds; more where bf16 is emulated)."""
-    return load_engine("torch-bf16")
+    return load_engine("torch-bf16", cache_dir=bf16_cache)
 
 
 def test_torch_bf16_keeps_the_vectors(bf16: Any, ids: list[np.ndarray], torch_vectors: np.ndarray) -> None:
@@ -115,6 +121,27 @@ def test_traced_bf16_gives_eager_bf16s_vectors_in_any_batch(bf16: Any, ids: list
         assert same.min() > 0.99999, same
     alone = np.stack([bf16([x])[0] for x in ids])
     assert np.sum(alone * torch_vectors, axis=1).min() > 0.999
+
+
+def test_a_later_start_loads_the_kept_graph_and_a_bad_one_is_traced_again(
+        bf16: Any, bf16_cache: str, ids: list[np.ndarray], caplog: pytest.LogCaptureFixture) -> None:
+    """The graph the first load traced is kept with its check vectors; a later load uses it without
+    transformers' model (``_model`` stays None), and gives the traced graph's vectors. A kept graph that no
+    longer gives its check vectors (here: the checks overwritten) is not used: the load traces afresh."""
+    assert not bf16.from_kept and bf16._model is not None  # the fixture's load traced
+    again = load_engine("torch-bf16", cache_dir=bf16_cache)
+    assert isinstance(again, Embedder) and again.traced and again.from_kept and again._model is None
+    assert np.sum(again(ids) * bf16(ids), axis=1).min() > 0.99999
+    folder = engine_module.export_dir(Path(bf16_cache))
+    (checks,) = folder.glob("traced-bf16-*-checks.npz")
+    with checks.open("wb") as out:  # vectors the graph does not give
+        np.savez(out, check0=np.eye(2, 384, dtype=np.float32), check1=np.eye(1, 384, dtype=np.float32),
+                 check2=np.eye(4, 384, dtype=np.float32))
+    with caplog.at_level("WARNING", logger="conveyor.examples.embeddings"):
+        retraced = load_engine("torch-bf16", cache_dir=bf16_cache)
+    assert retraced.traced and not retraced.from_kept and retraced._model is not None
+    assert "differ from those kept with it" in caplog.text
+    assert load_engine("torch-bf16", cache_dir=bf16_cache).from_kept  # the fresh trace was kept again
 
 
 def test_the_engine_is_chosen_per_pipeline_and_a_typo_fails_where_it_is_written() -> None:

@@ -96,7 +96,7 @@ def make_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> 
         return OnnxEmbedder(int8=engine == "onnx-int8", threads=threads, cache_dir=cache_dir)
     from examples.embeddings.model import Embedder
 
-    return Embedder(int8=engine == "torch-int8", bf16=engine == "torch-bf16")
+    return Embedder(int8=engine == "torch-int8", bf16=engine == "torch-bf16", cache_dir=cache_dir)
 
 
 def load_engine(engine: str, threads: int = 1, cache_dir: str | None = None) -> Engine:

@@ -11,11 +11,12 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from examples.embeddings.traced import Encoder, eager, traced
+from examples.embeddings.traced import Encoder, eager, kept, traced
 
 log = logging.getLogger("conveyor.examples.embeddings")
 
@@ -63,12 +64,15 @@ class Tokenizer:
         self._backend: Any = None
 
     def load(self) -> None:
-        path = model_path()
-        tokenizer = _transformers().AutoTokenizer.from_pretrained(path)
-        # The Rust tokenizer under transformers' fast one: the same ids (checked over the corpus and
-        # edge cases by tests/test_embeddings.py) in about 2/3 of the time for one text, because
-        # the BatchEncoding around it is skipped.
-        backend = tokenizer.backend_tokenizer
+        # The Rust tokenizer that transformers' fast one wraps, read from the model's tokenizer.json by the
+        # tokenizers library alone: the same ids (checked over the corpus and edge cases against
+        # transformers' own call by tests/test_embeddings.py) in about 2/3 of the time for one text, as the
+        # BatchEncoding around it is skipped, and loaded in 0.2 s, as neither transformers nor torch is imported.
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError as exc:
+            raise MissingExtraError(f"the embeddings example needs its extra: {INSTALL_HINT} ({exc})") from exc
+        backend = RustTokenizer.from_file(str(Path(model_path()) / "tokenizer.json"))
         backend.enable_truncation(self.max_tokens)
         backend.no_padding()
         self._backend = backend
@@ -101,17 +105,22 @@ class Embedder:
     0.99995 against fp32) at 0.36x of fp32's CPU time per text in groups of 8 (1.76 against 4.83 ms) and
     3.75 ms for a lone text (9.28 on fp32); on one without, it is emulated and slow (docs/embeddings.md)."""
 
-    def __init__(self, int8: bool = False, bf16: bool = False) -> None:
+    def __init__(self, int8: bool = False, bf16: bool = False, cache_dir: str | None = None) -> None:
         if int8 and bf16:
             raise ValueError("an Embedder is int8 or bf16, not both")
         self.int8, self.bf16 = int8, bf16
-        self._model: Any = None
+        self.cache_dir = cache_dir  # bf16: where the traced graph is kept (examples/embeddings/traced.py)
+        self._model: Any = None  # transformers' model; None where a kept traced graph was loaded instead
         self._torch: Any = None
         self._encode: Encoder = _not_loaded
         self.traced = False  # the encoder runs as one TorchScript graph (bf16 only)
+        self.from_kept = False  # ... loaded from the graph an earlier start kept
 
     def load(self) -> None:
         path = model_path()  # first: the cheapest way to learn that the extra is missing
+        folder = self._graph_folder() if self.bf16 else None
+        if folder is not None and self._load_kept(folder):
+            return
         transformers = _transformers()
         import torch
 
@@ -125,17 +134,39 @@ class Embedder:
                 warnings.simplefilter("ignore")  # torch 2.13 deprecates the quantized tensor constructors
                 model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         if self.bf16:
-            if not native_bf16(torch):
-                log.warning("this CPU has no bf16 instructions (AVX512-BF16 or AMX): the torch-bf16 engine runs "
-                            "emulated, slower than the onnx engine")
+            _warn_if_emulated(torch)
             model = model.to(torch.bfloat16)
         self._model = model
         self._torch = torch
         self._encode = eager(model)
         if self.bf16:  # traced: a lone text 4.0 ms against 6.6 eager (examples/embeddings/traced.py)
-            graph = traced(torch, model, self._pool)
+            graph = traced(torch, model, self._pool, keep_in=folder)
             if graph is not None:
                 self._encode, self.traced = graph, True
+
+    def _graph_folder(self) -> Path | None:
+        """Where the traced graph is kept: beside the ONNX graphs; None without onnxruntime's extra."""
+        from examples.embeddings.onnx_engine import export_dir  # here: it imports this module
+
+        try:
+            return export_dir(Path(self.cache_dir) if self.cache_dir else None)
+        except (MissingExtraError, OSError):
+            return None
+
+    def _load_kept(self, folder: Path) -> bool:
+        """The graph an earlier start traced, without transformers (examples/embeddings/traced.py)."""
+        _offline()
+        try:
+            import torch
+        except ImportError:
+            return False  # the full load says what is missing
+        self._torch = torch
+        graph = kept(torch, self._pool, folder)
+        if graph is None:
+            return False
+        _warn_if_emulated(torch)
+        self._encode, self.traced, self.from_kept = graph, True, True
+        return True
 
     def __call__(self, batch: Sequence[np.ndarray]) -> np.ndarray:
         return self._pool(self._encode, batch)
@@ -151,6 +182,12 @@ class Embedder:
             pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
+
+
+def _warn_if_emulated(torch: Any) -> None:
+    if not native_bf16(torch):
+        log.warning("this CPU has no bf16 instructions (AVX512-BF16 or AMX): the torch-bf16 engine runs "
+                    "emulated, slower than the onnx engine")
 
 
 def _not_loaded(ids: Any, mask: Any) -> Any:
