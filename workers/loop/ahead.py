@@ -7,7 +7,7 @@ idles while Redis runs its commit, and Redis idles while the worker runs the nex
 read-ahead the worker sends the commit, reads on its stream's own connection (a read that
 does not block), runs what it got, and takes the commit's reply only before sending the next
 commit: the two overlap. It pays for a cheap stage under load (a backlog to read), and changes nothing
-at low load or for a stage that computes for milliseconds (docs/benchmarks.md, "Read-ahead in the workers").
+at low load or for a stage that computes for milliseconds (docs/benchmarks-archive.md, "Read-ahead in the workers").
 
 When: only after a **full** batch of more than one item (a backlog is likely: the read finds
 entries), on a worker with one lane (a partitioned worker blocks on several streams at once, and a
