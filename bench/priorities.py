@@ -15,6 +15,8 @@ in turn:
   default level's throughput;
 - **levels**: the same load on ``bench-prio``, where the stream is served first at every stage.
 
+(flat and levels in an order that alternates between rounds.)
+
 With ``--stream-client own`` the priority-1 stream (and its idle measurement) comes from a process
 with a gateway of its own, so that its latency is not the 256 callers' event loop's (the stages are
 what a priority reorders; the caller's own process is not).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import statistics
@@ -157,14 +160,19 @@ async def run(url: str, rounds: int, duration_s: float, connections: int, share:
         for r in range(rounds):
             idle = (await child_stream(url, "bench-prio", 0, idle_total))[0] if own else \
                 await idle_p99(prio, idle_total)
-            flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
-                                                     (url, "bench-flat") if own else None, timed)
-            rate = rate or flat_tput
-            if r == 0:  # the first flat run set the stream's rate: measured again with the stream
-                flat_tput, flat_p99, _ = await saturated(plain, connections, duration_s, rate * share,
-                                                         (url, "bench-flat") if own else None, timed)
-            tput, p99, n = await saturated(prio, connections, duration_s, rate * share,
+            if r == 0:  # a first flat run sets the stream's rate
+                rate = (await saturated(plain, connections, duration_s, 0))[0]
+            flat_run = functools.partial(saturated, plain, connections, duration_s, rate * share,
+                                         (url, "bench-flat") if own else None, timed)
+            levels_run = functools.partial(saturated, prio, connections, duration_s, rate * share,
                                            (url, "bench-prio") if own else None, timed)
+            # the order alternates between rounds: a drift within a round falls on each side alike
+            if r % 2 == 0:
+                flat_tput, flat_p99, _ = await flat_run()
+                tput, p99, n = await levels_run()
+            else:
+                tput, p99, n = await levels_run()
+                flat_tput, flat_p99, _ = await flat_run()
             rows.append((idle, flat_p99, p99, flat_tput, tput))
             print(f"round {r + 1}: stream {rate * share:.0f}/s ({n} requests): p99 idle {idle * 1e3:.2f} ms, "
                   f"flat {flat_p99 * 1e3:.1f} ms, levels {p99 * 1e3:.2f} ms (x{p99 / idle:.2f} idle); default level "

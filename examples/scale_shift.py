@@ -23,5 +23,5 @@ class Shift(Stage):
         return [x + 3 for x in xs]
 
 
-pipeline = Pipeline("scale-shift", inputs=[Tensor("x", "FP64", [-1])], outputs=[Tensor("y", "FP64", [-1])],
+pipeline = Pipeline("scale-shift", inputs=[Tensor("x", "FP64", (-1,))], outputs=[Tensor("y", "FP64", (-1,))],
                     batched=True).add(Scale, workers=2, cpus=[0, 1]).add(Shift)
