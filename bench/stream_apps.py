@@ -57,7 +57,7 @@ class Ticks(Stage):
 pipeline = Pipeline(PIPELINE_NAME).add(Ticks)
 # The same stage under the "deadline" batch policy (always waits batch_wait_s for a fuller batch, as mosec's
 # batcher does), for ``bench.streams --batch-policy deadline``: the default "adaptive" policy starts a batch
-# as soon as waiting cannot pay for a unary batch, but a streaming batch holds its worker for all its steps.
+# as soon as waiting cannot pay (for a streaming stage: against a whole stream's wait for a caller who misses it).
 pipeline_deadline = Pipeline(PIPELINE_NAME + "-deadline").add(Ticks, batch_policy="deadline")
 
 

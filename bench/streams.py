@@ -36,8 +36,8 @@ its best case, and conveyor the same client; ``--no-quickack`` shows what an ord
 
 ``--batch-policy deadline`` runs conveyor's stage under the policy that always waits its batch
 window for a fuller batch (as mosec's batcher does) instead of conveyor's default ``adaptive``, which
-starts a batch as soon as waiting cannot pay: a streaming batch holds its worker for all its steps,
-so callers who just miss it wait a whole stream for their first chunk. ``--batch-policy continuous``
+starts a batch as soon as waiting cannot pay, counting for a streaming stage that a caller who just misses
+a batch waits a whole stream for its first chunk (``AdaptiveWait.streams``). ``--batch-policy continuous``
 runs the stage as a continuous batch (``continuous = True``, ``bench.stream_apps.LiveTicks``): new
 items join the running generator between its steps.
 

@@ -226,6 +226,23 @@ def test_adaptive_learns_the_arrival_rate_and_the_batch_cost() -> None:
     assert policy.overhead_s == pytest.approx(0.00021)  # a slow one (a busy CPU): it rises 5 % only
 
 
+def test_a_streaming_batch_waits_while_a_missed_item_would_wait_longer() -> None:
+    """A streaming batch holds its worker for all its steps: an item that misses it waits for its end (a
+    whole stream), not a commit's round trip. So a streaming stage keeps filling while the items in hand
+    lose less waiting than that, and a lone caller (arrivals a stream apart) still goes at once."""
+    unary = AdaptiveWait(batch_wait_s=0.002, alpha=1.0)
+    streaming = AdaptiveWait(batch_wait_s=0.002, alpha=1.0, streams=True)
+    for policy in (unary, streaming):
+        policy.observe_batch(3, predict_s=0.0017, commit_s=0.0001)  # 33 steps of 3 items: 1.7 ms
+        policy.gap_s = 2e-4  # 16 callers, bursts of arrivals
+    assert streaming.stream_s == pytest.approx(0.0017) and unary.stream_s == 0.0
+    assert unary.wait_s(0.0, 3, 64, 0.0) == 0.0  # 3 x 0.2 ms > the 0.2 ms a unary batch costs
+    assert streaming.wait_s(0.0, 3, 64, 0.0) == pytest.approx(4e-4)  # 0.6 ms < the 1.7 ms a missed item waits
+    assert streaming.wait_s(0.0, 9, 64, 0.0) == 0.0  # 9 x 0.2 ms > 1.7 ms: go
+    streaming.gap_s = 0.002  # one caller: the next arrival only after this stream ends
+    assert streaming.wait_s(0.0, 1, 64, 0.0) == 0.0
+
+
 def test_singleton_read_size_follows_work_and_live_workers() -> None:
     size = SingletonReadSize(alpha=1.0)
     assert size.count() == 1  # nothing measured: one at a time

@@ -8,6 +8,11 @@ the fixed cost of the separate batch that item would otherwise need (commit and 
 trips, measured). Otherwise the batch goes at once, and what arrives while it runs forms the
 next one: under load that makes batches as large as the load, with no wait at all.
 
+A streaming stage (``predict`` yields; not a continuous one, which takes joiners between steps) holds
+its worker for all the steps of a batch, so an item that just misses a batch waits for that batch's end,
+not a commit's round trip: there the cost of a separate batch is the larger of the two, the streaming
+batches' recent duration.
+
 Estimates are exponentially weighted moving averages (EWMA), updated per read and per batch,
 so the policy follows load shifts within a few dozen batches.
 """
@@ -32,6 +37,8 @@ class AdaptiveWait:
     alpha: float = 0.2
     gap_s: float | None = None  # mean time between items arriving to this worker
     overhead_s: float = 0.0005  # fixed cost of one batch: read + commit round trips
+    streams: bool = False  # the stage streams: a batch holds its worker for all its steps
+    stream_s: float = 0.0  # ... how long, lately (an item that misses a batch waits for its end)
     _last_read_at: float | None = field(default=None, repr=False)
 
     def observe_read(self, count: int, now: float) -> None:
@@ -50,6 +57,8 @@ class AdaptiveWait:
         so its round trip was not measured."""
         if commit_s is not None:
             self.overhead_s = min(2 * commit_s, self.overhead_s * 1.05)
+        if self.streams and size:
+            self.stream_s = ewma(self.stream_s or None, predict_s, self.alpha)
 
     def wait_s(self, idle_s: float, have: int, batch_size: int, waited_s: float) -> float:
         """How long to wait for more entries now (0: dispatch what is in hand)."""
@@ -57,7 +66,7 @@ class AdaptiveWait:
         gap_s = self.gap_s
         if have >= batch_size or remaining <= 0 or gap_s is None:
             return 0.0
-        if have * gap_s >= self.overhead_s:
+        if have * gap_s >= max(self.overhead_s, self.stream_s):
             return 0.0  # the items in hand would lose more waiting than a separate batch costs
         return min(remaining, 2 * gap_s)  # twice the expected gap: arrivals are not a metronome
 

@@ -209,7 +209,7 @@ class Worker:
             return FixedWait(0.0)  # a singleton stage never waits: it takes what is queued
         if self.spec.batch_policy == "deadline":
             return FixedWait(self.spec.batch_wait_s)
-        return AdaptiveWait(self.spec.batch_wait_s)
+        return AdaptiveWait(self.spec.batch_wait_s, streams=self.spec.streams and not self.spec.continuous)
 
     def _read_count(self) -> int:
         """Entries to read at once: a batch, or for a singleton stage a share of what is queued."""
