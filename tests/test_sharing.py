@@ -25,7 +25,7 @@ from broker.share import Sharer
 from broker.streams import StreamReader
 from gateway import Gateway
 from tests.helpers import running_workers, wait_for
-from workers.batching.sharing import SHARE_MIN_S, BurstSharing, parts_to_share
+from workers.batching.sharing import SHARE_MIN_S, WAITED_MIN_S, BurstSharing, parts_to_share
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
@@ -210,7 +210,10 @@ def test_a_burst_read_whole_by_one_worker_is_shared_with_its_idle_peer(redis_url
     quiet spell too; with share_bursts=False the burst stays whole."""
     with running_workers(redis_url, "tests.sharing_stages:bursts", [("burst", 2)]) as group:
         group.wait_ready("t-share", workers={"burst": 2})
-        runs = _burst_pids(redis_url, "t-share")
+        # A burst must come after its reader waited WAITED_MIN_S: one that lands sooner after the last answer
+        # is taken for a backlog, by design. Sent straight after the answers, on a fast machine it did (every
+        # other burst ran whole): a spell of four times that keeps each a burst.
+        runs = _burst_pids(redis_url, "t-share", quiet_s=4 * WAITED_MIN_S)
         assert all(len(set(run)) == 2 for run in runs[-5:]), f"bursts ran on one worker: {runs[-5:]}"
         runs = _burst_pids(redis_url, "t-share", quiet_s=0.6)
         assert all(len(set(run)) == 2 for run in runs[-5:]), f"bursts after idle ran on one worker: {runs[-5:]}"
