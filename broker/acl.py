@@ -99,7 +99,8 @@ R, W, RW = "R", "W", "RW"
 COMMAND_ACCESS: dict[str, str] = {
     "xreadgroup": R, "xpending": R, "xinfo|groups": R, "xinfo|consumers": R, "xrange": R, "xrevrange": R,
     "xlen": R, "xgroup|create": W, "xgroup|delconsumer": W, "xautoclaim": W, "xclaim": W, "xadd": W,
-    "xack": W, "xdel": W, "xtrim": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "rpush": W, "pexpire": W,
+    "xack": W, "xdel": W, "xtrim": W, "get": R, "mget": R, "set": W, "unlink": W, "blpop": RW, "lpop": RW,
+    "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW, "hset": W,
     "hdel": W,
     "sadd": W, "smembers": R, "exists": R, "pttl": R,

@@ -1,8 +1,10 @@
 """A gateway's reply lists: the answers to its requests, popped on a connection of their own.
 
 Workers push the answers of a whole batch as one element onto the reply list of the gateway that
-submitted them (docs/protocol.md); the gateway's reader pops one element at a time with ``BLPOP``,
-held on a connection of its own (:class:`broker.held.AsyncHeldConnection`; on a Redis Cluster the
+submitted them (docs/protocol.md); the gateway's reader pops them with ``BLPOP`` and, in the same write,
+``LPOP key POP_MORE``: Redis runs the second as soon as the first is served, so the elements that came
+meanwhile (a stream's chunks come a step at a time) arrive in the same round trip instead of one per
+round trip. It is held on a connection of its own (:class:`broker.held.AsyncHeldConnection`; on a Redis Cluster the
 client routes it to the list's node). The per-request result key stays the durable record: after a
 lost connection, which may have taken a popped element with it, the reader re-reads the result keys
 of the requests still in flight (``MGET``).
@@ -15,7 +17,7 @@ from typing import Any
 
 import redis
 
-from broker.connection import is_cluster_client
+from broker.connection import is_cluster_client, is_refusal
 from broker.families import REPLIES, RESULTS, SHARED_REPLIES
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
@@ -28,6 +30,8 @@ __all__ = ["RESULTS_BATCH", "ReplyList"]
 
 # Result keys per MGET: one command holds Redis for its lookups; a bounded number keeps each short.
 RESULTS_BATCH = 500
+# Elements taken by the LPOP that follows each BLPOP: what came while the last ones were handled.
+POP_MORE = 255
 
 
 class ReplyList:
@@ -39,22 +43,39 @@ class ReplyList:
         self.client = client
         self.key = key
         self._block_s = block_s
-        self._conn = None if is_cluster_client(client) else AsyncHeldConnection(client)
+        # An ACL refusal is read in full: the connection stays in step (the LPOP's, below).
+        self._conn = None if is_cluster_client(client) else AsyncHeldConnection(client, keep=is_refusal)
         self._closed = False
-        self._pop = pack_command([b"BLPOP", key, b"%r" % block_s])
+        self._pop = [pack_command([b"BLPOP", key, b"%r" % block_s]), pack_command([b"LPOP", key, b"%d" % POP_MORE])]
 
-    @sends(GATEWAY, uses={"blpop": (REPLIES, SHARED_REPLIES)}, why="the reply reader, blocking up to reply_block_s")
-    async def pop(self) -> bytes | None:
-        """The next element (one batch's answers), or None if none came within ``block_s``."""
+    @sends(GATEWAY, uses={"blpop": (REPLIES, SHARED_REPLIES), "lpop": (REPLIES, SHARED_REPLIES)},
+           why="the reply reader, blocking up to reply_block_s, and what came meanwhile")
+    async def pop(self) -> list[bytes]:
+        """The next elements (each one batch's or one step's answers), in order; none if none came within
+        ``block_s``. On a Redis Cluster, one element at a time."""
         try:
             if self._conn is None:
                 popped = await self.client.blpop([self.key], timeout=self._block_s)
-            else:
-                popped = await self._conn.call(self._pop)
+                return [] if popped is None else [as_bytes(popped[1])]
+            first, *rest = await self._conn.call_many(self._pop)
+            more = rest[0] if rest else None
         except redis.ResponseError as exc:  # e.g. READONLY after a failover, or an ACL
             log_refusal_once(exc, "blpop", self.key)
             raise
-        return None if popped is None else as_bytes(popped[1])
+        if isinstance(first, redis.ResponseError):  # call_many returns an error reply as its exception
+            log_refusal_once(first, "blpop", self.key)
+            raise first
+        if isinstance(more, redis.ResponseError):
+            if not is_refusal(more):
+                raise more
+            # An ACL user generated before the gateway took LPOP (`conveyor acl`): one element a round trip,
+            # as then, said once, rather than no answers at all.
+            log_refusal_once(more, "lpop", self.key)
+            self._pop = self._pop[:1]
+            more = None
+        if first is None:
+            return []
+        return [as_bytes(first[1]), *(as_bytes(e) for e in more or ())]
 
     @sends(GATEWAY, uses={"mget": RESULTS}, why="after a lost reply connection: the answers it may have carried")
     async def results(self, keys: Keys, request_ids: Sequence[bytes]) -> list[bytes]:

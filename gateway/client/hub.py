@@ -381,7 +381,7 @@ class Hub:
                     # here: the run id of the slot's node says whether one happened.
                     await self.recall.check_run(replies.client, replies.key, self._lanes_of(replies.key))
                     checked_s = self._loop.time()
-                element = await replies.pop()
+                elements = await replies.pop()
                 backoff.reset()
             except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
                 if self._closing:
@@ -390,9 +390,9 @@ class Hub:
                 recovering = True
                 await asyncio.sleep(backoff.next_delay_s())
                 continue
-            if element is not None:
-                # Resolved on the loop's next turn, one handle per element (a batch's answers): the
-                # next BLPOP goes out first, not after the HTTP front has written every reply (a
+            for element in elements:
+                # Resolved on the loop's next turn, one handle per element (a batch's answers), in order:
+                # the next BLPOP goes out first, not after the HTTP front has written every reply (a
                 # Slot answers its request in the resolver's stack).
                 self._loop.call_soon(self._deliver_popped, element)
 
