@@ -22,6 +22,7 @@ from broker.held import HeldConnection
 from broker.keys import GROUP
 from broker.operations import WORKER, Script, sends
 from broker.resp import pack_command
+from broker.streams import UnblockableReader
 from broker.streams import unblocked as _unblocked
 
 __all__ = ["LEVELS", "MAX_LEVELS", "LevelReader", "stream_level"]
@@ -40,7 +41,7 @@ def stream_level(priority: int, levels: int) -> int:
     return priority if 0 < priority < levels else 0
 
 
-class LevelReader:
+class LevelReader(UnblockableReader):
     """Runs ``levels.lua`` for one partition's level streams of one stage, as one consumer, on a
     connection of its own."""
 
@@ -51,13 +52,7 @@ class LevelReader:
         self._sha = client.register_script(LEVELS_LUA).sha
         self._consumer = consumer
         self._fill = b"1" if fill else b"0"
-        self._client_id = 0
         self._held = HeldConnection(client, self.streams[0], on_connect=self._identify, keep=_unblocked)
-
-    @sends(WORKER, uses={"client|id": ()}, why="when a level reader connects")
-    def _identify(self, conn: Any) -> None:
-        conn.send_command("CLIENT", "ID")
-        self._client_id = int(conn.read_response())
 
     @sends(WORKER, scripts=(LEVELS,), why="a batch's first read on a stage with priority levels")
     def read(self, order: Sequence[int], counts: Sequence[int]) -> list[tuple[int, Any]]:
@@ -92,13 +87,6 @@ class LevelReader:
         index = {s.encode(): i for i, s in enumerate(self.streams)}
         items = reply.items() if isinstance(reply, dict) else reply
         return {index[bytes(name)]: [[name, entries]] for name, entries in items}
-
-    @sends(WORKER, uses={"client|unblock": ()}, why="a stopping worker's blocked read ended at once")
-    def interrupt(self) -> None:
-        """:meth:`broker.streams.StreamReader.interrupt`, for :meth:`block`."""
-        client_id = self._client_id
-        if client_id:
-            self._held.server.execute_command("CLIENT", "UNBLOCK", client_id)
 
     def close(self) -> None:
         self._held.drop()

@@ -63,7 +63,30 @@ def _parse_counted(response: Any) -> tuple[list[Entry], int]:
     return entries, read
 
 
-class StreamReader:
+class UnblockableReader:
+    """A reader on a connection of its own whose blocked read another thread can end: its connection's id,
+    learnt at each connect (``CLIENT ID``), and :meth:`interrupt`. Subclasses make ``_held`` with
+    ``on_connect=self._identify``."""
+
+    _client_id = 0
+    _held: HeldConnection
+
+    @sends(WORKER, uses={"client|id": ()}, why="when a stream or level reader connects")
+    def _identify(self, conn: Any) -> None:
+        conn.send_command("CLIENT", "ID")
+        self._client_id = int(conn.read_response())
+
+    @sends(WORKER, uses={"client|unblock": ()}, why="a stopping worker's blocked read ended at once")
+    def interrupt(self) -> None:
+        """End this reader's blocked read, if one is blocked, from another thread (the heartbeat's, when
+        the worker is asked to stop): one ``CLIENT UNBLOCK`` on the pool of the reader's server, never its
+        own connection. A read not blocked yet is not waited for: it ends at its own timeout."""
+        client_id = self._client_id
+        if client_id:
+            self._held.server.execute_command("CLIENT", "UNBLOCK", client_id)
+
+
+class StreamReader(UnblockableReader):
     """Reads one stream as one consumer, on a connection of its own."""
 
     def __init__(self, client: redis.Redis, stream: str, consumer: str, per_entry: float = 1.0) -> None:
@@ -71,16 +94,10 @@ class StreamReader:
         its ``batch_size``, their largest, so that its first read is of one entry, not of a batch of them)."""
         self.stream = stream
         self._consumer = consumer
-        self._client_id = 0
         self._held = HeldConnection(client, stream, on_connect=self._identify, keep=unblocked)
         self._sent = False  # a read was sent and its reply is still to be taken
         self._packed: dict[tuple[int, int | None, str], bytes] = {}
         self.per_entry = per_entry  # requests per stream entry lately (batch entries hold several)
-
-    @sends(WORKER, uses={"client|id": ()}, why="when a stream reader connects")
-    def _identify(self, conn: Any) -> None:
-        conn.send_command("CLIENT", "ID")
-        self._client_id = int(conn.read_response())
 
     def close(self) -> None:
         self._held.drop()
@@ -171,15 +188,6 @@ class StreamReader:
         for _ in range(_UNBLOCK_TRIES):
             if self._held.server.execute_command("CLIENT", "UNBLOCK", self._client_id) or self._held.ready(0.005):
                 return
-
-    @sends(WORKER, uses={"client|unblock": ()}, why="a stopping worker's blocked read ended at once")
-    def interrupt(self) -> None:
-        """End this reader's blocked read, if one is blocked, from another thread (the heartbeat's, when
-        the worker is asked to stop): one ``CLIENT UNBLOCK`` on the pool of the reader's server, never its
-        own connection. A read not blocked yet is not waited for: it ends at its own timeout."""
-        client_id = self._client_id
-        if client_id:
-            self._held.server.execute_command("CLIENT", "UNBLOCK", client_id)
 
     def finish_waiting(self) -> list[Entry]:
         """Take the reply of a blocking read sent earlier, ending it first if it is still blocked."""
