@@ -67,7 +67,7 @@ class Tokenizer:
         # The Rust tokenizer that transformers' fast one wraps, read from the model's tokenizer.json by the
         # tokenizers library alone: the same ids (checked over the corpus and edge cases against
         # transformers' own call by tests/test_embeddings.py) in about 2/3 of the time for one text, as the
-        # BatchEncoding around it is skipped, and loaded in 0.2 s, as neither transformers nor torch is imported.
+        # BatchEncoding around it is skipped, and loaded without importing transformers or torch.
         try:
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError as exc:

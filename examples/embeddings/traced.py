@@ -12,8 +12,9 @@ sequence's. Still, before the graph is used, it must give eager torch's vectors 
 lone text and a batch of other lengths; otherwise (or where tracing fails) the engine stays eager and says
 so in the log.
 
-Why it is kept: transformers' model classes take ~2 s to import and the weights ~0.3 s to load, against
-0.03 s for the saved graph (docs/embeddings.md). The graph that passed its check is saved beside the ONNX
+Why it is kept: importing transformers' model classes and loading the weights, only to trace them again,
+made a later start on this engine seconds slower than one on ``onnx``; the saved graph loads at once
+(docs/benchmarks.md, issue 41's section). The graph that passed its check is saved beside the ONNX
 graphs (``onnx_engine.export_dir``, whose name carries the model's and torch's versions; the file's carries
 transformers' and ``TRACE_VERSION``), with the vectors eager torch gave on the check batches. A later start
 loads it without importing transformers, and uses it only if it still gives those vectors; otherwise it
