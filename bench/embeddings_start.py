@@ -23,12 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.stop_run import REPO, _free_port, _wait_ready
+from bench.peers.servers import free_port
+from bench.stop_run import REPO, wait_ready
 
 
 def start_once(tree: Path, engine: str, timeout_s: float) -> float:
     """Seconds from spawning ``conveyor run`` to its ``/readyz`` answering 200; the process is stopped after."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env.update(PYTHONPATH=str(tree), CONVEYOR_EMBED_ENGINE=engine)
     with tempfile.TemporaryFile() as log:
@@ -37,7 +38,7 @@ def start_once(tree: Path, engine: str, timeout_s: float) -> float:
                                  "--port", str(port)], cwd=tree, env=env, stdout=log, stderr=log,
                                 start_new_session=True)
         try:
-            _wait_ready(port, timeout_s)
+            wait_ready(port, timeout_s)
             ready_s = time.monotonic() - t0
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)

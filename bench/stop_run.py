@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,13 @@ import threading
 import time
 from pathlib import Path
 
+from bench.peers.servers import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(port: int, timeout_s: float) -> None:
+def wait_ready(port: int, timeout_s: float) -> None:
+    """Until ``conveyor run``'s ``/readyz`` on ``port`` answers 200 (bounded: ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -71,7 +67,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--load-s", type=float, default=2.0)
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env["PYTHONPATH"] = str(args.tree)
     with tempfile.TemporaryFile() as log:
@@ -79,7 +75,7 @@ def main() -> None:
                                  "--port", str(port)], cwd=args.tree, env=env, stdout=log, stderr=log,
                                 start_new_session=True)
         try:
-            _wait_ready(port, 30)
+            wait_ready(port, 30)
             stop = threading.Event()
             results: list[int | None] = []
             threads = [threading.Thread(target=_client, args=(port, stop, results), daemon=True)
