@@ -19,7 +19,6 @@ each of its reads asks Redis only for the stats entries written since the previo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,7 +27,7 @@ from broker.commit import ItemExemplar, item_stats
 from broker.connection import CONNECTION_ERRORS
 from broker.errors import ReplyError
 from broker.keys import LIVE_AFTER_MS, Keys
-from broker.protocol import as_bytes, now_ms
+from broker.protocol import now_ms
 from broker.scaling import ScaleRecord
 from broker.spec import SpecError, StageInfo
 from broker.status import (
@@ -42,12 +41,12 @@ from broker.status import (
     read_partitions,
     read_specs,
 )
+from gateway.monitor.window import STATS_MAXLEN, BatchTally, StatsWindow, batches_of, id_key, ms_of
 
 __all__ = ["LIVE_AFTER_MS", "STATS_WINDOW_MS", "ConsumerStatus", "PipelineStatus", "StageStatus", "StatusReader",
            "merge_status", "read_all_partitions", "read_status", "spec_status"]
 
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
-STATS_MAXLEN = 1_000  # commit.lua trims the stats stream to about this many entries
 
 
 @dataclass
@@ -157,10 +156,10 @@ async def read_status(client: Any, keys: Keys, marks: dict[int, bytes] | None = 
     stages = []
     for info, stage_reads in zip(spec, reads.stages, strict=True):
         status = _stage(info, stage_reads, now)
-        recent = [entry for entry in stage_reads.stats if _id_key(entry[0]) >= (window_start, 0)]
+        recent = [entry for entry in stage_reads.stats if id_key(entry[0]) >= (window_start, 0)]
         # The stream holds only its last ~STATS_MAXLEN entries: the window then really starts at the oldest left.
-        batches = [batch for _, fields in recent for batch in _batches(fields)]
-        _window_stats(status, batches, _ms_of(recent[0]) if len(recent) >= STATS_MAXLEN else window_start, now)
+        tally = BatchTally([batch for _, fields in recent for batch in batches_of(fields)])
+        _window_stats(status, tally, ms_of(recent[0]) if len(recent) >= STATS_MAXLEN else window_start, now)
         if marks is not None:
             _since_mark(status, stage_reads.stats, marks, window_start)
         stages.append(status)
@@ -171,7 +170,7 @@ def _range_start(marks: dict[int, bytes] | None, stage: int, window_start: int) 
     """Read from the window's start, or from just after the mark if that is older: the batches
     since the mark must all be read, however long ago the previous reader call was."""
     mark = marks.get(stage) if marks is not None else None
-    if mark is not None and _id_key(mark) < (window_start, 0):
+    if mark is not None and id_key(mark) < (window_start, 0):
         return b"(" + mark
     return b"%d" % window_start
 
@@ -205,17 +204,15 @@ def _consumer(info: ConsumerInfo, heartbeats: dict[str, int], stuck: dict[str, i
                           stuck.get(info.name))
 
 
-def _window_stats(status: StageStatus, batches: Sequence[tuple[int, float]], start_ms: int, now: int) -> None:
-    """Throughput and percentiles of the window's ``batches`` (size, seconds), over ``start_ms`` to now."""
-    durations = sorted(seconds for _, seconds in batches)
+def _window_stats(status: StageStatus, tally: BatchTally, start_ms: int, now: int) -> None:
+    """Throughput and percentiles of the window's batches (``tally``), over ``start_ms`` to now."""
     window_ms = max(1, now - start_ms)
     status.stats_window_s = window_ms / 1000
-    status.batches_last_minute = len(batches)
-    status.items_last_minute = sum(size for size, _ in batches)
-    status.throughput_per_s = status.items_last_minute / status.stats_window_s
-    if durations:
-        status.batch_p50_s = _percentile(durations, 50)
-        status.batch_p99_s = _percentile(durations, 99)
+    status.batches_last_minute = tally.batches
+    status.items_last_minute = tally.items
+    status.throughput_per_s = tally.items / status.stats_window_s
+    if tally.batches:
+        status.batch_p50_s, status.batch_p99_s = tally.percentiles(50, 99)
 
 
 def _since_mark(status: StageStatus, stats: list[Entry], marks: dict[int, bytes], window_start: int) -> None:
@@ -226,8 +223,8 @@ def _since_mark(status: StageStatus, stats: list[Entry], marks: dict[int, bytes]
         # since window_start, so the next call may start just after it.
         marks[i] = bytes(stats[-1][0]) if stats else b"%d-0" % window_start
         return
-    fresh = [(eid, fields) for eid, fields in stats if _id_key(eid) > _id_key(mark)]
-    status.batches = [batch for _, fields in fresh for batch in _batches(fields)]
+    fresh = [(eid, fields) for eid, fields in stats if id_key(eid) > id_key(mark)]
+    status.batches = [batch for _, fields in fresh for batch in batches_of(fields)]
     _add_item_stats(status, [fields for _, fields in fresh])
     if fresh:
         marks[i] = bytes(fresh[-1][0])
@@ -239,33 +236,6 @@ def _add_item_stats(status: StageStatus, entries: list[dict[bytes, bytes]]) -> N
             waits, exemplars = item_stats(fields)
             status.item_waits += waits
             status.exemplars += exemplars
-
-
-def _batches(fields: dict[bytes, bytes]) -> list[tuple[int, float]]:
-    """(size, seconds) of each batch one stats entry records; [] for an entry no worker wrote
-    (ignored rather than failing the whole status)."""
-    try:
-        sizes, durations = fields[b"n"].split(), fields[b"ms"].split()
-        if len(sizes) != len(durations):
-            return []
-        return [(int(n), float(ms) / 1000) for n, ms in zip(sizes, durations, strict=True)]
-    except (KeyError, ValueError, AttributeError):
-        return []
-
-
-def _percentile(sorted_values: list[float], p: float) -> float:
-    """Nearest-rank percentile of a sorted, non-empty list."""
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def _id_key(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = as_bytes(entry_id).partition(b"-")
-    return int(ms), int(seq or 0)
-
-
-def _ms_of(entry: Entry) -> int:
-    return _id_key(entry[0])[0]
 
 
 async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int, bytes]] | None = None,
@@ -319,45 +289,6 @@ def _merge_stage(parts: list[StageStatus]) -> StageStatus:
     )
 
 
-class _Window:
-    """One stage's batches of the window as a reader holds them (each stats entry's, by its id), and
-    the last entry it saw."""
-
-    __slots__ = ("complete_ms", "entries", "fresh_fields", "mark")
-
-    def __init__(self) -> None:
-        self.fresh_fields: list[dict[bytes, bytes]] = []  # the last take's new entries
-        self.entries: list[tuple[tuple[int, int], list[tuple[int, float]]]] = []
-        self.mark: bytes | None = None
-        self.complete_ms = 0  # the entries held are all the stream had since this time (Unix ms)
-
-    def start(self, window_start: int) -> bytes:
-        """Where the next ``XRANGE`` starts: the window's start at the first look, then after the mark."""
-        return b"%d" % window_start if self.mark is None else b"(" + self.mark
-
-    def take(self, new: list[Entry], window_start: int) -> list[tuple[int, float]]:
-        """The entries read since the mark in, those older than the window out; the batches of the
-        fresh ones ([] at the first look, which only sets the mark)."""
-        first = self.mark is None
-        if len(new) >= STATS_MAXLEN:  # the stream turned over since the mark: the older entries are gone
-            self.complete_ms = _ms_of(new[0])
-        if new:
-            self.mark = new[-1][0]
-        elif first:
-            self.mark = b"%d-0" % window_start
-        fresh = [(_id_key(entry_id), _batches(fields)) for entry_id, fields in new]
-        self.fresh_fields = [] if first else [fields for _, fields in new]
-        self.entries += fresh
-        cut = 0
-        while cut < len(self.entries) and self.entries[cut][0] < (window_start, 0):
-            cut += 1
-        del self.entries[:cut]
-        return [] if first else [batch for _, batches in fresh for batch in batches]
-
-    def batches(self) -> list[tuple[int, float]]:
-        return [batch for _, batches in self.entries for batch in batches]
-
-
 class StatusReader:
     """One pipeline's status read again and again (a gateway's view): per partition and stage it holds
     the window's stats entries and the last one seen, so that each read asks Redis only for the newer
@@ -366,10 +297,10 @@ class StatusReader:
     def __init__(self, keys: Keys, window_ms: int = STATS_WINDOW_MS) -> None:
         self.keys = keys
         self.window_ms = window_ms
-        self._windows: dict[tuple[int, int], _Window] = {}
+        self._windows: dict[tuple[int, int], StatsWindow] = {}
 
-    def _window(self, partition: int, stage: int) -> _Window:
-        return self._windows.setdefault((partition, stage), _Window())
+    def _window(self, partition: int, stage: int) -> StatsWindow:
+        return self._windows.setdefault((partition, stage), StatsWindow())
 
     def queries(self, spec: list[StageInfo], now: int, sizing: bool = False) -> list[PartitionQuery]:
         """What to read of every partition ``spec`` (partition 0's) names: their specs too, after the
@@ -400,7 +331,7 @@ class StatusReader:
         window = self._window(partition, info.index)
         fresh = window.take(reads.stats, window_start)
         status = _stage(info, reads, now)
-        _window_stats(status, window.batches(), max(window_start, window.complete_ms), now)
+        _window_stats(status, window.tally, max(window_start, window.complete_ms), now)
         status.batches = fresh
         _add_item_stats(status, window.fresh_fields)
         return status
