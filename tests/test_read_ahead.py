@@ -36,11 +36,13 @@ def f(x: int) -> int:
     return 2 * x + 1
 
 
-def enqueue(client: redis.Redis, keys: Keys, reply: str) -> None:
-    """A backlog of REQUESTS entries on the first stage's stream, as a foreign producer writes them."""
+def enqueue(client: redis.Redis, keys: Keys, reply: str, urgent_every: int = 0) -> None:
+    """A backlog of REQUESTS entries on the first stage's stream, as a foreign producer writes them;
+    with ``urgent_every`` N, every Nth at priority level 1 (the pipeline has two levels)."""
     pipe = client.pipeline(transaction=False)
     for x in range(REQUESTS):
-        pipe.xadd(keys.stream(0), entry_fields(b"r-%d" % x, codec.encode(x), reply.encode(), None))
+        level = 1 if urgent_every and x % urgent_every == 0 else 0
+        pipe.xadd(keys.at_level(level).stream(0), entry_fields(b"r-%d" % x, codec.encode(x), reply.encode(), None))
     pipe.execute()
 
 
@@ -57,9 +59,9 @@ def expected() -> Counter[tuple[str, int]]:
     return Counter({(f"r-{x}", f(x)): 1 for x in range(REQUESTS)})
 
 
-def drained(client: redis.Redis, keys: Keys) -> bool:
-    return all(client.xlen(keys.stream(i)) == 0 and client.xpending(keys.stream(i), GROUP)["pending"] == 0
-               for i in (0, 1))
+def drained(client: redis.Redis, keys: Keys, levels: int = 1) -> bool:
+    return all(client.xlen(k.stream(i)) == 0 and client.xpending(k.stream(i), GROUP)["pending"] == 0
+               for k in keys.levels(levels) for i in (0, 1))
 
 
 @contextmanager
@@ -116,17 +118,24 @@ def test_a_backlog_is_read_ahead_only_when_on(private_redis: EmbeddedRedis, read
     client.close()
 
 
-def test_connections_dropped_while_a_commit_is_ahead_lose_and_repeat_nothing(private_redis: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("app, pipeline, urgent_every",
+                         [(APP, PIPELINE, 0), (APP + "_levels", PIPELINE + "-levels", 3)],
+                         ids=["one-level", "two-levels"])
+def test_connections_dropped_while_a_commit_is_ahead_lose_and_repeat_nothing(
+        private_redis: EmbeddedRedis, app: str, pipeline: str, urgent_every: int) -> None:
     """The batch holding AHEAD_HOLD waits in ``predict`` with a backlog behind it (the batches before
     it were full, so it was most likely read ahead, the commit before it sent and its reply perhaps
     not yet taken). Every client connection is dropped then: the reply of that commit (or the next
     commit, sent on a dead connection) fails late, the lane is set aside and recovered, and every
-    request still gets exactly one correct answer."""
-    url, keys = private_redis.url, Keys(PIPELINE)
+    request still gets exactly one correct answer. With two priority levels (every third request
+    urgent), the batches hold both levels, each committed in its own lane: those commits too are
+    sent ahead and fail late."""
+    url, keys = private_redis.url, Keys(pipeline)
     client = redis.Redis.from_url(url)
     reply = keys.reply("test")
-    enqueue(client, keys, reply)
-    with running_workers(url, APP, ["Holds", "Inc"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+    enqueue(client, keys, reply, urgent_every)
+    levels = 2 if urgent_every else 1
+    with running_workers(url, app, ["Holds", "Inc"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
         wait_for(lambda: client.exists("t:c-ahead:held"), T, f"the batch of {AHEAD_HOLD} to wait", workers.report)
         before = {record_id for record_id, _ in answers(client, reply)}
         assert f"r-{AHEAD_HOLD}" not in before
@@ -134,7 +143,8 @@ def test_connections_dropped_while_a_commit_is_ahead_lose_and_repeat_nothing(pri
         assert dropped > 0
         client.set("t:c-ahead:go", 1)
         wait_for(lambda: sum(answers(client, reply).values()) >= REQUESTS, T, "every answer", workers.report)
-        wait_for(lambda: drained(client, keys), T, "the streams to drain", workers.report)
+        wait_for(lambda: drained(client, keys, levels), T, "the streams to drain", workers.report)
         workers.check_alive()
+        assert "Traceback" not in workers.report(), "a worker failed (its supervisor ran a new one)"
     assert answers(client, reply) == expected()
     client.close()
