@@ -368,5 +368,5 @@ class Holds(Stage):
 
 # f(x) = 2 x + 1
 ahead = Pipeline("c-ahead").add(Holds).add(Inc, batch_size=4)
-# the same with two priority levels: a batch of both levels commits in each level's lane, read ahead too
+# the same with two priority levels: a batch of both levels commits in each level's lane
 ahead_levels = Pipeline("c-ahead-levels", priority_levels=2).add(Holds).add(Inc, batch_size=4)

@@ -10,9 +10,8 @@ commit: the two overlap. It pays for a cheap stage under load (a backlog to read
 at low load or for a stage that computes for milliseconds (docs/benchmarks-archive.md, "Read-ahead in the workers").
 
 When: only after a **full** batch of more than one item (a backlog is likely: the read finds
-entries), on a worker with one partition (a partitioned worker blocks on several streams at once, and
-a failure must be its own lane's; a batch of several priority levels of one partition sends a commit
-per level, all ahead alike), and off a Redis Cluster (redis-py routes each commit there and
+entries), on a worker with one lane (a partitioned worker blocks on several streams at once, and a
+failure must be its own lane's), and off a Redis Cluster (redis-py routes each commit there and
 waits for it: nothing would overlap). Batches that are not full (low load, a lone request) commit
 and wait as before, so a read that finds nothing costs no extra round trip where latency matters.
 ``WorkerSettings.read_ahead`` (``--no-read-ahead``, ``CONVEYOR_READ_AHEAD=0``) turns it off.
@@ -39,7 +38,7 @@ Settled = Callable[[float | None], None]  # commit_s: how long its reply was wai
 
 @dataclass(frozen=True)
 class _Sent:
-    lanes: list[ReadLane]  # a batch of several priority levels commits in each level's lane
+    lane: ReadLane
     settled: Settled
 
 
@@ -52,8 +51,8 @@ class ReadAhead:
 
     @property
     def outstanding(self) -> ReadLane | None:
-        """The lane whose commit is under way, if any (of several levels' commits, the first's)."""
-        return None if self._sent is None else self._sent.lanes[0]
+        """The lane whose commit is under way, if any."""
+        return None if self._sent is None else self._sent.lane
 
     def commit(self, lane: ReadLane, commit: Commit, full: bool, settled: Settled) -> None:
         """Send a batch's commit and, unless the batch was full, wait for its reply now (else
@@ -63,16 +62,15 @@ class ReadAhead:
         started = time.perf_counter()
         lane.committer.send(commit)
         if self.enabled and full and lane.committer.sends_ahead:  # a cluster's commit ran in send()
-            self._sent = _Sent([lane], settled)
+            self._sent = _Sent(lane, settled)
             return
         lane.committer.finish()
         settled(time.perf_counter() - started)
 
-    def commit_all(self, parts: list[tuple[ReadLane, Commit]], full: bool, settled: Settled) -> None:
-        """A batch of several priority levels: each level's commit sent on its lane's connection; their
-        replies taken now (one round trip for all), or, after a full batch, after the next read as
-        :meth:`commit` does. Each sent commit's reply is taken even when another failed (a committer
-        holds one at a time); the first failure is then raised."""
+    def commit_all(self, parts: list[tuple[ReadLane, Commit]], settled: Settled) -> None:
+        """A batch of several priority levels: each level's commit sent on its lane's connection, then
+        every reply taken (one round trip for all); never read ahead. Each sent commit's reply is taken
+        even when another failed (a committer holds one at a time); the first failure is then raised."""
         self.settle()
         started = time.perf_counter()
         failures: list[Exception] = []
@@ -83,26 +81,18 @@ class ReadAhead:
                 sent.append(lane)
             except Exception as exc:  # raised below, once every sent reply is in
                 failures.append(exc)
-        if not failures and self.enabled and full and all(lane.committer.sends_ahead for lane in sent):
-            self._sent = _Sent(sent, settled)
-            return
-        _finish(sent, failures)
+        for lane in sent:
+            try:
+                lane.committer.finish()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
         settled(time.perf_counter() - started)
 
     def settle(self) -> None:
-        """Take the reply of the commit (or commits) under way, if any; raises what a commit raised."""
+        """Take the reply of the commit under way, if any; raises what the commit raised."""
         sent, self._sent = self._sent, None
         if sent is not None:
-            _finish(sent.lanes, [])
+            sent.lane.committer.finish()
             sent.settled(None)
-
-
-def _finish(lanes: list[ReadLane], failures: list[Exception]) -> None:
-    """Take each lane's commit reply, then raise the first failure (``failures``: the sends' own)."""
-    for lane in lanes:
-        try:
-            lane.committer.finish()
-        except Exception as exc:  # raised below, once every reply is in
-            failures.append(exc)
-    if failures:
-        raise failures[0]

@@ -164,16 +164,15 @@ class LevelBatch:
         self._router, self._cancels, self._lease, self._sizing = router, cancels, lease, sizing
         self._ahead, self._predict, self._committed, self._lane_error = ahead, predict, committed, lane_error
 
-    def run(self, segments: Segments, full: bool) -> None:
-        """Every level of a partition is on one node: a failure is told to each of its lanes. ``full``: a
-        full batch, whose commits' replies may be taken after the next read (:mod:`workers.loop.ahead`)."""
+    def run(self, segments: Segments) -> None:
+        """Every level of a partition is on one node: a failure is told to each of its lanes."""
         try:
-            self._run(segments, full)
+            self._run(segments)
         except Exception as exc:  # the worker tells a lost node from a bug (and raises a bug)
             for lane, _ in segments:
                 self._lane_error(lane, exc)
 
-    def _run(self, segments: Segments, full: bool) -> None:
+    def _run(self, segments: Segments) -> None:
         parts = []
         for lane, entries in segments:
             commit = Commit(acks=list(dict.fromkeys(e[0] for e in entries)))  # a batch entry's items share its id
@@ -195,7 +194,7 @@ class LevelBatch:
         self._lease.release()
         acks = [entry_id for _, commit, _ in parts for entry_id in commit.acks]
         settled: Settled = functools.partial(self._committed, acks, len(work), ran - started)
-        self._ahead.commit_all([(lane, commit) for lane, commit, _ in parts], full, settled)
+        self._ahead.commit_all([(lane, commit) for lane, commit, _ in parts], settled)
 
 
 def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: SyncClient,

@@ -270,7 +270,7 @@ class Worker:
         """A batch read by level (``wait``: the lowest level's alone, filled while waiting pays; one
         with a higher level's entries runs at once)."""
         if len(segments) > 1 and self._streaming is None:  # a stream is one level's: each part on its own
-            self._level_batch.run(segments, sum(len(e) for _, e in segments) >= asked > 1 and self._levels.one_node)
+            self._level_batch.run(segments)
             return
         for lane, entries in segments:
             self._on_lane(lane, functools.partial(self._batch, entries=entries, asked=asked, idle_s=0.0,
