@@ -2,12 +2,13 @@
 
     python -m bench.levels_read [--calls 200] [--counts 1,8,32,64]
 
-A stage without levels reads a batch with one ``XREADGROUP``; with levels, every first read is
-``levels.lua`` (:class:`broker.levels.LevelReader`), which runs the same ``XREADGROUP`` inside a script
-(here with the higher level empty, as at a low priority share) and hands its reply back. On a private
-Redis, a stream of entries shaped as the gateway writes them, read ``--calls`` times at each batch size
-each way. Printed: Redis's own microseconds per call (``INFO commandstats``), and the script's share
-beyond the read it runs (its ``XREADGROUP`` calls are counted inside ``evalsha``'s time too).
+A stage without levels reads a batch with one ``XREADGROUP``; with two levels, a first read is
+:meth:`broker.levels.LevelReader.read`: one ``XREADGROUP`` per level in one round trip (here with the
+higher level empty, as most reads find it at a low priority share). On a private Redis, a stream of
+entries shaped as the gateway writes them, read ``--calls`` times at each batch size each way.
+Printed: Redis's own microseconds per read (``INFO commandstats``, every command of the read).
+Until dbaf068 the levels' read was a script (``levels.lua``) whose cost this bench showed there: 1.7x
+to 3.4x a plain read.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ import redis
 
 from broker import codec
 from broker.keys import GROUP, Keys
-from broker.levels import LEVELS_LUA
+from broker.levels import LevelReader
 from broker.protocol import entry_fields
 from workers.embedded.server import EmbeddedRedis
 
 
-def usec_per_call(client: redis.Redis, command: str, calls: int) -> float:
-    stats = client.info("commandstats").get(f"cmdstat_{command}", {"usec": 0})
-    return float(stats["usec"]) / calls
+def redis_us(client: redis.Redis) -> float:
+    """Microseconds Redis spent in commands since the last reset, all commands."""
+    return float(sum(stats["usec"] for stats in client.info("commandstats").values()))
 
 
-def measure(client: redis.Redis, count: int, calls: int, scripted: bool) -> tuple[float, float]:
-    """(Redis us per call, us of it in the XREADGROUP calls) for ``calls`` reads of ``count`` entries."""
+def measure(client: redis.Redis, count: int, calls: int, levels: bool) -> float:
+    """Redis us per read of ``count`` entries, ``calls`` reads."""
     client.flushall()
-    sha = client.script_load(LEVELS_LUA)
     keys = Keys("bench-levels-read")
     urgent, default = keys.at_level(1).stream(0), keys.stream(0)
     for stream in (urgent, default):
@@ -42,14 +42,18 @@ def measure(client: redis.Redis, count: int, calls: int, scripted: bool) -> tupl
         fields: dict[Any, Any] = entry_fields(b"req-%d" % i, codec.encode(i), b"conveyor:reply:bench", None)
         pipe.xadd(default, fields)
     pipe.execute()
-    client.config_resetstat()
-    for _ in range(calls):
-        if scripted:  # highest level first, fill from the default level, a COUNT per stream
-            client.evalsha(sha, 2, urgent, default, GROUP, "w", "1", count, count)
-        else:
-            client.execute_command("XREADGROUP", "GROUP", GROUP, "w", "COUNT", count, "STREAMS", default, ">")
-    read = usec_per_call(client, "xreadgroup", calls)
-    return (usec_per_call(client, "evalsha", calls), read) if scripted else (read, read)
+    reader = LevelReader(client, [urgent, default], "w")
+    try:
+        reader.read([0, 1], [1, 1])  # connected (and its CLIENT ID sent) before the count starts
+        client.config_resetstat()
+        for _ in range(calls):
+            if levels:  # highest level first, the room filled from the default level
+                reader.read([0, 1], [count, count])
+            else:
+                client.execute_command("XREADGROUP", "GROUP", GROUP, "w", "COUNT", count, "STREAMS", default, ">")
+        return (redis_us(client) - client.info("commandstats").get("cmdstat_info", {"usec": 0})["usec"]) / calls
+    finally:
+        reader.close()
 
 
 def main() -> None:
@@ -60,13 +64,12 @@ def main() -> None:
     server = EmbeddedRedis()
     client = redis.Redis.from_url(server.start())
     try:
-        print("| entries per read | XREADGROUP, us per call | levels.lua, us per call | of which its XREADGROUPs "
-              "| ratio |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
+        print("| entries per read | XREADGROUP, Redis us per read | two levels' read, Redis us per read | ratio |")
+        print("| ---: | ---: | ---: | ---: |")
         for count in (int(c) for c in args.counts.split(",")):
-            plain, _ = measure(client, count, args.calls, scripted=False)
-            scripted, inner = measure(client, count, args.calls, scripted=True)
-            print(f"| {count} | {plain:.1f} | {scripted:.1f} | {inner:.1f} | {scripted / plain:.2f}x |", flush=True)
+            plain = measure(client, count, args.calls, levels=False)
+            leveled = measure(client, count, args.calls, levels=True)
+            print(f"| {count} | {plain:.1f} | {leveled:.1f} | {leveled / plain:.2f}x |", flush=True)
     finally:
         client.close()
         server.stop()

@@ -1,5 +1,5 @@
 """Priority levels: which stream a request of a given priority goes to, and a worker's first read
-that takes the highest level with entries, and lower levels' into the room left (``levels.lua``).
+that takes the highest level with entries, and lower levels' into the room left.
 
 A pipeline of ``priority_levels`` N (Triton's meaning: 1 is the highest level, N the lowest, and
 priority 0 the default) keeps one stream per level at every stage: the default level, N, is the
@@ -7,12 +7,23 @@ stage's stream of every pipeline (``P:stream:<i>``, so nothing changes for a pro
 priority), and each level L < N has ``P:stream:<i>:p<L>`` (:meth:`broker.keys.Keys.at_level`), in the
 same hash slot. A worker forwards a batch read from one level into the same level of the next
 stage, so a request's priority travels with it to the last stage.
+
+**The first read** (:meth:`LevelReader.read`) sends one ``XREADGROUP ... >`` per level, all in one
+round trip, and hands out the highest level's entries first, then the lower levels' into the room
+the batch has left (``fill``). What a lower level's read brought beyond that room stays with the
+reader (its *carry*, delivered to this consumer and pending) and leads that level's part of the next
+read, which asks Redis for that much less. So a batch never takes more than its room, no entry is
+read twice, and Redis hands its replies straight to the worker: a script doing the same
+(``levels.lua`` before) cost Redis two to three times the reads it ran, converting every entry into
+Lua and back (``python -m bench.levels_read`` at dbaf068). A carry is at most one read of its level;
+it is dropped when a lane of the partition is lost (the lane's recovery reads those entries again,
+as this consumer's pending ones), and handed back to its stream when the worker stops
+(:meth:`LevelReader.hand_back`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 import redis
@@ -20,16 +31,15 @@ import redis
 from broker.families import STREAMS
 from broker.held import HeldConnection
 from broker.keys import GROUP
-from broker.operations import WORKER, Script, sends
+from broker.operations import WORKER, sends
 from broker.resp import pack_command
+from broker.share import Sharer
 from broker.streams import UnblockableReader
 from broker.streams import unblocked as _unblocked
 
-__all__ = ["LEVELS", "MAX_LEVELS", "LevelReader", "stream_level"]
+__all__ = ["MAX_LEVELS", "LevelReader", "stream_level"]
 
 MAX_LEVELS = 8  # a handful: every level is a stream, a read and a lane at every worker
-LEVELS_LUA = resources.files("broker").joinpath("levels.lua").read_text()
-LEVELS = Script("levels.lua", (STREAMS,), (("xreadgroup", (STREAMS,)),))
 
 
 def stream_level(priority: int, levels: int) -> int:
@@ -42,34 +52,77 @@ def stream_level(priority: int, levels: int) -> int:
 
 
 class LevelReader(UnblockableReader):
-    """Runs ``levels.lua`` for one partition's level streams of one stage, as one consumer, on a
-    connection of its own."""
+    """The first reads of one consumer on one partition's level streams of one stage, on a connection of
+    its own, with each level's carry (see the module's docstring)."""
 
     def __init__(self, client: redis.Redis, streams: Sequence[str], consumer: str, fill: bool = True) -> None:
         """``fill``: a batch read from one level takes the room left from the levels after it."""
         self.streams = list(streams)
         self._client = client
-        self._sha = client.register_script(LEVELS_LUA).sha
         self._consumer = consumer
-        self._fill = b"1" if fill else b"0"
+        self._fill = fill
+        self._carry: list[list[Any]] = [[] for _ in self.streams]  # per level: entries read, not handed out
+        self._read_head = [b"XREADGROUP", b"GROUP", GROUP.encode(), consumer.encode(), b"COUNT"]
         self._held = HeldConnection(client, self.streams[0], on_connect=self._identify, keep=_unblocked)
 
-    @sends(WORKER, scripts=(LEVELS,), why="a batch's first read on a stage with priority levels")
+    @property
+    def carried(self) -> int:
+        """Entries read and not handed out yet, all levels together."""
+        return sum(len(entries) for entries in self._carry)
+
+    @sends(WORKER, uses={"xreadgroup": STREAMS}, why="a batch's first read on a stage with priority levels")
     def read(self, order: Sequence[int], counts: Sequence[int]) -> list[tuple[int, Any]]:
-        """The first of ``streams[i] for i in order`` with new entries (``counts[i]`` at most), then with
-        ``fill`` the next ones in ``order`` for the room left: each stream read, as its index in
-        ``streams`` and its ``XREADGROUP`` reply, in ``order``; none when no level has entries."""
-        keys = [self.streams[i] for i in order]
-        args = [b"EVALSHA", self._sha.encode(), b"%d" % len(keys), *(k.encode() for k in keys), GROUP.encode(),
-                self._consumer.encode(), self._fill, *(b"%d" % counts[i] for i in order)]
-        try:
-            reply = self._held.call(pack_command(args))
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-            self._client.script_load(LEVELS_LUA)
-            reply = self._held.call(pack_command(args))
-        if not reply:
-            return []
-        return [(order[int(reply[k]) - 1], reply[k + 1]) for k in range(0, len(reply), 2)]
+        """The first of ``streams[i] for i in order`` with entries (``counts[i]`` at most), then with
+        ``fill`` the next ones in ``order`` for the room left: each stream's part, as its index in
+        ``streams`` and an ``XREADGROUP`` reply of its own, in ``order``; none when no level has entries.
+        Each level's carry comes first within its part (it was read first)."""
+        asked = [(i, counts[i] - len(self._carry[i])) for i in order]
+        asked = [(i, count) for i, count in asked if count > 0]
+        if asked:
+            try:
+                self._held.send(b"".join(pack_command([*self._read_head, b"%d" % count, b"STREAMS",
+                                                       self.streams[i].encode(), b">"]) for i, count in asked))
+                replies = [self._held.read() for _ in asked]
+            except Exception:  # no reply left for the next read; the lanes' recovery reads the carry again
+                self.close()
+                raise
+            for (i, _), reply in zip(asked, replies, strict=True):
+                if reply:
+                    self._carry[i] += _entries(reply)
+        return self._hand_out(order, counts)
+
+    def _hand_out(self, order: Sequence[int], counts: Sequence[int]) -> list[tuple[int, Any]]:
+        """The batch's parts, from the carries: the first level with entries up to its count, then each
+        next one up to the room left."""
+        out: list[tuple[int, Any]] = []
+        room: int | None = None
+        for i in order:
+            carry = self._carry[i]
+            if not carry:
+                continue
+            count = counts[i] if room is None else min(room, counts[i])
+            if count <= 0:
+                break
+            taken, self._carry[i] = carry[:count], carry[count:]
+            out.append((i, [[self.streams[i].encode(), taken]]))
+            room = count - len(taken)
+            if not self._fill or room <= 0:
+                break
+        return out
+
+    def drop_carry(self) -> None:
+        """Forget the carries (a lane of the partition was lost: its recovery reads them again)."""
+        self._carry = [[] for _ in self.streams]
+
+    def hand_back(self) -> None:
+        """Give the carries back to their streams (the worker stops): each entry added again under a new
+        id and acked, in one step (``share.lua``), for the workers that go on; what Redis cannot take
+        now stays pending, for a peer to claim after ``claim_idle_s``."""
+        sharer = Sharer(self._client, self._consumer)
+        for i, carry in enumerate(self._carry):
+            if carry:
+                sharer.give_back(self.streams[i], [[entry[0] for entry in carry]])
+        self.drop_carry()
 
     @sends(WORKER, uses={"xreadgroup": STREAMS}, why="an idle worker's wait on every level of its stage at once")
     def block(self, count: int, block_ms: int) -> dict[int, Any]:
@@ -89,4 +142,10 @@ class LevelReader(UnblockableReader):
         return {index[bytes(name)]: [[name, entries]] for name, entries in items}
 
     def close(self) -> None:
+        self.drop_carry()
         self._held.drop()
+
+
+def _entries(reply: Any) -> list[Any]:
+    """The entries of an ``XREADGROUP`` reply naming one stream (RESP2 list or RESP3 map)."""
+    return next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]

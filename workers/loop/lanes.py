@@ -31,6 +31,12 @@ class ReadLane:
     drained: bool = False  # that drain has been done once (the one at start)
     retry_at: float = 0.0  # monotonic time before which the lane is left alone
     backoff: Backoff = field(default_factory=Backoff)
+    losses: int = 0  # times the lane was lost (set aside, or its group gone): entries read before are recovered
+
+    def lost(self) -> None:
+        """Entries this consumer read here are to be recovered (read again as its own pending ones)."""
+        self.recover = True
+        self.losses += 1
 
     @property
     def stream(self) -> str:
@@ -42,7 +48,7 @@ class ReadLane:
     def set_aside(self, exc: BaseException) -> None:
         log.warning("redis unavailable stream=%s error=%r", self.stream, exc)
         self.reader.close()
-        self.recover = True
+        self.lost()
         self.retry_at = time.monotonic() + self.backoff.next_delay_s()
 
     def close(self) -> None:

@@ -4,10 +4,10 @@ within a level, and a guard that keeps the lowest level from starving.
 Each level of each partition is a lane of its own (:mod:`workers.loop.lanes`: its stream reader,
 its committer, its recovery), so a batch is read from one level, committed in one call and
 forwarded into the same level of the next stage: the priority travels with the request. What
-differs is the first read of a batch. ``levels.lua`` (:class:`broker.levels.LevelReader`) reads
-the first level stream, highest first, that has new entries, and no other: a worker never holds a
-lower level's entries while it serves a higher one, and within a level entries come in stream
-order (first in, first out). Only when every level of every partition is empty does the worker
+differs is the first read of a batch (:class:`broker.levels.LevelReader`): every level read in one
+round trip, the highest level with entries handed out first, and within a level entries in stream
+order (first in, first out); what a lower level's read brought beyond the batch's room waits, read,
+for the next batch (its carry), which it leads. Only when every level of every partition is empty does the worker
 block, on every lane at once (the worker's ordinary read, lanes highest level first), and run
 whatever came.
 
@@ -28,6 +28,7 @@ and a higher level waits at most one batch more.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from broker.commit import BatchStats, Commit
-from broker.errors import SyncClient
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, SyncClient
 from broker.levels import LevelReader
 from broker.streams import Entry, ReadOutcome, read_any
 from workers.loop.ahead import ReadAhead, Settled
@@ -47,6 +48,8 @@ from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
 
 __all__ = ["LevelBatch", "LevelTurns", "Segments", "level_turns"]
+
+log = logging.getLogger("conveyor.worker")
 
 Segments = list[tuple[ReadLane, list[Entry]]]  # one batch's entries, by level, in the order read
 RunBatch = Callable[[Segments, int, float, bool], None]  # segments, asked, when read, wait
@@ -61,6 +64,7 @@ class _Partition:
     reader: LevelReader
     lanes: list[ReadLane]
     streak: int = 0  # first reads in a row served from a level above the lowest
+    losses: int = 0  # the lanes' losses the reader's carry knows of (one more: recovery reads it again)
 
     def order(self, fair_after: int) -> list[int]:
         """The levels to try, as indexes of ``lanes``: highest first, or lowest first when due."""
@@ -94,8 +98,12 @@ class LevelTurns:
         return picked if picked is not None else ([], True)
 
     def _pick(self, part: _Partition, count: int) -> tuple[Segments, bool] | None:
-        """``levels.lua`` on one partition: the entries read by lane, and whether the batch may wait to
+        """The first read on one partition: the entries read by lane, and whether the batch may wait to
         fill (the lowest level's alone)."""
+        losses = sum(lane.losses for lane in part.lanes)
+        if losses != part.losses:  # a lane lost since: its recovery runs what the carry held
+            part.reader.drop_carry()
+            part.losses = losses
         order = part.order(self.fair_after)
         picked = part.reader.read(order, [lane.reader.entries_for(count) for lane in part.lanes])
         if not picked:
@@ -149,12 +157,17 @@ class LevelTurns:
             part.reader.interrupt()
 
     def close(self) -> None:
+        """The worker stops: the carries go back to their streams, for the workers that go on."""
         for part in self.partitions:
+            try:
+                part.reader.hand_back()
+            except CONNECTION_OR_REPLY_ERRORS as exc:  # left pending: a peer claims them after claim_idle_s
+                log.warning("read entries not handed back streams=%s error=%r", part.reader.streams, exc)
             part.reader.close()
 
 
 class LevelBatch:
-    """A batch of several levels' new entries (``levels.lua``'s fill): one ``predict`` on them all, in
+    """A batch of several levels' new entries (the first read's fill): one ``predict`` on them all, in
     the order read, each level's part admitted, routed and committed in its own lane, the commits sent
     together and their replies taken together. Without hand-off (it gives entries back to one stream)."""
 

@@ -361,7 +361,7 @@ class Worker:
             lane.set_aside(exc)
         elif is_nogroup(exc):
             log.warning("consumer group missing (Redis restarted empty?): recreating stream=%s", lane.stream)
-            lane.recover = True
+            lane.lost()
             self._with_redis(lambda: self._register([lane]))
         else:
             log_refusal_once(exc, key=lane.stream)

@@ -1,0 +1,139 @@
+"""A worker's first read on a stage with priority levels (broker.levels.LevelReader): every level read
+in one round trip, the highest level's entries handed out first, the room left filled from the levels
+below, and what a lower level's read brought beyond that room carried to the next read, where it comes
+first. Against a real redis-server: nothing handed out twice, nothing skipped, stream order kept; the
+carry handed back to its stream when the worker stops, and forgotten when a lane is lost (its recovery
+reads those entries again)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from broker.commit import Committer, Ttls
+from broker.keys import GROUP, Keys
+from broker.levels import LevelReader
+from broker.streams import StreamReader
+from workers.embedded.server import EmbeddedRedis
+from workers.loop.lanes import ReadLane
+from workers.loop.priorities import LevelTurns
+
+CONSUMER = "w1"
+
+
+@pytest.fixture
+def client(private_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(private_redis.url)
+    yield c
+    c.close()
+
+
+def streams(client: redis.Redis, keys: Keys) -> list[str]:
+    """The first stage's level streams, highest first, each with its group."""
+    names = [k.stream(0) for k in keys.levels(2)]
+    for name in names:
+        client.xgroup_create(name, GROUP, id="0", mkstream=True)
+    return names
+
+
+def add(client: redis.Redis, stream: str, count: int, tag: str) -> list[bytes]:
+    return [client.xadd(stream, {"id": f"{tag}{n}", "data": b"x", "v": b"1"}) for n in range(count)]
+
+
+def ids(picked: list[tuple[int, Any]]) -> list[tuple[int, list[bytes]]]:
+    return [(i, [entry[0] for entry in reply[0][1]]) for i, reply in picked]
+
+
+def pending(client: redis.Redis, stream: str) -> int:
+    return int(client.xpending(stream, GROUP)["pending"])
+
+
+def test_the_room_left_is_filled_and_the_rest_leads_the_next_read(client: redis.Redis) -> None:
+    urgent, default = streams(client, Keys("t-lr-fill"))
+    u = add(client, urgent, 3, "u")
+    d = add(client, default, 10, "d")
+    reader = LevelReader(client, [urgent, default], CONSUMER)
+    try:
+        assert ids(reader.read([0, 1], [4, 4])) == [(0, u), (1, d[:1])]  # one place left for the default level
+        assert reader.carried == 3  # the default level's read brought 4
+        assert pending(client, default) == 4
+        assert ids(reader.read([0, 1], [4, 4])) == [(1, d[1:5])]  # the carry first, then one more read
+        assert reader.carried == 0
+        u2 = add(client, urgent, 2, "v")
+        assert ids(reader.read([0, 1], [4, 4])) == [(0, u2), (1, d[5:7])]
+        assert ids(reader.read([1, 0], [4, 4])) == [(1, d[7:10])]  # the starvation guard's order: lowest first
+        assert reader.read([0, 1], [4, 4]) == [] and reader.carried == 0
+        assert pending(client, default) == 10 and pending(client, urgent) == 5  # each read once, none skipped
+    finally:
+        reader.close()
+
+
+def test_without_fill_only_the_first_level_with_entries_is_handed_out(client: redis.Redis) -> None:
+    urgent, default = streams(client, Keys("t-lr-nofill"))
+    u = add(client, urgent, 2, "u")
+    d = add(client, default, 3, "d")
+    reader = LevelReader(client, [urgent, default], CONSUMER, fill=False)
+    try:
+        assert ids(reader.read([0, 1], [4, 4])) == [(0, u)]
+        assert ids(reader.read([0, 1], [4, 4])) == [(1, d)]
+    finally:
+        reader.close()
+
+
+def test_a_stopping_worker_hands_its_carry_back(client: redis.Redis) -> None:
+    urgent, default = streams(client, Keys("t-lr-back"))
+    add(client, urgent, 4, "u")
+    add(client, default, 4, "d")
+    reader = LevelReader(client, [urgent, default], CONSUMER)
+    try:
+        reader.read([0, 1], [4, 4])  # the urgent level fills the batch: the default level's 4 are carried
+        assert reader.carried == 4
+        reader.hand_back()
+        assert reader.carried == 0
+    finally:
+        reader.close()
+    assert pending(client, default) == 0  # none left with the stopped consumer
+    again = client.xreadgroup(GROUP, "w2", {default: ">"}, count=10)
+    assert [fields[b"id"] for _, fields in again[0][1]] == [b"d0", b"d1", b"d2", b"d3"]
+
+
+def test_an_error_reply_leaves_no_reply_behind_for_the_next_read(client: redis.Redis) -> None:
+    urgent, default = streams(client, Keys("t-lr-error"))
+    client.xgroup_destroy(default, GROUP)  # the default level's read fails (NOGROUP), the urgent one's not
+    add(client, urgent, 1, "u")
+    reader = LevelReader(client, [urgent, default], CONSUMER)
+    try:
+        with pytest.raises(redis.ResponseError, match="NOGROUP"):
+            reader.read([1, 0], [4, 4])  # the failing read first: the urgent level's reply comes after it
+        client.xgroup_create(default, GROUP, id="0", mkstream=True)
+        d = add(client, default, 2, "d")
+        # Were that reply left on the connection, this read would take it for its own first one.
+        assert ids(reader.read([0, 1], [4, 4])) == [(1, d)]
+        assert pending(client, urgent) == 1  # read by the failed call: the lane's recovery runs it
+    finally:
+        reader.close()
+
+
+def test_a_lost_lane_drops_the_partitions_carry(client: redis.Redis, private_redis: EmbeddedRedis) -> None:
+    keys = Keys("t-lr-lost")
+    urgent, default = streams(client, keys)
+    add(client, urgent, 4, "u")
+    add(client, default, 4, "d")
+    lanes = [ReadLane(k, StreamReader(client, k.stream(0), CONSUMER), Committer(client, k, 0, "S", False, Ttls()))
+             for k in keys.levels(2)]
+    for lane in lanes:
+        lane.recover = False
+    turns = LevelTurns(lanes, 2, 8, lambda names: LevelReader(client, names, CONSUMER))
+    try:
+        segments, _ = turns.ahead(lanes[0], 4)
+        assert [len(entries) for _, entries in segments] == [4]  # the default level's 4 carried
+        lanes[1].lost()  # its recovery reads this consumer's pending entries there, the carried ones too
+        assert turns.ahead(lanes[0], 4) == ([], True)  # so the carry is not handed out as well
+        assert pending(client, default) == 4
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
