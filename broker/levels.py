@@ -23,6 +23,7 @@ as this consumer's pending ones), and handed back to its stream when the worker 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,13 +56,18 @@ class LevelReader(UnblockableReader):
     """The first reads of one consumer on one partition's level streams of one stage, on a connection of
     its own, with each level's carry (see the module's docstring)."""
 
-    def __init__(self, client: redis.Redis, streams: Sequence[str], consumer: str, fill: bool = True) -> None:
-        """``fill``: a batch read from one level takes the room left from the levels after it."""
+    def __init__(self, client: redis.Redis, streams: Sequence[str], consumer: str, fill: bool = True,
+                 max_carry_s: float = 30.0) -> None:
+        """``fill``: a batch read from one level takes the room left from the levels after it.
+        ``max_carry_s``: a carry read longer ago is not handed out but left pending, for the stage's
+        claim (a peer may have claimed it meanwhile: half the stage's ``claim_idle_s``)."""
         self.streams = list(streams)
         self._client = client
         self._consumer = consumer
         self._fill = fill
         self._carry: list[list[Any]] = [[] for _ in self.streams]  # per level: entries read, not handed out
+        self._carried_at = [0.0 for _ in self.streams]  # per level: when its carry's oldest entries were read
+        self._max_carry_s = max_carry_s
         self._read_head = [b"XREADGROUP", b"GROUP", GROUP.encode(), consumer.encode(), b"COUNT"]
         self._held = HeldConnection(client, self.streams[0], on_connect=self._identify, keep=_unblocked)
 
@@ -76,6 +82,10 @@ class LevelReader(UnblockableReader):
         ``fill`` the next ones in ``order`` for the room left: each stream's part, as its index in
         ``streams`` and an ``XREADGROUP`` reply of its own, in ``order``; none when no level has entries.
         Each level's carry comes first within its part (it was read first)."""
+        now = time.monotonic()
+        for i in order:  # too old: while the batch before ran (a slow predict), a peer may have claimed it
+            if self._carry[i] and now - self._carried_at[i] > self._max_carry_s:
+                self._carry[i] = []
         asked = [(i, counts[i] - len(self._carry[i])) for i in order]
         asked = [(i, count) for i, count in asked if count > 0]
         if asked:
@@ -88,6 +98,8 @@ class LevelReader(UnblockableReader):
                 raise
             for (i, _), reply in zip(asked, replies, strict=True):
                 if reply:
+                    if not self._carry[i]:
+                        self._carried_at[i] = now
                     self._carry[i] += _entries(reply)
         return self._hand_out(order, counts)
 

@@ -137,3 +137,19 @@ def test_a_lost_lane_drops_the_partitions_carry(client: redis.Redis, private_red
         turns.close()
         for lane in lanes:
             lane.close()
+
+
+def test_a_carry_older_than_its_bound_is_left_pending_for_the_claim(client: redis.Redis) -> None:
+    """A carry read longer ago than ``max_carry_s`` (half the stage's ``claim_idle_s``: the batch before ran
+    that long) may have been claimed by a peer meanwhile: it is not handed out, but left pending."""
+    urgent, default = streams(client, Keys("t-lr-old"))
+    u = add(client, urgent, 3, "u")
+    d = add(client, default, 10, "d")
+    reader = LevelReader(client, [urgent, default], CONSUMER, max_carry_s=0.0)  # every carry is old at once
+    try:
+        assert ids(reader.read([0, 1], [4, 4])) == [(0, u), (1, d[:1])]
+        assert reader.carried == 3
+        assert ids(reader.read([0, 1], [4, 4])) == [(1, d[4:8])]  # not d[1:4]: those wait for the claim
+        assert pending(client, default) == 8
+    finally:
+        reader.close()

@@ -211,6 +211,8 @@ class LevelBatch:
 
 
 def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: SyncClient,
-                consumer: str, fill: bool = True) -> LevelTurns:
-    """The worker's level turns; for a pipeline of one level, none: each turn is its blocking read."""
-    return LevelTurns(lanes, levels, fair_after, lambda streams: LevelReader(client, streams, consumer, fill))
+                consumer: str, fill: bool = True, max_carry_s: float = 30.0) -> LevelTurns:
+    """The worker's level turns; for a pipeline of one level, none: each turn is its blocking read.
+    ``max_carry_s``: :class:`broker.levels.LevelReader`'s (half the stage's ``claim_idle_s``)."""
+    return LevelTurns(lanes, levels, fair_after,
+                      lambda streams: LevelReader(client, streams, consumer, fill, max_carry_s))

@@ -128,7 +128,7 @@ class Worker:
                             Committer(self._client, keys, self.spec.index, self.spec.name, not last_stage, ttls))
                        for part in self.pipeline.partition_keys for keys in part.levels(levels)]
         self._levels = level_turns(self._lanes, levels, self.pipeline.fair_after, self._client, self.consumer,
-                                  self.settings.fill_levels)
+                                  self.settings.fill_levels, self.spec.claim_idle_s / 2)
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
