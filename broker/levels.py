@@ -17,8 +17,9 @@ read twice, and Redis hands its replies straight to the worker: a script doing t
 (``levels.lua`` before) cost Redis two to three times the reads it ran, converting every entry into
 Lua and back (``python -m bench.levels_read`` at dbaf068). A carry is at most one read of its level;
 it is dropped when a lane of the partition is lost (the lane's recovery reads those entries again,
-as this consumer's pending ones), and handed back to its stream when the worker stops
-(:meth:`LevelReader.hand_back`).
+as this consumer's pending ones) or once older than half the stage's ``claim_idle_s`` (left pending
+for the claim: a peer may have claimed it while a slow batch ran), and handed back to its stream when
+the worker stops (:meth:`LevelReader.hand_back`).
 """
 
 from __future__ import annotations
