@@ -6,9 +6,8 @@ A stage without levels reads a batch with one ``XREADGROUP``; with two levels, a
 :meth:`broker.levels.LevelReader.read`: one ``XREADGROUP`` per level in one round trip (here with the
 higher level empty, as most reads find it at a low priority share). On a private Redis, a stream of
 entries shaped as the gateway writes them, read ``--calls`` times at each batch size each way.
-Printed: Redis's own microseconds per read (``INFO commandstats``, every command of the read).
-Until dbaf068 the levels' read was a script (``levels.lua``) whose cost this bench showed there: 1.7x
-to 3.4x a plain read.
+Printed: Redis's own microseconds per read (``INFO commandstats``, every command of the read). Until
+dbaf068 the levels' read was a script (``levels.lua``); this bench at that commit measures it.
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ round trip, and hands out the highest level's entries first, then the lower leve
 the batch has left (``fill``). What a lower level's read brought beyond that room stays with the
 reader (its *carry*, delivered to this consumer and pending) and leads that level's part of the next
 read, which asks Redis for that much less. So a batch never takes more than its room, no entry is
-read twice, and Redis hands its replies straight to the worker: a script doing the same
-(``levels.lua`` before) cost Redis two to three times the reads it ran, converting every entry into
-Lua and back (``python -m bench.levels_read`` at dbaf068). A carry is at most one read of its level;
+read twice, and Redis hands its replies straight to the worker (a script doing the same would convert
+every entry into Lua and back: docs/decisions.md). A carry is at most one read of its level;
 it is dropped when a lane of the partition is lost (the lane's recovery reads those entries again,
 as this consumer's pending ones) or once older than half the stage's ``claim_idle_s`` (left pending
 for the claim: a peer may have claimed it while a slow batch ran), and handed back to its stream when
