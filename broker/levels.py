@@ -113,8 +113,6 @@ class LevelReader(UnblockableReader):
             if not carry:
                 continue
             count = counts[i] if room is None else min(room, counts[i])
-            if count <= 0:
-                break
             taken, self._carry[i] = carry[:count], carry[count:]
             out.append((i, [[self.streams[i].encode(), taken]]))
             room = count - len(taken)

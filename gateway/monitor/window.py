@@ -7,8 +7,10 @@ batch): counted as entries come in and leave the window, so that a reader that r
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
+from itertools import accumulate
 
 from broker.protocol import as_bytes
 from broker.status import Entry
@@ -39,47 +41,27 @@ class BatchTally:
     __slots__ = ("batches", "durations", "items")
 
     def __init__(self, batches: Sequence[tuple[int, float]] = ()) -> None:
-        self.batches = 0
-        self.items = 0
-        self.durations: Counter[float] = Counter()
-        self.add(batches)
-
-    def add(self, batches: Sequence[tuple[int, float]]) -> None:
-        self.batches += len(batches)
-        self.items += sum(size for size, _ in batches)
-        self.durations.update([seconds for _, seconds in batches])
+        self.batches = len(batches)
+        self.items = sum(size for size, _ in batches)
+        self.durations: Counter[float] = Counter(seconds for _, seconds in batches)
 
     def absorb(self, other: BatchTally) -> None:
         """Count ``other``'s batches too (a stats entry's tally, as it enters the window)."""
         self.batches += other.batches
         self.items += other.items
-        self.durations.update(other.durations)
+        self.durations += other.durations
 
     def drop(self, other: BatchTally) -> None:
         """Count ``other``'s batches no more (a stats entry's tally absorbed before, leaving the window)."""
         self.batches -= other.batches
         self.items -= other.items
-        durations = self.durations
-        for seconds, count in other.durations.items():
-            left = durations[seconds] - count
-            if left > 0:
-                durations[seconds] = left
-            else:
-                del durations[seconds]
+        self.durations -= other.durations  # a duration no batch has left goes
 
     def percentiles(self, *ps: float) -> tuple[float, ...]:
         """Nearest-rank percentiles of the durations, for a tally of at least one batch."""
-        ranks = [max(1, math.ceil(p / 100 * self.batches)) for p in ps]
-        found: dict[int, float] = {}
-        seen = 0
-        for seconds in sorted(self.durations):
-            seen += self.durations[seconds]
-            for rank in ranks:
-                if rank not in found and seen >= rank:
-                    found[rank] = seconds
-            if len(found) == len(set(ranks)):
-                break
-        return tuple(found[rank] for rank in ranks)
+        values = sorted(self.durations)
+        ranks = list(accumulate(self.durations[seconds] for seconds in values))  # batches at or below each
+        return tuple(values[bisect_left(ranks, max(1, math.ceil(p / 100 * self.batches)))] for p in ps)
 
 
 def id_key(entry_id: bytes | str) -> tuple[int, int]:
