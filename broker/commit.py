@@ -8,6 +8,7 @@ than the commit itself. It goes out on a held connection (:mod:`broker.held`), n
 from __future__ import annotations
 
 import logging
+from binascii import hexlify
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class BatchStats:
     durations: list[bytes] = field(default_factory=list)
     since: float = 0.0
     waits: dict[int, int] = field(default_factory=dict)  # bucket index -> items
-    exemplars: dict[tuple[bytes, int], tuple[int, float]] = field(default_factory=dict)  # -> (trace id, seconds)
+    exemplars: dict[tuple[bytes, int], tuple[bytes, float]] = field(default_factory=dict)  # -> (trace id, seconds)
 
     def add(self, size: int, duration_ms: float) -> None:
         if size > 0:
@@ -99,8 +100,9 @@ class BatchStats:
         waits = self.waits
         waits[bucket] = waits.get(bucket, 0) + items
 
-    def add_exemplar(self, kind: bytes, seconds: float, trace_id: int) -> None:
-        """A sampled item's wait (``kind`` b"w") or predict share (b"p"), for its bucket's exemplar."""
+    def add_exemplar(self, kind: bytes, seconds: float, trace_id: bytes) -> None:
+        """A sampled item's wait (``kind`` b"w") or predict share (b"p"), for its bucket's exemplar
+        (``trace_id``: its 16 bytes)."""
         self.exemplars[(kind, bisect_left(ITEM_BUCKETS_S, seconds))] = (trace_id, seconds)
 
     def due(self, now: float) -> bool:
@@ -109,8 +111,8 @@ class BatchStats:
     def take(self, now: float) -> tuple[bytes, bytes, bytes, bytes]:
         """The fields of one stats entry (``n``, ``ms``, ``w``, ``x``), emptying the buffer."""
         waits = b" ".join(b"%d:%d" % pair for pair in sorted(self.waits.items()))
-        exemplars = b" ".join(b"%s:%d:%032x:%.6f" % (kind, bucket, *value)
-                              for (kind, bucket), value in self.exemplars.items())
+        exemplars = b" ".join(b"%s:%d:%s:%.6f" % (kind, bucket, hexlify(trace_id), seconds)
+                              for (kind, bucket), (trace_id, seconds) in self.exemplars.items())
         fields = b" ".join(self.sizes), b" ".join(self.durations), waits, exemplars
         self.sizes, self.durations, self.since = [], [], now
         self.waits, self.exemplars = {}, {}

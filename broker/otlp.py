@@ -1,32 +1,30 @@
 """OTLP trace export requests encoded by hand (protobuf wire format), for :class:`broker.tracing.SpanSink`.
 
 Why not the SDK's encoder: it builds a protobuf message per span, attribute and value through
-Python, ~75 us per span on the benchmark machine (a worker's whole cost per item is ~15 us), which
-at 100 % sampling more than tripled the CPU per request (docs/benchmarks.md, "Tracing"). The messages
-conveyor sends are few and fixed (``ExportTraceServiceRequest`` > ``ResourceSpans`` > ``ScopeSpans`` >
-``Span`` with ``KeyValue`` attributes, an ``Event``, a ``Status``): written here as bytes, a span costs a
-few microseconds, and the attributes a process repeats on every span are encoded once. The bytes go
-out through the SDK's OTLP/HTTP exporter's client (its endpoint, headers, compression, timeout and
-retries, as the ``OTEL_EXPORTER_OTLP_*`` variables configure them). ``tests/test_traces.py`` decodes
-every request with ``opentelemetry-proto``.
+Python, which at 100 % sampling more than tripled a worker's CPU per item (docs/benchmarks.md,
+"Tracing"). The messages conveyor sends are few and fixed (``ExportTraceServiceRequest`` >
+``ResourceSpans`` > ``ScopeSpans`` > ``Span`` with ``KeyValue`` attributes, an ``Event``, a
+``Status``), so a span is its ids and times packed by one ``struct`` call, followed by a **tail**
+(name, kind, attributes) the caller encodes once for all the spans that share it (a stage's batch,
+a route) and the few attributes of its own. Protobuf fields may come in any order, which is what
+lets a tail be reused. The bytes go out through the SDK's OTLP/HTTP exporter's client (its
+endpoint, headers, compression, timeout and retries, as the ``OTEL_EXPORTER_OTLP_*`` variables
+configure them). ``tests/test_traces.py`` decodes every request with ``opentelemetry-proto``.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["attributes", "export_request", "span"]
+__all__ = ["attributes", "error", "export_request", "head", "int_attribute", "key", "span", "string_attribute",
+           "tracestate"]
 
 KIND_INTERNAL, KIND_SERVER = 1, 2
-_IDS = struct.Struct(">BBQQBBQ")  # trace id (field 1, 16 bytes), span id (field 2, 8 bytes)
-_PARENT = struct.Struct(">BBQ")
-_TIMES = struct.Struct("<BBBQBQ")  # kind (field 6, < 128), start and end (fields 7, 8: fixed64)
-_LOW = (1 << 64) - 1
-STATUS_ERROR = 2
-
-
+# trace id (field 1), span id (2), parent span id (4), start and end (fields 7, 8: fixed64)
+_CHILD = struct.Struct("<2s16s2s8s2s8sBQBQ")
+_ROOT = struct.Struct("<2s16s2s8sBQBQ")
 _SMALL = [bytes((n,)) for n in range(128)]
 
 
@@ -48,6 +46,8 @@ def _field(tag: int, payload: bytes) -> bytes:
     size = len(payload)
     if size < 128:
         return b"%c%c%b" % (tag, size, payload)
+    if size < 16384:
+        return b"%c%c%c%b" % (tag, size & 0x7F | 0x80, size >> 7, payload)
     return _SMALL[tag] + _varint(size) + payload
 
 
@@ -66,31 +66,63 @@ def _value(value: Any) -> bytes:
 
 def attributes(values: Mapping[str, Any], tag: int = 0x4A) -> bytes:
     """``KeyValue`` fields (a span's attributes: field 9; a resource's or an event's: pass their tag)."""
-    return b"".join(_field(tag, _field(0x0A, key.encode()) + _field(0x12, _value(value)))
-                    for key, value in values.items())
+    return b"".join(_field(tag, _field(0x0A, name.encode()) + _field(0x12, _value(value)))
+                    for name, value in values.items())
 
 
-def span(trace_id: int, span_id: int, parent_id: int, name: str, kind: int, start_ns: int, end_ns: int,
-         constant: bytes, values: Mapping[str, Any], tracestate: str | None = None,
-         error: tuple[str, str, str] | None = None) -> bytes:
-    """One ``Span`` message (``constant``: attributes encoded once by :func:`attributes`)."""
-    parts = [_IDS.pack(0x0A, 16, trace_id >> 64, trace_id & _LOW, 0x12, 8, span_id)]
-    if tracestate:
-        parts.append(_field(0x1A, tracestate.encode()))
+def key(name: str) -> bytes:
+    """An attribute's key, encoded once, for :func:`string_attribute` and :func:`int_attribute`."""
+    return _field(0x0A, name.encode())
+
+
+def string_attribute(encoded_key: bytes, value: bytes) -> bytes:
+    """One span attribute whose value is the UTF-8 ``value`` (``encoded_key``: from :func:`key`)."""
+    size = len(value)
+    if size < 100 and len(encoded_key) + size < 124:
+        return b"\x4a%c%b\x12%c\x0a%c%b" % (len(encoded_key) + size + 4, encoded_key, size + 2, size, value)
+    return _field(0x4A, encoded_key + _field(0x12, _field(0x0A, value)))
+
+
+def int_attribute(encoded_key: bytes, value: int) -> bytes:
+    return _field(0x4A, encoded_key + _field(0x12, b"\x18" + _varint(value)))
+
+
+def head(name: str, kind: int = KIND_INTERNAL) -> bytes:
+    """A span's name and kind: the start of every tail."""
+    return _field(0x2A, name.encode()) + b"\x30" + _SMALL[kind]
+
+
+def span(trace_id: bytes, span_id: bytes, parent_id: bytes, start_ns: int, end_ns: int, tail: bytes) -> bytes:
+    """One ``Span`` (as ``ScopeSpans.spans``, field 2): ids of 16, 8 and 8 bytes (``parent_id`` b"":
+    none), times in ns since the epoch, ``tail``: :func:`head` and the attributes (and :func:`error`)."""
     if parent_id:
-        parts.append(_PARENT.pack(0x22, 8, parent_id))
-    parts += (_field(0x2A, name.encode()), _TIMES.pack(0x30, kind, 0x39, start_ns, 0x41, end_ns), constant,
-              attributes(values))
-    if error is not None:
-        kind_name, message, trace = error
-        event = b"\x09" + struct.pack("<Q", end_ns) + _field(0x12, b"exception") + attributes(
-            {"exception.type": kind_name, "exception.message": message, "exception.stacktrace": trace}, 0x1A)
-        parts += (_field(0x5A, event), _field(0x7A, _field(0x12, f"{kind_name}: {message}".encode()) + b"\x18\x02"))
-    return _field(0x12, b"".join(parts))  # as ScopeSpans.spans (field 2)
+        body = _CHILD.pack(b"\x0a\x10", trace_id, b"\x12\x08", span_id, b"\x22\x08", parent_id, 0x39, start_ns,
+                           0x41, end_ns)
+    else:
+        body = _ROOT.pack(b"\x0a\x10", trace_id, b"\x12\x08", span_id, 0x39, start_ns, 0x41, end_ns)
+    size = len(body) + len(tail)
+    if 128 <= size < 16384:
+        return b"\x12%c%c%b%b" % (size & 0x7F | 0x80, size >> 7, body, tail)
+    return _field(0x12, body + tail)
 
 
-def export_request(resource: Mapping[str, Any], scope: str, spans: Iterable[bytes]) -> bytes:
-    """An ``ExportTraceServiceRequest`` of one resource and scope; ``spans`` from :func:`span`."""
-    scope_spans = _field(0x0A, _field(0x0A, scope.encode())) + b"".join(spans)
-    resource_spans = _field(0x0A, attributes(resource, 0x0A)) + _field(0x12, scope_spans)
-    return _field(0x0A, resource_spans)
+def tracestate(value: str) -> bytes:
+    """The W3C ``tracestate`` a span keeps (field 3), for its tail."""
+    return _field(0x1A, value.encode())
+
+
+def error(kind_name: str, message: str, trace: str, at_ns: int) -> bytes:
+    """An ``exception`` event and status ERROR, for the tail of a span that failed."""
+    event = b"\x09" + struct.pack("<Q", at_ns) + _field(0x12, b"exception") + attributes(
+        {"exception.type": kind_name, "exception.message": message, "exception.stacktrace": trace}, 0x1A)
+    return _field(0x5A, event) + _field(0x7A, _field(0x12, f"{kind_name}: {message}".encode()) + b"\x18\x02")
+
+
+def export_request(resource: Mapping[str, Any], scope: str, spans: Sequence[bytes]) -> bytes:
+    """An ``ExportTraceServiceRequest`` of one resource and scope; ``spans`` from :func:`span`,
+    joined once (the nested messages' lengths are computed, not their bytes copied)."""
+    scope_head = _field(0x0A, _field(0x0A, scope.encode()))
+    scope_size = len(scope_head) + sum(map(len, spans))
+    resource_head = _field(0x0A, attributes(resource, 0x0A)) + _SMALL[0x12] + _varint(scope_size)
+    resource_size = len(resource_head) + scope_size
+    return b"".join((_SMALL[0x0A], _varint(resource_size), resource_head, scope_head, *spans))

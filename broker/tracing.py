@@ -19,12 +19,12 @@ last one copies into the result record (``timing``). Every stage's spans are chi
 the ``traceparent`` names (the gateway's request span): each stage forwards the value it read, plus
 its timing token, so the parent stays one and the tree stays flat and simple.
 
-**Spans are made off the hot path** (:class:`SpanSink`): the caller records a tuple (ids, times,
-attributes) per span, a thread of the sink turns them into OTLP protobuf bytes (:mod:`broker.otlp`, a
-few microseconds a span where the SDK's encoder takes ~75) and sends them with the SDK's OTLP/HTTP
-exporter's client. The
-span's times are given, not measured by the SDK: a worker's wait span starts at its entry's id (when
-it entered the stream) and the numbers a timing header reports are the spans' own.
+**Spans are encoded where they end and sent off the hot path** (:class:`SpanSink`): the recorder
+packs each span into OTLP protobuf bytes (:mod:`broker.otlp`: its ids and times, then a tail it
+encoded once for the spans that share it), a thread of the sink sends them in batches with the SDK's
+OTLP/HTTP exporter's client. The span's times are given, not measured by the SDK: a worker's wait
+span starts at its entry's id (when it entered the stream) and the numbers a timing header reports
+are the spans' own.
 """
 
 from __future__ import annotations
@@ -33,19 +33,26 @@ import logging
 import random
 import threading
 import time
+from binascii import hexlify, unhexlify
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("conveyor.tracing")
 
-__all__ = ["SpanRecord", "SpanSink", "TraceSettings", "field_value", "new_span_id", "new_trace_id",
+__all__ = ["SpanSink", "TraceSettings", "field_value", "new_span_id", "new_trace_id",
            "parse_traceparent", "start_sink", "timing_asked", "timings", "traceparent", "with_timing"]
 
 _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 _SAMPLERS = ("always_on", "always_off", "parentbased_always_on", "parentbased_always_off", *_RATIO_SAMPLERS)
 NO_PARENT = b"-"
+_NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
+_HEX, _ODD_HEX = frozenset(b"0123456789abcdefABCDEF"), frozenset(b"13579bdfBDF")
+# Spans per export unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise: not the SDK's 512, because a
+# post costs the exporter's client about the same CPU whatever its size (docs/benchmarks.md,
+# "Tracing"); 4,096 of conveyor's spans are under 1 MB, far below a collector's limit (20 MiB).
+EXPORT_BATCH = 4096
 TIMING = b"t"
 
 
@@ -90,31 +97,32 @@ class TraceSettings:
         return random.random() < self.ratio
 
 
-def new_trace_id() -> int:
-    return random.getrandbits(128) or 1
+def new_trace_id() -> bytes:
+    return random.getrandbits(128).to_bytes(16, "big") or new_trace_id()
 
 
-def new_span_id() -> int:
-    return random.getrandbits(64) or 1
+def new_span_id() -> bytes:
+    return random.getrandbits(64).to_bytes(8, "big") or new_span_id()
 
 
-def parse_traceparent(raw: bytes | None) -> tuple[int, int, int] | None:
-    """(trace id, parent span id, flags) of a W3C ``traceparent`` (version 00 or later), None if
-    absent or malformed (then the request starts a trace of its own, as the spec says)."""
-    if raw is None or len(raw) < 55 or raw[2:3] != b"-" or raw[35:36] != b"-" or raw[52:53] != b"-":
+def parse_traceparent(raw: bytes | None) -> tuple[bytes, bytes, int] | None:
+    """(trace id, parent span id, flags) of a W3C ``traceparent`` (version 00 or later; the ids as
+    16 and 8 bytes), None if absent or malformed (then the request starts a trace of its own, as
+    the spec says)."""
+    if raw is None or len(raw) < 55 or raw[2] != 45 or raw[35] != 45 or raw[52] != 45:  # 45: "-"
         return None
     try:
-        version, trace_id, span_id, flags = int(raw[:2], 16), int(raw[3:35], 16), int(raw[36:52], 16), \
+        version, trace_id, span_id, flags = int(raw[:2], 16), unhexlify(raw[3:35]), unhexlify(raw[36:52]), \
             int(raw[53:55], 16)
     except ValueError:
         return None
-    if version == 0xFF or not trace_id or not span_id or (version == 0 and len(raw) != 55):
+    if version == 0xFF or trace_id == _NO_TRACE or span_id == _NO_SPAN or (version == 0 and len(raw) != 55):
         return None
     return trace_id, span_id, flags
 
 
-def traceparent(trace_id: int, span_id: int, sampled: bool = True) -> bytes:
-    return b"00-%032x-%016x-%02x" % (trace_id, span_id, 1 if sampled else 0)
+def traceparent(trace_id: bytes, span_id: bytes, sampled: bool = True) -> bytes:
+    return b"00-%b-%b-%b" % (hexlify(trace_id), hexlify(span_id), b"01" if sampled else b"00")
 
 
 def field_value(parent: bytes | None, timing: bool) -> bytes:
@@ -138,59 +146,57 @@ def timings(value: bytes) -> bytes:
     return value[head + 3:] if head >= 0 else b""
 
 
-def parent_of(value: bytes) -> tuple[int, int, int] | None:
-    """The sampled ``traceparent`` a value names, or None (none, malformed, or not sampled)."""
-    parent = parse_traceparent(value[:55])
-    return parent if parent is not None and parent[2] & 1 else None
-
-
-@dataclass(slots=True)
-class SpanRecord:
-    """One finished span, as a hot path records it: the sink encodes it later, on its own thread."""
-
-    name: str
-    trace_id: int
-    span_id: int
-    parent_id: int
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    server: bool = False  # the gateway's request span (kind SERVER); stages' spans are INTERNAL
-    error: tuple[str, str, str] | None = None  # exception type, message, traceback
-    constant: bytes = b""  # attributes every span of the process has, encoded once (broker.otlp.attributes)
-    tracestate: str | None = None  # the caller's W3C tracestate, kept on the gateway's span
+def parent_of(value: bytes) -> tuple[bytes, bytes] | None:
+    """(trace id, parent span id) of the sampled ``traceparent`` a ``trace`` value starts with, or
+    None (none, malformed, or not sampled). :func:`parse_traceparent`'s rules, checked byte by byte:
+    a worker asks this of every traced item it runs."""
+    if len(value) < 55 or value[54] not in _ODD_HEX or value[53] not in _HEX or value[2] != 45 or value[35] != 45 \
+            or value[52] != 45 or value[0] not in _HEX or value[1] not in _HEX or value[:2] in (b"ff", b"FF"):
+        return None
+    try:
+        trace_id, parent_id = unhexlify(value[3:35]), unhexlify(value[36:52])
+    except ValueError:
+        return None
+    return None if trace_id == _NO_TRACE or parent_id == _NO_SPAN else (trace_id, parent_id)
 
 
 class SpanSink:
-    """Encodes :class:`SpanRecord` s (:mod:`broker.otlp`) and sends them, on a thread of its own, every
+    """Sends spans (encoded by their recorders with :mod:`broker.otlp`) on a thread of its own, every
     ``period_s`` or as soon as ``batch`` wait, at most ``batch`` per request; the recording side only
-    appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`). At most
+    appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`);
+    ``resource``: the attributes of the process every span shares (sent once per request). At most
     ``queue`` spans wait: past that, new ones are dropped (counted in ``dropped``), as the SDK's batch
     processor does, so that a collector that cannot keep up never grows a process. Why not send
     sooner: one HTTP request costs the exporter's client a millisecond or more of CPU, which at a low
     sampling rate and a short period was most of tracing's cost (docs/benchmarks.md, "Tracing")."""
 
-    def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 5.0, batch: int = 512,
+    def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 5.0, batch: int = EXPORT_BATCH,
                  queue: int = 65_536) -> None:
         self.WAKE_AT = self.MAX_BATCH = max(1, batch)
         self.MAX_QUEUE = max(1, queue)
         self._send = send
         self._resource = dict(resource)
         self._period_s = period_s
-        self._records: deque[SpanRecord] = deque()
+        self._spans: deque[bytes] = deque()
         self._wake = threading.Event()
         self._stopped = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="conveyor-spans", daemon=True)
         self._thread.start()
 
-    def record(self, span: SpanRecord) -> None:
-        records = self._records
-        if len(records) >= self.MAX_QUEUE:
-            self.dropped += 1
-            return
-        records.append(span)
-        if len(records) >= self.WAKE_AT:
+    def record(self, span: bytes) -> None:
+        """One span (:func:`broker.otlp.span`)."""
+        self.record_all((span,))
+
+    def record_all(self, spans: Sequence[bytes]) -> None:
+        """Several spans at once (a batch's), in one check of the queue's bound."""
+        queue = self._spans
+        room = self.MAX_QUEUE - len(queue)
+        if room < len(spans):
+            self.dropped += len(spans) - max(0, room)
+            spans = spans[:max(0, room)]
+        queue.extend(spans)
+        if len(queue) >= self.WAKE_AT:
             self._wake.set()
 
     def _run(self) -> None:
@@ -202,14 +208,9 @@ class SpanSink:
     def _drain(self) -> None:
         from broker import otlp
 
-        records = self._records
-        while records:
-            batch: list[bytes] = []
-            while records and len(batch) < self.MAX_BATCH:
-                r = records.popleft()
-                batch.append(otlp.span(r.trace_id, r.span_id, r.parent_id, r.name,
-                                       otlp.KIND_SERVER if r.server else otlp.KIND_INTERNAL, r.start_ns, r.end_ns,
-                                       r.constant, r.attributes, r.tracestate, r.error))
+        queue = self._spans
+        while queue:
+            batch = [queue.popleft() for _ in range(min(len(queue), self.MAX_BATCH))]
             try:
                 result = self._send(otlp.export_request(self._resource, "conveyor", batch))
                 if getattr(result, "success", True) is False:
@@ -225,11 +226,12 @@ class SpanSink:
         self._drain()
 
 
-def start_sink(service_name: str, environ: Mapping[str, str]) -> SpanSink:
+def start_sink(service_name: str, environ: Mapping[str, str], process: Mapping[str, Any] | None = None) -> SpanSink:
     """A sink sending through the SDK's OTLP/HTTP exporter as the ``OTEL_*`` variables configure it
     (endpoint, headers, compression, timeout), its resource from ``OTEL_SERVICE_NAME`` and
-    ``OTEL_RESOURCE_ATTRIBUTES``, else ``service_name``. Raises ImportError with the install line when
-    the ``[otel]`` extra is missing."""
+    ``OTEL_RESOURCE_ATTRIBUTES`` (else ``service_name``) over ``process``: what every span of this
+    process shares (a worker's stage), sent once per export rather than on every span. Raises
+    ImportError with the install line when the ``[otel]`` extra is missing."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -237,14 +239,14 @@ def start_sink(service_name: str, environ: Mapping[str, str]) -> SpanSink:
         raise ImportError(f"tracing is configured (OTEL_*) but the OpenTelemetry SDK is missing: "
                           f"pip install 'conveyor[otel]' ({exc})") from exc
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
-    resource = Resource.create(attributes).attributes
+    resource = {**(process or {}), **Resource.create(attributes).attributes}
     exporter = OTLPSpanExporter()
     client = getattr(exporter, "_client", None)  # the transport the exporter sends encoded bytes with (1.45)
     if client is None:
         raise ImportError("this opentelemetry-exporter-otlp-proto-http has no transport client: "
                           "pip install 'conveyor[otel]' (the pinned 1.45.2)")
     return SpanSink(client.export, resource, _env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
-                    int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)),
+                    int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", EXPORT_BATCH)),
                     int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 65_536)))
 
 

@@ -30,6 +30,7 @@ class Span:
     kind: int
     events: list[str] = field(default_factory=list)
     trace_state: str = ""
+    resource: dict[str, Any] = field(default_factory=dict)  # the sending process's attributes
 
     @property
     def duration_ms(self) -> float:
@@ -99,7 +100,8 @@ class Receiver:
                     spans.append(Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                       str(resource.get("service.name")), s.start_time_unix_nano,
                                       s.end_time_unix_nano, {a.key: _value(a.value) for a in s.attributes},
-                                      s.status.code, s.kind, [e.name for e in s.events], s.trace_state))
+                                      s.status.code, s.kind, [e.name for e in s.events], s.trace_state,
+                                      resource))
         with self._cond:
             self.requests += 1
             self.spans += spans

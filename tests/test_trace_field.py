@@ -73,13 +73,20 @@ def test_commit_forwards_the_trace_values(redis_url: str, redis_client: redis.Re
 
 @pytest.mark.unit
 def test_traceparent_parsing() -> None:
-    assert tracing.parse_traceparent(TP) == (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1)
+    assert tracing.parse_traceparent(TP) == (bytes.fromhex("0af7651916cd43dd8448eb211c80319c"),
+                                            bytes.fromhex("b7ad6b7169203331"), 1)
+    assert tracing.traceparent(*tracing.parse_traceparent(TP)[:2]) == TP  # type: ignore[misc]
     for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", TP + b"-x", b"ff" + TP[2:], TP.replace(b"-", b"_")):
         assert tracing.parse_traceparent(bad) is None
     value = tracing.with_timing(tracing.field_value(TP, True), 1.5, 2.25)
     assert tracing.timing_asked(value) and tracing.timings(value) == b"1.500,2.250"
     assert tracing.timing_asked(b"- t") and not tracing.timing_asked(TP)
     assert tracing.parent_of(value) is not None and tracing.parent_of(b"- t") is None
+    # A worker's byte-by-byte check agrees with the parser: malformed or unsampled, no parent.
+    assert tracing.parent_of(TP) == tracing.parse_traceparent(TP)[:2]  # type: ignore[index]
+    for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", b"ff" + TP[2:], TP.replace(b"-", b"_"),
+                TP[:-2] + b"00", TP[:-2] + b"0x", TP[:3] + b"g" + TP[4:], TP[:36] + b"0" * 16 + TP[52:]):
+        assert tracing.parent_of(bad) is None and tracing.parent_of(bad + b" t") is None, bad
 
 
 @pytest.mark.unit

@@ -115,10 +115,11 @@ def test_a_request_is_one_tree_across_three_processes(stack: Stack) -> None:
     assert gateway.trace_state == "vendor=1"
     for name in ("Prep", "Post"):
         predict = spans[f"{name} predict"]
-        assert predict.attributes["conveyor.stage"] == name
+        assert predict.resource["conveyor.stage"] == name and predict.resource["conveyor.stage.index"] >= 0
         assert predict.attributes["conveyor.delivery"] == 1
         assert predict.attributes["conveyor.batch.size"] >= 1 and predict.attributes["conveyor.batch.id"]
-        assert predict.attributes["conveyor.worker"]
+        assert predict.resource["conveyor.worker"] and predict.attributes["conveyor.request.id"]
+        assert spans[f"{name} wait"].attributes["conveyor.request.id"] == predict.attributes["conveyor.request.id"]
         assert spans[f"{name} wait"].end_ns <= predict.start_ns + 1000
     assert spans["Prep predict"].end_ns <= spans["Post wait"].end_ns
     # The timing headers are the spans' own numbers (within 0.5 ms: the goal).

@@ -21,11 +21,11 @@ class RequestTrace:
 
     __slots__ = ("field", "parent_id", "sampled", "span_id", "start_ns", "timing", "trace_id", "tracestate")
 
-    def __init__(self, trace_id: int, span_id: int, parent_id: int, sampled: bool, field: bytes, start_ns: int,
-                 tracestate: str | None = None) -> None:
+    def __init__(self, trace_id: bytes, span_id: bytes, parent_id: bytes, sampled: bool, field: bytes,
+                 start_ns: int, tracestate: str | None = None) -> None:
         self.trace_id = trace_id
         self.span_id = span_id
-        self.parent_id = parent_id  # the caller's span (its traceparent), 0 for none
+        self.parent_id = parent_id  # the caller's span (its traceparent), b"" for none
         self.sampled = sampled
         self.field = field
         self.start_ns = start_ns

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import replace
 
-from broker import tracing
+from broker import otlp, tracing
 from gateway.client.trace_context import RequestTrace
 from gateway.http.types import Reply, Request
 
@@ -34,6 +34,7 @@ __all__ = ["RequestTracing"]
 TRACEPARENT = b"traceparent"
 TRACESTATE = b"tracestate"
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
+_CACHED = 256  # encoded tails kept (routes and paths that run a pipeline, outcomes): cleared when full
 
 
 class RequestTracing:
@@ -45,6 +46,8 @@ class RequestTracing:
         self.timing_headers = timing_headers
         self.active = traces.enabled or timing_headers
         self._sink: tracing.SpanSink | None = None
+        self._tails: dict[tuple[bytes, bytes, str], bytes] = {}
+        self._outcomes: dict[tuple[int, str], bytes] = {}
 
     def start(self) -> None:
         """Start exporting (the OTLP exporter reads its ``OTEL_EXPORTER_OTLP_*`` variables now)."""
@@ -55,6 +58,28 @@ class RequestTracing:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
+
+    def _tail(self, request: Request, route: str) -> bytes:
+        """A route's span name, kind and request attributes, encoded once per method, path and route."""
+        key = (request.method, request.path, route)
+        tail = self._tails.get(key)
+        if tail is None:
+            if len(self._tails) >= _CACHED:
+                self._tails.clear()
+            method = request.method.decode("latin-1")
+            tail = self._tails[key] = otlp.head(f"{method} {route}", otlp.KIND_SERVER) + otlp.attributes(
+                {"http.request.method": method, "url.path": request.path.decode("latin-1"), "http.route": route})
+        return tail
+
+    def _outcome(self, status: int, outcome: str) -> bytes:
+        key = (status, outcome)
+        encoded = self._outcomes.get(key)
+        if encoded is None:
+            if len(self._outcomes) >= _CACHED:
+                self._outcomes.clear()
+            encoded = self._outcomes[key] = otlp.attributes({"http.response.status_code": status,
+                                                             "conveyor.outcome": outcome})
+        return encoded
 
     def begin(self, request: Request) -> RequestTrace | None:
         """The request's trace if it is sampled or timed, else None (nearly always, at a low rate)."""
@@ -69,7 +94,7 @@ class RequestTracing:
         span_id = tracing.new_span_id()
         own = tracing.traceparent(trace_id, span_id) if sampled else None
         state = headers.get(TRACESTATE)
-        return RequestTrace(trace_id, span_id, 0 if parent is None else parent[1], sampled,
+        return RequestTrace(trace_id, span_id, b"" if parent is None else parent[1], sampled,
                             tracing.field_value(own, self.timing_headers), time.time_ns(),
                             state.decode("latin-1") if state else None)
 
@@ -80,14 +105,12 @@ class RequestTracing:
             reply = replace(reply, headers=(*reply.headers, *timing_headers((end_ns - trace.start_ns) / 1e6,
                                                                             trace.timing)))
         if trace.sampled and self._sink is not None:
-            failed = reply.status >= 500 or reply.outcome in _FAILED_OUTCOMES
-            error = (f"HTTP {reply.status}", reply.outcome, "") if failed else None
-            attributes = {"http.request.method": request.method.decode("latin-1"),
-                          "url.path": request.path.decode("latin-1"), "http.route": route,
-                          "http.response.status_code": reply.status, "conveyor.outcome": reply.outcome}
-            self._sink.record(tracing.SpanRecord(f"{request.method.decode('latin-1')} {route}", trace.trace_id,
-                                                 trace.span_id, trace.parent_id, trace.start_ns, end_ns, attributes,
-                                                 server=True, error=error, tracestate=trace.tracestate))
+            tail = self._tail(request, route) + self._outcome(reply.status, reply.outcome)
+            if trace.tracestate:
+                tail += otlp.tracestate(trace.tracestate)
+            if reply.status >= 500 or reply.outcome in _FAILED_OUTCOMES:
+                tail += otlp.error(f"HTTP {reply.status}", reply.outcome, "", end_ns)
+            self._sink.record(otlp.span(trace.trace_id, trace.span_id, trace.parent_id, trace.start_ns, end_ns, tail))
         return reply
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from broker import otlp, tracing
 from broker.commit import BatchStats, bucket_of
@@ -33,28 +32,39 @@ from workers.pipeline import StageSpec
 __all__ = ["StageTracing"]
 
 
+_REQUEST, _DELIVERY = otlp.key("conveyor.request.id"), otlp.key("conveyor.delivery")
+_BATCH_SIZE, _BATCH_ID = otlp.key("conveyor.batch.size"), otlp.key("conveyor.batch.id")
+_FIRST_DELIVERY = otlp.int_attribute(_DELIVERY, 1)
+
+
 class StageTracing:
     """One worker's measurements of its batches (``sink``: None when this process does not trace)."""
 
     def __init__(self, spec: StageSpec, pipeline: str, consumer: str, sink: tracing.SpanSink | None) -> None:
         self._spec = spec
-        self._consumer = consumer
+        self._consumer = consumer.encode()
         self._sink = sink
         self._batches = 0
-        # What every span of this worker says, encoded once (broker.otlp): a span adds only its own.
-        self._constant = otlp.attributes({"conveyor.pipeline": pipeline, "conveyor.stage": spec.name,
-                                          "conveyor.stage.index": spec.index, "conveyor.worker": consumer})
-        self._wait_name = f"{spec.name} wait"
-        self._predict_name = f"{spec.name} predict"
+        # A span's name and kind, encoded once: a span adds its ids, times and own attributes.
+        self._wait_head = otlp.head(f"{spec.name} wait")
+        self._predict_head = otlp.head(f"{spec.name} predict")
         self._start_ns = 0
         self._start_perf = 0.0
-        self._parents: dict[int, tuple[int, int, int] | None] = {}  # the batch's traced items' parents
+        # The batch's sampled items: trace id, parent span id, the attributes of their own both spans carry.
+        self._parents: dict[int, tuple[bytes, bytes, bytes]] = {}
+
+    @staticmethod
+    def resource(spec: StageSpec, pipeline: str, consumer: str) -> dict[str, str | int]:
+        """What every span of a worker shares: sent once per export, as the process's resource."""
+        return {"conveyor.pipeline": pipeline, "conveyor.stage": spec.name, "conveyor.stage.index": spec.index,
+                "conveyor.worker": consumer}
 
     @classmethod
     def start(cls, spec: StageSpec, pipeline: str, consumer: str, settings: tracing.TraceSettings) -> StageTracing:
         """A worker's measurements, with a span sink if ``settings`` say this process traces (the
         exporter reads its ``OTEL_EXPORTER_OTLP_*`` variables now, at the worker's start)."""
-        sink = tracing.start_sink(f"conveyor-{pipeline}", os.environ) if settings.enabled else None
+        sink = tracing.start_sink(f"conveyor-{pipeline}", os.environ, cls.resource(spec, pipeline, consumer)) \
+            if settings.enabled else None
         return cls(spec, pipeline, consumer, sink)
 
     def close(self) -> None:
@@ -84,42 +94,48 @@ class StageTracing:
                 traced.append(i)
         if count:
             stats.add_wait(bucket_of(_wait_of(last, now_ms)), count)
+        self._parents = {}
         if traced:
             self._batches += 1
-            self._waits(work, traced, stats, deliveries or {})
+            if self._sink is not None:
+                self._waits(work, traced, stats, deliveries or {}, self._sink)
         return traced
 
-    def _waits(self, work: Work, traced: list[int], stats: BatchStats, deliveries: dict[bytes, int]) -> None:
-        now_ns, sink = self._start_ns, self._sink
-        parents = self._parents = {}
+    def _waits(self, work: Work, traced: list[int], stats: BatchStats, deliveries: dict[bytes, int],
+               sink: tracing.SpanSink) -> None:
+        now_ns, head, parents = self._start_ns, self._wait_head, self._parents
+        spans, last_ms = [], -1
         for i in traced:
             item = work[i][0]
-            parent = parents[i] = tracing.parent_of(item.trace or b"")
-            if parent is None or sink is None:
+            parent = tracing.parent_of(item.trace or b"")
+            if parent is None:
                 continue
-            entered_ns = min(now_ns, _entered_ms(item.entry_id) * 1_000_000)
-            stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, parent[0])
-            attributes = {"conveyor.request.id": item.request_id.decode(),
-                          "conveyor.delivery": deliveries.get(item.entry_id, 1), "conveyor.entry.id":
-                          item.entry_id.decode()}
-            sink.record(tracing.SpanRecord(self._wait_name, parent[0], tracing.new_span_id(), parent[1],
-                                           entered_ns, now_ns, attributes, constant=self._constant))
+            own = otlp.string_attribute(_REQUEST, item.request_id) + _delivery(deliveries, item.entry_id)
+            parents[i] = (*parent, own)
+            entered_ms = _entered_ms(item.entry_id)
+            entered_ns = min(now_ns, entered_ms * 1_000_000)
+            if entered_ms != last_ms:  # the items of one millisecond share their bucket, hence its exemplar
+                stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, parent[0])
+                last_ms = entered_ms
+            spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], entered_ns, now_ns, head + own))
+        if spans:
+            sink.record_all(spans)
 
     def after(self, work: Work, traced: list[int], outcomes: Sequence[Outcome],
-              slices: Sequence[tuple[int, int, float, float]], stats: BatchStats,
-              deliveries: dict[bytes, int] | None) -> None:
+              slices: Sequence[tuple[int, int, float, float]], stats: BatchStats) -> None:
         """After ``predict``: each traced item's predict span, exemplar and timing token (its
         ``trace`` value, forwarded or answered, gets it where its producer asked)."""
         offset_ns = self._start_ns - self._start_perf * 1e9  # perf_counter to wall clock, this batch
-        batch_id = f"{self._consumer}/{self._batches}"
-        deliveries = deliveries or {}
         bounds = _slice_of(slices, traced)
+        parents, batched = self._parents, self._spec.batched
+        spans: list[bytes] = []
+        tails: dict[int, bytes] = {}  # a predict call's attributes, by its first item
         for i in traced:
             item = work[i][0]
             value = item.trace or b""
             start, end, began, ended = bounds[i]
             size = end - start
-            if not self._spec.batched and size > 1:  # a singleton stage's slice: k calls, evenly
+            if not batched and size > 1:  # a singleton stage's slice: k calls, evenly
                 step = (ended - began) / size
                 began, ended = began + step * (i - start), began + step * (i - start + 1)
                 size = 1
@@ -127,22 +143,30 @@ class StageTracing:
             if tracing.timing_asked(value):
                 wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
                 item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
-            parent = self._parents.get(i)
-            if parent is None or self._sink is None:
+            parent = parents.get(i)
+            if parent is None:
                 continue
-            stats.add_exemplar(b"p", (ended - began) / size, parent[0])
-            self._predict_span(item, parent, began_ns, ended_ns, size, batch_id, outcomes[i],
-                               deliveries.get(item.entry_id, 1))
+            tail = tails.get(start)
+            if tail is None:
+                tail = tails[start] = self._predict_tail(size)
+                stats.add_exemplar(b"p", (ended - began) / size, parent[0])
+            tail += parent[2]
+            ok, result = outcomes[i]
+            if not ok:
+                tail += otlp.error(result.type, result.message, result.traceback, ended_ns)
+            spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], began_ns, ended_ns, tail))
+        if spans and self._sink is not None:
+            self._sink.record_all(spans)
 
-    def _predict_span(self, item: Any, parent: tuple[int, int, int], began_ns: int, ended_ns: int, size: int,
-                      batch_id: str, outcome: Outcome, delivery: int) -> None:
-        ok, value = outcome
-        error = None if ok else (value.type, value.message, value.traceback)
-        attributes = {"conveyor.request.id": item.request_id.decode(), "conveyor.batch.size": size,
-                      "conveyor.batch.id": batch_id, "conveyor.delivery": delivery}
-        assert self._sink is not None
-        self._sink.record(tracing.SpanRecord(self._predict_name, parent[0], tracing.new_span_id(), parent[1],
-                                             began_ns, ended_ns, attributes, error=error, constant=self._constant))
+    def _predict_tail(self, size: int) -> bytes:
+        """What the predict spans of one call share: name, batch size, the batch's id."""
+        return self._predict_head + otlp.int_attribute(_BATCH_SIZE, size) + otlp.string_attribute(
+            _BATCH_ID, b"%b/%d" % (self._consumer, self._batches))
+
+
+def _delivery(deliveries: dict[bytes, int], entry_id: bytes) -> bytes:
+    delivery = deliveries.get(entry_id, 1) if deliveries else 1
+    return _FIRST_DELIVERY if delivery == 1 else otlp.int_attribute(_DELIVERY, delivery)
 
 
 def _wait_of(ms: bytes, now_ms: float) -> float:
@@ -159,10 +183,6 @@ def _entered_ms(entry_id: bytes) -> int:
         return int(entry_id[:entry_id.index(b"-")])
     except ValueError:
         return 0
-
-
-def _wait_s(entry_id: bytes, now_ms: float) -> float:
-    return max(0.0, now_ms - _entered_ms(entry_id)) / 1000
 
 
 def _slice_of(slices: Sequence[tuple[int, int, float, float]], traced: list[int]

@@ -430,8 +430,7 @@ class Worker:
         outcomes = self._predictor.run(work, stats, handoff)
         if traced:  # not those given to another worker: they have not run here
             ran_here = [i for i in traced if outcomes[i] is not None]
-            self._tracing.after(work, ran_here, cast("list[Outcome]", outcomes), self._predictor.slices, stats,
-                                deliveries)
+            self._tracing.after(work, ran_here, cast("list[Outcome]", outcomes), self._predictor.slices, stats)
         if not self._told_idle:
             self.status.send(b"I")
             self._told_idle = True
