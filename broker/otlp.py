@@ -19,12 +19,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["attributes", "error", "export_request", "head", "int_attribute", "key", "span", "string_attribute",
-           "tracestate"]
+           "string_prefixes", "tracestate"]
 
 KIND_INTERNAL, KIND_SERVER = 1, 2
 # trace id (field 1), span id (2), parent span id (4), start and end (fields 7, 8: fixed64)
 _CHILD = struct.Struct("<2s16s2s8s2s8sBQBQ")
 _ROOT = struct.Struct("<2s16s2s8sBQBQ")
+_SIZED_CHILD = struct.Struct("<BBB2s16s2s8s2s8sBQBQ")  # as _CHILD, after its field's tag and two-byte length
 _SMALL = [bytes((n,)) for n in range(128)]
 
 
@@ -83,6 +84,13 @@ def string_attribute(encoded_key: bytes, value: bytes) -> bytes:
     return _field(0x4A, encoded_key + _field(0x12, _field(0x0A, value)))
 
 
+def string_prefixes(name: str, longest: int = 128) -> list[bytes]:
+    """The bytes that precede a value of each length up to ``longest`` in the attribute ``name``:
+    ``prefixes[len(value)] + value`` is :func:`string_attribute`, for an attribute every span has."""
+    encoded = key(name)
+    return [string_attribute(encoded, b"\0" * size)[:-size or None] for size in range(longest + 1)]
+
+
 def int_attribute(encoded_key: bytes, value: int) -> bytes:
     return _field(0x4A, encoded_key + _field(0x12, b"\x18" + _varint(value)))
 
@@ -95,6 +103,10 @@ def head(name: str, kind: int = KIND_INTERNAL) -> bytes:
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes, start_ns: int, end_ns: int, tail: bytes) -> bytes:
     """One ``Span`` (as ``ScopeSpans.spans``, field 2): ids of 16, 8 and 8 bytes (``parent_id`` b"":
     none), times in ns since the epoch, ``tail``: :func:`head` and the attributes (and :func:`error`)."""
+    size = _CHILD.size + len(tail)
+    if parent_id and 128 <= size < 16384:  # a stage's span: one pack, its length's two bytes included
+        return _SIZED_CHILD.pack(0x12, size & 0x7F | 0x80, size >> 7, b"\x0a\x10", trace_id, b"\x12\x08", span_id,
+                                 b"\x22\x08", parent_id, 0x39, start_ns, 0x41, end_ns) + tail
     if parent_id:
         body = _CHILD.pack(b"\x0a\x10", trace_id, b"\x12\x08", span_id, b"\x22\x08", parent_id, 0x39, start_ns,
                            0x41, end_ns)

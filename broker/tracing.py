@@ -146,12 +146,18 @@ def timings(value: bytes) -> bytes:
     return value[head + 3:] if head >= 0 else b""
 
 
+def _sampled_form(value: bytes) -> bool:
+    """Whether ``value`` starts with a sampled ``traceparent``'s form (any version but ff, any flags
+    with the sampled bit), the ids' hex aside: the rules one by one, for what the common form is not."""
+    return len(value) >= 55 and value[54] in _ODD_HEX and value[53] in _HEX and value[2] == 45 and value[35] == 45 \
+        and value[52] == 45 and value[0] in _HEX and value[1] in _HEX and value[:2] not in (b"ff", b"FF")
+
+
 def parent_of(value: bytes) -> tuple[bytes, bytes] | None:
     """(trace id, parent span id) of the sampled ``traceparent`` a ``trace`` value starts with, or
     None (none, malformed, or not sampled). :func:`parse_traceparent`'s rules, checked byte by byte:
     a worker asks this of every traced item it runs."""
-    if len(value) < 55 or value[54] not in _ODD_HEX or value[53] not in _HEX or value[2] != 45 or value[35] != 45 \
-            or value[52] != 45 or value[0] not in _HEX or value[1] not in _HEX or value[:2] in (b"ff", b"FF"):
+    if (value[52:55] != b"-01" or value[:3] != b"00-" or value[35] != 45) and not _sampled_form(value):
         return None
     try:
         trace_id, parent_id = unhexlify(value[3:35]), unhexlify(value[36:52])
@@ -201,15 +207,17 @@ class SpanSink:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._wake.wait(self._period_s)
+            full = self._wake.wait(self._period_s)
             self._wake.clear()
-            self._drain()
+            self._drain(1 if self._stopped or not full else self.MAX_BATCH)
 
-    def _drain(self) -> None:
+    def _drain(self, least: int = 1) -> None:
+        """Export what waits, a batch at a time, while at least ``least`` do: woken by a full batch,
+        the rest waits for the next one (or the period), rather than going out as a small export."""
         from broker import otlp
 
         queue = self._spans
-        while queue:
+        while len(queue) >= least:
             batch = [queue.popleft() for _ in range(min(len(queue), self.MAX_BATCH))]
             try:
                 result = self._send(otlp.export_request(self._resource, "conveyor", batch))

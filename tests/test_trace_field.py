@@ -5,12 +5,13 @@ rules of :mod:`broker.tracing`."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import redis
 import redis.asyncio as aredis
 
-from broker import protocol, tracing
+from broker import otlp, protocol, tracing
 from broker.codec import encode
 from broker.commit import Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
@@ -101,3 +102,61 @@ def test_settings_from_the_standard_variables() -> None:
     assert tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp"}).enabled
     never = tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "always_off"})
     assert not never.sampled(None)
+
+
+def _spans_of(body: bytes) -> list[str]:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest.FromString(body)
+    return [s.name for r in request.resource_spans for scope in r.scope_spans for s in scope.spans]
+
+
+@pytest.mark.unit
+def test_span_sink_sends_whole_batches_then_the_rest_and_bounds_its_queue() -> None:
+    """Woken by a full batch, the sink sends whole batches only (no small export of the remainder);
+    what is left goes at the period or at close; past its queue's bound, spans are dropped and counted."""
+    sent: list[list[str]] = []
+    two = threading.Event()
+
+    def send(body: bytes) -> None:
+        sent.append(_spans_of(body))
+        if len(sent) == 2:
+            two.set()
+
+    span = otlp.span(bytes(range(16)), bytes(range(8)), b"", 1, 2, otlp.head("s"))
+    sink = tracing.SpanSink(send, {"service.name": "t"}, period_s=60, batch=4, queue=100)
+    sink.record_all([span] * 10)
+    assert two.wait(10), sent
+    assert [len(names) for names in sent] == [4, 4]  # the 2 left wait: no export of 2 yet
+    sink.close()
+    assert [len(names) for names in sent] == [4, 4, 2] and sink.dropped == 0
+    sent.clear()
+    bounded = tracing.SpanSink(send, {"service.name": "t"}, period_s=60, batch=100, queue=8)
+    bounded.record_all([span] * 6)
+    bounded.record(span)
+    bounded.record_all([span] * 3)
+    bounded.close()
+    assert [len(names) for names in sent] == [8] and bounded.dropped == 2
+
+
+@pytest.mark.unit
+def test_hand_encoded_spans_decode_as_written_at_every_size() -> None:
+    """broker.otlp's fast paths (one pack with the length, an attribute's prefix by length) write
+    what the general encoding writes, and opentelemetry-proto reads it back, short and long alike."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    prefixes = otlp.string_prefixes("conveyor.request.id")
+    spans = []
+    for size in (1, 50, 99, 100, 104, 128):
+        request_id = b"r" * size
+        assert prefixes[size] + request_id == otlp.string_attribute(otlp.key("conveyor.request.id"), request_id)
+        for tail in (otlp.head("s"), otlp.head("s" * 20_000)):
+            spans.append(otlp.span(bytes(range(16)), bytes(range(8)), bytes(range(1, 9)), 5, 6,
+                                   tail + prefixes[size] + request_id))
+    spans.append(otlp.span(bytes(range(16)), bytes(range(8)), b"", 5, 6, otlp.head("root", otlp.KIND_SERVER)))
+    request = ExportTraceServiceRequest.FromString(otlp.export_request({"service.name": "t"}, "conveyor", spans))
+    decoded = [s for r in request.resource_spans for scope in r.scope_spans for s in scope.spans]
+    assert len(decoded) == 13 and decoded[-1].name == "root" and not decoded[-1].parent_span_id
+    for s, size in zip(decoded[::2], (1, 50, 99, 100, 104, 128), strict=False):
+        assert (s.name, s.parent_span_id, s.start_time_unix_nano) == ("s", bytes(range(1, 9)), 5)
+        assert s.attributes[0].value.string_value == "r" * size

@@ -30,6 +30,8 @@ from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
 from workers.stage import Stage
 
+Slice = tuple[int, int, float, float, int]  # a predict call: first item, end, began, ended (perf_counter s), size
+
 
 class BatchResultError(BatchLengthError):
     """A batched predict returned something other than a sequence of results (a dict, a str, a set,
@@ -97,9 +99,9 @@ class Predictor:
         self._tracebacks = Tracebacks()  # a stage error's stack, formatted once per place it is raised from
         self._wrong_length = wrong_length
         self._handoff = handoff  # entries waiting behind a long call go to other workers
-        # The last run's predict calls: (first item, end, start, end in perf_counter seconds), for the
-        # spans and timings of its traced items (workers.loop.tracing).
-        self.slices: list[tuple[int, int, float, float]] = []
+        # The last run's predict calls: (first item, end, start, end in perf_counter seconds, items it
+        # ran), for the spans and timings of its traced items (workers.loop.tracing).
+        self.slices: list[Slice] = []
 
     def run(self, work: Work, stats: BatchStats, handoff: bool = True) -> list[Outcome | None]:
         """The outcome of each item of ``work``, in order (None: given to another worker, not run).
@@ -125,13 +127,15 @@ class Predictor:
             self._busy.idle()
         return outcomes
 
-    def _run_part(self, part: Work, start: int, stats: BatchStats) -> list[Outcome]:
+    def _run_part(self, part: Work, start: int, stats: BatchStats, end: int = 0) -> list[Outcome]:
+        """One call on ``part``, the items ``start`` to ``end`` (or as many as ``part`` holds) but
+        those given to another worker."""
         began = time.perf_counter()
         if self._busy is not None:
             self._busy.batch(self._spec, [item.deadline_ms for item, _ in part])
         outcomes = self._call([x for _, x in part])
         ended = time.perf_counter()
-        self.slices.append((start, start + len(part), began, ended))
+        self.slices.append((start, end or start + len(part), began, ended, len(part)))
         took_s = ended - began
         if self._handoff is not None:
             self._handoff.took(1, took_s)
@@ -140,7 +144,7 @@ class Predictor:
 
     def _run_kept(self, work: Work, kept: list[int], start: int, size: int, stats: BatchStats) -> list[Outcome | None]:
         """A part of which some items were given back: the others run, the given ones are None."""
-        ran = iter(self._run_part([work[i] for i in kept], start, stats) if kept else ())
+        ran = iter(self._run_part([work[i] for i in kept], start, stats, start + size) if kept else ())
         keep = set(kept)
         return [next(ran) if i in keep else None for i in range(start, start + size)]
 
@@ -161,7 +165,7 @@ class Predictor:
                 append((False, failure(exc, tracebacks)))
         ran = len(work) - outcomes.count(None)
         ended = time.perf_counter()
-        self.slices.append((0, len(work), began, ended))  # one clock for the read: its calls share it evenly
+        self.slices.append((0, len(work), began, ended, 1))  # one clock for the read: its calls share it evenly
         took_s = ended - began
         handoff.took(ran, took_s)
         if ran:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from broker import otlp, tracing
 from broker.commit import BatchStats, bucket_of
+from workers.loop.predicting import Slice
 from workers.loop.routing import Work
 from workers.loop.runner import Outcome
 from workers.pipeline import StageSpec
@@ -32,7 +33,7 @@ from workers.pipeline import StageSpec
 __all__ = ["StageTracing"]
 
 
-_REQUEST, _DELIVERY = otlp.key("conveyor.request.id"), otlp.key("conveyor.delivery")
+_REQUEST_PREFIXES, _DELIVERY = otlp.string_prefixes("conveyor.request.id"), otlp.key("conveyor.delivery")
 _BATCH_SIZE, _BATCH_ID = otlp.key("conveyor.batch.size"), otlp.key("conveyor.batch.id")
 _FIRST_DELIVERY = otlp.int_attribute(_DELIVERY, 1)
 
@@ -104,57 +105,58 @@ class StageTracing:
     def _waits(self, work: Work, traced: list[int], stats: BatchStats, deliveries: dict[bytes, int],
                sink: tracing.SpanSink) -> None:
         now_ns, head, parents = self._start_ns, self._wait_head, self._parents
-        spans, last_ms = [], -1
+        spans, last_ms, entered_ns = [], b"", now_ns
         for i in traced:
             item = work[i][0]
             parent = tracing.parent_of(item.trace or b"")
             if parent is None:
                 continue
-            own = otlp.string_attribute(_REQUEST, item.request_id) + _delivery(deliveries, item.entry_id)
+            request_id = item.request_id  # at most 128 bytes (broker.protocol)
+            own = _REQUEST_PREFIXES[len(request_id)] + request_id + _delivery(deliveries, item.entry_id)
             parents[i] = (*parent, own)
-            entered_ms = _entered_ms(item.entry_id)
-            entered_ns = min(now_ns, entered_ms * 1_000_000)
-            if entered_ms != last_ms:  # the items of one millisecond share their bucket, hence its exemplar
+            ms = item.entry_id.partition(b"-")[0]
+            if ms != last_ms:  # the items of one millisecond share their bucket, hence its exemplar
+                entered_ns = min(now_ns, _entered_ms(item.entry_id) * 1_000_000)
                 stats.add_exemplar(b"w", (now_ns - entered_ns) / 1e9, parent[0])
-                last_ms = entered_ms
+                last_ms = ms
             spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], entered_ns, now_ns, head + own))
         if spans:
             sink.record_all(spans)
 
-    def after(self, work: Work, traced: list[int], outcomes: Sequence[Outcome],
-              slices: Sequence[tuple[int, int, float, float]], stats: BatchStats) -> None:
+    def after(self, work: Work, traced: list[int], outcomes: Sequence[Outcome], slices: Sequence[Slice],
+              stats: BatchStats) -> None:
         """After ``predict``: each traced item's predict span, exemplar and timing token (its
-        ``trace`` value, forwarded or answered, gets it where its producer asked)."""
+        ``trace`` value, forwarded or answered, gets it where its producer asked). ``traced`` in
+        order; ``slices``: the calls that ran them, in order (:class:`workers.loop.predicting.Predictor`)."""
         offset_ns = self._start_ns - self._start_perf * 1e9  # perf_counter to wall clock, this batch
-        bounds = _slice_of(slices, traced)
         parents, batched = self._parents, self._spec.batched
         spans: list[bytes] = []
-        tails: dict[int, bytes] = {}  # a predict call's attributes, by its first item
-        for i in traced:
-            item = work[i][0]
-            value = item.trace or b""
-            start, end, began, ended = bounds[i]
-            size = end - start
-            if not batched and size > 1:  # a singleton stage's slice: k calls, evenly
-                step = (ended - began) / size
-                began, ended = began + step * (i - start), began + step * (i - start + 1)
-                size = 1
+        k, n = 0, len(traced)
+        for start, end, began, ended, size in slices:
             began_ns, ended_ns = int(offset_ns + began * 1e9), int(offset_ns + ended * 1e9)
-            if tracing.timing_asked(value):
-                wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
-                item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
-            parent = parents.get(i)
-            if parent is None:
-                continue
-            tail = tails.get(start)
-            if tail is None:
-                tail = tails[start] = self._predict_tail(size)
-                stats.add_exemplar(b"p", (ended - began) / size, parent[0])
-            tail += parent[2]
-            ok, result = outcomes[i]
-            if not ok:
-                tail += otlp.error(result.type, result.message, result.traceback, ended_ns)
-            spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], began_ns, ended_ns, tail))
+            step_ns = 0.0 if batched else (ended_ns - began_ns) / max(1, end - start)  # singletons: calls share it
+            tail = b""
+            while k < n and traced[k] < end:
+                i = traced[k]
+                k += 1
+                if step_ns:
+                    began_ns = int(offset_ns + began * 1e9 + step_ns * (i - start))
+                    ended_ns = int(began_ns + step_ns)
+                item = work[i][0]
+                value = item.trace or b""
+                if tracing.timing_asked(value):
+                    wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
+                    item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
+                parent = parents.get(i)
+                if parent is None:
+                    continue
+                if not tail:
+                    tail = self._predict_tail(size)
+                    stats.add_exemplar(b"p", (ended_ns - began_ns) / 1e9 / size, parent[0])
+                ok, result = outcomes[i]
+                spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], began_ns, ended_ns, tail + parent[2]
+                                       + (b"" if ok else otlp.error(result.type, result.message, result.traceback,
+                                                                      ended_ns))))
         if spans and self._sink is not None:
             self._sink.record_all(spans)
 
@@ -183,15 +185,3 @@ def _entered_ms(entry_id: bytes) -> int:
         return int(entry_id[:entry_id.index(b"-")])
     except ValueError:
         return 0
-
-
-def _slice_of(slices: Sequence[tuple[int, int, float, float]], traced: list[int]
-              ) -> dict[int, tuple[int, int, float, float]]:
-    """Each traced item's predict call, from the run's slices (in order)."""
-    found, k = {}, 0
-    for i in traced:
-        while k < len(slices) and slices[k][1] <= i:
-            k += 1
-        if k < len(slices):
-            found[i] = slices[k]
-    return found
