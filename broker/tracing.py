@@ -98,11 +98,13 @@ class TraceSettings:
 
 
 def new_trace_id() -> bytes:
-    return random.getrandbits(128).to_bytes(16, "big") or new_trace_id()
+    trace_id = random.getrandbits(128).to_bytes(16, "big")
+    return new_trace_id() if trace_id == _NO_TRACE else trace_id
 
 
 def new_span_id() -> bytes:
-    return random.getrandbits(64).to_bytes(8, "big") or new_span_id()
+    span_id = random.getrandbits(64).to_bytes(8, "big")
+    return new_span_id() if span_id == _NO_SPAN else span_id
 
 
 def parse_traceparent(raw: bytes | None) -> tuple[bytes, bytes, int] | None:
