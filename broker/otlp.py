@@ -18,7 +18,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["attributes", "error", "export_request", "head", "int_attribute", "key", "span", "string_attribute",
+__all__ = ["attributes", "error", "event", "export_request", "head", "int_attribute", "key", "span", "string_attribute",
            "string_prefixes", "tracestate"]
 
 KIND_INTERNAL, KIND_SERVER = 1, 2
@@ -123,11 +123,17 @@ def tracestate(value: str) -> bytes:
     return _field(0x1A, value.encode())
 
 
+def event(name: str, at_ns: int, values: Mapping[str, Any] | None = None) -> bytes:
+    """An ``Event`` of a span (field 11), for its tail: a moment named, with its attributes."""
+    return _field(0x5A, b"\x09" + struct.pack("<Q", at_ns) + _field(0x12, name.encode())
+                  + attributes(values or {}, 0x1A))
+
+
 def error(kind_name: str, message: str, trace: str, at_ns: int) -> bytes:
     """An ``exception`` event and status ERROR, for the tail of a span that failed."""
-    event = b"\x09" + struct.pack("<Q", at_ns) + _field(0x12, b"exception") + attributes(
-        {"exception.type": kind_name, "exception.message": message, "exception.stacktrace": trace}, 0x1A)
-    return _field(0x5A, event) + _field(0x7A, _field(0x12, f"{kind_name}: {message}".encode()) + b"\x18\x02")
+    return event("exception", at_ns, {"exception.type": kind_name, "exception.message": message,
+                                      "exception.stacktrace": trace}) \
+        + _field(0x7A, _field(0x12, f"{kind_name}: {message}".encode()) + b"\x18\x02")
 
 
 def export_request(resource: Mapping[str, Any], scope: str, spans: Sequence[bytes]) -> bytes:

@@ -31,6 +31,7 @@ from workers.embedded.server import EmbeddedRedis
 pytestmark = pytest.mark.system
 
 APP = "tests.trace_stages:pipeline"
+STREAM_APP = "tests.trace_stages:stream_pipeline"
 PATH = "/v1/pipelines/t-traces/predict"
 SPANS_PER_REQUEST = 5  # the gateway's, then a wait and a predict span per stage
 
@@ -57,11 +58,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         port = free_port()
         s = Stack(port, receiver, {}, log_dir / "killed")
         try:
-            s.procs["gateway"] = start_conveyor(log_dir, "gateway", "gateway", "t-traces", "--port", str(port),
-                                                "--timing-headers", redis_url=server.url, **env)
+            s.procs["gateway"] = start_conveyor(log_dir, "gateway", "gateway", "t-traces", "t-trace-stream", "--port",
+                                                str(port), "--timing-headers", redis_url=server.url, **env)
             for stage in ("Prep", "Post"):
                 s.procs[stage] = start_conveyor(log_dir, stage, "worker", APP, "--stage", stage, "--workers", "1",
                                                 redis_url=server.url, **env)
+            s.procs["Words"] = start_conveyor(log_dir, "Words", "worker", STREAM_APP, "--stage", "Words",
+                                              "--workers", "1", redis_url=server.url, **env)
 
             def ready() -> bool:
                 for proc in s.procs.values():
@@ -92,16 +95,36 @@ def call(port: int, body: bytes, headers: dict[str, str], path: str = PATH,
         conn.close()
 
 
-def tree(spans: list[Span], parent: str) -> dict[str, Span]:
+def tree(spans: list[Span], parent: str, pipeline: str = "t-traces") -> dict[str, Span]:
     """The spans of a request's tree by name, checked: one gateway span, children of ``parent``."""
     [root] = [s for s in spans if s.service == "conveyor-gateway"]
     assert root.parent_id == parent and root.kind == 2  # SERVER
     named = {s.name: s for s in spans if s is not root}
     for span in named.values():
         assert span.parent_id == root.span_id, span
-        assert span.service == "conveyor-t-traces"
+        assert span.service == f"conveyor-{pipeline}"
         assert span.start_ns <= span.end_ns
     return {"gateway": root, **named}
+
+
+@pytest.mark.parametrize(("words", "outcome"), [("a b c", "ok"), ("a boom", "stage_error")])
+def test_a_streamed_answer_is_one_tree_with_its_first_chunks_time(stack: Stack, words: str, outcome: str) -> None:
+    """A streamed answer's span is recorded when its last event is written, with its first chunk's
+    moment (an event and an attribute) and its chunks; the streaming stage's wait and predict spans
+    are its children; a stage's error after the first chunk is the span's error and the stage's."""
+    trace_id, span_id, header = caller()
+    status, _, body = call(stack.port, json.dumps(words).encode(), {"traceparent": header},
+                           path="/v1/pipelines/t-trace-stream/stream")
+    assert status == 200 and body.count(b"data:") >= 2, body
+    spans = tree(stack.receiver.wait_trace(trace_id, 3), span_id, "t-trace-stream")
+    assert set(spans) == {"gateway", "Words wait", "Words predict"}
+    gateway, predict = spans["gateway"], spans["Words predict"]
+    assert gateway.name == "POST stream" and gateway.attributes["conveyor.outcome"] == outcome
+    assert gateway.attributes["conveyor.stream.chunks"] == (3 if outcome == "ok" else 1)
+    assert gateway.events.count("first chunk") == 1
+    assert 0 < gateway.attributes["conveyor.stream.first_chunk_ms"] <= gateway.duration_ms
+    assert predict.resource["conveyor.stage"] == "Words" and predict.attributes["conveyor.delivery"] == 1
+    assert (gateway.status == 2) == (predict.status == 2) == (outcome != "ok")
 
 
 def test_a_request_is_one_tree_across_three_processes(stack: Stack) -> None:

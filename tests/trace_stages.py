@@ -1,5 +1,5 @@
 """Stages of the traces tests (tests/test_traces.py): two stages, one that can be slow or be killed in
-``predict`` once, one that fails on a marked input."""
+``predict`` once, one that fails on a marked input; and a streaming pipeline of one stage."""
 
 from __future__ import annotations
 
@@ -37,4 +37,15 @@ class Post(Stage):
         return [f"{x}!" if isinstance(x, str) else x for x in xs]
 
 
+class Words(Stage):
+    """A streaming stage: a chunk per word, or an error after the first if asked."""
+
+    def predict(self, x: Any) -> Any:
+        for word in str(x).split():
+            if word == "boom":
+                raise ValueError("boom in Words")
+            yield word
+
+
 pipeline = Pipeline("t-traces").add(Prep).add(Post)
+stream_pipeline = Pipeline("t-trace-stream").add(Words)

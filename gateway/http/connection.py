@@ -292,12 +292,14 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         the first chunk), or None (its last bytes are written)."""
         if self.current is None or self.closed:
             return
-        item, label, _ = self.current
+        item, label, stream = self.current
         self.current = None
         if reply is not None:
             if self._respond(item, label, reply):
                 self._advance()
             return
+        if self.trace is not None and isinstance(stream, StreamReply):
+            self.tracing.finish_stream(self.trace, item, label, outcome, stream.first_chunk_ns, stream.sent)
         self.trace = None
         self.metrics.observe_request(label, outcome, self.loop.time() - self.started)
         if self.access_log:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -119,8 +120,14 @@ class StreamReply:
         self._write: Callable[[bytes], None] = lambda data: None
         self._done: Done = lambda reply, outcome: None
         self._sent = 0  # chunks written
+        self.first_chunk_ns = 0  # when the first was written (wall clock, for the request's span)
         self._head: bytes | None = b""  # None once written
         self.ended = False
+
+    @property
+    def sent(self) -> int:
+        """The chunks written so far."""
+        return self._sent
 
     def attach(self, head: bytes, write: Callable[[bytes], None], done: Done) -> None:
         """Start: ``head`` is the connection's part of the head (``x-request-id``, ``connection``)."""
@@ -164,6 +171,8 @@ class StreamReply:
                                           outcome="error"))
                 return
             self._sent += 1
+        if self._sent and not self.first_chunk_ns:
+            self.first_chunk_ns = time.time_ns()
         if not sink.done():
             if out:
                 self._write(b"".join(out))

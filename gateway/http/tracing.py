@@ -34,6 +34,7 @@ __all__ = ["RequestTracing"]
 TRACEPARENT = b"traceparent"
 TRACESTATE = b"tracestate"
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
+_CHUNKS = otlp.key("conveyor.stream.chunks")
 _CACHED = 256  # encoded tails kept (routes and paths that run a pipeline, outcomes): cleared when full
 
 
@@ -58,6 +59,29 @@ class RequestTracing:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
+
+    def finish_stream(self, trace: RequestTrace, request: Request, route: str, outcome: str, first_chunk_ns: int,
+                      chunks: int) -> None:
+        """A streamed answer's span, once its last bytes are written: its first chunk's moment an
+        event (``first chunk``) and ``conveyor.stream.first_chunk_ms`` from the request's start, its
+        chunks counted. (Its head went out with the first chunk: no timing headers.)"""
+        sink = self._sink
+        if not trace.sampled or sink is None:
+            return
+        end_ns = time.time_ns()
+        tail = self._tail(request, route) + self._outcome(200, outcome) + otlp.int_attribute(_CHUNKS, chunks)
+        if first_chunk_ns:
+            tail += otlp.event("first chunk", first_chunk_ns) + otlp.attributes(
+                {"conveyor.stream.first_chunk_ms": (first_chunk_ns - trace.start_ns) / 1e6})
+        if outcome in _FAILED_OUTCOMES:
+            tail += otlp.error("stream", outcome, "", end_ns)
+        self._record(sink, trace, tail, end_ns)
+
+    @staticmethod
+    def _record(sink: tracing.SpanSink, trace: RequestTrace, tail: bytes, end_ns: int) -> None:
+        if trace.tracestate:
+            tail += otlp.tracestate(trace.tracestate)
+        sink.record(otlp.span(trace.trace_id, trace.span_id, trace.parent_id, trace.start_ns, end_ns, tail))
 
     def _tail(self, request: Request, route: str) -> bytes:
         """A route's span name, kind and request attributes, encoded once per method, path and route."""
@@ -106,11 +130,9 @@ class RequestTracing:
                                                                             trace.timing)))
         if trace.sampled and self._sink is not None:
             tail = self._tail(request, route) + self._outcome(reply.status, reply.outcome)
-            if trace.tracestate:
-                tail += otlp.tracestate(trace.tracestate)
             if reply.status >= 500 or reply.outcome in _FAILED_OUTCOMES:
                 tail += otlp.error(f"HTTP {reply.status}", reply.outcome, "", end_ns)
-            self._sink.record(otlp.span(trace.trace_id, trace.span_id, trace.parent_id, trace.start_ns, end_ns, tail))
+            self._record(self._sink, trace, tail, end_ns)
         return reply
 
 

@@ -37,8 +37,9 @@ from workers.loop.heartbeat import Lease
 from workers.loop.lanes import ReadLane
 from workers.loop.problems import Problems
 from workers.loop.routing import EntryRouter, Work
-from workers.loop.runner import failure
+from workers.loop.runner import Failure, failure
 from workers.loop.tracebacks import Tracebacks
+from workers.loop.tracing import StageTracing
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
 from workers.stage import END, LiveBatch, Stage
@@ -60,6 +61,7 @@ class _Stream:
     seq: int = 0
     final: bytes | None = None  # its result record, once it ended with one
     left: bool = False  # its caller left (cancelled) or its deadline passed: no record at all
+    error: Failure | None = None  # how it failed, if its stage raised
 
     @property
     def running(self) -> bool:
@@ -83,7 +85,8 @@ class _Step:
 
 class StreamRunner:
     def __init__(self, stage: Stage, spec: StageSpec, client: SyncClient, reply_ttl_ms: int, max_payload_bytes: int,
-                 problems: Problems, busy: BusyCell | None) -> None:
+                 problems: Problems, busy: BusyCell | None, tracing: StageTracing | None = None) -> None:
+        self._tracing = tracing  # the worker's: each item's wait, and its stream as its predict span
         self._stage = stage
         self._spec = spec
         self._publish = StepPublisher(client, reply_ttl_ms)
@@ -97,11 +100,23 @@ class StreamRunner:
         """Stream every item of ``work``; their result records into ``commit`` (written, not pushed
         again: each was pushed as its stream ended). Returns how many items ran. ``more(n)``: up to
         ``n`` new items, read and admitted into ``commit`` (a continuous stage's joiners)."""
+        traced = self._tracing.before(work, stats, deliveries) if self._tracing is not None else []
+        began = time.perf_counter()
         streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
         if self._spec.continuous:
-            streams = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats,
-                                           more or (lambda n: []))
-            return self._results(streams, keys, commit)
+            done = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats,
+                                        more or (lambda n: []))
+        else:
+            self._run_slices(work, streams, keys, stats)
+            done = streams
+        if traced and self._tracing is not None:  # the items read here; a continuous batch's joiners have none
+            outcomes = [(True, None) if s.error is None else (False, s.error) for s in streams]
+            self._tracing.after(work, traced, outcomes, [(0, len(work), began, time.perf_counter(), len(work))],
+                                stats)
+        return self._results(done, keys, commit)
+
+    def _run_slices(self, work: Work, streams: list[_Stream], keys: Keys, stats: BatchStats) -> None:
+        """Each slice of at most ``batch_size`` (one item for a singleton stage) streamed to its end."""
         size = self._spec.batch_size if self._spec.batched else 1
         for start in range(0, len(work), size):
             part = streams[start:start + size]
@@ -116,7 +131,6 @@ class StreamRunner:
             stats.add(len(part), (time.perf_counter() - began) * 1000)
         if self._busy is not None:
             self._busy.idle()
-        return self._results(streams, keys, commit)
 
     @staticmethod
     def _results(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
@@ -289,7 +303,7 @@ class StreamRunner:
         self._final(stream, step, data)
 
     def _fail(self, stream: _Stream, step: _Step, exc: Exception) -> None:
-        why = failure(exc, self._tracebacks)
+        why = stream.error = failure(exc, self._tracebacks)
         self._problems.stage_error(stream.item.request_id, why)
         self._final(stream, step, protocol.error_record(stream.item.request_id, why.type, why.message,
                                                         self._spec.name, why.traceback))

@@ -189,7 +189,7 @@ class Worker:
                                        self._ahead, functools.partial(self._predict, deliveries=None, handoff=False),
                                        self._committed, self._lane_error)
         self._streaming = (StreamRunner(stage, self.spec, self._client, self.settings.reply_ttl_ms,
-                                        self.settings.max_payload_bytes, self._problems, self._busy)
+                                        self.settings.max_payload_bytes, self._problems, self._busy, self._tracing)
                            if self.spec.streams else None)
         self._heartbeat.ready()
         self.ready = True
