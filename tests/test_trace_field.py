@@ -13,7 +13,7 @@ import redis.asyncio as aredis
 
 from broker import otlp, protocol, tracing
 from broker.codec import encode
-from broker.commit import Commit, Committer, Ttls
+from broker.commit import BatchStats, Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
 from broker.submit import Submissions, Submitter
 
@@ -160,3 +160,61 @@ def test_hand_encoded_spans_decode_as_written_at_every_size() -> None:
     for s, size in zip(decoded[::2], (1, 50, 99, 100, 104, 128), strict=False):
         assert (s.name, s.parent_span_id, s.start_time_unix_nano) == ("s", bytes(range(1, 9)), 5)
         assert s.attributes[0].value.string_value == "r" * size
+
+
+class _KeepsTheEnds:
+    """A hand-off that gives back the middle of every part (as one does behind a long call)."""
+
+    def track(self, outcomes: object) -> None:
+        pass
+
+    def start(self, start: int, end: int) -> list[int]:
+        return [start, end - 1]
+
+    def took(self, ran: int, took_s: float) -> None:
+        pass
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.spans: list[bytes] = []
+
+    def record_all(self, spans: list[bytes]) -> None:
+        self.spans += spans
+
+
+@pytest.mark.unit
+def test_items_of_a_part_partly_given_back_get_their_calls_spans() -> None:
+    """A part some of whose items went to another worker runs the rest in one call: the traced
+    items that ran there get that call's predict span (its size: the items it ran), the ones given
+    back none; waits for all of them."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from workers import Pipeline, Stage
+    from workers.loop.predicting import Predictor
+    from workers.loop.tracing import StageTracing
+
+    class Fours(Stage):
+        batch_size = 4
+
+        def predict(self, xs: list[int]) -> list[int]:
+            return [x * 10 for x in xs]
+
+    spec = Pipeline("p").add(Fours).stages[0]
+    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, b"", None, None, TP), i) for i in range(4)]
+    sink = _Sink()
+    tracing_ = StageTracing(spec, "p", "w1", sink)  # type: ignore[arg-type]
+    predictor = Predictor(Fours(), spec, None, lambda expected, returned: None, _KeepsTheEnds())  # type: ignore[arg-type]
+    stats = BatchStats()
+    traced = tracing_.before(work, stats, None)
+    outcomes = predictor.run(work, stats)
+    assert outcomes == [(True, 0), None, None, (True, 30)]
+    tracing_.after(work, [i for i in traced if outcomes[i] is not None], outcomes, predictor.slices, stats)  # type: ignore[arg-type]
+    request = ExportTraceServiceRequest.FromString(otlp.export_request({}, "conveyor", sink.spans))
+    spans = [s for r in request.resource_spans for scope in r.scope_spans for s in scope.spans]
+    assert sorted(s.name for s in spans) == ["Fours predict"] * 2 + ["Fours wait"] * 4
+    for s in spans:
+        if s.name == "Fours predict":
+            attributes = {a.key: a.value for a in s.attributes}
+            assert attributes["conveyor.batch.size"].int_value == 2
+            assert attributes["conveyor.request.id"].string_value in ("r0", "r3")
