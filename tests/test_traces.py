@@ -203,11 +203,13 @@ def test_an_unsampled_request_exports_nothing(stack: Stack) -> None:
 
 
 def test_a_request_without_traceparent_starts_a_trace(stack: Stack) -> None:
-    status, headers, _ = call(stack.port, b'"root"', {})
+    """A new trace; a ``tracestate`` without a ``traceparent`` is dropped, as W3C Trace Context says."""
+    status, headers, _ = call(stack.port, b'"root"', {"tracestate": "vendor=1"})
     assert status == 200 and float(headers["x-total-time"]) > 0
     roots = stack.receiver.wait(lambda spans: any(s.service == "conveyor-gateway" and not s.parent_id
                                                   for s in spans), 20, "a root span")
     [root] = [s for s in roots if s.service == "conveyor-gateway" and not s.parent_id][-1:]
+    assert root.trace_state == ""
     tree(stack.receiver.wait_trace(root.trace_id, SPANS_PER_REQUEST), "")
 
 

@@ -117,7 +117,7 @@ class RequestTracing:
         trace_id = parent[0] if parent is not None else tracing.new_trace_id()
         span_id = tracing.new_span_id()
         own = tracing.traceparent(trace_id, span_id) if sampled else None
-        state = headers.get(TRACESTATE)
+        state = headers.get(TRACESTATE) if parent is not None else None  # W3C: not without a traceparent
         return RequestTrace(trace_id, span_id, b"" if parent is None else parent[1], sampled,
                             tracing.field_value(own, self.timing_headers), time.time_ns(),
                             state.decode("latin-1") if state else None)
