@@ -11,10 +11,12 @@ clock, spans this host's: across hosts a wait is as good as their clocks' agreem
 back to its stream by burst sharing gets a new id: its wait counts from then.
 
 Per batch, the common case costs a loop over the items (an entry id compared with the last one) and
-one histogram update per distinct entry (a batch entry's requests share one). A traced item costs a
-few tuples, recorded for the span sink's thread (:class:`broker.tracing.SpanSink`): the SDK runs
-there, not here. Wait spans are recorded before ``predict`` runs, so that a worker killed in it
-(SIGKILL, OOM) has already said that it had the item; the delivery that follows says ``delivery`` 2.
+one histogram update per distinct entry (a batch entry's requests share one). A traced item's two
+spans are packed here (:mod:`broker.otlp`: its ids and times, then a tail its call's spans share)
+and sent by the span sink's thread (:class:`broker.tracing.SpanSink`). Wait spans are recorded
+before ``predict`` runs, so that a worker killed in it (SIGKILL, OOM) has already said that it had
+the item; the delivery that follows says ``delivery`` 2. A streaming stage's predict span is its
+item's whole stream (:mod:`workers.loop.streaming`).
 """
 
 from __future__ import annotations
