@@ -203,7 +203,7 @@ def test_items_of_a_part_partly_given_back_get_their_calls_spans() -> None:
     spec = Pipeline("p").add(Fours).stages[0]
     work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, b"", None, None, TP), i) for i in range(4)]
     sink = _Sink()
-    tracing_ = StageTracing(spec, "p", "w1", sink)  # type: ignore[arg-type]
+    tracing_ = StageTracing(spec, "w1", sink)  # type: ignore[arg-type]
     predictor = Predictor(Fours(), spec, None, lambda expected, returned: None, _KeepsTheEnds())  # type: ignore[arg-type]
     stats = BatchStats()
     traced = tracing_.before(work, stats, None)

@@ -43,7 +43,7 @@ _FIRST_DELIVERY = otlp.int_attribute(_DELIVERY, 1)
 class StageTracing:
     """One worker's measurements of its batches (``sink``: None when this process does not trace)."""
 
-    def __init__(self, spec: StageSpec, pipeline: str, consumer: str, sink: tracing.SpanSink | None) -> None:
+    def __init__(self, spec: StageSpec, consumer: str, sink: tracing.SpanSink | None) -> None:
         self._spec = spec
         self._consumer = consumer.encode()
         self._sink = sink
@@ -68,7 +68,7 @@ class StageTracing:
         exporter reads its ``OTEL_EXPORTER_OTLP_*`` variables now, at the worker's start)."""
         sink = tracing.start_sink(f"conveyor-{pipeline}", os.environ, cls.resource(spec, pipeline, consumer)) \
             if settings.enabled else None
-        return cls(spec, pipeline, consumer, sink)
+        return cls(spec, consumer, sink)
 
     def close(self) -> None:
         """Export what was recorded (the worker is stopping)."""
