@@ -21,6 +21,7 @@ span's duration; each stage's are its wait and predict spans' (:mod:`workers.loo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import replace
@@ -35,7 +36,7 @@ TRACEPARENT = b"traceparent"
 TRACESTATE = b"tracestate"
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
 _CHUNKS = otlp.key("conveyor.stream.chunks")
-_CACHED = 256  # encoded tails kept (routes and paths that run a pipeline, outcomes): cleared when full
+_CACHED = 256  # encoded tails kept (routes and paths that run a pipeline; outcomes)
 
 
 class RequestTracing:
@@ -47,8 +48,6 @@ class RequestTracing:
         self.timing_headers = timing_headers
         self.active = traces.enabled or timing_headers
         self._sink: tracing.SpanSink | None = None
-        self._tails: dict[tuple[bytes, bytes, str], bytes] = {}
-        self._outcomes: dict[tuple[int, str], bytes] = {}
 
     def start(self) -> None:
         """Start exporting (the OTLP exporter reads its ``OTEL_EXPORTER_OTLP_*`` variables now)."""
@@ -69,7 +68,8 @@ class RequestTracing:
         if not trace.sampled or sink is None:
             return
         end_ns = time.time_ns()
-        tail = self._tail(request, route) + self._outcome(200, outcome) + otlp.int_attribute(_CHUNKS, chunks)
+        tail = _route_tail(request.method, request.path, route) + _outcome(200, outcome) \
+            + otlp.int_attribute(_CHUNKS, chunks)
         if first_chunk_ns:
             tail += otlp.event("first chunk", first_chunk_ns) + otlp.attributes(
                 {"conveyor.stream.first_chunk_ms": (first_chunk_ns - trace.start_ns) / 1e6})
@@ -82,28 +82,6 @@ class RequestTracing:
         if trace.tracestate:
             tail += otlp.tracestate(trace.tracestate)
         sink.record(otlp.span(trace.trace_id, trace.span_id, trace.parent_id, trace.start_ns, end_ns, tail))
-
-    def _tail(self, request: Request, route: str) -> bytes:
-        """A route's span name, kind and request attributes, encoded once per method, path and route."""
-        key = (request.method, request.path, route)
-        tail = self._tails.get(key)
-        if tail is None:
-            if len(self._tails) >= _CACHED:
-                self._tails.clear()
-            method = request.method.decode("latin-1")
-            tail = self._tails[key] = otlp.head(f"{method} {route}", otlp.KIND_SERVER) + otlp.attributes(
-                {"http.request.method": method, "url.path": request.path.decode("latin-1"), "http.route": route})
-        return tail
-
-    def _outcome(self, status: int, outcome: str) -> bytes:
-        key = (status, outcome)
-        encoded = self._outcomes.get(key)
-        if encoded is None:
-            if len(self._outcomes) >= _CACHED:
-                self._outcomes.clear()
-            encoded = self._outcomes[key] = otlp.attributes({"http.response.status_code": status,
-                                                             "conveyor.outcome": outcome})
-        return encoded
 
     def begin(self, request: Request) -> RequestTrace | None:
         """The request's trace if it is sampled or timed, else None (nearly always, at a low rate)."""
@@ -129,11 +107,24 @@ class RequestTracing:
             reply = replace(reply, headers=(*reply.headers, *timing_headers((end_ns - trace.start_ns) / 1e6,
                                                                             trace.timing)))
         if trace.sampled and self._sink is not None:
-            tail = self._tail(request, route) + self._outcome(reply.status, reply.outcome)
+            tail = _route_tail(request.method, request.path, route) + _outcome(reply.status, reply.outcome)
             if reply.status >= 500 or reply.outcome in _FAILED_OUTCOMES:
                 tail += otlp.error(f"HTTP {reply.status}", reply.outcome, "", end_ns)
             self._record(self._sink, trace, tail, end_ns)
         return reply
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _route_tail(method: bytes, path: bytes, route: str) -> bytes:
+    """A route's span name, kind and request attributes, encoded once per method, path and route."""
+    name = method.decode("latin-1")
+    return otlp.head(f"{name} {route}", otlp.KIND_SERVER) + otlp.attributes(
+        {"http.request.method": name, "url.path": path.decode("latin-1"), "http.route": route})
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _outcome(status: int, outcome: str) -> bytes:
+    return otlp.attributes({"http.response.status_code": status, "conveyor.outcome": outcome})
 
 
 def timing_headers(total_ms: float, stages: list[tuple[float, float]] | None) -> list[tuple[bytes, bytes]]:
