@@ -6,7 +6,9 @@ import asyncio
 import os
 import shutil
 import stat
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -31,12 +33,14 @@ pytestmark = pytest.mark.redis  # redis-server processes (tests/conftest.py: tie
 
 
 @pytest.fixture
-def tmp_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Make tempfile create the server's directory under tmp_path, so leaks are visible."""
-    base = tmp_path / "t"
-    base.mkdir()
+def tmp_tempdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Make tempfile create the server's directory in a fresh one, so leaks are visible. Under /tmp,
+    not pytest's tmp_path: a socket path under a parallel run's longer tmp_path would not fit in
+    ``sun_path``, and the server would rightly fall back to /tmp."""
+    base = Path(tempfile.mkdtemp(prefix="cv-t-", dir="/tmp"))
     monkeypatch.setattr("tempfile.tempdir", str(base))
-    return base
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _executable(path: Path, content: str) -> Path:
