@@ -18,6 +18,7 @@ from broker.connection import RedisSettings
 from gateway import Gateway
 from tests.helpers import wait_for
 from workers import Pipeline, Stage
+from workers.loop.heartbeat import Heartbeat, Wake
 from workers.loop.worker import Worker, WorkerSettings
 from workers.process.watch import StatusPipe
 
@@ -69,3 +70,17 @@ def test_an_idle_worker_stops_without_waiting_for_its_read(redis_url: str, shape
         worker.request_stop()
         thread.join(BLOCK_MS / 1000 + 5)
         admin.close()
+
+
+def test_a_stop_ends_the_heartbeats_wait_long_before_its_next_beat(redis_url: str) -> None:
+    """The stop flag is seen when the stop is asked (``Wake``), not at the next beat (a minute here)."""
+    stopping, interrupted, wake = [False], threading.Event(), Wake()
+    heartbeat = Heartbeat(RedisSettings(redis_url), [], "Echo@test:wake:0", "Echo", interval_s=60.0,
+                          claim_idle_s=180.0, on_stop=(lambda: stopping[0], interrupted.set), wake=wake)
+    heartbeat.start()
+    try:
+        stopping[0] = True  # what Worker.request_stop does: the flag, then the wake
+        wake.set()
+        assert interrupted.wait(STOP_BOUND_S), f"no interrupt {STOP_BOUND_S}s after a stop (next beat: 60 s)"
+    finally:
+        heartbeat.stop()

@@ -11,7 +11,10 @@ TTL), the count of live workers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +28,38 @@ from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.worker")
 
-STOP_POLL_S = 0.05  # how soon a stop request ends an idle worker's blocked read
+
+
+class Wake:
+    """What ends the heartbeat thread's wait at once: a byte on a socket pair of its own (the self-pipe
+    idiom), so that a stop asked by a signal handler is seen now, without polling the flag, and without
+    a lock (a ``threading.Event`` takes one, which a handler interrupting its holder would wait on for ever)."""
+
+    def __init__(self) -> None:
+        self._r: socket.socket | None = None
+        self._w: socket.socket | None = None
+
+    def open(self) -> None:
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+
+    def set(self) -> None:
+        """End the wait (from any thread, or a signal handler): one send that never blocks."""
+        with contextlib.suppress(OSError, AttributeError):  # full: a wake is pending anyway; closed: too late
+            self._w.send(b"\0")  # type: ignore[union-attr]
+
+    def wait(self, timeout_s: float) -> None:
+        """Until :meth:`set` or ``timeout_s``; what was sent is taken."""
+        if self._r is not None and select.select([self._r], [], [], timeout_s)[0]:
+            with contextlib.suppress(OSError):
+                self._r.recv(4096)
+
+    def close(self) -> None:
+        r, w, self._r, self._w = self._r, self._w, None, None
+        for sock in (r, w):
+            if sock is not None:
+                sock.close()
 
 
 class BeatHook(Protocol):
@@ -84,10 +118,11 @@ class LiveWorkers:
 class Heartbeat:
     def __init__(self, settings: RedisSettings, hb_keys: Sequence[str], consumer: str, stage_name: str,
                  interval_s: float, claim_idle_s: float, hooks: Sequence[BeatHook] = (),
-                 on_stop: tuple[Callable[[], bool], Callable[[], None]] | None = None) -> None:
-        """``on_stop``: (stopping, interrupt): once ``stopping()`` (a flag a signal handler set), the
-        thread calls ``interrupt()`` within ``STOP_POLL_S``, which ends the worker's blocked read (an idle
-        worker would otherwise stop only when its read times out)."""
+                 on_stop: tuple[Callable[[], bool], Callable[[], None]] | None = None,
+                 wake: Wake | None = None) -> None:
+        """``on_stop``: (stopping, interrupt): once ``stopping()`` (a flag a signal handler set, then
+        ``wake``), the thread calls ``interrupt()``, which ends the worker's blocked read (an idle worker
+        would otherwise stop only when its read times out)."""
         self._settings = settings
         self._hb_keys = list(hb_keys)  # one per partition: each partition's janitor and status read its own
         self._consumer = consumer
@@ -100,29 +135,34 @@ class Heartbeat:
         self._ready = False
         self._stopped = False
         self._on_stop = on_stop
-        self._wake = threading.Event()
+        self._wake = wake or Wake()
+        self._poke = False  # ready() or stop(): beat now
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self, *hooks: BeatHook) -> None:
         """Start beating: only the hooks' commands until :meth:`ready`."""
         self._hooks += hooks
+        self._wake.open()
         self._thread.start()
 
     def ready(self) -> None:
         """Setup is done: beat at once (readyz must see the worker live now, not heartbeat_s later)."""
-        self._ready = True
+        self._ready = self._poke = True
         self._wake.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the thread (the hooks say their last word, e.g. the core's claim is released); bounded."""
-        self._stopped = True
+        self._stopped = self._poke = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._wake.close()
 
     def _loop(self) -> None:
         client = self._settings.sync_client()
         while not self._stopped:
+            self._poke = False  # a poke from now on is for the next beat
             try:
                 self._beat(client)
             except CONNECTION_ERRORS:
@@ -140,22 +180,19 @@ class Heartbeat:
         client.close()
 
     def _wait(self) -> None:
-        """Until the next beat (or :meth:`ready`, :meth:`stop`); meanwhile, with ``on_stop``, a look at
-        the stop flag every ``STOP_POLL_S``, and the worker's read interrupted once it is set."""
+        """Until the next beat (or :meth:`ready`, :meth:`stop`); with ``on_stop``, the worker's read is
+        interrupted once the stop flag is set (the stop wakes this wait)."""
         until = time.monotonic() + self._interval_s
-        while not self._wake.is_set() and (left := until - time.monotonic()) > 0:
+        while not self._poke and (left := until - time.monotonic()) > 0:
             watch = self._on_stop
-            if watch is None:
-                self._wake.wait(left)
-            elif watch[0]():
+            if watch is not None and watch[0]():
                 self._on_stop = None  # once
                 try:
                     watch[1]()
                 except CONNECTION_OR_REPLY_ERRORS as exc:  # the read then ends at its own timeout
                     log.debug("interrupting a stopping worker's read failed error=%r", exc)
-            else:
-                self._wake.wait(min(left, STOP_POLL_S))
-        self._wake.clear()
+                continue
+            self._wake.wait(left)
 
     def _beat(self, client: SyncClient) -> None:
         beat = Beat(client)

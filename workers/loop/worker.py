@@ -44,7 +44,7 @@ from workers.loop.ahead import ReadAhead
 from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
 from workers.loop.cancels import SLOW_BATCH_S, CancelWatch
 from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
-from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers
+from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, Wake
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
@@ -99,8 +99,8 @@ class Worker:
         self._busy = busy
         self.ready = False
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
-        self._told_idle = False  # one 'I' after the first batch: not a crash loop
-        self._drained_told = False
+        self._wake = Wake()  # the heartbeat's: a stop ends its wait, to interrupt the worker's read
+        self._told_idle = self._drained_told = False  # one 'I' after the first batch: not a crash loop
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -150,7 +150,7 @@ class Worker:
         beats = list(dict.fromkeys(lane.keys.heartbeats(index) for lane in self._lanes))  # one per partition
         self._heartbeat = Heartbeat(self.redis_settings, beats, self.consumer, self.spec.name,
                                     self.settings.heartbeat_s, self.spec.claim_idle_s, hooks,
-                                    on_stop=(lambda: self.stopping, self._interrupt_reads))
+                                    on_stop=(lambda: self.stopping, self._interrupt_reads), wake=self._wake)
         claim = self._claim_core()
         self._heartbeat.start(*([claim] if claim is not None else []))  # renews the claim from now on
         try:
@@ -225,6 +225,7 @@ class Worker:
     def request_stop(self) -> None:
         """Finish the batch in hand, commit it, and return from ``run``."""
         self.stopping = True
+        self._wake.set()
 
     def _interrupt_reads(self) -> None:
         """From the heartbeat thread once a stop is asked: the blocked read ends now, not at its timeout."""
