@@ -29,7 +29,6 @@ from broker.refusals import log_refusal_once
 log = logging.getLogger("conveyor.worker")
 
 
-
 class Wake:
     """What ends the heartbeat thread's wait at once: a byte on a socket pair of its own (the self-pipe
     idiom), so that a stop asked by a signal handler is seen now, without polling the flag, and without
