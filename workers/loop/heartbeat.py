@@ -45,8 +45,10 @@ class Wake:
 
     def set(self) -> None:
         """End the wait (from any thread, or a signal handler): one send that never blocks."""
-        with contextlib.suppress(OSError, AttributeError):  # full: a wake is pending anyway; closed: too late
-            self._w.send(b"\0")  # type: ignore[union-attr]
+        w = self._w
+        if w is not None:
+            with contextlib.suppress(OSError):  # full: a wake is pending anyway; closed meanwhile: too late
+                w.send(b"\0")
 
     def wait(self, timeout_s: float) -> None:
         """Until :meth:`set` or ``timeout_s``; what was sent is taken."""
