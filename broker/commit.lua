@@ -32,6 +32,10 @@
 --   k records (the groups' k add up to n_res; record j of all of them is KEYS[4 + j]'s)
 -- then n_dead x (entry id, request id or '', reason, data excerpt)
 -- then n_ack x entry id
+-- then, for a batch of several priority levels (workers/loop/priorities.py), each other level's part, to
+--   the end of ARGV: KEYS index of its in stream, of its out stream, n_ack, n_fwd, n_packed, n_trace,
+--   n_ptrace, then its traces, ptraces, forwards, batch entries and acks as above (its results and dead
+--   letters ride with the batch's: only the streams are a level's own)
 -- Returns {number of results written (duplicates are not), then the reply keys whose push failed
 -- with something other than WRONGTYPE (a refusal: the worker logs it), each followed by its error}.
 --
@@ -73,8 +77,13 @@ local n_trace, n_ptrace = tonumber(ARGV[14]), tonumber(ARGV[15])
 local a = 18
 
 local traced, ptraced, single = {}, {}, 0
-for _ = 1, n_trace do traced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
-for _ = 1, n_ptrace do ptraced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
+
+-- The trace values of a part's single entries and batch entries (ARGV from a on).
+local function read_traces(n, np)
+  traced, ptraced, single = {}, {}, 0
+  for _ = 1, n do traced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
+  for _ = 1, np do ptraced[tonumber(ARGV[a])] = ARGV[a + 1]; a = a + 2 end
+end
 
 local function add_singles(stream, n)
   for _ = 1, n do
@@ -82,21 +91,26 @@ local function add_singles(stream, n)
     if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
     if ARGV[a + 3] ~= '' then args[#args + 1] = 'deadline_ms'; args[#args + 1] = ARGV[a + 3] end
     single = single + 1
-    if n_trace > 0 and traced[single] then args[#args + 1] = 'trace'; args[#args + 1] = traced[single] end
+    if traced[single] then args[#args + 1] = 'trace'; args[#args + 1] = traced[single] end
     redis.call('XADD', unpack(args))
     a = a + 4
   end
 end
 
-add_singles(KEYS[2], n_fwd)
-for e = 1, n_packed do
-  if n_ptrace > 0 and ptraced[e] then
-    redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'traces', ptraced[e], 'v', '1')
-  else
-    redis.call('XADD', KEYS[2], '*', 'items', ARGV[a], 'v', '1')
+local function add_packed(stream, n)
+  for e = 1, n do
+    if ptraced[e] then
+      redis.call('XADD', stream, '*', 'items', ARGV[a], 'traces', ptraced[e], 'v', '1')
+    else
+      redis.call('XADD', stream, '*', 'items', ARGV[a], 'v', '1')
+    end
+    a = a + 1
   end
-  a = a + 1
 end
+
+read_traces(n_trace, n_ptrace)
+add_singles(KEYS[2], n_fwd)
+add_packed(KEYS[2], n_packed)
 add_singles(KEYS[1], n_back)
 
 local written, failed, k = 0, {}, 5
@@ -153,30 +167,46 @@ local function chunks(ids)
   return out
 end
 
-local acks, acked, late = {}, 0, {}
-for j = 1, n_ack do acks[j] = ARGV[a + j - 1] end
-local before = n_ack >= TRIM_FROM and redis.call('XPENDING', KEYS[1], group)  -- count, oldest, newest, consumers
-for _, ids in ipairs(chunks(acks)) do acked = acked + redis.call('XACK', KEYS[1], group, unpack(ids)) end
-if before then
-  local alone = before[1] == acked  -- every pending entry was this batch's: none is pending now
-  local bound_ms, bound_seq
-  if alone and before[3] then
-    bound_ms, bound_seq = id_parts(before[3])
-    if bound_seq then bound_seq = bound_seq + 1 end
-  elseif not alone then
-    bound_ms, bound_seq = id_parts(redis.call('XPENDING', KEYS[1], group)[2])
-  end
-  if bound_seq then
-    redis.call('XTRIM', KEYS[1], 'MINID', bound_ms .. '-' .. bound_seq)
-    for _, id in ipairs(alone and {} or acks) do  -- the entries of this batch the trim leaves
-      local ms, seq = id_parts(id)
-      if not seq or ms > bound_ms or (ms == bound_ms and seq >= bound_seq) then late[#late + 1] = id end
+-- Acks a part's n_ack entry ids (ARGV from a on) in ``stream`` and removes them from it.
+local function ack_and_remove(stream, n_ack)
+  local acks, acked, late = {}, 0, {}
+  for j = 1, n_ack do acks[j] = ARGV[a + j - 1] end
+  a = a + n_ack
+  local before = n_ack >= TRIM_FROM and redis.call('XPENDING', stream, group)  -- count, oldest, newest, consumers
+  for _, ids in ipairs(chunks(acks)) do acked = acked + redis.call('XACK', stream, group, unpack(ids)) end
+  if before then
+    local alone = before[1] == acked  -- every pending entry was this batch's: none is pending now
+    local bound_ms, bound_seq
+    if alone and before[3] then
+      bound_ms, bound_seq = id_parts(before[3])
+      if bound_seq then bound_seq = bound_seq + 1 end
+    elseif not alone then
+      bound_ms, bound_seq = id_parts(redis.call('XPENDING', stream, group)[2])
+    end
+    if bound_seq then
+      redis.call('XTRIM', stream, 'MINID', bound_ms .. '-' .. bound_seq)
+      for _, id in ipairs(alone and {} or acks) do  -- the entries of this batch the trim leaves
+        local ms, seq = id_parts(id)
+        if not seq or ms > bound_ms or (ms == bound_ms and seq >= bound_seq) then late[#late + 1] = id end
+      end
+    else
+      late = acks
     end
   else
     late = acks
   end
-else
-  late = acks
+  for _, ids in ipairs(chunks(late)) do redis.call('XDEL', stream, unpack(ids)) end
 end
-for _, ids in ipairs(chunks(late)) do redis.call('XDEL', KEYS[1], unpack(ids)) end
+
+ack_and_remove(KEYS[1], n_ack)
+while a <= #ARGV do  -- the other levels' parts of a batch of several
+  local in_key, out_key = KEYS[tonumber(ARGV[a])], KEYS[tonumber(ARGV[a + 1])]
+  local acks_n, fwd_n, packed_n = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local trace_n, ptrace_n = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  a = a + 7
+  read_traces(trace_n, ptrace_n)
+  add_singles(out_key, fwd_n)
+  add_packed(out_key, packed_n)
+  ack_and_remove(in_key, acks_n)
+end
 return {written, unpack(failed)}

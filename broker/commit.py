@@ -49,6 +49,9 @@ class Commit:
     # forwards, or the items put back, from 0; the value). Empty for nearly every batch.
     traces: list[tuple[int, bytes]] = field(default_factory=list)
     back_traces: list[tuple[int, bytes]] = field(default_factory=list)
+    # A batch of several priority levels commits in one call: the other levels' parts (their in and
+    # out streams; their acks, forwards and traces: results and dead letters go in this commit's).
+    level_parts: list[tuple[str, str, Commit]] = field(default_factory=list)
 
     def forward(self, request_id: bytes, data: bytes, reply: bytes | None, deadline_ms: int | None,
                 trace: bytes | None = None) -> None:
@@ -175,6 +178,11 @@ class Committer:
         self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
         self._sent: bytes | int | None = None  # the command sent, its reply not yet taken (a cluster's: its result)
 
+    @property
+    def streams(self) -> tuple[str, str]:
+        """The stream this committer acks in and the one it forwards to (its own again at the last stage)."""
+        return self._static_keys[0], self._static_keys[1]
+
     @sends(WORKER, uses={"xadd": STATS}, why="an idle worker's batch stats")
     def flush_stats(self, stats: BatchStats, now: float) -> None:
         """An idle worker's buffered stats: one XADD of their own (busy ones ride on commits)."""
@@ -225,8 +233,11 @@ class Committer:
         args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups, packed, traced),
                                          *traced[0], *traced[1], *singles, *packed, *commit.back, *results,
                                          *commit.dead, *commit.acks]
-        command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *result_keys, *reply_keys,
-                   *map(_as_arg, args)]
+        keys, more = [*result_keys, *reply_keys], list[bytes]()
+        if commit.level_parts:
+            _add_level_parts(commit, len(self._static_keys) + len(keys), keys, more)
+            n_keys = len(self._static_keys) + len(keys)
+        command = [b"%d" % n_keys, *map(_as_arg, self._static_keys), *keys, *map(_as_arg, args), *more]
         return self._client.execute_command("EVALSHA", self._sha, *command)
 
     @staticmethod
@@ -246,6 +257,8 @@ class Committer:
         # load pays this per request, so the pieces are not packed one group at a time).
         args = [*self._counts(commit, n_groups, packed, traced), *traced[0], *traced[1], *singles, *packed,
                 *commit.back, *results, *commit.dead, *commit.acks]
+        if commit.level_parts:
+            _add_level_parts(commit, len(self._static_keys) + len(keys), keys, args)
         n_keys = len(self._static_keys) + len(keys)
         parts = [b"*%d\r\n" % (3 + n_keys + len(self._constant_head) + len(args)), self._packed_evalsha,
                  b"$%d\r\n%d\r\n" % (len(str(n_keys)), n_keys), self._packed_static_keys]
@@ -320,6 +333,18 @@ def _forward_args(commit: Commit) -> tuple[list[bytes], list[bytes], Traced]:
         bounds.append((start, end))
         start = end
     return [], packed, _trace_args(commit, bounds) if commit.traces or commit.back_traces else _UNTRACED
+
+
+def _add_level_parts(commit: Commit, n_keys: int, keys: list[bytes], args: list[bytes]) -> None:
+    """The other levels' parts of a batch of several (``commit.lua``'s last ARGV): their streams
+    appended to ``keys`` (``n_keys`` of the command's before them), their arguments to ``args``."""
+    for in_stream, out_stream, part in commit.level_parts:
+        singles, packed, traced = _forward_args(part)
+        keys += (in_stream.encode(), out_stream.encode())
+        n_keys += 2
+        args += (b"%d" % (n_keys - 1), b"%d" % n_keys, b"%d" % len(part.acks), b"%d" % (len(singles) // 4),
+                 b"%d" % len(packed), b"%d" % (len(traced[0]) // 2), b"%d" % (len(traced[1]) // 2),
+                 *traced[0], *traced[1], *singles, *packed, *part.acks)
 
 
 def _trace_args(commit: Commit, bounds: list[tuple[int, int]] | None) -> Traced:

@@ -387,3 +387,14 @@ def test_http_partition_key_header_reaches_the_gateway() -> None:
         return backend
 
     assert asyncio.run(asyncio.wait_for(main(), T)).keys == [b"user-7", None]
+
+
+def test_a_batch_of_two_levels_commits_in_one_call_on_a_cluster(cluster_url: str) -> None:
+    """As on one Redis (tests/test_commit_removal.py): the levels' streams share their slot."""
+    from tests.test_commit_removal import commit_two_levels
+
+    client = RedisSettings(cluster_url).sync_client()
+    try:
+        commit_two_levels(client, "t-two-levels")
+    finally:
+        client.close()

@@ -124,3 +124,44 @@ def test_a_commit_without_entries_to_ack(redis_client: redis.Redis) -> None:
     assert committer(Commit(stats=(b"1", b"0.5", b"", b""))) == 0
     assert redis_client.xlen(keys.stats(0)) == 1
     _check(redis_client, keys, ids, 0)
+
+
+def commit_two_levels(client: redis.Redis, name: str) -> None:
+    """A batch read from two priority levels commits in one ``commit.lua`` call: each level's
+    entries acked and removed in its own stream (10 each: the trim's path), forwarded into the next
+    stage's stream of its own level (the priority-1 part as two batch entries, one carrying its
+    request's trace; the default part as single entries), the other part's result and dead letter
+    written with the call's own."""
+    low, high = Keys(name), Keys(name).at_level(1)
+    ids = {}
+    for keys in (low, high):
+        client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+        ids[keys.level] = [client.xadd(keys.stream(0), entry_fields(b"r%d-%d" % (keys.level, i), codec.encode(i),
+                                                                    None, None))  # type: ignore[arg-type]
+                           for i in range(10)]
+        assert len(_read(client, keys, "a", 10)) == 10
+    trace = b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"
+    main, part = Commit(acks=ids[0]), Commit(acks=ids[1], forward_entries=2)
+    for i in range(3):
+        main.forward(b"d%d" % i, b"x", None, None, trace if i == 1 else None)
+        part.forward(b"p%d" % i, b"y", None, None, trace if i == 2 else None)
+    part.publish(low.result_key(b"p9"), ok_record(b"p9", 9), None)
+    part.dead_letter(ids[1][9], b"p8", "bad", b"z")
+    main.results += part.results
+    main.dead += part.dead
+    main.level_parts.append((high.stream(0), high.stream(1), part))
+    assert Committer(client, low, 0, "First", has_next=True, ttls=Ttls())(main) == 1
+    for keys in (low, high):
+        assert client.xlen(keys.stream(0)) == 0
+        assert client.xpending(keys.stream(0), GROUP)["pending"] == 0
+    singles = [fields for _, fields in client.xrange(low.stream(1))]
+    assert [f[b"id"] for f in singles] == [b"d0", b"d1", b"d2"]
+    assert [f.get(b"trace") for f in singles] == [None, trace, None]
+    packed = [fields for _, fields in client.xrange(high.stream(1))]
+    assert len(packed) == 2 and b"traces" not in packed[0] and b"traces" in packed[1]
+    assert client.get(low.result_key(b"p9")) == ok_record(b"p9", 9)
+    assert [f[b"id"] for _, f in client.xrange(low.dead(0))] == [b"p8"]
+
+
+def test_a_batch_of_two_levels_commits_in_one_call(redis_client: redis.Redis) -> None:
+    commit_two_levels(redis_client, "t-two-levels")

@@ -318,3 +318,34 @@ def test_stream_level_follows_triton() -> None:
             stream_level(bad, 2)  # type: ignore[arg-type]
     assert [k.stream(2) for k in Keys("p").levels(3)] == ["conveyor:{p}:stream:2:p1", "conveyor:{p}:stream:2:p2",
                                                           "conveyor:{p}:stream:2"]
+
+
+@pytest.mark.unit
+def test_a_batch_of_several_levels_is_one_commit_unless_two_carry_stats() -> None:
+    """The levels' commits of one batch go as one call of the lowest level's lane (the others' streams,
+    acks and forwards as its level parts; their results and dead letters with its own), or of the lane
+    whose stats are due; each on its own when two carry stats or one puts items back."""
+    from types import SimpleNamespace
+
+    from broker.commit import Commit
+    from workers.loop.priorities import one_commit
+
+    def lane(level: int) -> Any:
+        keys = Keys("p").at_level(level)
+        return SimpleNamespace(committer=SimpleNamespace(streams=(keys.stream(0), keys.stream(1))))
+
+    high, low = lane(1), lane(0)
+    part, main = Commit(acks=[b"1-0"]), Commit(acks=[b"2-0"])
+    part.publish(b"k", b"record", None)
+    part.dead_letter(b"1-1", b"r", "bad", b"")
+    assert one_commit([(high, part), (low, main)]) == (low, main)
+    assert main.level_parts == [("conveyor:{p}:stream:0:p1", "conveyor:{p}:stream:1:p1", part)]
+    assert main.results == part.results and main.dead == part.dead
+
+    stats = (b"1", b"0.5", b"", b"")
+    part, main = Commit(acks=[b"1-0"], stats=stats), Commit(acks=[b"2-0"])
+    assert one_commit([(high, part), (low, main)]) == (high, part)
+    assert part.level_parts == [("conveyor:{p}:stream:0", "conveyor:{p}:stream:1", main)]
+
+    assert one_commit([(high, Commit(stats=stats)), (low, Commit(stats=stats))]) is None
+    assert one_commit([(high, Commit(back=[b"r", b"x", b"", b""])), (low, Commit())]) is None

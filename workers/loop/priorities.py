@@ -17,7 +17,8 @@ that want their answer soonest; the lowest level's batch is filled as any stage'
 higher level leaves in a batch is filled from the levels below it, in the same read (``fill``, on
 by default): under load a lone urgent request then rides at the head of a batch of the default
 level's backlog, one ``predict`` call, instead of costing every stage a batch of its own. Each
-level's part of such a batch is committed in its own lane, so it still moves on at its own level.
+level's part of such a batch is acked and forwarded in its own level's streams, in the batch's one commit
+(:func:`one_commit`), so it still moves on at its own level.
 
 Starvation: after ``fair_after`` batches in a row from levels above the lowest (in one
 partition), the next first read tries the levels in the other order, lowest first: while the
@@ -47,7 +48,7 @@ from workers.loop.lanes import ReadLane
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
 
-__all__ = ["LevelBatch", "LevelTurns", "Segments", "level_turns"]
+__all__ = ["LevelBatch", "LevelTurns", "Segments", "level_turns", "one_commit"]
 
 log = logging.getLogger("conveyor.worker")
 
@@ -168,8 +169,9 @@ class LevelTurns:
 
 class LevelBatch:
     """A batch of several levels' new entries (the first read's fill): one ``predict`` on them all, in
-    the order read, each level's part admitted, routed and committed in its own lane, the commits sent
-    together and their replies taken together. Without hand-off (it gives entries back to one stream)."""
+    the order read, each level's part admitted and routed in its own lane, then all of them committed in one
+    call (:func:`one_commit`; where that cannot be, a commit per lane, sent together and their replies
+    taken together). Without hand-off (it gives entries back to one stream)."""
 
     def __init__(self, router: EntryRouter, cancels: CancelWatch, lease: Lease, sizing: ForwardSizing,
                  ahead: ReadAhead, predict: Predict, committed: Committed,
@@ -207,7 +209,30 @@ class LevelBatch:
         self._lease.release()
         acks = [entry_id for _, commit, _ in parts for entry_id in commit.acks]
         settled: Settled = functools.partial(self._committed, acks, len(work), ran - started)
-        self._ahead.commit_all([(lane, commit) for lane, commit, _ in parts], settled)
+        commits = [(lane, commit) for lane, commit, _ in parts]
+        one = one_commit(commits)
+        if one is None:
+            self._ahead.commit_all(commits, settled)
+        else:
+            self._ahead.commit(*one, False, settled)
+
+
+def one_commit(parts: list[tuple[ReadLane, Commit]]) -> tuple[ReadLane, Commit] | None:
+    """A batch's levels' commits as one call of one lane's committer (``commit.lua``'s level parts:
+    the others' acks and forwards in their own streams, their results and dead letters with its own),
+    or None where each must go on its own: when more than one carries stats (a call writes one stats
+    entry), or one puts items back on its stream. One call, where a commit per level cost the worker
+    and Redis a command each (docs/decisions.md)."""
+    with_stats = [part for part in parts if part[1].stats[0]]
+    if len(with_stats) > 1 or any(commit.back for _, commit in parts):
+        return None
+    lane, main = with_stats[0] if with_stats else parts[-1]  # else the lowest level's
+    for other, commit in parts:
+        if commit is not main:
+            main.results += commit.results
+            main.dead += commit.dead
+            main.level_parts.append((*other.committer.streams, commit))
+    return lane, main
 
 
 def level_turns(lanes: Sequence[ReadLane], levels: int, fair_after: int, client: SyncClient,
