@@ -52,6 +52,8 @@ F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadl
 F_ITEMS = b"items"  # a batch entry's requests, 4 values each (see above)
 F_TRACE = b"trace"  # optional: a request's trace context and timings (see above)
 F_TRACES = b"traces"  # optional: a batch entry's requests' trace values, aligned with its items
+# A trace value read from an entry: a traceparent, "t", then a timing token per stage (~16 bytes each).
+MAX_TRACE_BYTES = 4096
 _VERSION = str(PROTOCOL_VERSION).encode()
 
 # Error types conveyor itself reports (besides the user's own exception names).
@@ -131,13 +133,15 @@ def parse_entries(entries: Iterable[tuple[bytes, dict[bytes, bytes] | None]], ke
             if (isinstance(raw_id, bytes) and data is not None and len(data) <= max_bytes and fullmatch(raw_id)
                     and (reply is None or reply == good_reply or _valid_reply(reply, keys) is not None)):
                 good_reply = good_reply if reply is None else reply
-                raw_deadline = fields.get(F_DEADLINE)
+                raw_deadline, trace = fields.get(F_DEADLINE), fields.get(F_TRACE)
+                if trace is not None and (len(trace) > MAX_TRACE_BYTES or not trace.isascii()):
+                    trace = None  # _trace_of's rule
                 if not raw_deadline:
-                    append(Item(entry_id, raw_id, data, reply, None, fields.get(F_TRACE)))
+                    append(Item(entry_id, raw_id, data, reply, None, trace))
                     continue
                 deadline = _deadline_or_zero(raw_deadline)
                 if 0 < deadline <= latest_ms:  # _parse_deadline's bounds
-                    append(Item(entry_id, raw_id, data, reply, deadline, fields.get(F_TRACE)))
+                    append(Item(entry_id, raw_id, data, reply, deadline, trace))
                     continue
         append(_parse_checked(entry_id, fields, keys, limits, at_ms))
     return parsed
@@ -180,7 +184,14 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     deadline = _parse_deadline(fields.get(F_DEADLINE), at_ms)
     if isinstance(deadline, str):
         return reject(deadline)
-    return Item(entry_id, request_id, data, reply, deadline, fields.get(F_TRACE) or None)
+    return Item(entry_id, request_id, data, reply, deadline, _trace_of(fields.get(F_TRACE)))
+
+
+def _trace_of(value: bytes | None) -> bytes | None:
+    """An entry's ``trace`` value where it can be read (ASCII, at most ``MAX_TRACE_BYTES``), else None:
+    a value that cannot be read is ignored and its request served untraced (docs/protocol.md); never
+    worth refusing a request for, and never carried into a result record it could not be written in."""
+    return value if value and len(value) <= MAX_TRACE_BYTES and value.isascii() else None
 
 
 def _unread_batch(fields: dict[bytes, bytes]) -> str:
@@ -257,7 +268,7 @@ def _add_traces(entries: list[tuple[bytes, dict[bytes, bytes] | None]], raw: byt
     if not isinstance(traces, list):
         return
     for (_, one), value in zip(entries, traces, strict=False):
-        if value and isinstance(value, bytes) and one is not None:
+        if isinstance(value, bytes) and one is not None and _trace_of(value) is not None:
             one[F_TRACE] = value
 
 
@@ -294,7 +305,8 @@ def ok_record(request_id: bytes, value: Any, stage: str = "", timing: bytes | No
     the request asked for its stages' timings (module docstring): the record carries them."""
     try:
         if timing is not None:
-            return encode({"id": request_id.decode(), "ok": True, "value": value, "timing": timing.decode()})
+            return encode({"id": request_id.decode(), "ok": True, "value": value,
+                           "timing": timing.decode("ascii", "replace")})
         if len(request_id) < 256 and request_id.isascii():  # a valid id always: str header = its length
             head = bytes((0xA0 | len(request_id),)) if len(request_id) < 32 else b"\xd9" + bytes((len(request_id),))
             return b"".join((_OK_HEAD, head, request_id, _OK_MIDDLE, encode(value)))
@@ -308,7 +320,8 @@ def error_record(request_id: bytes, type_: str, message: str, stage: str, traceb
                  timing: bytes | None = None) -> bytes:
     error = {"type": type_, "message": message, "stage": stage, "traceback": traceback}
     if timing is not None:
-        return encode({"id": request_id.decode(), "ok": False, "error": error, "timing": timing.decode()})
+        return encode({"id": request_id.decode(), "ok": False, "error": error,
+                       "timing": timing.decode("ascii", "replace")})
     return encode({"id": request_id.decode(), "ok": False, "error": error})
 
 

@@ -167,3 +167,20 @@ def test_a_reply_key_of_another_type_is_skipped_not_fatal(workers: Workers, redi
     # and the workers go on serving
     submit(redis_client, "wrong-type-2", 4, reply_key("svc-after-wrong-type"))
     assert pop_records(redis_client, reply_key("svc-after-wrong-type"))[0]["value"] == 10
+
+
+@pytest.mark.parametrize("x", [1, 99], ids=["answered", "stage-error"])
+def test_an_unreadable_trace_value_is_ignored_not_fatal(workers: Workers, redis_client: redis.Redis, x: int) -> None:
+    """A ``trace`` value that asks for timings but is not ASCII (docs/protocol.md: a value that cannot
+    be read is ignored) is answered untraced, without timings, by the same workers: none of them
+    dies on it (their result record could not carry it), the value that fails in a stage included."""
+    reply = reply_key(f"svc-bad-trace-{x}")
+    fields = {"id": f"bad-trace-{x}", "data": msgpack.packb(x), "reply": reply, "trace": b"- t \xff",
+              "deadline_ms": int(time.time() * 1000) + 30_000}
+    redis_client.xadd(STREAM0, fields)  # type: ignore[arg-type]
+    [record] = pop_records(redis_client, reply)
+    assert record["id"] == f"bad-trace-{x}" and "timing" not in record
+    assert record["ok"] is True if x == 1 else record["error"]["type"] == "ValueError"  # the stage's, not a crash's
+    workers.check_alive()
+    submit(redis_client, f"after-bad-trace-{x}", 2, reply)
+    assert pop_records(redis_client, reply) == [{"id": f"after-bad-trace-{x}", "ok": True, "value": 6}]

@@ -510,6 +510,28 @@ async def test_pipelined_requests_are_answered_in_order(server: HttpServer, back
 
 
 @http_test()
+async def test_an_upgrade_asked_for_is_ignored_and_the_request_served(server: HttpServer, backend: FakeBackend) -> None:
+    """``curl --http2`` on a plain URL asks for h2c: the request is answered over HTTP/1.1 with its body
+    (RFC 9110 7.8: a server may ignore Upgrade), its body split across writes, then the requests
+    pipelined after it; only a chunked body after an upgrade is refused, saying so."""
+    upgrade = {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2-settings": "AAMAAABkAAQCAAAAAAIAAAAA"}
+    client = await Client.open(server.port)
+    first = predict_json({"text": "x" * 3000}, **upgrade)
+    await client.send(first[:-1000])  # the head and part of the body
+    await client.send(first[-1000:] + http_request("GET", "/healthz", headers=upgrade) + predict_json(7))
+    assert (await client.response()).json() == {"result": {"text": "x" * 3000}}
+    assert (await client.response()).json() == {"status": "ok"}
+    assert (await client.response()).json() == {"result": 7}
+    await client.close()
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: h2c\r\n"
+                      b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n1\r\n3\r\n0\r\n\r\n")
+    resp = await client.response()
+    assert resp.status == 400 and "without 'Upgrade'" in resp.json()["error"]["message"]
+    await client.close()
+
+
+@http_test()
 async def test_connection_close_and_http10_are_honoured(server: HttpServer, backend: FakeBackend) -> None:
     client = await Client.open(server.port)
     await client.send(http_request("GET", "/healthz", headers={"connection": "close"}))

@@ -157,3 +157,22 @@ def test_an_empty_batch_is_refused_before_redis(shape: list[int]) -> None:
     one = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
     assert Inference("m", PipelineIO((TensorSpec("text", "BYTES", (-1,)),), io.outputs, batched=True), one,
                      None).items() == ["a"]
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"inputs": [{"name": "x", "datatype": ["FP64"], "shape": [1], "data": [1]}]}, "unknown datatype ['FP64']"),
+    ({"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [1.0, 1e6]}]}, "does not fit FP16"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "does not fit FP32"),
+], ids=["datatype-not-a-string", "fp16-overflow", "fp32-overflow"])
+def test_bad_tensors_are_refused_not_failed(doc: dict[str, Any], message: str) -> None:
+    """What the gateway answered 500 to (a TypeError; a value numpy made infinite, then refused as
+    an output) is the client's error: a TensorError, answered 400."""
+    with pytest.raises(TensorError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_request(orjson.dumps(doc), None)
+
+
+def test_data_nested_deeper_than_pythons_stack_is_read() -> None:
+    """As deep as the JSON parser allows (1,024 levels), beyond the recursion a flattening took."""
+    body = b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": ' + b"[" * 1020 + b"2.5" \
+        + b"]" * 1020 + b"}]}"
+    assert parse_request(body, None).inputs[0].data.tolist() == [2.5]

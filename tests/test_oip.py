@@ -7,6 +7,7 @@ and back, in JSON and in the binary extension, and must come back exact.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -174,6 +175,38 @@ def test_bad_requests_are_refused_naming_what_was_expected(stack: Stack) -> None
     # The request's id beside the protocol's "error" string: tritonclient still reads the message alone.
     status, raw = http_call(stack.port, "POST", "/v2/models/t-nope/infer", b"{}")
     assert status == 404 and set(json.loads(raw)) == {"error", "request_id"}
+
+
+def test_more_rows_than_the_gateway_holds_are_refused_before_any_is_sent(stack: Stack) -> None:
+    """A batch of more rows than the gateway may hold in flight (``max_in_flight``, 100,000) can never
+    run: 413 at once, none of its rows sent or held, so that other clients are not refused behind it."""
+    rows = 100_001
+    x = triton.InferInput("x", [rows, 3], "FP32")
+    x.set_data_from_numpy(np.zeros((rows, 3), dtype=np.float32), binary_data=True)
+    with pytest.raises(InferenceServerException) as caught:
+        stack.client().infer("t-rows", [x])
+    assert caught.value.status() == "413" and "max_in_flight=100000" in caught.value.message()
+    metrics = http_call(stack.port, "GET", "/metrics")[1].decode()
+    assert "conveyor_gateway_in_flight 0.0" in metrics
+    status, raw = http_call(stack.port, "POST", "/v1/pipelines/t-echo/predict", b"7")
+    assert (status, json.loads(raw)) == (200, {"result": 7})
+
+
+def test_a_request_of_several_items_refused_on_its_way_holds_none(stack: Stack) -> None:
+    """Its third item too large: the two submitted before it are taken back before they were sent
+    (no cancel marker for them either), nothing stays in flight, and the gateway serves on."""
+    from gateway import Gateway, PayloadTooLarge
+    from gateway.http.predict import submit_items
+
+    async def main() -> None:
+        async with Gateway(stack.url, "t-echo") as gw:
+            assert await gw.predict(1) == 1  # registered: submissions go to the hub's table
+            with pytest.raises(PayloadTooLarge):
+                submit_items(gw, [1, 2, b"x" * (16 * 2**20 + 1)], [None, None, None], 5.0, None, 0)  # > 16 MiB
+            assert gw.in_flight == 0 and gw.hub.cancels == 2 and not any(lane.outbox for lane in gw.lanes)
+            assert await gw.predict(3) == 3
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 def test_plain_json_over_http(stack: Stack) -> None:

@@ -195,6 +195,11 @@ class Gateway:
         return self.hub.in_flight
 
     @property
+    def max_in_flight(self) -> int:
+        """How many its hub holds at most (``GatewaySettings.max_in_flight``): past it, submissions are refused."""
+        return self.hub.settings.max_in_flight
+
+    @property
     def healthy(self) -> bool:
         """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""
         return self.hub.healthy and self.views.healthy

@@ -290,9 +290,13 @@ class Hub:
         record = self.requests.pop(found)
         if type(waiter) is StreamSink:
             waiter.cancel()
+        self.cancels += 1
+        outbox = record.lane.outbox
+        if outbox and outbox[-1] is record:  # not sent yet (a request of several refused on its way): never sent
+            outbox.pop()
+            return True
         remaining_s = record.since_s + record.timeout_s - self._loop.time()
         self._canceller.add(record.lane.keys, found, int(remaining_s * 1000))
-        self.cancels += 1
         return True
 
     def _fail(self, records: list[InFlight], error: Callable[[], Exception]) -> None:

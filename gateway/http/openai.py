@@ -44,6 +44,7 @@ from gateway.http.predict import (
     once_declared,
     priority_of,
     request_bound_s,
+    submit_items,
 )
 from gateway.http.request_ids import item_ids
 from gateway.http.types import HttpError, Reply, Request
@@ -206,8 +207,7 @@ class OpenAI:
             key = request.headers.get(PARTITION_KEY_HEADER)
             ids = item_ids(request.request_id, len(query.texts))  # one text: the request's id; several: <id>.<i>
             priority = priority_of(request.headers)
-            waiters = [backend.submit(text, bound_s, key, direct=True, request_id=rid, priority=priority)
-                       for text, rid in zip(query.texts, ids, strict=True)]
+            waiters = submit_items(backend, query.texts, ids, bound_s, key, priority)
         except OpenAIError as exc:
             return exc.reply()
         except HttpError as exc:

@@ -5,6 +5,10 @@ requests and enforces the limits that need the bytes themselves (431 for a head 
 ``max_header_bytes``, 413 for a body over ``max_body_bytes``, 400 for HTTP/1.1 without Host);
 *when* to read, answer, time out and close is the connection's. It tells the connection what
 happened through the `RequestListener` hooks.
+
+A request asking to switch protocols (``Upgrade``, e.g. ``curl --http2``'s ``h2c`` on a plain URL) is
+answered over HTTP/1.1 as if it had not asked, as RFC 9110 (7.8) lets a server do: llhttp stops at its
+head, so its ``Content-Length`` bytes of body are taken here and the bytes after them go to a new parser.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class RequestReader:
         self.max_body_bytes = settings.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
         self._reset()
+        self.held: Request | None = None  # an upgrade request (see the module docstring), its body still to come
+        self.held_size = 0  # how many bytes of body it declared
+        self.held_parts: list[bytes] = []
+        self.held_got = 0
 
     def _reset(self) -> None:
         self.url = b""
@@ -47,14 +55,37 @@ class RequestReader:
 
     def feed(self, data: bytes) -> HttpError | None:
         """Parse ``data``; the error to answer (then close) if the bytes are refused, else None."""
+        if self.held is not None:
+            data = self._held_body(data)
+            if not data:
+                return None
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            return bad_request("protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as exc:  # the head of a request that asked for one: go on in HTTP/1.1
+            self.parser = httptools.HttpRequestParser(self)
+            rest = data[exc.args[0]:] if exc.args and isinstance(exc.args[0], int) else b""
+            return self.feed(rest) if rest or self.held is not None else None
         except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
             cause = exc.__context__
             return cause if isinstance(cause, HttpError) else bad_request(str(exc))
         return None
+
+    def _held_body(self, data: bytes) -> bytes:
+        """Body bytes of the held upgrade request from ``data``; once whole, the request goes to the
+        connection. Returns what follows its body (the next request's bytes)."""
+        held = self.held
+        if held is None:
+            return data
+        need = self.held_size - self.held_got
+        part = data[:need]
+        self.held_parts.append(part)
+        self.held_got += len(part)
+        if self.held_got < self.held_size:
+            return b""
+        held.body = b"".join(self.held_parts)
+        self.held, self.held_parts, self.held_got = None, [], 0
+        self.connection.request_complete(held)
+        return data[need:]
 
     def check_partial_head(self, data: bytes) -> HttpError | None:
         """Bound a head still incomplete after this chunk: httptools reports a header only once
@@ -101,6 +132,11 @@ class RequestReader:
         length = headers.get(b"content-length")
         if length is not None and int(length) > self.max_body_bytes:  # llhttp checked the digits
             raise too_large(self.max_body_bytes)
+        if self.parser.should_upgrade():
+            if b"transfer-encoding" in headers:
+                raise bad_request("protocol upgrades are not supported: send this request without 'Upgrade' "
+                                  "(its chunked body cannot be read after one)")
+            self.held_size = int(length or 0)
         expect = headers.get(b"expect")
         self.connection.head_complete(expect is not None and expect.lower() == b"100-continue")
 
@@ -115,6 +151,11 @@ class RequestReader:
         url = self.url
         path = url.split(b"?", 1)[0] if b"?" in url else url
         parser = self.parser
-        self.connection.request_complete(Request(parser.get_method(), path, self.headers, body,
-                                                 parser.should_keep_alive()))
+        request = Request(parser.get_method(), path, self.headers, body, parser.should_keep_alive())
+        if parser.should_upgrade():  # its body follows: feed() takes it (module docstring)
+            self.held = request
+            if self.held_size == 0:
+                self._held_body(b"")
+            return
+        self.connection.request_complete(request)
 

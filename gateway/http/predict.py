@@ -43,7 +43,7 @@ from gateway.http.codecs import JSON, MSGPACK, Codec, UnsupportedMediaType, code
 from gateway.http.types import HttpError, Reply, Request, ok, overloaded
 
 __all__ = ["Pending", "Predict", "cancelling", "decode_body", "later", "once_declared", "priority_of", "read_request",
-           "request_bound_s", "timeout_s"]
+           "request_bound_s", "submit_items", "timeout_s"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -71,7 +71,36 @@ def cancelling(backend: Backend, waiters: Sequence[Waiter]) -> Callable[[Waiter]
         return None
     if len(waiters) == 1:
         return cancel
-    return lambda _: [cancel(waiter) for waiter in waiters if not waiter.done()]
+    # Newest first: the backend finds each at the end of its table (see submit_items).
+    return lambda _: [cancel(waiter) for waiter in reversed(waiters) if not waiter.done()]
+
+
+def submit_items(backend: Backend, values: Sequence[Any], ids: Sequence[bytes | None], bound_s: float | None,
+                 key: bytes | None, priority: int) -> list[Waiter]:
+    """One request of several items (rows, texts): each submitted, or none. Refused first when they can
+    never all be in flight at once (`PayloadTooLarge`: the request must be split) or cannot be now
+    (`Overloaded`); when one is refused on its way (too large, cannot be encoded, ...), those already
+    submitted are cancelled, newest first (the backend finds each at the end of its table), so that a
+    refused request holds nothing that other clients wait behind."""
+    limit = getattr(backend, "max_in_flight", None)
+    if isinstance(limit, int) and len(values) > 1:
+        if len(values) > limit:
+            raise PayloadTooLarge(f"a request of {len(values)} items is more than this gateway holds in flight "
+                                  f"(max_in_flight={limit}): split it")
+        if len(values) > limit - backend.in_flight:
+            raise Overloaded(f"gateway has {backend.in_flight} requests in flight, no room for {len(values)} more "
+                             f"(max_in_flight={limit})")
+    waiters: list[Waiter] = []
+    try:
+        for x, rid in zip(values, ids, strict=True):
+            waiters.append(backend.submit(x, bound_s, key, direct=True, request_id=rid, priority=priority))
+    except Exception:
+        cancel = getattr(backend, "cancel", None)
+        for waiter in reversed(waiters):
+            if cancel is not None:
+                cancel(waiter)
+        raise
+    return waiters
 
 
 def read_request(request: Request) -> tuple[Codec, Any, float | None, int] | Reply:

@@ -50,6 +50,7 @@ from gateway.http.predict import (
     once_declared,
     priority_of,
     request_bound_s,
+    submit_items,
 )
 from gateway.http.request_ids import item_ids
 from gateway.http.sse import StreamReply
@@ -188,8 +189,7 @@ class V2:
             key = headers.get(PARTITION_KEY_HEADER)
             ids = item_ids(request.request_id, len(items))  # one request: its id; a batch of rows: <id>.<row>
             priority = plan.priority or priority_of(headers)
-            waiters = [backend.submit(x, bound_s, key, direct=True, request_id=rid, priority=priority)
-                       for x, rid in zip(items, ids, strict=True)]
+            waiters = submit_items(backend, items, ids, bound_s, key, priority)
         except HttpError as exc:
             return error_reply(exc.status, exc.message, exc.outcome)
         except TensorError as exc:

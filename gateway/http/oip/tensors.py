@@ -174,7 +174,7 @@ def _input(raw: Any) -> InputHead:
         raise TensorError("each input is an object with a 'name', a 'datatype' and a 'shape'")
     name = raw["name"]
     datatype, shape = raw.get("datatype"), raw.get("shape")
-    if datatype not in DATATYPES:
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
         raise TensorError(f"input {name!r}: unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise TensorError(f"input {name!r}: 'shape' must be a list of integers >= 0, got {shape!r}")
@@ -203,22 +203,35 @@ def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[A
     if datatype != "BOOL" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat):
         raise TensorError(f"input {name!r}: {datatype} data must be numbers")
     try:
-        array = np.array(flat, dtype=dtype)
+        with np.errstate(over="ignore"):  # a float past its type's range: refused below, not warned of
+            array = np.array(flat, dtype=dtype)
     except OverflowError as exc:
         raise TensorError(f"input {name!r}: a value does not fit {datatype}: {exc}") from None
+    if dtype.kind == "f" and not np.isfinite(array).all():  # past the type's range: numpy made it infinite
+        raise TensorError(f"input {name!r}: a value does not fit {datatype} (finite numbers up to "
+                          f"{np.finfo(dtype).max:g})")
     if dtype.kind in "iu" and not all(isinstance(v, int) for v in flat):
         raise TensorError(f"input {name!r}: {datatype} data must be integers")
     return array
 
 
 def _flatten(data: Any) -> list[Any]:
+    """``data``'s values in order, however deeply nested (without recursion: a JSON body may nest
+    lists as deep as its parser allows, deeper than Python's stack)."""
     if not isinstance(data, list):
         return [data]
-    if data and all(not isinstance(v, list) for v in data):
+    if all(not isinstance(v, list) for v in data):
         return data
     out: list[Any] = []
-    for v in data:
-        out += _flatten(v)
+    pending = [iter(data)]
+    while pending:
+        for v in pending[-1]:
+            if isinstance(v, list):
+                pending.append(iter(v))
+                break
+            out.append(v)
+        else:
+            pending.pop()
     return out
 
 
