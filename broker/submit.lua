@@ -29,6 +29,9 @@
 -- reply starting with OVERLOADED instead (what a foreign producer submitting one entry sees).
 
 local n = tonumber(ARGV[1])
+if n == nil or n < 0 or n % 1 ~= 0 or #ARGV < 2 + 4 * n then  -- refused before anything is written
+  return redis.error_reply('ERR submit.lua: ARGV[1] must be the number n of requests, each 4 arguments after ARGV[2]')
+end
 local admit = n
 local limit = redis.call('GET', KEYS[2])
 limit = tonumber(limit or '')

@@ -98,6 +98,18 @@ def test_the_submit_script_packs_a_turn_only_where_no_limit_counts_entries(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("n", [b"3", b"x", b"-1", b"1.5"])
+def test_a_foreign_producers_wrong_count_is_refused_before_anything_is_written(redis_client: redis.Redis,
+                                                                              n: bytes) -> None:
+    """A count that is no whole number, or more requests than the arguments hold: an error, and no entry
+    added (the producer is told of a failure only where nothing was submitted)."""
+    args = [value for i in range(2) for value in (b"r-%d" % i, codec.encode(i), KEYS.reply_prefix + b"p", b"")]
+    with pytest.raises(redis.ResponseError, match="must be the number n of requests"):
+        redis_client.eval(SUBMIT_LUA, 2, KEYS.stream(0), KEYS.max_backlog, n, b"", *args)
+    assert redis_client.exists(KEYS.stream(0)) == 0
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize(("last", "sizes"), [(b"2.5", [4, 3]), (b"-1", [1] * 7), (b"x", [1] * 7), (b"99", [1] * 7)])
 def test_a_foreign_producers_odd_last_argument_never_splits_a_request(redis_client: redis.Redis, last: bytes,
                                                                       sizes: list[int]) -> None:
