@@ -176,3 +176,14 @@ def test_data_nested_deeper_than_pythons_stack_is_read() -> None:
     body = b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": ' + b"[" * 1020 + b"2.5" \
         + b"]" * 1020 + b"}]}"
     assert parse_request(body, None).inputs[0].data.tolist() == [2.5]
+
+
+def test_an_undeclared_models_answer_that_is_no_tensor_is_a_clear_error() -> None:
+    """A stage answering a dict to an undeclared model: 500 saying so, not 200 with the dict's repr as text;
+    text and numbers still come back as they are."""
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [5]}]})
+    inference = Inference("m", PipelineIO(), body, None)
+    refused = inference.respond([{"v": np.array([5])}])
+    assert refused.status == 500 and b"holds a dict" in refused.body
+    texts = json.loads(Inference("m", PipelineIO(), body, None).respond([["a", b"b"]]).body)
+    assert texts["outputs"][0]["datatype"] == "BYTES" and texts["outputs"][0]["data"] == ["a", "b"]

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +258,34 @@ def test_metrics_have_per_item_histograms_with_exemplars(stack: Stack) -> None:
 
     text = wait_for(with_exemplar, 10, "an exemplar of the trace")
     assert "conveyor_stage_item_wait_seconds_bucket{" in text and "conveyor_stage_item_predict_seconds_bucket{" in text
+
+
+def test_every_item_is_counted_once_in_the_wait_and_predict_histograms(stack: Stack) -> None:
+    """Each item is in both per-item histograms once, however the scrapes fall against the gateway's
+    refreshes: equal counts per stage, staying equal over scrapes in a row (a wait counted at every
+    scrape of one refresh, or lost between two, made them drift apart)."""
+    for i in range(30):
+        assert call(stack.port, b"%d" % i, {})[0] == 200
+
+    def counts() -> dict[str, dict[str, float]]:
+        conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        found: dict[str, dict[str, float]] = {"wait": {}, "predict": {}}
+        for kind, labels, value in re.findall(r"^conveyor_stage_item_(wait|predict)_seconds_count\{(.*)\} (\S+)$",
+                                              text, flags=re.M):
+            found[kind][labels] = float(value)
+        return found
+
+    def equal() -> bool:
+        found = counts()
+        return bool(found["predict"]) and found["wait"] == found["predict"]
+
+    wait_for(equal, 10, "as many items counted in the wait histograms as in the predict ones")
+    assert all(equal() for _ in range(5))
 
 
 def test_1000_sampled_requests_are_1000_complete_trees(stack: Stack) -> None:

@@ -26,8 +26,9 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
+from broker.commit import ItemExemplar
 from broker.connection import RedisSettings, is_cluster_client
 from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
 from broker.keys import Keys
@@ -39,6 +40,8 @@ from broker.status import PartitionQuery, PartitionReads, Spec, node_names, read
 from gateway.monitor.status import PipelineStatus, StatusReader, spec_status
 
 __all__ = ["HURRY_S", "REFRESH_S", "STALE_AFTER_S", "PipelineView", "Views"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -63,6 +66,8 @@ class PipelineView:
         self.failure: BaseException | None = None  # why the last refresh of it failed; None if it did not
         self._status: PipelineStatus | None = None
         self._batches: dict[int, list[tuple[int, float]]] = {}  # per stage: batches no reader took yet
+        self._waits: dict[int, list[tuple[int, int]]] = {}  # per stage: items' waits (bucket, items), the same
+        self._exemplars: dict[int, list[ItemExemplar]] = {}  # per stage: sampled items' exemplars, the same
         self._reader = StatusReader(keys)
 
     @property
@@ -97,9 +102,9 @@ class PipelineView:
         status = self._reader.shape(self.stages, reads, now, nodes)
         self.sizing = [r.sizing for r in reads]
         for stage in status.stages:
-            held = self._batches.setdefault(stage.index, [])
-            held += stage.batches
-            del held[:-MAX_HELD_BATCHES]
+            _hold(self._batches, stage.index, stage.batches)
+            _hold(self._waits, stage.index, stage.item_waits)
+            _hold(self._exemplars, stage.index, stage.exemplars)
         self._done(status)
 
     def _done(self, status: PipelineStatus) -> None:
@@ -121,8 +126,8 @@ class PipelineView:
         return next((s.name for s in status.stages if s.live_workers == 0 and s.loading_workers == 0), None)
 
     def status(self) -> PipelineStatus | None:
-        """The latest status, with the batches no reader took yet (taken now: each is reported once);
-        None before the first refresh."""
+        """The latest status, with the batches, items' waits and exemplars no reader took yet (taken now:
+        each is counted once, however many refreshes or reads came between); None before the first refresh."""
         if self._status is None or self.refreshed_s is None:
             return None if self.failure is None else PipelineStatus(False, [], f"redis unreachable: {self.failure}")
         age_s = time.monotonic() - self.refreshed_s
@@ -131,7 +136,16 @@ class PipelineView:
             return PipelineStatus(False, [], f"stale: the gateway's view of this pipeline is {age_s:.1f}s old "
                                              f"({why})")
         status = self._status
-        return replace(status, stages=[replace(s, batches=self._batches.pop(s.index, [])) for s in status.stages])
+        return replace(status, stages=[replace(s, batches=self._batches.pop(s.index, []),
+                                               item_waits=self._waits.pop(s.index, []),
+                                               exemplars=self._exemplars.pop(s.index, [])) for s in status.stages])
+
+
+def _hold(kept: dict[int, list[T]], index: int, new: list[T]) -> None:
+    """Keep ``new`` for stage ``index``'s next reader, at most the last ``MAX_HELD_BATCHES``."""
+    held = kept.setdefault(index, [])
+    held += new
+    del held[:-MAX_HELD_BATCHES]
 
 
 class Views:

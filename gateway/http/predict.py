@@ -142,13 +142,18 @@ async def once_declared(request: Request, backend: Backend, start: Callable[[Any
     return answer.finish(answer.future)
 
 
+def _text(raw: bytes) -> str:
+    """A header's value as an error message quotes it: its text (not a bytes repr), at most 32 characters."""
+    return raw[:32].decode("latin-1")
+
+
 def _positive_float(name: bytes, raw: bytes) -> float:
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        raise HttpError(400, "BadRequest", f"header {name.decode()} must be a finite number, got {raw!r}",
+        raise HttpError(400, "BadRequest", f"header {name.decode()} must be a finite number, got {_text(raw)!r}",
                         outcome="bad_request")
     return value
 
@@ -163,7 +168,7 @@ def timeout_s(headers: dict[bytes, bytes], now_s: float) -> float | None:
     if raw is not None:
         value = _positive_float(TIMEOUT_HEADER, raw)
         if value <= 0:
-            raise HttpError(400, "BadRequest", f"header {TIMEOUT_HEADER.decode()} must be > 0, got {raw!r}",
+            raise HttpError(400, "BadRequest", f"header {TIMEOUT_HEADER.decode()} must be > 0, got {_text(raw)!r}",
                             outcome="bad_request")
         timeouts.append(value)
     raw = headers.get(DEADLINE_HEADER)
@@ -186,7 +191,7 @@ def priority_of(headers: dict[bytes, bytes]) -> int:
         return 0
     if not raw.isdigit() or len(raw) > 18:
         raise HttpError(400, "BadRequest", f"header {PRIORITY_HEADER.decode()} must be an integer >= 0 (1 the "
-                        f"highest level, 0 the default), got {raw[:32]!r}", outcome="bad_request")
+                        f"highest level, 0 the default), got {_text(raw)!r}", outcome="bad_request")
     return int(raw)
 
 

@@ -206,8 +206,13 @@ class Scaling:
         for unit_id, unit in scaled.items():
             others = sum(u.count for u in units if u is not unit)  # every other stage at its minimum
             assert unit.keys is not None and self._auto is not None
-            self._auto.add(unit_id, unit.spec, unit.keys, list(unit.partitions) or [unit.keys],
-                           cap=max(unit.count, cores - others), levels=unit.levels)
+            cap = max(unit.count, cores - others)
+            if cap < unit.max_count:  # said once: the range shown (status, logs) is the capped one
+                log.warning("autoscaling stage=%s: at most %d workers here, not max_workers=%d (%d cores to claim, "
+                            "%d taken by the other stages' minimums)", unit.spec.name, cap, unit.max_count, cores,
+                            others)
+            self._auto.add(unit_id, unit.spec, unit.keys, list(unit.partitions) or [unit.keys], cap=cap,
+                           levels=unit.levels)
 
     def due_in_s(self, now: float) -> float:
         return 1.0 if self._auto is None else self._auto.due_in_s(now)
