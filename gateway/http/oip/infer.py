@@ -271,12 +271,16 @@ def _field(answer: Any, name: str, outputs: int) -> Any:
 
 def _tensor(name: str, datatype: str, array: npt.NDArray[Any]) -> Tensor:
     if datatype == "BYTES":
-        shape, values = array.shape, array.reshape(-1)
-        other = next((v for v in values if not isinstance(v, bytes | str | np.generic | int | float)), None)
-        if other is not None:  # a dict, a list of mixed things...: no tensor's element, and no repr passed off as one
-            raise TensorError(f"output {name!r}: the answer holds a {type(other).__name__}, which no tensor "
-                              "element is (answer an array, numbers or text)")
-        array = np.array([v if isinstance(v, bytes | str) else str(v) for v in values], dtype=object).reshape(shape)
+        texts: list[bytes | str] = []
+        for v in array.reshape(-1):
+            if isinstance(v, bytes | str):
+                texts.append(v)
+            elif isinstance(v, np.generic | int | float):
+                texts.append(str(v))
+            else:  # a dict, a list of mixed things...: no tensor's element, and no repr passed off as one
+                raise TensorError(f"output {name!r}: the answer holds a {type(v).__name__}, which no tensor "
+                                  "element is (answer an array, numbers or text)")
+        array = np.array(texts, dtype=object).reshape(array.shape)
     return Tensor(name, datatype, list(array.shape), array)
 
 
