@@ -99,6 +99,8 @@ def submit_items(backend: Backend, values: Sequence[Any], ids: Sequence[bytes | 
         for waiter in reversed(waiters):
             if cancel is not None:
                 cancel(waiter)
+            if isinstance(waiter, asyncio.Future):  # a task not started yet (a partitioned pipeline's): never starts
+                waiter.cancel()
         raise
     return waiters
 
