@@ -205,7 +205,7 @@ def test_names_are_dns_labels_and_stay_apart() -> None:
 TRICKY = ["6379", "true", "On", "NO", "y", "~", "null", "1e3", "0x1F", "1_000", ".inf", "", " lead", "trail ",
           "a: b", "#c", "- d", "{e}", "[f]", "&g", "*h", "!i", "%j", "@k", "`l", "|", ">", "?", "multi\nline", 'q"uote',
           "back\\slash", "tab\there", "é ✓ 中", "\x85nel", "\u2028ls", "\ufeffbom", "\x7fdel", "\U0001f600",
-          "\ud800lone", "conveyor:{p}:stream:0", "apps/v1", "app.kubernetes.io/name"]
+          "\ud800lone", "conveyor:{p}:stream:0", "apps/v1", "app.kubernetes.io/name", "A\n", "plain\n"]
 
 
 def test_tricky_strings_come_back_as_they_went() -> None:

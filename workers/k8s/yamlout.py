@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["dump_all"]
 
-_PLAIN = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-/]*$")
+_PLAIN = re.compile(r"[A-Za-z][A-Za-z0-9_.\-/]*")  # whole strings only (fullmatch: "$" passes "A\n")
 # Plain words a YAML 1.1 reader (PyYAML, kubectl's go-yaml in compatibility mode) takes for a bool or null.
 _SPECIAL = {"y", "yes", "n", "no", "on", "off", "true", "false", "null", "~"}
 
@@ -63,7 +63,7 @@ def _quoted(text: str) -> str:
 
 
 def _string(text: str) -> str:
-    return text if _PLAIN.match(text) and text.lower() not in _SPECIAL else _quoted(text)
+    return text if _PLAIN.fullmatch(text) and text.lower() not in _SPECIAL else _quoted(text)
 
 
 def _key(key: Any) -> str:
