@@ -281,7 +281,7 @@ def _kv_value(value: Any) -> str:
     if isinstance(value, int | float):
         return repr(value)
     text = value if isinstance(value, str) else _compact(value)
-    return text if _BARE.match(text) else json.dumps(text, ensure_ascii=False)
+    return text if _BARE.fullmatch(text) else json.dumps(text, ensure_ascii=False)
 
 
 def _compact(value: Any) -> str:

@@ -169,6 +169,7 @@ def test_scale_to_zero_is_said_with_what_it_needs() -> None:
     (["--max", "Scale=1", "--min", "Scale=2"], "below --min"),
     (["--max", "x"], "takes N or STAGE=N"),
     (["--memory", "2 GB"], "Kubernetes quantity"),
+    (["--memory", "2Gi\n"], "Kubernetes quantity"),
 ])
 def test_what_cannot_work_is_refused_in_one_line(args: list[str], says: str) -> None:
     result = run("examples.scale_shift:pipeline", "--image", IMAGE, "--redis", URL, *args)

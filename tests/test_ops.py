@@ -446,6 +446,18 @@ def test_kv_log_lines_parse(restore_logging: None) -> None:
     _check_samples([parse_kv(line) for line in lines])
 
 
+def test_a_kv_value_ending_in_a_newline_is_quoted_and_stays_on_its_line(restore_logging: None) -> None:
+    """A value a client chose (a request id, a stream name) ending in a newline cannot start a line of its
+    own: quoted like any value that is not one bare word."""
+    out = io.StringIO()
+    configure_logging("kv", "INFO", stream=out)
+    logging.getLogger("conveyor.worker").warning("refused request=%s from=%s", "abc\n", "x\nlevel=error")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and all(line.startswith("ts=") for line in lines)
+    fields = parse_kv(lines[0])
+    assert fields["request"] == "abc\n" and fields["from"] == "x\nlevel=error"
+
+
 def test_log_format_from_environment(restore_logging: None, monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
     monkeypatch.setenv("CONVEYOR_LOG_FORMAT", "JSON")

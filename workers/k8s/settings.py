@@ -130,7 +130,7 @@ class K8sSettings:
 
     def check(self, pipeline: Pipeline) -> None:
         """What cannot work, refused before anything is printed."""
-        if self.memory is not None and not QUANTITY.match(self.memory):
+        if self.memory is not None and not QUANTITY.fullmatch(self.memory):
             raise K8sError(f"--memory must be a Kubernetes quantity (512Mi, 2Gi, 1G), got {self.memory!r}")
         if self.metric not in METRICS:
             raise K8sError(f"--metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
