@@ -36,8 +36,8 @@
 --   the end of ARGV: KEYS index of its in stream, of its out stream, n_ack, n_fwd, n_packed, n_trace,
 --   n_ptrace, then its traces, ptraces, forwards, batch entries and acks as above (its results and dead
 --   letters ride with the batch's: only the streams are a level's own)
--- Returns {number of results written (duplicates are not), then the reply keys whose push failed
--- with something other than WRONGTYPE (a refusal: the worker logs it), each followed by its error}.
+-- Returns {number of results written (duplicates are not), then the reply keys whose push failed (a
+-- refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error}.
 --
 -- Removal of acked entries: a batch of TRIM_FROM entries or more is removed by one XTRIM MINID rather
 -- than one XDEL each (an XDEL seeks its entry through the stream's node and, for the stream's first
@@ -126,12 +126,12 @@ for _ = 1, n_groups do
   written = written + #records
   if rep > 0 and #records > 0 then
     -- A foreign producer may name a key of another type: pcall skips it (WRONGTYPE) rather than
-    -- failing the batch, for one command instead of a TYPE check and the push.
+    -- failing the batch, for one command instead of a TYPE check and the push; the worker says so.
     local key = KEYS[rep]
     local pushed = redis.pcall('RPUSH', key, array_header(#records) .. table.concat(records))
     if type(pushed) == 'number' then
       redis.call('PEXPIRE', key, reply_ttl)
-    elseif not string.find(pushed['err'], 'WRONGTYPE', 1, true) then
+    else
       failed[#failed + 1] = key
       failed[#failed + 1] = pushed['err']
     end

@@ -21,6 +21,7 @@ from broker.connection import is_cluster_client
 from broker.families import DEAD, REPLIES, RESULTS, SHARED_REPLIES, STATS, STREAMS
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
+from broker.logs import Throttle
 from broker.operations import WORKER, Script, sends
 from broker.protocol import batch_entry_items, traces_field
 from broker.refusals import log_refusal_once
@@ -177,6 +178,7 @@ class Committer:
         self._packed_head = b"".join(pack_args([_as_arg(v) for v in self._constant_head], []))
         self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
         self._sent: bytes | int | None = None  # the command sent, its reply not yet taken (a cluster's: its result)
+        self._wrong_type = Throttle(60.0)
 
     @property
     def streams(self) -> tuple[str, str]:
@@ -302,7 +304,12 @@ class Committer:
             raise
         for i in range(1, len(reply) - 1, 2):  # reply lists the script could not push to (pcall)
             key, error = reply[i], reply[i + 1]
-            if not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
+            if _text(error).startswith("WRONGTYPE"):  # a producer named a key of another type: said once a minute
+                held = self._wrong_type.allow("reply")
+                if held is not None:
+                    log.warning("reply not pushed key=%s error=%s (not a list: its requests' answers are in their "
+                                "result keys only; %d more since)", key, _text(error), held)
+            elif not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
                 log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
         return int(reply[0])
 

@@ -163,6 +163,8 @@ def test_a_reply_key_of_another_type_is_skipped_not_fatal(workers: Workers, redi
     raw = wait_for(lambda: redis_client.get(result_key("wrong-type-1")), T, "the result key", workers.report)
     assert msgpack.unpackb(raw, raw=False) == {"id": "wrong-type-1", "ok": True, "value": 8}
     assert redis_client.get(reply) == b"not a list"
+    wait_for(lambda: "WRONGTYPE" in workers.report() and "not a list" in workers.report(), T,
+             "the worker saying the reply key is no list")
     workers.check_alive()
     # and the workers go on serving
     submit(redis_client, "wrong-type-2", 4, reply_key("svc-after-wrong-type"))
