@@ -187,3 +187,17 @@ def test_an_undeclared_models_answer_that_is_no_tensor_is_a_clear_error() -> Non
     assert refused.status == 500 and b"holds a dict" in refused.body
     texts = json.loads(Inference("m", PipelineIO(), body, None).respond([["a", b"b"]]).body)
     assert texts["outputs"][0]["datatype"] == "BYTES" and texts["outputs"][0]["data"] == ["a", "b"]
+
+
+def test_an_id_that_is_no_string_is_refused_and_a_number_echoed() -> None:
+    """The protocol's ``id`` is a string: an object, a list or a boolean is a 400 (it came back as a Python
+    repr); a number is taken as its text, as before."""
+    def head(request_id: Any) -> bytes:
+        tensor = {"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}
+        return orjson.dumps({"id": request_id, "inputs": [tensor]})
+
+    for bad in ({"a": 1}, [1], True):
+        with pytest.raises(TensorError, match="'id' must be a string"):
+            parse_request(head(bad), None)
+    assert parse_request(head(7), None).head.id == "7"
+    assert parse_request(head("r-1"), None).head.id == "r-1"

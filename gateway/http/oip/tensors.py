@@ -162,6 +162,8 @@ def parse_head(head: bytes) -> RequestHead:
                                                 and isinstance(o.get("parameters") or {}, dict) for o in outputs):
         raise TensorError("'outputs' must be a list of objects with a 'name' (and 'parameters' an object)")
     request_id = doc.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, str | int | float | None):
+        raise TensorError(f"'id' must be a string, got {type(request_id).__name__}")  # a number: echoed as written
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise TensorError("'parameters' must be an object")
