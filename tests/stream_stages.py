@@ -130,3 +130,32 @@ class Growing(Stage):
 
 
 growing = Pipeline("t-growing").add(Growing)
+
+
+class Odd(Stage):
+    """Yields each word of a text, but "nan" as the float NaN and "raw" as bytes (neither can be sent as
+    JSON); returns NaN when the text ends with "!"."""
+
+    def predict(self, text: str) -> Iterator[Any]:
+        for word in text.rstrip("!").split():
+            yield {"nan": float("nan"), "raw": b"\xff"}.get(word, word)
+        return float("nan") if text.endswith("!") else len(text.split())
+
+
+odd = Pipeline("t-odd").add(Odd)
+
+
+class Big(Stage):
+    """Item n yields n chunks of 100 KB each, as fast as it can: more than a slow reader takes."""
+
+    def predict(self, n: int) -> Iterator[str]:
+        try:
+            for j in range(n):
+                yield f"{j:06d}" + "x" * 100_000
+        except GeneratorExit:
+            _note(f"closed {n}")
+            raise
+        _note(f"end {n}")
+
+
+big = Pipeline("t-big").add(Big)

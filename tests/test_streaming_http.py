@@ -48,10 +48,10 @@ def _post(port: int, path: str, body: bytes, conn: http.client.HTTPConnection | 
             conn.close()
 
 
-def _served(redis_url: str, pipeline: str, body: Callable[[int], T]) -> T:
+def _served(redis_url: str, pipeline: str, body: Callable[[int], T], **settings: Any) -> T:
     """``body(port)`` in a thread while a gateway serves ``pipeline`` over HTTP."""
     async def scenario() -> T:
-        async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=20)) as gw:
+        async with Gateway(redis_url, pipeline, GatewaySettings(timeout_s=20, **settings)) as gw:
             server = HttpServer(gw, HttpSettings(port=0))
             await server.start()
             try:
@@ -86,6 +86,49 @@ def test_server_sent_events_one_per_chunk_then_done(redis_url: str) -> None:
         assert error["type"] == "RuntimeError" and error["stage"] == "Words" and error["request_id"]
         assert refused[0] == 400 and json.loads(refused[2])["error"]["type"] == "WrongRoute"
         assert _events(again[2])[:2] == [("message", "last"), ("message", "one")]
+
+
+def test_a_chunk_or_return_value_that_is_not_json_ends_the_stream_with_an_error_event(redis_url: str) -> None:
+    with running_workers(redis_url, f"{APP}:odd", ["Odd"]) as workers:
+        workers.wait_ready("t-odd")
+
+        def calls(port: int) -> list[tuple[int, dict[str, str], bytes]]:
+            return [_post(port, "/v1/stream", body) for body in (b'"a nan c"', b'"a raw c"', b'"a b!"')]
+
+        nan, raw, returned = _served(redis_url, "t-odd", calls)
+    for status, _, body in (nan, raw, returned):  # answered at once, not after the request's timeout
+        events = _events(body)
+        assert status == 200 and events[-1][0] == "error", events
+        assert events[-1][1]["error"]["type"] == "UnencodableResult" and events[-1][1]["error"]["request_id"]
+    assert _events(nan[2])[:-1] == [("message", "a")] == _events(raw[2])[:-1]
+    assert _events(returned[2])[:-1] == [("message", "a"), ("message", "b")]
+    assert "return value" in _events(returned[2])[-1][1]["error"]["message"]
+
+
+def test_a_reader_slower_than_its_stream_is_cut_at_the_buffer_bound_and_told(redis_url: str, tmp_path: Path) -> None:
+    """The gateway takes no chunk while the client's socket is full: they wait in the request's sink, and
+    past ``stream_buffer_chunks`` the request is cancelled; the reader gets all it was sent, then the error."""
+    runs = tmp_path / "runs"
+
+    def stall_then_read(port: int) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        try:
+            conn.request("POST", "/v1/stream", body=b"300", headers={"Content-Type": "application/json"})
+            wait_for(lambda: "closed 300" in (runs.read_text() if runs.exists() else ""), 20,
+                     "the stage's generator was closed: the reader fell behind")
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    with running_workers(redis_url, f"{APP}:big", ["Big"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-big")
+        status, body = _served(redis_url, "t-big", stall_then_read, stream_buffer_chunks=8)
+    events = _events(body)
+    chunks = [data for name, data in events if name == "message"]
+    assert status == 200 and events[-1][0] == "error" and events[-1][1]["error"]["type"] == "StreamLagged"
+    assert [int(c[:6]) for c in chunks] == list(range(len(chunks))) and 8 < len(chunks) < 300
+    assert "end 300" not in runs.read_text()
 
 
 def test_an_error_before_the_first_chunk_is_an_ordinary_answer(redis_url: str) -> None:

@@ -24,14 +24,8 @@ What this module decides is *when* to read, answer and close:
 
 Every answer leaves through `HttpProtocol._send`: the request's ids are given as its turn comes
 (`gateway.http.request_ids`: ``X-Request-Id`` on every answer, the id in an error's body), and with
-``HttpSettings.access_log`` one line per answer goes to the logger ``conveyor.access`` (in kv, one line)::
-
-    ... logger=conveyor.access event="access" client=127.0.0.1:50312 method=POST path=/v1/predict
-    status=200 bytes=94 duration_ms=1.27 request=5f0c2a9e81d4b7a3-17 pid=4242
-
-``duration_ms`` runs from the request's turn (read whole, its predecessors on the connection
-answered) to its answer's write; ``bytes`` counts the whole answer, head included. Off (the
-default) it costs one attribute test per answer: nothing is formatted.
+``HttpSettings.access_log`` one line per answer goes to the logger ``conveyor.access``
+(docs/operations.md, "The access log"); off (the default) it costs one attribute test per answer.
 """
 
 from __future__ import annotations
@@ -155,19 +149,24 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         if self.current is not None:  # the client left before its answer: the request is cancelled
             abandon(self.current[2])
 
-
     def pause_writing(self) -> None:
         """Our send buffer is full (the client reads slowly or not at all)."""
         self.write_paused = True
         self.write_deadline = self.loop.time() + self.settings.send_timeout_s
         self._arm(self.write_deadline)
         self._pause_reading()
+        self._pause_stream(True)
 
     def resume_writing(self) -> None:
         self.write_deadline = math.inf
         self.write_paused = False
         self._maybe_resume_reading()
+        self._pause_stream(False)
         self._advance()
+
+    def _pause_stream(self, paused: bool) -> None:
+        if self.current is not None and isinstance(self.current[2], StreamReply):
+            self.current[2].set_paused(paused)
 
     # -- hooks of the RequestReader -------------------------------------------------------------
 

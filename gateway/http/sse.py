@@ -17,9 +17,11 @@
 
 An error before the first chunk is an ordinary answer with its status (400, 404, 413, 422, 503, 504:
 the predict route's). A client that disconnects cancels the request (the stage's generator is closed
-before its next step); one that stops reading is dropped after ``send_timeout_s`` with its buffer full,
-which cancels it too. Sans-IO: this module makes bytes and decides; the connection
-(:mod:`gateway.http.connection`) writes them.
+before its next step). While the client's socket is full (``pause_writing``) no chunk is taken: they
+wait in the request's sink, at most ``stream_buffer_chunks`` of them, past which the stream ends with
+``StreamLagged`` (sent in-band once the client reads again) and the request is cancelled; a client that
+stops reading is dropped after ``send_timeout_s``, which cancels it too. Sans-IO: this module makes bytes
+and decides; the connection (:mod:`gateway.http.connection`) writes them.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class ConveyorEvents:
         return event(JSON.encode(value), event_id=index)
 
     def done(self, chunks: int, result: Any) -> bytes:
-        return event(json.dumps({"chunks": chunks, "result": result}, default=repr).encode(), b"done")
+        return event(JSON.encode({"chunks": chunks, "result": result}), b"done")
 
     def error(self, exc: BaseException, request_id: bytes) -> tuple[bytes, str]:
         error = _http_error(exc, self._debug)
@@ -107,6 +109,10 @@ def _http_error(exc: BaseException, debug: bool) -> HttpError:
     return HttpError(500, type(exc).__name__, str(exc), outcome="error")
 
 
+def _unencodable(what: str, exc: Exception) -> HttpError:
+    return HttpError(500, "UnencodableResult", f"{what} cannot be sent as JSON: {exc}", outcome="error")
+
+
 class StreamReply:
     """A streamed answer on its way: opened (the request submitted), then its events as they come."""
 
@@ -122,6 +128,7 @@ class StreamReply:
         self._sent = 0  # chunks written
         self.first_chunk_ns = 0  # when the first was written (wall clock, for the request's span)
         self._head: bytes | None = b""  # None once written
+        self._paused = False  # the client's socket is full: chunks stay in the sink (bounded) meanwhile
         self.ended = False
 
     @property
@@ -142,6 +149,13 @@ class StreamReply:
         elif self._sink is None:
             self._opening.cancel()
 
+    def set_paused(self, paused: bool) -> None:
+        """The connection cannot write (True) or can again: chunks are taken only when it can, so a
+        slow reader costs the gateway at most the sink's bound, not an ever-growing send buffer."""
+        self._paused = paused
+        if not paused and self._sink is not None:
+            self._on_events()
+
     def _opened(self, opening: asyncio.Future[StreamSink]) -> None:
         if self.ended or opening.cancelled():
             return
@@ -154,7 +168,7 @@ class StreamReply:
 
     def _on_events(self) -> None:
         sink = self._sink
-        if sink is None or self.ended:
+        if sink is None or self.ended or self._paused:
             return
         chunks = sink.take()
         failed = sink.exception() if sink.done() else None
@@ -166,9 +180,9 @@ class StreamReply:
             try:
                 out.append(_piece(self._events.chunk(self._sent, chunk)))
             except (TypeError, ValueError) as exc:
+                self.ended = True  # before the cancel, whose wake calls back here
                 self._cancel(sink)
-                self._fail(out, HttpError(500, "UnencodableResult", f"chunk {self._sent} cannot be sent as JSON: {exc}",
-                                          outcome="error"))
+                self._fail(out, _unencodable(f"chunk {self._sent}", exc))
                 return
             self._sent += 1
         if self._sent and not self.first_chunk_ns:
@@ -178,7 +192,11 @@ class StreamReply:
                 self._write(b"".join(out))
                 self._head = None
         elif failed is None:
-            last = self._events.done(self._sent, sink.result())
+            try:
+                last = self._events.done(self._sent, sink.result())
+            except (TypeError, ValueError) as exc:
+                self._fail(out, _unencodable("the stream's return value", exc))
+                return
             self._end([*out, _piece(last)] if last else out, "ok")
         else:
             self._fail(out, failed)
