@@ -9,8 +9,8 @@ of bool or numeric dtype (kinds ``b i u f c m M``). Anything else raises `CodecE
 its type and where it sits (``$.a[2]``).
 
 Lossy on purpose, so know it: tuples (and other list/dict/str/bytes/int/float subclasses,
-numpy ``str_``/``bytes_`` included) decode as the plain base type. Dict keys must be hashable
-once decoded: a tuple key decodes as a list, which `decode` refuses.
+numpy ``str_``/``bytes_`` included) decode as the plain base type, except a dict's tuple key
+(an array on the wire), which decodes as a tuple: a key must stay hashable.
 
 Exact on purpose: an array decodes with the same dtype (byte order included), shape, values
 and, for a Fortran-ordered array, Fortran order; it is a fresh, writable, aligned copy.
@@ -322,10 +322,25 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CodecError(f"unknown msgpack extension type {code}")
 
 
+def _key(key: Any) -> Any:
+    """A map key msgpack made a list (it was a tuple), as the tuple again: hashable."""
+    return tuple(_key(k) for k in key) if isinstance(key, list) else key
+
+
+def _keyed_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    return {_key(k): v for k, v in pairs}
+
+
 def decode(data: bytes) -> Any:
-    """Inverse of `encode`; any bytes that are not one well-formed payload raise CodecError."""
+    """Inverse of `encode`; any bytes that are not one well-formed payload raise CodecError. A map
+    whose keys were tuples (msgpack writes them as arrays) decodes on a second, slower pass, so that
+    what `encode` takes comes back rather than failing in the worker."""
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+        try:
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+        except TypeError:  # an unhashable key: a tuple's array
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
+                                   object_pairs_hook=_keyed_map)
     except CodecError:
         raise
     except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # msgpack's errors are ValueErrors

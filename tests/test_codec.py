@@ -51,6 +51,13 @@ def test_plain_roundtrip(value: object) -> None:
     assert out == value and type(out) is type(value)
 
 
+def test_a_map_keyed_by_tuples_comes_back_as_it_went() -> None:
+    """msgpack writes a tuple key as an array: it decodes as the tuple, not as a TypeError in the worker
+    that would dead-letter an input the gateway took."""
+    value = {(1, 2): "a", "x": {(3, ("b", 4.5)): [1]}, "y": [{(): None}]}
+    assert roundtrip(value) == value
+
+
 def test_nan_float() -> None:
     assert math.isnan(roundtrip(math.nan))
 
@@ -220,7 +227,7 @@ def ext(code: int, payload: object) -> bytes:
     "data",
     [
         b"", b"\xc1", b"\x92\x01", b"\x01\x02", b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
-        b"\x91" * 2000 + b"\x00", b"\x81\x91\x01\x02",  # too deep; a list as a map key
+        b"\x91" * 2000 + b"\x00", b"\x81\x81\x01\x02\x03",  # too deep; a map as a map key (a list is a tuple)
         msgpack.packb(msgpack.ExtType(9, b"")), msgpack.packb(msgpack.ExtType(1, b"\xc1")),
         ext(1, ["|O", [1], "C", b"12345678"]), ext(1, ["<U1", [1], "C", b"abcd"]),
         ext(1, [[["a", "<i4"]], [1], "C", b"abcd"]), ext(1, ["i4,i4", [1], "C", b"abcdefgh"]),

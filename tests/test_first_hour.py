@@ -160,11 +160,34 @@ def test_a_gateway_used_before_start_says_so() -> None:
     stack, not an IndexError and a background task that dies on a missing connection."""
     async def scenario() -> None:
         gw = Gateway(NOWHERE, "scale-shift")
-        with pytest.raises(RuntimeError, match=r"not started: use `async with Gateway"):
+        with pytest.raises(RuntimeError, match=r"not started, or closed: use `async with Gateway"):
             await gw.predict(3)
         await asyncio.sleep(0)  # a background task started by the call would fail here
         assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         await gw.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("timeout_s", ["5", True, 0, float("nan"), -1])
+def test_a_timeout_that_is_no_positive_number_is_a_value_error(timeout_s: object) -> None:
+    async def scenario() -> None:
+        gw = Gateway(NOWHERE, "scale-shift")
+        with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+            await gw.predict(3, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_used_after_close_says_so_at_once(redis_url: str) -> None:
+    """Not after the request's timeout: its lanes went with the close."""
+    async def scenario() -> None:
+        async with Gateway(redis_url, "never-registered", GatewaySettings(timeout_s=30)) as gw:
+            pass
+        for call in (gw.predict(3), anext(gw.stream(3))):
+            with pytest.raises(RuntimeError, match="not started, or closed"):
+                await asyncio.wait_for(call, 5)
 
     asyncio.run(scenario())
 

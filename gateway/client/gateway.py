@@ -175,6 +175,7 @@ class Gateway:
         await self._release()
 
     async def _release(self) -> None:
+        self.lanes, self._level_lanes = [], {}  # a request after close raises at once (_prepare)
         if self.view is not None:
             self.views.unwatch(self.view)
         if self._own_views:
@@ -303,11 +304,12 @@ class Gateway:
             raise PayloadTooLarge(f"input encodes to {len(data)} bytes, over max_payload_bytes={limit} of the "
                                   "pipeline's workers")
         timeout = self.settings.timeout_s if timeout_s is None else timeout_s
-        if not (0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+                0 < timeout <= protocol.MAX_DEADLINE_AHEAD_MS / 1000):  # NaN fails too
             raise ValueError(f"timeout_s must be a positive number of seconds up to a week, got {timeout_s!r}")
         if not self.lanes:
-            raise RuntimeError(f"Gateway for {self.pipeline!r} is not started: use `async with Gateway(...) as gw:` "
-                               "or `await gw.start()` first")
+            raise RuntimeError(f"Gateway for {self.pipeline!r} is not started, or closed: use `async with "
+                               "Gateway(...) as gw:` or `await gw.start()` first")
         stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
         return rid, data, timeout
 
