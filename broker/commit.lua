@@ -2,8 +2,7 @@
 --
 -- Forwards items to the next stage's stream (one entry each, or batch entries of several: see
 -- broker/protocol.py), publishes results and errors (first write
--- wins: SET NX; a result that loses is pushed as a DuplicateRequestId error), notifies each reply
--- list once per batch, dead-letters rejected entries,
+-- wins: SET NX), notifies each reply list once per batch, dead-letters rejected entries,
 -- records batch stats (when the worker hands a period's worth), then XACKs the consumed entries
 -- and removes them from the stream. Because everything happens in one script, an entry is acked
 -- and removed if and only if its next step is in Redis.
@@ -114,35 +113,17 @@ add_singles(KEYS[2], n_fwd)
 add_packed(KEYS[2], n_packed)
 add_singles(KEYS[1], n_back)
 
--- The record a reply list gets for a result whose key was written already: an answer pushed before it
--- (a duplicate run: its reader took that and drops this), or a request that reused the id of one answered
--- less than result ttl ago, whose caller is told at once. Every record starts with its id (broker/protocol.py):
--- a map header, "id", then the id as a str of less than 256 bytes.
-local function duplicate(record)
-  local head = string.byte(record, 5)
-  local from, len = 6, head - 0xa0
-  if head == 0xd9 then from, len = 7, string.byte(record, 6) end
-  local id = string.sub(record, from, from + len - 1)
-  return '\131' .. string.sub(record, 2, from + len - 1) .. '\162ok\194\165error' .. cmsgpack.pack({
-    type = 'DuplicateRequestId', stage = '', traceback = '',
-    message = 'request id ' .. id .. ' was answered already, less than result_ttl_ms ago: ids must be unique'})
-end
-
 local written, failed, k = 0, {}, 5
 for _ = 1, n_groups do
   local rep, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local records = {}
   a = a + 2
   for j = a, a + count - 1 do
-    if redis.call('SET', KEYS[k], ARGV[j], 'NX', 'PX', result_ttl) then
-      written = written + 1
-      records[#records + 1] = ARGV[j]
-    elseif rep > 0 then
-      records[#records + 1] = duplicate(ARGV[j])
-    end
+    if redis.call('SET', KEYS[k], ARGV[j], 'NX', 'PX', result_ttl) then records[#records + 1] = ARGV[j] end
     k = k + 1
   end
   a = a + count
+  written = written + #records
   if rep > 0 and #records > 0 then
     -- A foreign producer may name a key of another type: pcall skips it (WRONGTYPE) rather than
     -- failing the batch, for one command instead of a TYPE check and the push; the worker says so.

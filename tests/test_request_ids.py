@@ -23,7 +23,6 @@ import pytest
 
 from broker.logs import block, configure_logging
 from gateway import Gateway
-from gateway.errors import StageError
 from gateway.http import connection
 from gateway.http.codecs import MSGPACK
 from gateway.http.request_ids import MAX_CLIENT_ID, RequestIds, item_ids, with_request_id
@@ -248,21 +247,6 @@ def test_the_python_api_takes_an_id_and_refuses_one_in_flight(stack: Stack) -> N
             with pytest.raises(ValueError, match="request_id must be"):
                 await gw.predict(1, request_id="not valid")
             assert await slow == {"sleep_s": 0.2}
-
-    asyncio.run(asyncio.wait_for(main(), T))
-
-
-def test_an_id_reused_after_its_answer_is_refused_at_once_not_left_to_wait(stack: Stack) -> None:
-    """The first answer's result key holds the id for result_ttl_ms: the second request's result loses its
-    SET NX, and the worker says so to its reply list (it pushed nothing, and the caller waited its timeout)."""
-    async def main() -> None:
-        async with Gateway(stack.url, "t-ops") as gw:
-            for rid in ("py-again", "py-" + "long" * 30):  # a short id's str header, and a long one's
-                assert await gw.predict(5, request_id=rid) == 10
-                with pytest.raises(StageError) as raised:
-                    await asyncio.wait_for(gw.predict(6, request_id=rid), 10)
-                assert raised.value.type == "DuplicateRequestId" and f"id {rid} was" in raised.value.message
-            assert await gw.predict(6, request_id="py-fresh") == 12  # nothing else lost
 
     asyncio.run(asyncio.wait_for(main(), T))
 

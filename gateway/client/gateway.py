@@ -63,8 +63,7 @@ class Gateway:
     ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
     requests with one key go to one partition of a partitioned pipeline. ``request_id`` (likewise):
     the id the request travels under (1-128 chars of ``A-Z a-z 0-9 _ . : -``, unique: a `ValueError`
-    if one is in flight under it, and unique across gateways is the caller's to ensure; an id answered
-    less than ``result_ttl_ms`` ago is answered `StageError` ``DuplicateRequestId``); by default
+    if one is in flight under it, and unique across gateways is the caller's to ensure); by default
     the gateway makes one. Workers log it with what they say about the request. ``priority`` (over
     HTTP the header ``X-Conveyor-Priority``): Triton's meaning, 1 the highest level, 0 the default
     (the lowest); a priority past the pipeline's ``priority_levels`` is the default (:mod:`broker.levels`)."""

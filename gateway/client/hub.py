@@ -242,7 +242,7 @@ class Hub:
         if type(record.waiter) is StreamSink:
             self._end_stream(request_id, record, answer)
             return
-        if not record.resent and (answer.get("ok") or not _duplicate(answer)):  # a duplicate's key is another's
+        if not record.resent:
             lane = record.lane
             lane.unlink.append(lane.keys.result_key(request_id))
         if record.trace is not None:
@@ -267,6 +267,7 @@ class Hub:
             sink.set_result(answer.get("value"))
         else:
             sink.set_exception(_stage_error(answer))
+
 
     def _chunk(self, answer: dict[str, Any]) -> None:
         """One chunk of a streamed answer, to its request's sink (else late: the stream ended or left)."""
@@ -431,11 +432,6 @@ class Hub:
             ids = [rid for rid, record in self.requests.items() if record.lane is lane]
             for result in await replies.results(lane.keys, ids):
                 self._deliver(protocol.array_of([result]))
-
-
-def _duplicate(answer: dict[str, Any]) -> bool:
-    err = answer.get("error")
-    return isinstance(err, dict) and err.get("type") == "DuplicateRequestId"
 
 
 def _stage_error(answer: dict[str, Any]) -> StageError:

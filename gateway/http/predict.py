@@ -212,8 +212,6 @@ def backend_error(exc: Exception, debug: bool) -> HttpError:
     if isinstance(exc, StageError):
         if exc.type == "DeadlineExceeded":  # a stage met the item past its deadline
             return HttpError(504, exc.type, exc.message, stage=exc.stage, outcome="timeout")
-        if exc.type == "DuplicateRequestId":  # the caller reused the id of a request answered a moment ago
-            return HttpError(409, exc.type, exc.message, outcome="bad_request")
         trace = (exc.traceback or None) if debug else None
         return HttpError(422, exc.type, exc.message, stage=exc.stage, trace=trace, outcome="stage_error")
     if isinstance(exc, Overloaded):
