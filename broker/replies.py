@@ -26,7 +26,7 @@ from broker.protocol import as_bytes
 from broker.refusals import log_refusal_once
 from broker.resp import pack_command
 
-__all__ = ["RESULTS_BATCH", "ReplyList"]
+__all__ = ["RESULTS_BATCH", "ReplyList", "answered"]
 
 # Result keys per MGET: one command holds Redis for its lookups; a bounded number keeps each short.
 RESULTS_BATCH = 500
@@ -99,3 +99,18 @@ class ReplyList:
         if self._conn is not None:
             await self._conn.close()
         await self.client.aclose()
+
+
+@sends(GATEWAY, uses={"exists": RESULTS}, why="a caller's own request id: whether it was answered a moment ago")
+async def answered(client: Any, keys: Sequence[Keys], request_id: bytes) -> bool:
+    """Whether a result of ``request_id`` is held in any of these partitions (a request under that id
+    then would lose its result's ``SET NX`` and wait out its timeout)."""
+    for partition in keys:
+        name = partition.result_key(request_id)
+        try:
+            if await client.exists(name):
+                return True
+        except redis.ResponseError as exc:
+            log_refusal_once(exc, "exists", name)
+            raise
+    return False

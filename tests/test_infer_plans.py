@@ -163,7 +163,10 @@ def test_an_empty_batch_is_refused_before_redis(shape: list[int]) -> None:
     ({"inputs": [{"name": "x", "datatype": ["FP64"], "shape": [1], "data": [1]}]}, "unknown datatype ['FP64']"),
     ({"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [1.0, 1e6]}]}, "does not fit FP16"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1e39]}]}, "does not fit FP32"),
-], ids=["datatype-not-a-string", "fp16-overflow", "fp32-overflow"])
+    ({"inputs": [{"name": "x", "datatype": "INT64", "shape": [2], "data": [[1], 2]}]}, "ragged"),
+    ({"inputs": [{"name": "x", "datatype": "INT64", "shape": [3], "data": [[1, 2], [3]]}]}, "ragged"),
+    ({"inputs": [{"name": "x", "datatype": "INT64", "shape": [2], "data": [1, [2]]}]}, "ragged"),
+], ids=["datatype-not-a-string", "fp16-overflow", "fp32-overflow", "ragged-depth", "ragged-rows", "ragged-last"])
 def test_bad_tensors_are_refused_not_failed(doc: dict[str, Any], message: str) -> None:
     """What the gateway answered 500 to (a TypeError; a value numpy made infinite, then refused as
     an output) is the client's error: a TensorError, answered 400."""
@@ -176,6 +179,9 @@ def test_data_nested_deeper_than_pythons_stack_is_read() -> None:
     body = b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": ' + b"[" * 1020 + b"2.5" \
         + b"]" * 1020 + b"}]}"
     assert parse_request(body, None).inputs[0].data.tolist() == [2.5]
+    nested = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [2, 2, 2], "data": [[[1, 2], [3, 4]], [[5, 6],
+                                                                                                 [7, 8]]]}]}
+    assert parse_request(orjson.dumps(nested), None).inputs[0].data.tolist() == [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
 
 
 def test_an_undeclared_models_answer_that_is_no_tensor_is_a_clear_error() -> None:

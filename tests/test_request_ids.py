@@ -251,6 +251,19 @@ def test_the_python_api_takes_an_id_and_refuses_one_in_flight(stack: Stack) -> N
     asyncio.run(asyncio.wait_for(main(), T))
 
 
+def test_an_id_reused_after_its_answer_is_refused_at_once_not_left_to_wait(stack: Stack) -> None:
+    """The first answer's result key holds the id for result_ttl_ms: a second request under it would lose its
+    result's SET NX and wait out its timeout. predict and stream say so at once."""
+    async def main() -> None:
+        async with Gateway(stack.url, "t-ops") as gw:
+            assert await gw.predict(5, request_id="py-again") == 10
+            with pytest.raises(ValueError, match="'py-again' was answered less than result_ttl_ms ago"):
+                await asyncio.wait_for(gw.predict(6, request_id="py-again"), 10)
+            assert await gw.predict(6, request_id="py-fresh") == 12  # nothing else lost
+
+    asyncio.run(asyncio.wait_for(main(), T))
+
+
 # -- the access log ----------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, cast
 
-from broker import codec, protocol
+from broker import codec, protocol, replies
 from broker.keys import Keys
 from broker.levels import stream_level
 from broker.spec import PipelineIO
@@ -63,10 +63,11 @@ class Gateway:
     ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
     requests with one key go to one partition of a partitioned pipeline. ``request_id`` (likewise):
     the id the request travels under (1-128 chars of ``A-Z a-z 0-9 _ . : -``, unique: a `ValueError`
-    if one is in flight under it, and unique across gateways is the caller's to ensure); by default
-    the gateway makes one. Workers log it with what they say about the request. ``priority`` (over
-    HTTP the header ``X-Conveyor-Priority``): Triton's meaning, 1 the highest level, 0 the default
-    (the lowest); a priority past the pipeline's ``priority_levels`` is the default (:mod:`broker.levels`)."""
+    if one is in flight under it or, from `predict` and `stream`, was answered less than ``result_ttl_ms``
+    ago; unique across gateways in flight is the caller's to ensure); by default the gateway makes one.
+    Workers log it with what they say about the request. ``priority`` (over HTTP the header
+    ``X-Conveyor-Priority``): Triton's meaning, 1 the highest level, 0 the default (the lowest); a
+    priority past the pipeline's ``priority_levels`` is the default (:mod:`broker.levels`)."""
 
     def __init__(self, redis_url: str, pipeline: str, settings: GatewaySettings | None = None,
                  partitions: int | None = None, hub: Hub | None = None, views: Views | None = None) -> None:
@@ -234,6 +235,7 @@ class Gateway:
         """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``);
         ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``). A caller
         that cancels the awaiting task cancels the request: workers drop it (broker.cancels)."""
+        await self._check_unanswered(request_id)
         # direct=False: never a Slot
         future = cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id, priority=priority))
         try:
@@ -255,6 +257,7 @@ class Gateway:
         deterministic) or `StreamLagged` (this reader fell ``stream_buffer_chunks`` behind).
         ``timeout_s`` bounds the whole stream. Leaving the loop early (``break``, an exception, a
         cancelled task) cancels the request: the stage's generator is closed before its next step."""
+        await self._check_unanswered(request_id)
         sink = await self.submit_stream(x, timeout_s, key, request_id=request_id, priority=priority)
         try:
             while True:
@@ -311,6 +314,16 @@ class Gateway:
                                "Gateway(...) as gw:` or `await gw.start()` first")
         stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
         return rid, data, timeout
+
+    async def _check_unanswered(self, request_id: str | bytes | None) -> None:
+        """A caller's own id answered less than ``result_ttl_ms`` ago: a ValueError now, not a request whose
+        result loses its ``SET NX`` and waits out its timeout. (`submit` takes the id as given: the HTTP
+        front's ids are made unique.)"""
+        rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
+        if rid is not None and protocol.is_request_id(rid) and self.lanes \
+                and await replies.answered(self.hub.client, [lane.keys for lane in self.lanes], rid):
+            raise ValueError(f"request id {rid.decode()!r} was answered less than result_ttl_ms ago: ids must be "
+                             "unique")
 
     def _check_served(self) -> None:
         if self.unserved is not None:

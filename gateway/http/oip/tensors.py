@@ -192,7 +192,7 @@ def _input(raw: Any) -> InputHead:
 
 
 def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[Any]:
-    flat = _flatten(data)
+    flat = _flatten(name, data)
     if len(flat) != count:
         raise TensorError(f"input {name!r}: {len(flat)} values for a shape of {count}")
     if datatype == "BYTES":
@@ -217,20 +217,32 @@ def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[A
     return array
 
 
-def _flatten(data: Any) -> list[Any]:
+def _flatten(name: str, data: Any) -> list[Any]:
     """``data``'s values in order, however deeply nested (without recursion: a JSON body may nest
-    lists as deep as its parser allows, deeper than Python's stack)."""
+    lists as deep as its parser allows, deeper than Python's stack). Nested data must be a regular
+    array (``[[1, 2], [3, 4]]``): a ragged one (``[[1], 2]``, ``[[1, 2], [3]]``) is refused, not read
+    as the values it happens to hold."""
     if not isinstance(data, list):
         return [data]
     if all(not isinstance(v, list) for v in data):
         return data
     out: list[Any] = []
+    lengths = [len(data)]  # each depth's list length, as first met
+    leaf_depth = 0
     pending = [iter(data)]
     while pending:
         for v in pending[-1]:
+            depth = len(pending)
             if isinstance(v, list):
+                if (depth < len(lengths) and lengths[depth] != len(v)) or (leaf_depth and depth >= leaf_depth):
+                    raise TensorError(f"input {name!r}: nested data is ragged (not a regular array)")
+                if depth == len(lengths):
+                    lengths.append(len(v))
                 pending.append(iter(v))
                 break
+            if leaf_depth != depth and (leaf_depth or depth < len(lengths)):
+                raise TensorError(f"input {name!r}: nested data is ragged (not a regular array)")
+            leaf_depth = depth
             out.append(v)
         else:
             pending.pop()
