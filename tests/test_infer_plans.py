@@ -159,6 +159,27 @@ def test_an_empty_batch_is_refused_before_redis(shape: list[int]) -> None:
                      None).items() == ["a"]
 
 
+@pytest.mark.parametrize(("datatype", "answers", "message"), [
+    ("INT64", [2.5, 3.5], b"are no INT64"), ("INT64", ["2", "3"], b"for a INT64 output"),
+    ("INT8", [np.int64(300), np.int64(1)], b"out of INT8's range"), ("UINT8", [-1, 2], b"out of UINT8's range"),
+    ("BOOL", [5, 0], b"for a BOOL output"), ("FP32", ["1.5", "2"], b"for a FP32 output"),
+], ids=["fraction-as-int", "text-as-int", "int8-overflow", "negative-uint", "number-as-bool", "text-as-float"])
+def test_an_answer_that_is_not_the_declared_type_is_refused_not_cast(datatype: str, answers: list[Any],
+                                                                      message: bytes) -> None:
+    """An OIP output is converted only where nothing but precision is lost: a stage answering 2.5 to an
+    INT64 output got 200 with 2 (numpy's cast), text got parsed, 5 became true. On the first reply (the
+    general path) and once the plan and its head are kept (the short way)."""
+    io, plans = _io(datatype), Plans(8)
+    body, length = _binary(datatype, NUMERIC[datatype][:2])
+    for turn in range(2):
+        inference = Inference("m", io, body, length, plans)
+        assert inference.respond(inference.items()).status == 200, turn  # the head is kept after the first
+        refused = inference.respond(answers)
+        assert refused.status == 500 and message in refused.body and b"output" in refused.body, (turn, refused)
+    integral = Inference("m", _io("INT64"), *_binary("INT64", [1, 2]), plans).respond([2.0, 3.0])
+    assert integral.status == 200  # a float that is an integer loses nothing
+
+
 @pytest.mark.parametrize(("doc", "message"), [
     ({"inputs": [{"name": "x", "datatype": ["FP64"], "shape": [1], "data": [1]}]}, "unknown datatype ['FP64']"),
     ({"inputs": [{"name": "x", "datatype": "FP16", "shape": [2], "data": [1.0, 1e6]}]}, "does not fit FP16"),

@@ -39,7 +39,13 @@ __all__ = ["Inference", "Plan", "Plans"]
 # by the stage goes back as the quiet NaN, its payload bits not kept).
 STRUCT_CODES = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B", "UINT16": "H",
                 "UINT32": "I", "UINT64": "Q", "FP16": "e", "FP32": "f", "FP64": "d"}
+# The Python types the short way packs for an output's datatype: what converts losslessly (a float for
+# an integer output, a number for a boolean one go the general way, which refuses them).
 _NUMBERS = frozenset({int, float, bool})
+_PACKED_TYPES = {"BOOL": frozenset({bool}), "FP16": _NUMBERS, "FP32": _NUMBERS, "FP64": _NUMBERS}
+_INTEGERS = frozenset({int, bool})
+# What an answer's values may be (numpy's kind) for an output of each kind: nothing but precision lost.
+_FITS = {"b": "b", "i": "biuf", "u": "biuf", "f": "biuf"}
 SHORT_ROWS_MAX = 64  # struct's short way up to this many rows (past it numpy's per-value cost is lower)
 KEPT_HEAD_MAX_BYTES = 4096  # a longer head is not kept (tritonclient's are ~200 bytes): Plans' memory stays small
 _NONE_WANTED: frozenset[str] = frozenset()
@@ -64,6 +70,7 @@ class Plan:
         # (it then depends on nothing else).
         self._rows_in: struct.Struct | None = None
         self._rows_out: struct.Struct | None = None
+        self._rows_types: frozenset[type] = _INTEGERS  # what the short way packs as the output (_PACKED_TYPES)
         self._rows_n = 0
         self._rows_head: bytes | None = None
 
@@ -121,6 +128,7 @@ class Plan:
             self._rows_in = rows
         if self.head.wants_binary(out.name) and len(out.shape) == 1 and out.datatype in STRUCT_CODES:
             self._rows_out, self._rows_n = struct.Struct(f"<{n}{STRUCT_CODES[out.datatype]}"), n
+            self._rows_types = _PACKED_TYPES.get(out.datatype, _INTEGERS)
 
     def items(self, rest: bytes) -> list[Any]:
         """What to submit: one item per row (batched), else one; ``rest``: the bytes after the head."""
@@ -169,7 +177,7 @@ class Plan:
         string, a value the format cannot hold) returns None: the general path converts it, names
         what is wrong, or makes the head."""
         head, rows = self._rows_head, self._rows_out
-        if head is None or rows is None or not set(map(type, answers)) <= _NUMBERS:
+        if head is None or rows is None or not set(map(type, answers)) <= self._rows_types:
             return None
         try:
             raw = rows.pack(*answers)
@@ -189,11 +197,11 @@ class Plan:
             values = [_field(answer, spec.name, len(self.io.outputs)) for answer in answers]
             dtype = DATATYPES[spec.datatype]
             if self.io.batched and values and dtype.kind != "O":  # numeric rows: one conversion, not one per row
-                array = np.asarray(values, dtype=dtype)  # rows of differing shapes raise ValueError, as stack does
+                array = _as_declared(spec, values, dtype)  # rows of differing shapes raise ValueError
             elif self.io.batched:
                 array = np.stack([np.asarray(v, dtype=dtype) for v in values]) if values else np.zeros((0,), dtype)
             else:
-                array = np.asarray(values[0], dtype=dtype)
+                array = _as_declared(spec, values[0], dtype) if dtype.kind != "O" else np.asarray(values[0], dtype)
             tensors.append(_tensor(spec.name, spec.datatype, array))
             _check(spec, spec.datatype, array.shape, "output")
         return tensors
@@ -267,6 +275,31 @@ def _field(answer: Any, name: str, outputs: int) -> Any:
     if not isinstance(answer, dict) or name not in answer:
         raise ValueError(f"the pipeline's answer lacks output {name!r}: with several outputs it answers a dict")
     return answer[name]
+
+
+def _as_declared(spec: TensorSpec, values: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An answer as its output's numeric datatype, if that loses nothing but precision: a fraction for
+    an integer output, text for a number, a number for a boolean, or an integer out of the type's range
+    is a TypeError or OverflowError (a 500: the pipeline answered what it did not declare), never cast."""
+    array = np.asarray(values)
+    kind = array.dtype.kind
+    if not array.size:
+        return array.astype(dtype)
+    if kind not in _FITS.get(dtype.kind, dtype.kind):
+        raise TypeError(f"output {spec.name!r}: the pipeline answered {array.dtype} values ({array.reshape(-1)[0]!r}"
+                        f", ...) for a {spec.datatype} output")
+    if dtype.kind in "iu" and kind in "iu":
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise OverflowError(f"output {spec.name!r}: the pipeline answered values from {array.min()} to "
+                                f"{array.max()}, out of {spec.datatype}'s range")
+    elif dtype.kind in "iu" and kind == "f":  # fractions, or Python integers past int64 (numpy infers floats)
+        exact = np.asarray(values, dtype=dtype)
+        if not np.array_equal(exact, array):
+            raise TypeError(f"output {spec.name!r}: the pipeline answered numbers that are no {spec.datatype} "
+                            "(fractions, or out of its range)")
+        return exact
+    return array.astype(dtype, copy=False)
 
 
 def _tensor(name: str, datatype: str, array: npt.NDArray[Any]) -> Tensor:
