@@ -209,6 +209,47 @@ def test_a_request_of_several_items_refused_on_its_way_holds_none(stack: Stack) 
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_more_items_than_the_first_stage_admits_are_refused_as_too_large(stack: Stack) -> None:
+    """Past the first stage's max_backlog (here the gateway's own bound, 4) a request's items can never be
+    admitted whole: 413 "split it" before any is sent, not a 503 that a client following Retry-After retries
+    for ever while part of it runs."""
+    from gateway import Gateway, GatewaySettings, PayloadTooLarge
+    from gateway.http.oip.items import Gather
+    from gateway.http.predict import submit_items
+
+    async def main() -> None:
+        async with Gateway(stack.url, "t-rows", GatewaySettings(max_backlog=4)) as gw:
+            row = np.ones(3, dtype=np.float32)
+            done = asyncio.get_running_loop().create_future()
+            Gather(asyncio.get_running_loop(), submit_items(gw, [row] * 4, [None] * 4, 5.0, None, 0)).slot \
+                .add_done_callback(lambda slot: done.set_result(slot.result()))
+            assert len(await done) == 4  # as many as it admits: served
+            with pytest.raises(PayloadTooLarge, match=r"max_backlog=4\): split it"):
+                submit_items(gw, [row] * 5, [None] * 5, 5.0, None, 0)
+            assert gw.in_flight == 0
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_failed_item_cancels_the_items_of_its_request_still_on_their_way() -> None:
+    """A request of several items answered with its first failure: the others are cancelled (they ran on,
+    wasted, when a full backlog refused part of it)."""
+    from gateway.http.oip.items import Gather
+
+    async def main() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        waiters = [loop.create_future() for _ in range(3)]
+        cancelled: list[Any] = []
+        gather = Gather(loop, waiters, lambda _: cancelled.extend(w for w in reversed(waiters) if not w.done()))
+        waiters[0].set_result(1)
+        waiters[1].set_exception(RuntimeError("refused"))
+        await asyncio.sleep(0)  # the done-callbacks run
+        assert gather.slot.done() and cancelled == [waiters[2]]
+        return [w.done() for w in waiters]
+
+    assert asyncio.run(main()) == [True, True, False]
+
+
 def test_plain_json_over_http(stack: Stack) -> None:
     body = {"id": "j1", "parameters": {"trace": "on"},
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3], "data": [[1, 2, 3], [4, 5, 6]]}]}

@@ -201,6 +201,14 @@ class Gateway:
         """How many its hub holds at most (``GatewaySettings.max_in_flight``): past it, submissions are refused."""
         return self.hub.settings.max_in_flight
 
+    def admits_at_most(self, key: str | bytes | None) -> int | None:
+        """The most items one request may hold and ever be admitted whole: the first stage's
+        ``max_backlog`` (or this gateway's, the lower), per partition (all of them without a ``key``);
+        None: no bound."""
+        stages = self.view.stages if self.view is not None else []
+        bounds = [b for b in (self.settings.max_backlog, stages[0].max_backlog if stages else None) if b is not None]
+        return min(bounds) * (1 if key is not None else max(1, len(self.lanes))) if bounds else None
+
     @property
     def healthy(self) -> bool:
         """False once a background task has died: readiness turns 503 so traffic goes elsewhere."""

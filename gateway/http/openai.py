@@ -214,8 +214,9 @@ class OpenAI:
             return OpenAIError(exc.status, exc.message, outcome=exc.outcome).reply()
         except Exception as exc:  # refused at once: Overloaded, PayloadTooLarge, CodecError
             return _failure(exc).reply()
-        gather = Gather(asyncio.get_running_loop(), waiters)
-        return Pending(gather.slot, lambda slot: _finish(query, slot), cancelling(backend, waiters))
+        cancel = cancelling(backend, waiters)
+        gather = Gather(asyncio.get_running_loop(), waiters, cancel)
+        return Pending(gather.slot, lambda slot: _finish(query, slot), cancel)
 
 
 def _finish(query: Query, slot: Any) -> Reply:

@@ -78,11 +78,17 @@ def cancelling(backend: Backend, waiters: Sequence[Waiter]) -> Callable[[Waiter]
 def submit_items(backend: Backend, values: Sequence[Any], ids: Sequence[bytes | None], bound_s: float | None,
                  key: bytes | None, priority: int) -> list[Waiter]:
     """One request of several items (rows, texts): each submitted, or none. Refused first when they can
-    never all be in flight at once (`PayloadTooLarge`: the request must be split) or cannot be now
+    never all be in flight or admitted at once (`PayloadTooLarge`, past ``max_in_flight`` or the first
+    stage's ``max_backlog``: the request must be split) or cannot be now
     (`Overloaded`); when one is refused on its way (too large, cannot be encoded, ...), those already
     submitted are cancelled, newest first (the backend finds each at the end of its table), so that a
     refused request holds nothing that other clients wait behind."""
     limit = getattr(backend, "max_in_flight", None)
+    admits = getattr(backend, "admits_at_most", None)
+    backlog = admits(key) if admits is not None and len(values) > 1 else None
+    if isinstance(backlog, int) and len(values) > backlog:
+        raise PayloadTooLarge(f"a request of {len(values)} items is more than the pipeline's first stage admits at "
+                              f"once (max_backlog={backlog}): split it")
     if isinstance(limit, int) and len(values) > 1:
         if len(values) > limit:
             raise PayloadTooLarge(f"a request of {len(values)} items is more than this gateway holds in flight "

@@ -73,10 +73,14 @@ def model_metadata(name: str, io: PipelineIO) -> dict[str, Any]:
 
 class Gather:
     """The answers of N submitted items, in order, as one `Slot`: the first failure fails it, naming
-    the item; answers that come after it are dropped."""
+    the item, and ``cancel`` (see gateway.http.predict.cancelling) cancels the items still on their way,
+    so that a failed request (an item refused for a full backlog, or failed in a stage) runs no more of
+    them; answers that come after it are dropped."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, waiters: Sequence[Waiter]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, waiters: Sequence[Waiter],
+                 cancel: Callable[[Any], object] | None = None) -> None:
         self.slot = Slot(loop)
+        self._cancel = cancel if len(waiters) > 1 else None  # one item: the failed one, nothing left
         self._answers: list[Any] = [None] * len(waiters)
         self._left = len(waiters)
         for i, waiter in enumerate(waiters):
@@ -89,6 +93,8 @@ class Gather:
             exc = waiter.exception()
             if exc is not None:
                 self.slot.set_exception(ItemFailed(i, exc))
+                if self._cancel is not None:
+                    self._cancel(None)
                 return
             self._answers[i] = waiter.result()
             self._left -= 1

@@ -203,7 +203,7 @@ class V2:
             return Pending(waiters[0], partial(_respond, plan, True), cancel)
         if len(waiters) == 1:  # one row: its own waiter, no Gather (a Slot and a callback fewer per request)
             return Pending(waiters[0], partial(_respond_row, plan), cancel)
-        gather = Gather(asyncio.get_running_loop(), waiters)
+        gather = Gather(asyncio.get_running_loop(), waiters, cancel)
         return Pending(gather.slot, partial(_respond, plan, False), cancel)
 
 
