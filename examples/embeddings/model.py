@@ -22,6 +22,10 @@ log = logging.getLogger("conveyor.examples.embeddings")
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): longer texts are truncated
+# A text is cut to this many characters a token before it is tokenized: its first MAX_TOKENS tokens lie far
+# inside (English runs about 4 characters a token; a word past 100 characters is one [UNK]), and a text of
+# megabytes costs its worker what 32 kB do, not seconds and gigabytes of the tokenizer's overflow pieces.
+CHARS_PER_TOKEN_READ = 128
 INSTALL_HINT = "pip install -e '.[embeddings]' --extra-index-url https://download.pytorch.org/whl/cpu"
 
 
@@ -81,12 +85,16 @@ class Tokenizer:
         return [ids for ids, _ in self.encode(texts)]
 
     def encode(self, texts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
-        """Each text's ids, and whether it was cut at MAX_TOKENS."""
+        """Each text's ids, and whether it was cut (at MAX_TOKENS, or read only to CHARS_PER_TOKEN_READ
+        characters a token)."""
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"embeddings take a string, got {type(text).__name__}")
-        return [(np.asarray(e.ids, dtype=np.int32), len(e.ids) == self.max_tokens and bool(e.overflowing))
-                for e in self._backend.encode_batch(list(texts))]
+        limit = self.max_tokens * CHARS_PER_TOKEN_READ
+        encodings = self._backend.encode_batch([text[:limit] for text in texts])
+        return [(np.asarray(e.ids, dtype=np.int32),
+                 len(text) > limit or (len(e.ids) == self.max_tokens and bool(e.overflowing)))
+                for text, e in zip(texts, encodings, strict=True)]
 
 
 def native_bf16(torch: Any) -> bool:
