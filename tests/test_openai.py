@@ -102,6 +102,7 @@ def test_base64_is_the_float32_bytes() -> None:
     ({"model": "emb", "input": []}, 400, "input", "non-empty list"),
     ({"model": "emb", "input": [[1, 2, 3]]}, 400, "input", "token ids"),
     ({"model": "emb", "input": [1, "a"]}, 400, "input", "list of strings"),
+    ({"model": "emb", "input": [True, False]}, 400, "input", "list of strings"),  # booleans are no token ids
     ({"input": "a"}, 400, "model", "'model' is required"),
     ({"model": "emb", "input": "a", "encoding_format": "int8"}, 400, "encoding_format", "'float' or 'base64'"),
     ({"model": "emb", "input": "a", "dimensions": 2}, 400, "dimensions", "answers 3 dimensions"),

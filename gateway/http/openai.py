@@ -154,7 +154,10 @@ def _texts(value: Any) -> list[str]:
     if len(value) > MAX_INPUTS:
         raise OpenAIError(400, f"'input' holds {len(value)} texts; at most {MAX_INPUTS} per request", param="input")
     if not all(isinstance(v, str) for v in value):
-        if all(isinstance(v, int) or (isinstance(v, list) and all(isinstance(i, int) for i in v)) for v in value):
+        def token_ids(v: Any) -> bool:
+            return type(v) is int or (isinstance(v, list) and all(type(i) is int for i in v))
+
+        if all(token_ids(v) for v in value):  # bool is an int, but no token id
             raise OpenAIError(400, "token ids are not supported as input: send text (the pipeline tokenizes it)",
                               param="input")
         raise OpenAIError(400, "'input' must be a string or a list of strings", param="input")
