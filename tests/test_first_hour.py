@@ -50,6 +50,31 @@ def _stuck_scenario(redis_url: str, runs: Path) -> None:
     assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
 
 
+def test_a_worker_frozen_between_batches_is_replaced(redis_url: str) -> None:
+    """A worker stopped while idle (SIGSTOP: its heartbeat stops, no batch is in hand for the deadlines to
+    watch) was shown NOT LIVE for ever while its supervisor, its parent, did nothing: the stage stayed down.
+    Its stamp of life goes stale; past frozen_after_s (10 s) it is logged, killed and replaced."""
+    import psutil
+
+    with running_workers(redis_url, f"{APP}:hangs", ["hangs"]) as workers:
+        workers.wait_ready("t-hangs")
+        supervisor = workers.stage("hangs")
+        [child] = psutil.Process(supervisor.popen.pid).children()
+        child.send_signal(signal.SIGSTOP)
+        log = wait_for(lambda: "worker frozen" in supervisor.log(50_000) and supervisor.log(50_000), 30,
+                       "the supervisor replaces the frozen worker", supervisor.report)
+        line = next(line for line in log.splitlines() if "worker frozen" in line)
+        assert "no sign of life for 1" in line and f"pid={child.pid}" in line and "stage=hangs" in line, line
+        workers.wait_ready("t-hangs", 30)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+        async def serve() -> object:
+            async with Gateway(redis_url, "t-hangs", GatewaySettings(timeout_s=10)) as gw:
+                return await gw.predict("again")
+
+        assert asyncio.run(serve()) == "again"
+
+
 def test_a_hung_stage_is_reported_shown_and_replaced(redis_url: str, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     with running_workers(redis_url, f"{APP}:hangs", ["hangs"], FIRST_HOUR_RUNS=str(runs)) as workers:

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         stacks = open(args.stack_file, "a")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     busy = BusyCell(args.busy_fd, args.busy_slot) if args.busy_fd is not None else None
+    if busy is not None:
+        busy.keep_alive()
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
                     StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu, busy=busy,
                     traces=TraceSettings.from_env(os.environ))  # OTEL_*: the worker's environment, read now

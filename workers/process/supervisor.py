@@ -57,6 +57,7 @@ class SupervisorSettings:
     grace_s: float = 10.0  # on stop, how long workers may take to finish their batch
     drain_s: float = 30.0  # on stop, how long companions (the gateway) may take to drain, first
     hurry_s: float = 5.0  # after a companion's drain was cut short, how long before SIGKILL
+    frozen_after_s: float = 10.0  # a ready worker with no sign of life this long between batches is replaced
 
 
 class Keeper(Protocol):
@@ -350,11 +351,15 @@ class Supervisor:
 
     def _check_runtime(self, slot: WorkerSlot) -> None:
         """A worker whose batch is stuck (past ``max_run_s``, or past its deadlines plus
-        ``stuck_grace_s``: workers.process.watch) is reported with its stack and replaced."""
-        if slot.proc is None or not self._stuck.stuck(slot.index):
+        ``stuck_grace_s``: workers.process.watch), or that is frozen between batches (no sign of life for
+        ``frozen_after_s``), is reported with its stack and replaced."""
+        if slot.proc is None:
             return
-        self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
-        slot.killed_for_timeout = bool(slot.spec.max_run_s)
+        if self._stuck.stuck(slot.index):
+            self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
+            slot.killed_for_timeout = bool(slot.spec.max_run_s)
+        elif slot.ready_at is not None and (frozen := self._stuck.frozen_s(slot.index)) > self.settings.frozen_after_s:
+            self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, frozen)
 
     def _stop_all(self) -> None:
         live = [s for s in self.slots if s.proc is not None]

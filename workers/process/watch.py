@@ -28,6 +28,7 @@ import signal
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +53,21 @@ def _size(path: Path) -> int:
     except OSError:
         return 0
 
-_CELL = struct.Struct("<qq")  # stuck at, unwanted at: Unix ms (0: idle, or not watched)
+# Stuck at, unwanted at (0: not watched), the batch's start (0: idle), and the process's last sign of
+# life: Unix ms. The first three are the worker loop's, the last its stamping thread's (BusyCell.keep_alive).
+_CELL = struct.Struct("<qqqq")
+_BATCH = struct.Struct("<qqq")
+_ALIVE = struct.Struct("<q")
+_ALIVE_AT = _BATCH.size
+ALIVE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
 class Busy:
     stuck_at_ms: int
     unwanted_at_ms: int
+    began_ms: int
+    alive_at_ms: int
 
 
 class BusyBoard:
@@ -80,7 +89,7 @@ class BusyBoard:
 
     def clear(self, slot: int) -> None:
         """A new worker in this slot starts idle (its predecessor may have died mid-batch)."""
-        _CELL.pack_into(self._map, slot * _CELL.size, 0, 0)
+        _CELL.pack_into(self._map, slot * _CELL.size, 0, 0, 0, 0)
 
     def close(self) -> None:
         self._map.close()
@@ -96,7 +105,18 @@ class BusyCell:
         os.close(fd)  # the mapping keeps the memory
 
     def busy(self, stuck_at_ms: int, unwanted_at_ms: int) -> None:
-        _CELL.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms)
+        _BATCH.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms, now_ms())
+
+    def keep_alive(self) -> None:
+        """Stamp the cell every ALIVE_EVERY_S from a thread of its own, which touches nothing else: a
+        process that stops stamping while idle is frozen (SIGSTOP, a cgroup freeze, a C call that holds
+        the GIL), not merely cut off from Redis, and its supervisor replaces it."""
+        def stamp() -> None:
+            while True:
+                _ALIVE.pack_into(self._map, self._offset + _ALIVE_AT, now_ms())
+                time.sleep(ALIVE_EVERY_S)
+
+        threading.Thread(target=stamp, name="alive", daemon=True).start()
 
     def batch(self, spec: StageSpec, deadlines: list[int | None]) -> None:
         """A batch starts (its items' deadlines): it becomes stuck ``max_run_s`` from now if the
@@ -110,7 +130,7 @@ class BusyCell:
         self.busy(stuck, unwanted)
 
     def idle(self) -> None:
-        _CELL.pack_into(self._map, self._offset, 0, 0)
+        _BATCH.pack_into(self._map, self._offset, 0, 0, 0)
 
 
 class StatusPipe:
@@ -162,17 +182,32 @@ class StuckWatch:
         busy = self._board.read(index)
         return bool(busy.stuck_at_ms) and now_ms() >= busy.stuck_at_ms
 
+    def frozen_s(self, index: int) -> float:
+        """Seconds since this slot's worker last stamped its cell, while it is between batches (0: in a
+        batch, which the deadlines watch, or not stamping yet). Read twice: a torn read must not count."""
+        ages = []
+        for _ in range(2):
+            busy = self._board.read(index)
+            if busy.began_ms or not busy.alive_at_ms:
+                return 0.0
+            ages.append(max(0.0, (now_ms() - busy.alive_at_ms) / 1000))
+        return min(ages)
+
     def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str,
-                keys: Keys | None) -> None:
-        """Log the stuck call with its stack, mark the worker stuck in Redis (in its pipeline's
-        ``keys``), kill it (the supervisor starts another)."""
-        why = (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
-               f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
+                keys: Keys | None, frozen_s: float = 0.0) -> None:
+        """Log the stuck call (or, ``frozen_s``, the frozen process) with its stack, mark the worker stuck
+        in Redis (in its pipeline's ``keys``), kill it (the supervisor starts another)."""
+        if frozen_s:
+            why = (f"worker frozen: no sign of life for {frozen_s:.1f}s between batches (stopped, or a call holding "
+                   "the GIL); replacing it")
+        else:
+            why = ("worker stuck: predict " + (f"ran past max_run_s={stage.max_run_s:g}s" if stage.max_run_s else
+                   f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
+                   + "; replacing it (set stuck_grace_s=None to turn this off, or max_run_s)")
         stack = self._dump_stack(index, proc)
         if keys is not None:  # marked before it is said: whoever reads the log finds the mark in Redis
             self._mark(keys, stage.index, consumer)
-        log.error("worker stuck: predict %s; replacing it (set stuck_grace_s=None to turn this off, or max_run_s); "
-                  "its stack follows stage=%s consumer=%s pid=%d", why, stage.name, consumer, proc.pid,
+        log.error("%s; its stack follows stage=%s consumer=%s pid=%d", why, stage.name, consumer, proc.pid,
                   extra=block("stack", stack))
         proc.kill()
         self._board.clear(index)
