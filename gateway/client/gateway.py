@@ -63,8 +63,9 @@ class Gateway:
     ``key`` (on ``predict`` and ``submit``; over HTTP the header ``X-Conveyor-Partition-Key``):
     requests with one key go to one partition of a partitioned pipeline. ``request_id`` (likewise):
     the id the request travels under (1-128 chars of ``A-Z a-z 0-9 _ . : -``, unique: a `ValueError`
-    if one is in flight under it or, from `predict` and `stream`, was answered less than ``result_ttl_ms``
-    ago; unique across gateways in flight is the caller's to ensure); by default the gateway makes one.
+    if one is in flight under it or, from `predict`, was answered less than ``result_ttl_ms`` ago (a
+    stream's end comes whatever its result key holds); unique across gateways in flight is the caller's to
+    ensure); by default the gateway makes one.
     Workers log it with what they say about the request. ``priority`` (over HTTP the header
     ``X-Conveyor-Priority``): Triton's meaning, 1 the highest level, 0 the default (the lowest); a
     priority past the pipeline's ``priority_levels`` is the default (:mod:`broker.levels`)."""
@@ -233,7 +234,7 @@ class Gateway:
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
         if priority:
             lane = self._at_level(lane, priority)
-        self._check_served()
+        self._check_served(lane)
         if not self.registration.registered:  # rare: until this pipeline is seen registered once
             return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid))
         return self.hub.enqueue(lane, data, timeout, direct, rid)
@@ -265,7 +266,6 @@ class Gateway:
         deterministic) or `StreamLagged` (this reader fell ``stream_buffer_chunks`` behind).
         ``timeout_s`` bounds the whole stream. Leaving the loop early (``break``, an exception, a
         cancelled task) cancels the request: the stage's generator is closed before its next step."""
-        await self._check_unanswered(request_id)
         sink = await self.submit_stream(x, timeout_s, key, request_id=request_id, priority=priority)
         try:
             while True:
@@ -299,7 +299,7 @@ class Gateway:
             lane, self._next = lanes[self._next % len(lanes)], (self._next + 1) % len(lanes)
         if priority:
             lane = self._at_level(lane, priority)
-        self._check_served()
+        self._check_served(lane)
         return self.hub.enqueue_stream(lane, data, timeout, self.settings.stream_buffer_chunks, rid)
 
     def _prepare(self, x: Any, timeout_s: float | None, request_id: str | bytes | None,
@@ -333,7 +333,10 @@ class Gateway:
             raise ValueError(f"request id {rid.decode()!r} was answered less than result_ttl_ms ago: ids must be "
                              "unique")
 
-    def _check_served(self) -> None:
+    def _check_served(self, lane: Lane) -> None:
+        if self.view is not None and lane.keys.partition in self.view.down:  # not after a wait of its timeout
+            raise Overloaded(f"partition {lane.keys.partition} of pipeline {self.pipeline!r} is out of reach (its "
+                             "Redis node is down) while the others serve: retry, or use another partition key")
         if self.unserved is not None:
             raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
                              f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
@@ -351,9 +354,11 @@ class Gateway:
     async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
         if not self.registration.registered:
             await self.registration.wait(timeout_s)
-        n = len(self.lanes)
+        down = self.view.down if self.view is not None else frozenset()
+        lanes = [lane for lane in self.lanes if lane.keys.partition not in down] or self.lanes
+        n = len(lanes)
         for attempt in range(n):
-            lane = self.lanes[self._next % n]
+            lane = lanes[self._next % n]
             lane = self._at_level(lane, priority) if priority else lane
             self._next = (self._next + 1) % n
             try:
