@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.client
+from redis.cluster import key_slot
 
 from broker import protocol
 from broker.batch_entries import queue_reads
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, is_cluster_client
 from broker.families import CANCEL_FLAG, COUNTS, HEARTBEATS, LOADING, STREAMS, STUCK
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
@@ -40,7 +41,11 @@ class Beat:
     """One heartbeat's commands, queued by name and sent in one round trip (:meth:`send`)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self._pipe: redis.client.Pipeline = client.pipeline(transaction=False)
+        self._client = client
+        self._real = client.pipeline(transaction=False)
+        self._cluster = is_cluster_client(client)
+        # On a Redis Cluster, what is queued is remembered, to be sent again a slot at a time (_apart).
+        self._pipe: redis.client.Pipeline = cast(Any, _Recorded(self._real)) if self._cluster else self._real
 
     def __len__(self) -> int:
         """Commands queued so far: where each hook's replies start in :meth:`send`'s."""
@@ -85,10 +90,63 @@ class Beat:
         exception object (each ACL refusal among them logged once). A lost connection raises."""
         if not len(self._pipe):
             return []
-        sent = queued_commands(self._pipe)
-        replies: list[Any] = self._pipe.execute(raise_on_error=False)
+        sent = queued_commands(self._real)
+        try:
+            replies: list[Any] = self._real.execute(raise_on_error=False)
+        except CONNECTION_ERRORS:
+            if not self._cluster:
+                raise
+            replies = self._apart(cast(_Recorded, self._pipe).queued)
         log_pipeline_refusals(sent, replies)
         return replies
+
+    def _apart(self, queued: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """A Redis Cluster's pipeline fails whole, none of its commands run, when one node is down: then the
+        commands again, a slot at a time, so that the partitions on the other nodes still get their beats
+        (else every worker looks dead everywhere); each of the unreachable slot's replies is its error. Raises
+        if no slot was reached."""
+        groups: dict[int, list[int]] = {}
+        for i, (_, args, _) in enumerate(queued):
+            key = args[0] if args else None
+            slot = key_slot(key.encode() if isinstance(key, str) else key) if isinstance(key, str | bytes) else -1
+            groups.setdefault(slot, []).append(i)
+        replies: list[Any] = [None] * len(queued)
+        reached = False
+        for indices in groups.values():
+            pipe = self._client.pipeline(transaction=False)
+            for i in indices:
+                name, args, kwargs = queued[i]
+                getattr(pipe, name)(*args, **kwargs)
+            try:
+                out = pipe.execute(raise_on_error=False)
+                reached = True
+            except CONNECTION_ERRORS as exc:
+                out = [exc] * len(indices)
+            for i, reply in zip(indices, out, strict=True):
+                replies[i] = reply
+        if not reached:
+            raise next(r for r in replies if isinstance(r, BaseException))
+        return replies
+
+
+class _Recorded:
+    """A pipeline that remembers each command queued on it (its method, its arguments) and passes it on."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.queued: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __len__(self) -> int:
+        return len(self.pipe)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.pipe, name)
+
+        def queue(*args: Any, **kwargs: Any) -> Any:
+            self.queued.append((name, args, kwargs))
+            return method(*args, **kwargs)
+
+        return queue
 
 
 def _mark(client: redis.Redis, key: str, member: str) -> None:

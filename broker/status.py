@@ -134,6 +134,19 @@ async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> lis
     return [_partition(query, replies) for query in queries]
 
 
+async def read_partitions_apart(client: Any, queries: Sequence[PartitionQuery]
+                                ) -> list[PartitionReads | BaseException]:
+    """:func:`read_partitions`, a round trip per query: on a Redis Cluster a partition whose node is down
+    gives its error and the others their reads (one pipeline over every node fails whole)."""
+    reads: list[PartitionReads | BaseException] = []
+    for query in queries:
+        try:
+            reads += await read_partitions(client, [query])
+        except CONNECTION_ERRORS as exc:
+            reads.append(exc)
+    return reads
+
+
 async def _execute(pipe: Any) -> list[Any]:
     """Run ``pipe``; each refused command's refusal logged once; a lost connection raised."""
     sent = queued_commands(pipe)

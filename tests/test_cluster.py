@@ -17,7 +17,7 @@ from redis.cluster import key_slot
 from broker.connection import RedisSettings, _cluster_url
 from broker.keys import GROUP, Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
-from gateway import Gateway
+from gateway import Gateway, Overloaded
 from gateway.cli import format_status, status_json
 from gateway.client.gateway import partition_of
 from gateway.monitor.metrics import Metrics
@@ -174,6 +174,44 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
     assert len({key_slot(call[0]) for call in monitor.calls}) == 3, "scripts should run in all three partitions"
     for call_keys in monitor.calls:
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
+
+
+def test_a_partition_whose_node_is_down_leaves_the_pipeline_ready_on_the_others() -> None:
+    """One of three masters down (cluster-require-full-coverage no): its partition refuses work while the
+    others serve, as docs/deployment.md says. The gateway's view said the whole pipeline unreachable
+    (readiness 503 on every gateway, every stage gauge gone) and `conveyor status` failed outright."""
+    try:
+        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+    keys = Keys("t-parts1").partitions(3)
+    down = cluster.master_of(keys[1].spec)
+    try:
+        with running_workers(cluster.url, "tests.cluster_stages:partitioned", ["Scale", "Shift"],
+                             stop_timeout_s=40) as workers:
+            workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+            async def main() -> tuple[PipelineStatus, PipelineStatus, list[int]]:
+                async with Gateway(cluster.url, "t-parts1") as gw:
+                    assert await gw.predict(1) == 5
+                    cluster.kill(down)
+                    deadline = time.monotonic() + 20
+                    while "partition 1" not in (status := await gw.pipeline_status()).error:
+                        assert time.monotonic() < deadline, status
+                        await gw.views.refreshed()
+                    answers = await asyncio.gather(*(gw.predict(v) for v in range(30)), return_exceptions=True)
+                    key = next(f"k{i}" for i in range(100) if partition_of(f"k{i}", 3) == 1)
+                    with pytest.raises(Overloaded, match="partition 1 of pipeline 't-parts1' is out of reach"):
+                        await gw.predict(1, key=key)  # at once, not after its timeout
+                    return status, await read_all_partitions(gw.hub.client, keys[0]), answers
+
+            status, read, answers = asyncio.run(asyncio.wait_for(main(), 60))
+            assert status.reachable and status.ready and len(status.by_partition) == 3, status.not_ready_stages
+            assert [p.reachable for p in status.by_partition] == [True, False, True]
+            assert read.reachable and read.ready and "partition 1: redis unreachable" in read.error  # the CLI's
+            assert answers == [v * 2 + 3 for v in range(30)]  # round robin skips the partition out of reach
+    finally:
+        cluster.stop()
 
 
 def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:

@@ -24,19 +24,27 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from broker.commit import ItemExemplar
 from broker.connection import RedisSettings, is_cluster_client
-from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
+from broker.errors import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, ReplyError
 from broker.keys import Keys
 from broker.logs import Throttle
 from broker.protocol import now_ms
 from broker.refusals import log_refusal_once
 from broker.spec import StageInfo
-from broker.status import PartitionQuery, PartitionReads, Spec, node_names, read_partitions, read_specs
+from broker.status import (
+    PartitionQuery,
+    PartitionReads,
+    Spec,
+    node_names,
+    read_partitions,
+    read_partitions_apart,
+    read_specs,
+)
 from gateway.monitor.status import PipelineStatus, StatusReader, spec_status
 
 __all__ = ["HURRY_S", "REFRESH_S", "STALE_AFTER_S", "PipelineView", "Views"]
@@ -64,6 +72,7 @@ class PipelineView:
         self.sizing: list[tuple[Any, Any] | None] = []  # per partition: its first stage's sizing reads
         self.refreshed_s: float | None = None  # when a refresh last read it (monotonic)
         self.failure: BaseException | None = None  # why the last refresh of it failed; None if it did not
+        self.down: frozenset[int] = frozenset()  # partitions the last refresh could not read, the others could
         self._status: PipelineStatus | None = None
         self._batches: dict[int, list[tuple[int, float]]] = {}  # per stage: batches no reader took yet
         self._waits: dict[int, list[tuple[int, int]]] = {}  # per stage: items' waits (bucket, items), the same
@@ -98,9 +107,12 @@ class PipelineView:
         first = stages[0]
         return self._reader.queries(stages, now, self.batch_entries and first.batch_entries and first.batch_size >= 2)
 
-    def take_reads(self, reads: list[PartitionReads], now: int, nodes: list[str]) -> None:
+    def take_reads(self, reads: Sequence[PartitionReads | BaseException], now: int, nodes: list[str]) -> None:
         status = self._reader.shape(self.stages, reads, now, nodes)
-        self.sizing = [r.sizing for r in reads]
+        self.sizing = [None if isinstance(r, BaseException) else r.sizing for r in reads]
+        # Partitions out of reach while others are not (a Redis Cluster node down): requests go elsewhere.
+        down = frozenset(k for k, r in enumerate(reads) if isinstance(r, BaseException))
+        self.down = down if len(down) < len(reads) else frozenset()
         for stage in status.stages:
             _hold(self._batches, stage.index, stage.batches)
             _hold(self._waits, stage.index, stage.item_waits)
@@ -271,7 +283,8 @@ class Views:
     async def _read(self, views: list[PipelineView], full: bool) -> None:
         if not views:
             return
-        specs = await read_specs(self._client, [v.keys for v in views])
+        cluster = is_cluster_client(self._client)
+        specs = await self._specs(views, full and cluster)
         refused = [(view, spec) for view, spec in zip(views, specs, strict=True) if isinstance(spec, ReplyError)]
         for view, spec in zip(views, specs, strict=True):
             if not isinstance(spec, ReplyError):
@@ -284,7 +297,8 @@ class Views:
         now = now_ms()
         queries = [view.queries(now) for view in views] if full else []
         if any(queries):
-            reads = await read_partitions(self._client, [q for qs in queries for q in qs])
+            read = read_partitions_apart if cluster else read_partitions  # a Cluster's nodes fail apart
+            reads = await read(self._client, [q for qs in queries for q in qs])
             start = 0
             for view, qs in zip(views, queries, strict=True):
                 if qs:
@@ -293,6 +307,16 @@ class Views:
                     start += len(qs)
         for view in views:
             view.on_refresh(view)
+
+    async def _specs(self, views: list[PipelineView], keep: bool) -> list[Spec | ReplyError]:
+        """The views' specs; ``keep`` (a full refresh on a Redis Cluster): if partition 0's node is down,
+        the specs already known, so that the partitions on the other nodes are still read."""
+        try:
+            return await read_specs(self._client, [v.keys for v in views])
+        except CONNECTION_ERRORS:
+            if not (keep and all(v.registered for v in views)):
+                raise
+            return [v.spec for v in views]
 
     def _failed(self, views: list[PipelineView], exc: BaseException) -> None:
         if not log_refusal_once(exc) and self._throttle.allow(type(exc)) is not None:

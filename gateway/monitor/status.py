@@ -254,17 +254,21 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
 
 
 def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:
-    """Totals over partitions: backlog, pending, dead letters, items and batches add up; a
-    stage's live workers are the fewest any partition sees (each worker beats in every
-    partition, so fewer means a partition is not served); percentiles are the worst part's."""
+    """Totals over the reachable partitions: backlog, pending, dead letters, items and batches add up;
+    a stage's live workers are the fewest any partition sees (each worker beats in every partition,
+    so fewer means a partition is not served); percentiles are the worst part's."""
     if len(parts) == 1:
         return parts[0]
     errors = "; ".join(f"partition {p}: {s.error}" for p, s in enumerate(parts) if s.error)
-    reachable = all(s.reachable for s in parts)
-    if not all(s.stages for s in parts) or len({len(s.stages) for s in parts}) != 1:
-        return PipelineStatus(reachable, [], errors or "not every partition is registered", len(parts), parts)
-    stages = [_merge_stage([s.stages[i] for s in parts]) for i in range(len(parts[0].stages))]
-    return PipelineStatus(reachable, stages, errors, len(parts), parts)
+    # A partition out of reach (its Cluster node down) refuses its share while the others serve: the
+    # totals are the reachable ones', its error said; unreachable only when none is reachable.
+    read = [s for s in parts if s.reachable]
+    if not read:
+        return PipelineStatus(False, [], errors, len(parts), parts)
+    if not all(s.stages for s in read) or len({len(s.stages) for s in read}) != 1:
+        return PipelineStatus(True, [], errors or "not every partition is registered", len(parts), parts)
+    stages = [_merge_stage([s.stages[i] for s in read]) for i in range(len(read[0].stages))]
+    return PipelineStatus(True, stages, errors, len(parts), parts)
 
 
 def _merge_stage(parts: list[StageStatus]) -> StageStatus:
@@ -311,13 +315,16 @@ class StatusReader:
                                spec=k.partition > 0, sizing=sizing, levels=spec[0].priority_levels if spec else 1)
                 for k in self.keys.partitions(count)]
 
-    def shape(self, spec: list[StageInfo], reads: Sequence[PartitionReads], now: int,
+    def shape(self, spec: list[StageInfo], reads: Sequence[PartitionReads | BaseException], now: int,
               nodes: Sequence[str]) -> PipelineStatus:
         """The status of the partitions :meth:`queries` named, from their ``reads`` (``nodes``: where each
-        lives, on a Redis Cluster), merged."""
+        lives, on a Redis Cluster; an error: that partition's node could not be read), merged."""
         window_start = now - self.window_ms
         parts = []
         for k, part, node in zip(self.keys.partitions(len(reads)), reads, nodes, strict=True):
+            if isinstance(part, BaseException):
+                parts.append(PipelineStatus(False, [], f"redis unreachable: {part}", node=node))
+                continue
             missing = spec_status(k, part.spec) if k.partition > 0 else None
             if missing is not None:
                 parts.append(missing)
