@@ -71,11 +71,11 @@ class CountingHub(Hub):
                 counter[str(record.get("id"))] += 1
         super()._deliver(element)
 
-    async def _recover(self, replies: ReplyList) -> None:
+    async def _recover(self, replies: ReplyList, reread: bool) -> None:
         self.recoveries += 1
         self._recovering = True
         try:
-            await super()._recover(replies)
+            await super()._recover(replies, reread)
         finally:
             self._recovering = False
 

@@ -373,13 +373,13 @@ class Hub:
 
     async def _reader(self, replies: ReplyList) -> None:
         backoff = Backoff(cap_s=1.0)  # back within a second of Redis: the requests it forgot wait on it
-        recovering = True  # at start: records the server's run id (gateway.client.recall)
+        recovering, started = True, True  # at start: records the server's run id (gateway.client.recall)
         checked_s = 0.0
         while not self._closing:
             try:
                 if recovering:
-                    await self._recover(replies)
-                    recovering, checked_s = False, self._loop.time()
+                    await self._recover(replies, reread=not started)
+                    recovering, started, checked_s = False, False, self._loop.time()
                 elif self._cluster and self._loop.time() - checked_s > RUN_CHECK_S:
                     # redis-py follows a failover to the promoted node by itself, without an error
                     # here: the run id of the slot's node says whether one happened.
@@ -422,14 +422,17 @@ class Hub:
     def _lanes_of(self, reply_key: bytes) -> list[Lane]:
         return [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
 
-    async def _recover(self, replies: ReplyList) -> None:
-        """After a reconnect: send again what the server forgot if it is another run; re-read the
-        durable result keys of the requests in flight whose answers come to ``replies`` (a popped
-        element may have been lost with the connection)."""
+    async def _recover(self, replies: ReplyList, reread: bool) -> None:
+        """After a reconnect: send again what the server forgot if it is another run; ``reread`` (not at
+        the start, when nothing popped can have been lost) the durable result keys of the unary requests
+        in flight whose answers come to ``replies`` (a popped element may have been lost with the
+        connection). Not a stream's: its end record read there would come before its chunks still in
+        the list (a false StreamInterrupted)."""
         lanes = self._lanes_of(replies.key)
         await self.recall.check_run(replies.client, replies.key, lanes)
-        for lane in lanes:
-            ids = [rid for rid, record in self.requests.items() if record.lane is lane]
+        for lane in lanes if reread else ():
+            ids = [rid for rid, record in self.requests.items()
+                   if record.lane is lane and type(record.waiter) is not StreamSink]
             for result in await replies.results(lane.keys, ids):
                 self._deliver(protocol.array_of([result]))
 
