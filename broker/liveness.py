@@ -193,6 +193,13 @@ def unmark_stuck(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> 
     return _remove(client, keys.stuck(stage), consumer)
 
 
+@sends(WORKER, uses={"zrem": HEARTBEATS}, why="a worker that stops: no longer counted live")
+def leave(client: redis.Redis, hb_keys: Sequence[str], consumer: str) -> bool:
+    """``consumer`` out of its stage's heartbeats (every partition's): a worker that stops, its batch
+    committed, is not counted live until its last beat ages out (``LIVE_AFTER_MS``)."""
+    return all([_remove(client, key, consumer) for key in hb_keys])
+
+
 def _remove(client: redis.Redis, key: str, member: str) -> bool:
     try:
         client.zrem(key, member)

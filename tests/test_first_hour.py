@@ -50,6 +50,16 @@ def _stuck_scenario(redis_url: str, runs: Path) -> None:
     assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
 
 
+def test_a_worker_that_stops_is_no_longer_counted_live(redis_url: str, redis_client: redis.Redis) -> None:
+    """A clean stop takes the worker out of its stage's heartbeats: `conveyor status` and the live gauge
+    said it live ~5 s after it exited (an autoscaling step down looked undone)."""
+    hb = Keys("t-hangs").heartbeats(0)
+    with running_workers(redis_url, f"{APP}:hangs", ["hangs"]) as workers:
+        workers.wait_ready("t-hangs")
+        assert redis_client.zcard(hb) == 1
+    assert redis_client.zcard(hb) == 0  # the supervisor has exited: its worker said goodbye first
+
+
 def test_a_worker_frozen_between_batches_is_replaced(redis_url: str) -> None:
     """A worker stopped while idle (SIGSTOP: its heartbeat stops, no batch is in hand for the deadlines to
     watch) was shown NOT LIVE for ever while its supervisor, its parent, did nothing: the stage stayed down.

@@ -349,3 +349,17 @@ def test_a_batch_of_several_levels_is_one_commit_unless_two_carry_stats() -> Non
 
     assert one_commit([(high, Commit(stats=stats)), (low, Commit(stats=stats))]) is None
     assert one_commit([(high, Commit(back=[b"r", b"x", b"", b""])), (low, Commit())]) is None
+
+
+@pytest.mark.unit
+def test_a_priority_header_past_every_level_is_the_default_however_long() -> None:
+    """docs/operations.md: any value above the pipeline's levels is the default level; 20 digits was a 400."""
+    from broker.levels import stream_level
+    from gateway.http.predict import PRIORITY_HEADER, priority_of
+    from gateway.http.types import HttpError
+
+    assert stream_level(priority_of({PRIORITY_HEADER: b"9" * 30}), 3) == 0
+    assert priority_of({PRIORITY_HEADER: b"2"}) == 2 and priority_of({}) == 0
+    for bad in (b"-1", b"high", b"1.5", b""):
+        with pytest.raises(HttpError, match="must be an integer >= 0"):
+            priority_of({PRIORITY_HEADER: bad})

@@ -67,9 +67,9 @@ class Recall:
         if seen is None or seen == run:
             return
         ids = [rid for rid, record in self._requests.items() if record.lane in lanes]
-        log.warning("redis is another run than before (restarted, or failed over) run_id=%s: sending the %d "
-                    "requests in flight there again", run[:12], len(ids))
-        self._send_again(ids)
+        again = self._send_again(ids)
+        log.warning("redis is another run than before (restarted, or failed over) run_id=%s: the %d requests in "
+                    "flight there are sent again (%d queued again, the others not sent yet)", run[:12], len(ids), again)
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -113,10 +113,12 @@ class Recall:
 
     # -- sending again ---------------------------------------------------------------------------
 
-    def _send_again(self, request_ids: Iterable[bytes]) -> None:
+    def _send_again(self, request_ids: Iterable[bytes]) -> int:
+        """Queue these requests again (those not waiting in their lane's outbox already); how many."""
         requests = self._requests
         now_s = time.monotonic()
         by_lane: dict[int, tuple[Lane, list[InFlight]]] = {}
+        count = 0
         for rid in request_ids:
             record = requests.pop(rid, None)
             if record is None:  # answered or expired meanwhile
@@ -128,4 +130,6 @@ class Recall:
             queued = {id(r) for r in lane.outbox}
             again = [r for r in records if id(r) not in queued]
             self.resubmitted += len(again)
+            count += len(again)
             self._resend(lane, again)
+        return count

@@ -197,10 +197,10 @@ def priority_of(headers: dict[bytes, bytes]) -> int:
     raw = headers.get(PRIORITY_HEADER)
     if raw is None:
         return 0
-    if not raw.isdigit() or len(raw) > 18:
+    if not raw.isdigit():
         raise HttpError(400, "BadRequest", f"header {PRIORITY_HEADER.decode()} must be an integer >= 0 (1 the "
                         f"highest level, 0 the default), got {_text(raw)!r}", outcome="bad_request")
-    return int(raw)
+    return int(raw) if len(raw) <= 18 else 1 << 62  # past every pipeline's levels: the default, however long
 
 
 def request_bound_s(headers: dict[bytes, bytes]) -> float | None:

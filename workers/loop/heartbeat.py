@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from broker import protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.errors import ReplyError, SyncClient
-from broker.liveness import Beat
+from broker.liveness import Beat, leave
 from broker.refusals import log_refusal_once
 
 log = logging.getLogger("conveyor.worker")
@@ -172,6 +172,8 @@ class Heartbeat:
                 if not log_refusal_once(exc):
                     log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
             self._wait()
+        if self._ready:
+            leave(client, self._hb_keys, self._consumer)
         for hook in self._hooks:
             try:
                 hook.stop(client)
