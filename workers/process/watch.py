@@ -47,14 +47,19 @@ _STACK_POLL_S = 0.02  # the file is read once its size is the same two polls in 
 _NO_STACK = "(no stack: the worker did not answer SIGUSR1)"
 
 
+def _monotonic_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
     except OSError:
         return 0
 
-# Stuck at, unwanted at (0: not watched), the batch's start (0: idle), and the process's last sign of
-# life: Unix ms. The first three are the worker loop's, the last its stamping thread's (BusyCell.keep_alive).
+# Stuck at, unwanted at (0: not watched), the batch's start (0: idle): Unix ms, the worker loop's; and the
+# process's last sign of life: CLOCK_MONOTONIC ms (one clock for the whole host, which neither a step of the
+# wall clock nor a suspended machine moves), its stamping thread's (BusyCell.keep_alive).
 _CELL = struct.Struct("<qqqq")
 _BATCH = struct.Struct("<qqq")
 _ALIVE = struct.Struct("<q")
@@ -113,7 +118,7 @@ class BusyCell:
         the GIL), not merely cut off from Redis, and its supervisor replaces it."""
         def stamp() -> None:
             while True:
-                _ALIVE.pack_into(self._map, self._offset + _ALIVE_AT, now_ms())
+                _ALIVE.pack_into(self._map, self._offset + _ALIVE_AT, _monotonic_ms())
                 time.sleep(ALIVE_EVERY_S)
 
         threading.Thread(target=stamp, name="alive", daemon=True).start()
@@ -190,7 +195,7 @@ class StuckWatch:
             busy = self._board.read(index)
             if busy.began_ms or not busy.alive_at_ms:
                 return 0.0
-            ages.append(max(0.0, (now_ms() - busy.alive_at_ms) / 1000))
+            ages.append(max(0.0, (_monotonic_ms() - busy.alive_at_ms) / 1000))
         return min(ages)
 
     def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str,
