@@ -58,6 +58,9 @@ _HTTP_DEFAULTS = HttpSettings()
 @click.option("--body-timeout-s", type=click.FloatRange(min=0, min_open=True),
               default=_HTTP_DEFAULTS.body_timeout_s, show_default=True, envvar="CONVEYOR_BODY_TIMEOUT_S",
               show_envvar=True, help="A request body must arrive within this once its head is in (else 408).")
+@click.option("--send-timeout-s", type=click.FloatRange(min=0, min_open=True),
+              default=_HTTP_DEFAULTS.send_timeout_s, show_default=True, envvar="CONVEYOR_SEND_TIMEOUT_S",
+              show_envvar=True, help="A client that takes no byte of its answers for this long is dropped.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_connections,
               show_default=True, envvar="CONVEYOR_MAX_CONNECTIONS", show_envvar=True,
               help="Open connections beyond this (per process) are answered 503 at once.")
@@ -93,8 +96,9 @@ _HTTP_DEFAULTS = HttpSettings()
                                      "path, status, bytes, duration, request id.")
 def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host: str, port: int, prefix: str,
             timeout_s: float, debug: bool, max_body_bytes: int, header_timeout_s: float, body_timeout_s: float,
-            max_connections: int, drain_timeout_s: float, batch_entries: bool, fail_fast: bool, timing_headers: bool,
-            processes: int, loop: str, log_format: str, api_key_file: Path | None, access_log: bool) -> None:
+            send_timeout_s: float, max_connections: int, drain_timeout_s: float, batch_entries: bool, fail_fast: bool,
+            timing_headers: bool, processes: int, loop: str, log_format: str, api_key_file: Path | None,
+            access_log: bool) -> None:
     """Serve pipelines NAME... (env var: CONVEYOR_PIPELINE, names separated by spaces), or --all,
     over HTTP: POST /v1/pipelines/NAME/predict (and /v1/predict when one is served), the Open
     Inference Protocol under /v2 (tritonclient, KServe), GET /healthz, /readyz, /metrics. SIGTERM
@@ -103,7 +107,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
         raise click.UsageError("name the pipelines to serve (conveyor gateway NAME [NAME...]), or pass --all")
     configure_logging(log_format.lower())
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
-                        header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                        header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s, send_timeout_s=send_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s,
                         api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log,
                         traces=TraceSettings.from_env(os.environ), timing_headers=timing_headers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import time
@@ -911,3 +912,56 @@ async def test_refused_requests_are_counted_under_their_route(server: HttpServer
     text = server.metrics.render().decode()
     assert 'conveyor_gateway_requests_total{outcome="too_large",route="predict"} 1.0' in text
     assert 'conveyor_gateway_requests_total{outcome="bad_request",route="other"} 1.0' in text
+
+
+@pytest.mark.unit
+def test_a_client_that_reads_slowly_is_not_taken_for_one_that_stopped() -> None:
+    """send_timeout_s drops a client that took no byte of our answers for that long. The kernel wakes a
+    writer only once a third of a send buffer of megabytes is free, which a slow reader may take longer
+    than send_timeout_s to take: at the deadline, bytes that left the socket's queue since say it reads."""
+    import socket as socketlib
+
+    from gateway.http.pacing import Pacing
+
+    class Transport:
+        def __init__(self, sock: socketlib.socket) -> None:
+            self.sock, self.aborted = sock, False
+
+        def get_extra_info(self, name: str) -> Any:
+            return self.sock if name == "socket" else None
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Connection(Pacing):
+        def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport) -> None:
+            self.loop, self.transport = loop, transport  # type: ignore[assignment]
+            self.closed, self.timer, self.timer_at = False, None, math.inf
+            self.read_deadline, self.send_timeout_s = math.inf, 30.0
+            self.server = type("Server", (), {"release": lambda self, c: None})()
+
+    async def scenario() -> tuple[bool, float, bool]:
+        ours, theirs = socketlib.socketpair()
+        with ours, theirs:
+            ours.setblocking(False)
+            with suppress(BlockingIOError):
+                while True:
+                    ours.send(b"x" * 65_536)  # the send queue full: the client has read nothing
+            conn = Connection(asyncio.get_running_loop(), Transport(ours))
+            conn.unsent_at = conn._unsent() or 0
+            assert conn.unsent_at > 0
+            theirs.recv(100_000)  # the client reads a little
+            conn.write_deadline = conn.loop.time()
+            conn._on_timer()  # the deadline passed: it read since, so it has another send_timeout_s
+            kept, extended_to = not conn.transport.aborted, conn.write_deadline  # type: ignore[union-attr]
+            conn.write_deadline = conn.loop.time()
+            conn._on_timer()  # nothing read since: it stopped
+            if conn.timer is not None:
+                conn.timer.cancel()
+            return kept, extended_to - conn.loop.time(), conn.transport.aborted  # type: ignore[union-attr]
+
+    kept, extended_s, dropped = asyncio.run(scenario())
+    assert kept and extended_s > 29 and dropped

@@ -90,6 +90,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         self.reading_paused = False
         self.read_deadline = math.inf
         self.write_deadline = math.inf
+        self.unsent_at, self.send_timeout_s = 0, self.settings.send_timeout_s
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = math.inf
         self.accepted_at = 0.0
@@ -152,7 +153,8 @@ class HttpProtocol(Pacing, asyncio.Protocol):
     def pause_writing(self) -> None:
         """Our send buffer is full (the client reads slowly or not at all)."""
         self.write_paused = True
-        self.write_deadline = self.loop.time() + self.settings.send_timeout_s
+        self.write_deadline = self.loop.time() + self.send_timeout_s
+        self.unsent_at = self._unsent() or 0
         self._arm(self.write_deadline)
         self._pause_reading()
         self._pause_stream(True)

@@ -3,17 +3,20 @@
 
 One timer per connection, re-armed lazily, checks the current deadline: the read side's (head,
 body, keep-alive idle, linger) and the write side's (a response stuck in our buffer: the client
-stopped reading, the connection is dropped). Reading pauses while too many pipelined requests wait
-or while the client does not read our answers. And how it ends: closed, aborted, or (lingering)
-after the client's last bytes are discarded.
+stopped reading, no byte of our answers taken for ``send_timeout_s``: the connection is dropped).
+Reading pauses while too many pipelined requests wait or while the client does not read our answers.
+And how it ends: closed, aborted, or (lingering) after the client's last bytes are discarded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
+import struct
+import termios
 from collections import deque
 from typing import Any
 
@@ -33,6 +36,8 @@ class Pacing:
     write_paused: bool
     read_deadline: float
     write_deadline: float
+    unsent_at: int  # bytes not yet taken when the write deadline was set (_unsent)
+    send_timeout_s: float
     timer: asyncio.TimerHandle | None
     timer_at: float
     discarded: int
@@ -59,14 +64,32 @@ class Pacing:
             return
         now = self.loop.time()
         if self.write_deadline <= now:
-            log.debug("client stopped reading: dropping the connection")
-            self._abort()
-            return
+            unsent = self._unsent()
+            if unsent is None or unsent >= self.unsent_at:
+                log.debug("client stopped reading: dropping the connection")
+                self._abort()
+                return
+            # It reads, slowly: the kernel wakes a writer only once a third of a send buffer of megabytes
+            # is free, which a slow reader may take longer than send_timeout_s to take.
+            self.unsent_at, self.write_deadline = unsent, now + self.send_timeout_s
         if self.read_deadline <= now:
             self._read_timed_out()
         nxt = min(self.read_deadline, self.write_deadline)
         if nxt < math.inf and not self.closed:
             self._arm(max(nxt, now + 0.001))
+
+    def _unsent(self) -> int | None:
+        """Bytes of our answers not yet taken by the client: our buffer and the socket's send queue
+        (None where the system does not say: then a deadline passed means the client stopped reading)."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or not hasattr(termios, "TIOCOUTQ"):
+            return None
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            return None
+        return int(queued) + transport.get_write_buffer_size() if transport is not None else None
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None and not self.lingering:
