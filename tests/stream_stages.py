@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from workers import END, Pipeline, Stage
 
 
@@ -159,3 +161,13 @@ class Big(Stage):
 
 
 big = Pipeline("t-big").add(Big)
+
+
+class Numbers(Stage):
+    """Unary: "nan" answers NaN (no JSON), anything else a numpy array of it twice (JSON as a list)."""
+
+    def predict(self, x: Any) -> Any:
+        return float("nan") if x == "nan" else np.array([x, x])
+
+
+numbers = Pipeline("t-numbers").add(Numbers)

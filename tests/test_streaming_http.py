@@ -254,3 +254,35 @@ def test_the_generate_extension_streams_and_answers_as_triton_does(redis_url: st
     assert "streams its answers" in json.loads(not_unary[2])["error"]
     assert not_streaming[0] == 400 and "does not stream" in json.loads(not_streaming[2])["error"]
     assert bad[0] == 400 and "JSON object" in json.loads(bad[2])["error"]
+
+
+def test_generate_answers_are_written_as_json_is_everywhere(redis_url: str) -> None:
+    """/generate and /generate_stream wrote answers with plain orjson: NaN went out as null with a 200 (a
+    silent wrong answer) and a numpy array was a 500 logged as a gateway bug; now as every route writes JSON."""
+    with running_workers(redis_url, f"{APP}:numbers", ["Numbers"]) as numbers, \
+            running_workers(redis_url, f"{APP}:odd", ["Odd"]) as odd:
+        numbers.wait_ready("t-numbers")
+        odd.wait_ready("t-odd")
+
+        async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+            pipelines = Pipelines(redis_url, ["t-numbers", "t-odd"])
+            await pipelines.start()
+            try:
+                server = HttpServer(pipelines, HttpSettings(port=0))
+                await server.start()
+                try:
+                    port = server.port
+                    return await asyncio.to_thread(lambda: [
+                        _post(port, "/v2/models/t-numbers/generate", b'{"x": 2}'),
+                        _post(port, "/v2/models/t-numbers/generate", b'{"x": "nan"}'),
+                        _post(port, "/v2/models/t-odd/generate_stream", b'{"t": "a nan c"}')])
+                finally:
+                    await server.close()
+            finally:
+                await pipelines.close()
+
+        array, nan, stream = asyncio.run(scenario())
+    assert array[0] == 200 and json.loads(array[2])["output"] == [2, 2]
+    assert nan[0] == 500 and "cannot be sent as JSON" in json.loads(nan[2])["error"], nan
+    events = [data for _, data in _events(stream[2])]
+    assert events[0]["output"] == "a" and "cannot be sent as JSON" in events[1]["error"] and len(events) == 2, events

@@ -304,7 +304,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         self.trace = None
         self.metrics.observe_request(label, outcome, self.loop.time() - self.started)
         if self.access_log:
-            self._log_access(item, 200, 0)
+            self._log_access(item, 200, stream.bytes if isinstance(stream, StreamReply) else 0)
         if not item.keep_alive or self.server.draining:
             self._end()
             return

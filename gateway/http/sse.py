@@ -126,6 +126,7 @@ class StreamReply:
         self._write: Callable[[bytes], None] = lambda data: None
         self._done: Done = lambda reply, outcome: None
         self._sent = 0  # chunks written
+        self.bytes = 0  # bytes written, head included (the access log's)
         self.first_chunk_ns = 0  # when the first was written (wall clock, for the request's span)
         self._head: bytes | None = b""  # None once written
         self._paused = False  # the client's socket is full: chunks stay in the sink (bounded) meanwhile
@@ -189,7 +190,7 @@ class StreamReply:
             self.first_chunk_ns = time.time_ns()
         if not sink.done():
             if out:
-                self._write(b"".join(out))
+                self._send(b"".join(out))
                 self._head = None
         elif failed is None:
             try:
@@ -208,8 +209,12 @@ class StreamReply:
     def _end(self, out: list[bytes], outcome: str) -> None:
         self.ended = True
         out.append(_LAST)
-        self._write(b"".join(out))
+        self._send(b"".join(out))
         self._done(None, outcome)
+
+    def _send(self, data: bytes) -> None:
+        self.bytes += len(data)
+        self._write(data)
 
     def _refuse(self, exc: BaseException) -> None:
         self.ended = True

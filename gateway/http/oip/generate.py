@@ -9,10 +9,12 @@ The request is a JSON object: the pipeline's input by its declared name (one inp
 the item; several: the item is a dict of them; none declared: the object's one field besides
 ``parameters``, else the object itself) and optional ``parameters`` (``priority``, ``timeout`` in
 microseconds: the schedule policy of ``infer``). Each answer carries the output under its declared name
-(``output`` when none is declared; a dict answer of several outputs is spread). ``generate`` answers
-pipelines whose last stage returns, ``generate_stream`` those whose last stage streams (the other is 400,
-as Triton answers a decoupled model on ``generate``). Errors before the first event are the protocol's
-``{"error": "..."}`` with their status; after it, an event ``data: {"error": "..."}``, and the stream ends.
+(``output`` when none is declared; a dict answer of several outputs is spread), written as conveyor's
+JSON writes answers (numpy arrays as lists; NaN or an infinity is a 500, or an error event: no JSON).
+``generate`` answers pipelines whose last stage returns, ``generate_stream`` those whose last stage
+streams (the other is 400, as Triton answers a decoupled model on ``generate``). Errors before the
+first event are the protocol's ``{"error": "..."}`` with their status; after it, an event
+``data: {"error": "..."}``, and the stream ends.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import orjson
 from broker.spec import PipelineIO
 from gateway.backends import Backend
 from gateway.client.slot import failure
+from gateway.http.codecs import JSON
 from gateway.http.oip.infer import schedule_policy
-from gateway.http.oip.items import error_reply, failure_reply, json_reply
+from gateway.http.oip.items import JSON_TYPE, error_reply, failure_reply
 from gateway.http.oip.tensors import TensorError
 from gateway.http.predict import PARTITION_KEY_HEADER, Pending, cancelling, priority_of, request_bound_s
 from gateway.http.sse import StreamReply, event
@@ -87,7 +90,12 @@ def generate(request: Request, name: str, backend: Backend, io: PipelineIO) -> R
 
     def finish(done: Any) -> Reply:
         exc = failure(done)
-        return _error(exc) if exc is not None else json_reply(_answer(name, io, done.result()))
+        if exc is not None:
+            return _error(exc)
+        try:  # checked: NaN or an infinity is no JSON (orjson alone writes null); numpy arrays as lists
+            return Reply(200, JSON.encode(_answer(name, io, done.result())), JSON_TYPE)
+        except (TypeError, ValueError) as err:
+            return error_reply(500, f"model {name!r}: the answer cannot be sent as JSON: {err}", "error")
 
     return Pending(waiter, finish, cancelling(backend, [waiter]))
 
@@ -99,7 +107,7 @@ class GenerateEvents:
         self._name, self._io = name, io
 
     def chunk(self, index: int, value: Any) -> bytes:
-        return event(orjson.dumps(_answer(self._name, self._io, value)))
+        return event(JSON.encode(_answer(self._name, self._io, value)))  # TypeError, ValueError: an error event
 
     def done(self, chunks: int, result: Any) -> bytes:
         return b""
