@@ -7,7 +7,7 @@ class StageError(Exception):
     """A stage's code raised on this request (or conveyor refused the item at a stage)."""
 
     def __init__(self, type: str, message: str, stage: str, traceback: str = "") -> None:
-        super().__init__(f"{type} in stage {stage or '?'}: {message}")
+        super().__init__(f"{type} in stage {stage}: {message}" if stage else f"{type}: {message}")
         self.type = type
         self.message = message
         self.stage = stage
