@@ -940,7 +940,7 @@ def test_a_client_that_reads_slowly_is_not_taken_for_one_that_stopped() -> None:
         def __init__(self, loop: asyncio.AbstractEventLoop, transport: Transport) -> None:
             self.loop, self.transport = loop, transport  # type: ignore[assignment]
             self.closed, self.timer, self.timer_at = False, None, math.inf
-            self.read_deadline, self.send_timeout_s = math.inf, 30.0
+            self.read_deadline, self.send_timeout_s, self.reading_paused = math.inf, 30.0, False
             self.server = type("Server", (), {"release": lambda self, c: None})()
 
     async def scenario() -> tuple[bool, float, bool]:
@@ -993,3 +993,36 @@ def test_a_body_of_many_tiny_chunks_is_held_in_one_buffer() -> None:
     assert reader.feed(b"0\r\n\r\n") is None
     [request] = listener.requests
     assert request.body == body
+
+
+@pytest.mark.unit
+def test_a_pipelined_head_half_read_as_reading_paused_is_not_timed_out() -> None:
+    """Reading pauses while 32 pipelined requests wait; a head half read at that moment kept its deadline
+    running while the front refused to read the rest: a request the client had sent got 408."""
+    async def body() -> list[bytes]:
+        backend = FakeBackend()
+        async with serving(backend, header_timeout_s=0.3) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            block = b'{"op": "block"}'
+            one = (b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n")
+            requests = (one % len(block) + block) * 33 + one % len(block)  # the 34th: its head, not yet its body
+            head, rest = requests[:-40], requests[-40:] + block
+            writer.write(head)
+            await backend.entered.wait()
+            await asyncio.sleep(0.6)  # twice header_timeout_s, with reading paused by the front
+            backend.release.set()
+            writer.write(rest)
+            statuses = []
+            for _ in range(34):
+                statuses.append((await reader.readline()).split(b" ")[1])
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+            writer.close()
+            return statuses
+
+    statuses = run(body())
+    assert statuses == [b"200"] * 34, statuses

@@ -37,6 +37,7 @@ class Pacing:
     read_deadline: float
     write_deadline: float
     unsent_at: int  # bytes not yet taken when the write deadline was set (_unsent)
+    paused_at = 0.0  # when reading was paused (loop time)
     send_timeout_s: float
     timer: asyncio.TimerHandle | None
     timer_at: float
@@ -72,9 +73,9 @@ class Pacing:
             # It reads, slowly: the kernel wakes a writer only once a third of a send buffer of megabytes
             # is free, which a slow reader may take longer than send_timeout_s to take.
             self.unsent_at, self.write_deadline = unsent, now + self.send_timeout_s
-        if self.read_deadline <= now:
+        if self.read_deadline <= now and not self.reading_paused:  # paused by us: see _resume_reading
             self._read_timed_out()
-        nxt = min(self.read_deadline, self.write_deadline)
+        nxt = min(math.inf if self.reading_paused else self.read_deadline, self.write_deadline)
         if nxt < math.inf and not self.closed:
             self._arm(max(nxt, now + 0.001))
 
@@ -94,6 +95,7 @@ class Pacing:
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None and not self.lingering:
             self.reading_paused = True
+            self.paused_at = self.loop.time()
             with contextlib.suppress(RuntimeError):
                 self.transport.pause_reading()
 
@@ -104,6 +106,9 @@ class Pacing:
     def _resume_reading(self) -> None:
         if self.reading_paused and self.transport is not None:
             self.reading_paused = False
+            if self.read_deadline < math.inf:  # the time we did not read is not the client's: the deadline moves
+                self.read_deadline += self.loop.time() - self.paused_at
+                self._arm(self.read_deadline)
             with contextlib.suppress(RuntimeError):
                 self.transport.resume_reading()
 
