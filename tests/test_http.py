@@ -1026,3 +1026,28 @@ def test_a_pipelined_head_half_read_as_reading_paused_is_not_timed_out() -> None
 
     statuses = run(body())
     assert statuses == [b"200"] * 34, statuses
+
+
+@pytest.mark.unit
+def test_a_stalled_body_does_not_hold_the_drain() -> None:
+    """A client that sent a head and part of its body, then stopped: the drain waited for its 30 s body
+    timeout (every rolling restart as long as the drain's bound); now it gets the idle grace, then 503."""
+    async def body() -> tuple[bytes, float]:
+        server = HttpServer(FakeBackend(), HttpSettings(port=0))  # body_timeout_s: 30 s
+        await server.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n1234")
+        await writer.drain()
+        for _ in range(200):  # bounded: until the front has read the head (the body is on its way)
+            if any(getattr(c, "phase", 0) == 2 for c in server.state.connections):
+                break
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        await server.close()
+        took_s = time.monotonic() - started
+        status = (await reader.readline()).split(b" ")[1]
+        writer.close()
+        return status, took_s
+
+    status, took_s = run(body())
+    assert status == b"503" and took_s < 5, (status, took_s)

@@ -1,12 +1,11 @@
 """Connection I/O of the HTTP front: an `asyncio.Protocol` fed to httptools (llhttp, in C).
 
-Why a Protocol and not streams: with streams every read and write is a coroutine step, a
-``wait_for`` timer and a drain per request, and a pure-Python parser costs more than the request's
-own work (docs/http-front.md). Here bytes go from
-``data_received`` into the C parser, whose callbacks (`gateway.http.parsing`) assemble a
-`Request`; a predict is answered from its `Slot`'s callback, which the gateway's reply reader
-calls as the answer arrives (no task, no event-loop handle), and its reply leaves in one
-``transport.write`` (`gateway.http.framing`).
+Why a Protocol and not streams: with streams every read and write is a coroutine step, a ``wait_for``
+timer and a drain per request, and a pure-Python parser costs more than the request's own work
+(docs/http-front.md). Here bytes go from ``data_received`` into the C parser, whose callbacks
+(`gateway.http.parsing`) assemble a `Request`; a predict is answered from its `Slot`'s callback, which
+the gateway's reply reader calls as the answer arrives (no task, no event-loop handle), and its reply
+leaves in one ``transport.write`` (`gateway.http.framing`).
 
 What this module decides is *when* to read, answer and close:
 - pipelining: requests are queued and answered strictly in order; reading pauses while too
@@ -16,8 +15,8 @@ What this module decides is *when* to read, answer and close:
   the first byte, or from the accept for a first request: 408; body: 408; keep-alive idle:
   closed quietly; a response stuck in our buffer: the connection is dropped);
 - drain (`HttpServer.close`): requests already handed to the router finish; a request that
-  completes after the drain began is answered 503 with ``Connection: close``; an idle
-  connection gets a short grace for a request already on its way, then is closed;
+  completes after the drain began (or is still on its way after a short grace) is answered 503 with
+  ``Connection: close``; an idle connection gets that grace too, then is closed;
 - closing after an error: half-close, then read and discard what the client still sends for a
   moment, so that the kernel does not answer its unread bytes with a reset that would destroy
   our last response (the 400/413/503 the client most needs to see).
@@ -357,9 +356,12 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             self._set_read_deadline(self.loop.time() + self.settings.keepalive_timeout_s)
 
     def drain(self) -> None:
-        """The server stops: an idle connection gets a short grace, then is closed."""
+        """The server stops: an idle connection gets a short grace, then is closed; one whose request is
+        still on its way as long, then is answered 503 (a stalled body must not hold the drain)."""
         if self.phase == _IDLE and not self.queue:
             self._after_idle()
+        elif self.phase in (_HEAD, _BODY):
+            self._set_read_deadline(min(self.read_deadline, self.loop.time() + _DRAIN_IDLE_S))
 
     # -- limits and timeouts (the timer itself: gateway.http.pacing) -----------------------------
 
@@ -371,7 +373,8 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             if not self.queue:
                 self._close()  # idle keep-alive (or silent) connection: closed quietly
         elif self.phase != _DEAD:
-            self._fail(request_timeout())
+            self._fail(overloaded("the gateway is stopping: retry", close=True) if self.server.draining
+                       else request_timeout())
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -437,7 +440,6 @@ class HttpProtocol(Pacing, asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-
 
 
 def _address(peer: Any) -> str:
