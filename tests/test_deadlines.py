@@ -50,3 +50,43 @@ def test_only_live_requests_expire_in_deadline_order() -> None:
 
 def test_answered_requests_do_not_pile_up() -> None:
     asyncio.run(_no_pile_up())
+
+
+async def _added_while_firing() -> tuple[float, float]:
+    """The HTTP front submits a connection's next pipelined request from the call that expires its current
+    one; that ``add`` may compact the heap while ``_fire`` walks it. A new list left ``_fire`` re-arming
+    from the old heap: a 50 ms deadline fired with the next one, at 1 s."""
+    loop = asyncio.get_running_loop()
+    live: set[bytes] = set()
+    fired: dict[bytes, float] = {}
+    done = asyncio.Event()
+    after = {b"c1": (b"x1", 1.0), b"c2": (b"x2", 0.05)}  # each connection's next request, its timeout
+
+    def expire(request_id: bytes) -> None:
+        live.discard(request_id)
+        fired[request_id] = loop.time()
+        if request_id in after:
+            new, timeout_s = after[request_id]
+            live.add(new)
+            deadlines.add(loop, new, loop.time() + timeout_s)
+        if request_id == b"x2":
+            done.set()
+
+    deadlines = Deadlines(live, expire)
+    start = loop.time()
+    for request_id in (b"c1", b"c2"):
+        live.add(request_id)
+        deadlines.add(loop, request_id, start + 0.01)
+    old = [b"old-%d" % n for n in range(1_100)]
+    live.update(old)
+    for request_id in old:
+        deadlines.add(loop, request_id, start + 5.0)
+    live.difference_update(old)  # answered since: stale entries, so the next add compacts
+    await asyncio.wait_for(done.wait(), 5)
+    deadlines.close()
+    return fired[b"x2"], fired[b"c1"] + 1.0
+
+
+def test_a_deadline_added_while_another_expires_is_kept() -> None:
+    x2_fired, x1_due = asyncio.run(_added_while_firing())
+    assert x2_fired < x1_due

@@ -73,6 +73,8 @@ class Deadlines:
             self._arm(loop, heap[0][0])
 
     def _compact(self) -> None:
+        """In place: an expiry may submit a request (the HTTP front answers in the expiring call), whose
+        ``add`` compacts while ``_fire`` still walks the heap; a new list would leave it the old one."""
         live = self._live
-        self._heap = [entry for entry in self._heap if entry[1] in live]
+        self._heap[:] = [entry for entry in self._heap if entry[1] in live]
         heapq.heapify(self._heap)
