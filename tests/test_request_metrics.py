@@ -37,3 +37,19 @@ def test_same_exposition_as_prometheus_client() -> None:
         stats.observe(route, outcome)
         requests.labels(route, outcome).inc()
     assert _samples(ours) == _samples(theirs)
+
+
+def test_openmetrics_parses_with_several_outcomes() -> None:
+    """Each outcome's histogram lines together, its `_created` with them: they came after every label
+    set, which OpenMetrics' parser refuses ("Invalid metric grouping") once two outcomes exist."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    stats = RequestMetrics("conveyor", LATENCY_BUCKETS)
+    registry = CollectorRegistry()
+    registry.register(stats)
+    for outcome in ("ok", "timeout", "stage_error"):
+        stats.observe("predict", outcome, 0.01)
+    families = {f.name: f for f in text_string_to_metric_families(openmetrics_latest(registry).decode())}
+    created = [s for s in families["conveyor_gateway_request_duration_seconds"].samples if s.name.endswith("_created")]
+    assert {s.labels["outcome"] for s in created} == {"ok", "timeout", "stage_error"}

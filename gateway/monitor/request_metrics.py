@@ -75,13 +75,12 @@ class RequestMetrics(Collector):
         requests, latency = self._families()
         for (route, outcome), count in self._counts.items():
             requests.add_metric((route, outcome), count, created=self._created[(route, outcome)])
-        created: list[Sample] = []
         for outcome, hist in self._latency.items():
             cumulative, total = [], 0
             for le, count in zip(self._le, hist.buckets, strict=True):
                 total += count
                 cumulative.append((le, float(total)))
             latency.add_metric((outcome,), cumulative, hist.sum)
-            created.append(Sample(f"{self._latency_name}_created", {"outcome": outcome}, hist.created))
-        latency.samples += created
+            # Right after its label set's samples: OpenMetrics wants each set's lines together.
+            latency.samples.append(Sample(f"{self._latency_name}_created", {"outcome": outcome}, hist.created))
         return requests, latency
