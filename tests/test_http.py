@@ -357,7 +357,7 @@ async def test_passed_deadline_is_504_without_calling_the_backend(
     assert backend.calls == []
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf", "1_0"])
 def test_bad_timeout_header_is_400(value: str) -> None:
     async def main() -> None:
         async with serving() as server:

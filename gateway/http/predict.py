@@ -157,7 +157,7 @@ def _text(raw: bytes) -> str:
 
 def _positive_float(name: bytes, raw: bytes) -> float:
     try:
-        value = float(raw)
+        value = float(raw) if b"_" not in raw else math.nan  # Python's float() takes "1_0": no HTTP number
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
