@@ -148,9 +148,10 @@ class RequestReader:
         if not parts:
             parts.append(body)  # the common case, one piece: kept as it came
         else:  # more: grown in one buffer (a bytes object per piece costs ~40 bytes beside a 2-byte chunk's data)
-            if len(parts) == 1:
-                parts[0] = bytearray(parts[0])
-            parts[0] += body
+            first = parts[0]
+            if isinstance(first, bytes):
+                first = parts[0] = bytearray(first)
+            first += body
 
     def on_message_complete(self) -> None:
         body = bytes(self.body[0]) if self.body else b""
