@@ -214,6 +214,25 @@ def test_the_streaming_example_sends_pi_as_the_readme_says(redis_url: str) -> No
     assert "".join(data for _, data in events[:-1]) == "3.14159265358979323846264338327950288419716939937510582097494"
 
 
+def _posted_to_pipelines(redis_url: str, names: list[str], posts: list[tuple[str, bytes]]
+                         ) -> list[tuple[int, dict[str, str], bytes]]:
+    """Each (path, body) posted, in order, to one front serving ``names``."""
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        pipelines = Pipelines(redis_url, names)
+        await pipelines.start()
+        try:
+            server = HttpServer(pipelines, HttpSettings(port=0))
+            await server.start()
+            try:
+                port = server.port
+                return await asyncio.to_thread(lambda: [_post(port, path, body) for path, body in posts])
+            finally:
+                await server.close()
+        finally:
+            await pipelines.close()
+    return asyncio.run(scenario())
+
+
 def test_the_generate_extension_streams_and_answers_as_triton_does(redis_url: str) -> None:
     """POST /v2/models/NAME/generate_stream: a data event per chunk, each the answer object; an error after
     the first one in-band; /generate answers a unary pipeline and refuses a streaming one (400)."""
@@ -222,28 +241,15 @@ def test_the_generate_extension_streams_and_answers_as_triton_does(redis_url: st
         words.wait_ready("t-words")
         slow.wait_ready("t-slow")
 
-        async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-            pipelines = Pipelines(redis_url, ["t-words", "t-slow"])  # one front, two pipelines
-            await pipelines.start()
-            try:
-                server = HttpServer(pipelines, HttpSettings(port=0))
-                await server.start()
-                try:
-                    port = server.port
-                    return await asyncio.to_thread(lambda: [
-                        _post(port, "/v2/models/t-words/generate_stream", b'{"text_input": "a b c"}'),
-                        _post(port, "/v2/models/t-words/versions/1/generate_stream",
-                              b'{"text_input": "x boom", "parameters": {"priority": 0}}'),
-                        _post(port, "/v2/models/t-slow/generate", b'{"x": 5}'),
-                        _post(port, "/v2/models/t-words/generate", b'{"text_input": "a"}'),
-                        _post(port, "/v2/models/t-slow/generate_stream", b'{"x": 5}'),
-                        _post(port, "/v2/models/t-words/generate_stream", b'[1]')])
-                finally:
-                    await server.close()
-            finally:
-                await pipelines.close()
-
-        streamed, failed, unary, not_unary, not_streaming, bad = asyncio.run(scenario())
+        answers = _posted_to_pipelines(redis_url, ["t-words", "t-slow"], [  # one front, two pipelines
+            ("/v2/models/t-words/generate_stream", b'{"text_input": "a b c"}'),
+            ("/v2/models/t-words/versions/1/generate_stream",
+             b'{"text_input": "x boom", "parameters": {"priority": 0}}'),
+            ("/v2/models/t-slow/generate", b'{"x": 5}'),
+            ("/v2/models/t-words/generate", b'{"text_input": "a"}'),
+            ("/v2/models/t-slow/generate_stream", b'{"x": 5}'),
+            ("/v2/models/t-words/generate_stream", b'[1]')])
+        streamed, failed, unary, not_unary, not_streaming, bad = answers
     assert streamed[0] == 200 and streamed[1]["content-type"] == "text/event-stream"
     assert [data for _, data in _events(streamed[2])] == [
         {"model_name": "t-words", "model_version": "1", "output": word} for word in "abc"]
@@ -264,24 +270,10 @@ def test_generate_answers_are_written_as_json_is_everywhere(redis_url: str) -> N
         numbers.wait_ready("t-numbers")
         odd.wait_ready("t-odd")
 
-        async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
-            pipelines = Pipelines(redis_url, ["t-numbers", "t-odd"])
-            await pipelines.start()
-            try:
-                server = HttpServer(pipelines, HttpSettings(port=0))
-                await server.start()
-                try:
-                    port = server.port
-                    return await asyncio.to_thread(lambda: [
-                        _post(port, "/v2/models/t-numbers/generate", b'{"x": 2}'),
-                        _post(port, "/v2/models/t-numbers/generate", b'{"x": "nan"}'),
-                        _post(port, "/v2/models/t-odd/generate_stream", b'{"t": "a nan c"}')])
-                finally:
-                    await server.close()
-            finally:
-                await pipelines.close()
-
-        array, nan, stream = asyncio.run(scenario())
+        array, nan, stream = _posted_to_pipelines(redis_url, ["t-numbers", "t-odd"], [
+            ("/v2/models/t-numbers/generate", b'{"x": 2}'),
+            ("/v2/models/t-numbers/generate", b'{"x": "nan"}'),
+            ("/v2/models/t-odd/generate_stream", b'{"t": "a nan c"}')])
     assert array[0] == 200 and json.loads(array[2])["output"] == [2, 2]
     assert nan[0] == 500 and "cannot be sent as JSON" in json.loads(nan[2])["error"], nan
     events = [data for _, data in _events(stream[2])]
