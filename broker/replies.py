@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from broker.connection import is_cluster_client, is_refusal
+from broker.connection import CONNECTION_ERRORS, is_cluster_client, is_refusal
 from broker.families import REPLIES, RESULTS, SHARED_REPLIES
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
@@ -110,6 +110,8 @@ async def answered(client: Any, keys: Sequence[Keys], request_id: bytes) -> bool
         try:
             if await client.exists(name):
                 return True
+        except CONNECTION_ERRORS:  # a partition out of reach (a Cluster node down): a check, not the answer's path
+            continue
         except redis.ResponseError as exc:
             log_refusal_once(exc, "exists", name)
             raise
