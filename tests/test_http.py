@@ -1054,3 +1054,36 @@ def test_a_stalled_body_does_not_hold_the_drain() -> None:
 
     status, took_s = run(body())
     assert status == b"503" and took_s < 5, (status, took_s)
+
+
+@pytest.mark.unit
+def test_a_pipelined_expect_100_continue_gets_its_100_when_its_turn_comes() -> None:
+    """RFC 9110 10.1.1: a 100 or a final status. A head with Expect: 100-continue read while an answer was
+    still due got neither: its client waited for the 100 until the body timeout's 408."""
+    async def body() -> list[bytes]:
+        backend = FakeBackend()
+        async with serving(backend) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            block = b'{"op": "block"}'
+            writer.write(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(block), block))
+            await backend.entered.wait()
+            writer.write(b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1\r\nexpect: 100-continue\r\n\r\n")
+            await asyncio.sleep(0)
+            backend.release.set()
+            lines = []
+            for _ in range(3):  # the first answer, then the 100, then (its body sent) the second answer
+                status = await asyncio.wait_for(reader.readline(), 5)
+                lines.append(status.split(b" ")[1])
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                if lines[-1] == b"100":
+                    writer.write(b"7")
+            writer.close()
+            return lines
+
+    assert run(body()) == [b"200", b"100", b"200"]

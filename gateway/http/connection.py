@@ -11,15 +11,14 @@ What this module decides is *when* to read, answer and close:
 - pipelining: requests are queued and answered strictly in order; reading pauses while too
   many wait, or while the client does not read our answers (``pause_writing``);
 - limits: the reader's 431/413/400 are answered like any error (after what is queued, then close);
-- timeouts: one lazily re-armed timer per connection checks the current deadline (head from
-  the first byte, or from the accept for a first request: 408; body: 408; keep-alive idle:
-  closed quietly; a response stuck in our buffer: the connection is dropped);
+- timeouts: one lazily re-armed timer per connection checks the current deadline (head from the first
+  byte, or the accept for a first request: 408; body: 408; keep-alive idle: closed quietly; a client
+  that takes none of our answers: dropped);
 - drain (`HttpServer.close`): requests already handed to the router finish; a request that
   completes after the drain began (or is still on its way after a short grace) is answered 503 with
   ``Connection: close``; an idle connection gets that grace too, then is closed;
-- closing after an error: half-close, then read and discard what the client still sends for a
-  moment, so that the kernel does not answer its unread bytes with a reset that would destroy
-  our last response (the 400/413/503 the client most needs to see).
+- closing after an error: half-close, then discard what the client still sends for a moment, so the
+  kernel does not answer its unread bytes with a reset destroying our last response (the 4xx/503).
 
 Every answer leaves through `HttpProtocol._send`: the request's ids are given as its turn comes
 (`gateway.http.request_ids`: ``X-Request-Id`` on every answer, the id in an error's body), and with
@@ -78,21 +77,14 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.queue: deque[Request | HttpError] = deque()
         self.current: tuple[Request, str, Pending | StreamReply] | None = None  # the request whose reply is awaited
-        self.started = 0.0
+        self.started = self.accepted_at = 0.0
         self.feeding = False  # inside parser.feed_data: requests are answered once it returns
         self.eof = False  # the client half-closed its side
-        self.write_paused = False
-        self.phase = _IDLE
-        self.first = True
-        self.closed = False
-        self.lingering = False
-        self.reading_paused = False
-        self.read_deadline = math.inf
-        self.write_deadline = math.inf
-        self.unsent_at, self.send_timeout_s = 0, self.settings.send_timeout_s
+        self.phase, self.first = _IDLE, True
+        self.closed = self.lingering = self.reading_paused = self.write_paused = False
+        self.read_deadline = self.write_deadline = self.timer_at = math.inf
+        self.unsent_at, self.send_timeout_s, self.expecting = 0, self.settings.send_timeout_s, False
         self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = math.inf
-        self.accepted_at = 0.0
         self.discarded = 0
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
@@ -179,6 +171,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
     def head_complete(self, expect_continue: bool) -> None:
         self.phase = _BODY
         self._set_read_deadline(self.loop.time() + self.settings.body_timeout_s)
+        self.expecting = expect_continue and bool(self.queue)  # its 100 once the answers before it are out
         if expect_continue and not self.queue:
             self._write(CONTINUE)
 
@@ -230,10 +223,17 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             if not self._respond(item, label, answer):
                 return
         if not self.queue and not self.closed and not self.lingering:
-            if self.eof:
-                self._close()  # the client half-closed: nothing more will come
-            elif self.phase == _IDLE:
-                self._after_idle()
+            self._all_answered()
+
+    def _all_answered(self) -> None:
+        if self.expecting and self.phase == _BODY:  # a pipelined Expect: 100-continue, its turn come
+            self.expecting = False
+            self._write(CONTINUE)
+            self._set_read_deadline(self.loop.time() + self.settings.body_timeout_s)
+        if self.eof:
+            self._close()  # the client half-closed: nothing more will come
+        elif self.phase == _IDLE:
+            self._after_idle()
 
     def _refused(self, item: Request) -> bool:
         """Gives the request its ids; True if it is not admitted: the drain began before its turn."""
