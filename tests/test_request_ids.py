@@ -362,6 +362,8 @@ def test_an_error_body_gets_the_id_in_its_own_shape() -> None:
     assert with_request_id(ok, b"r-3", "predict") is ok
     probe = Reply(503, b'{"ready":false,"error":"stage Nap has no live worker"}')
     assert with_request_id(probe, b"r-4", "readyz") is probe  # a probe's answer is not a request's error
+    bad = HttpError(400, "BadRequest", "malformed request", outcome="bad_request").reply()  # a probe route's own error
+    assert json.loads(with_request_id(bad, b"r-6", "healthz").body)["error"]["request_id"] == "r-6"
     odd = Reply(500, b"not json")
     assert with_request_id(odd, b"r-5", "other") is odd
 

@@ -48,7 +48,7 @@ __all__ = ["HEADER", "MAX_CLIENT_ID", "RequestIds", "item_ids", "with_request_id
 HEADER = b"x-request-id"
 MAX_CLIENT_ID = 64
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9_.:\-]{1,%d}" % MAX_CLIENT_ID)  # fullmatch: no trailing newline
-# Routes whose error answers are not a request's error (a probe saying "not ready"): bodies left as they are.
+# Routes whose 503 is not a request's error (a probe saying "not ready"): that body is left as it is.
 _PROBES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})
 
 
@@ -82,7 +82,7 @@ def item_ids(request_id: bytes, count: int) -> list[bytes | None]:
 def with_request_id(reply: Reply, request_id: bytes, route: str) -> Reply:
     """``reply`` with ``request_id`` in its error body, in the body's own shape (above); any other reply
     (a success, a probe's, a body that is not a JSON or msgpack error) as it is."""
-    if reply.status < 400 or route in _PROBES:
+    if reply.status < 400 or (route in _PROBES and reply.status == 503):  # a probe's "not ready" is no error
         return reply
     codec = JSON if reply.content_type == JSON.content_type else MSGPACK \
         if reply.content_type == MSGPACK.content_type else None
