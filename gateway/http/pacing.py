@@ -83,14 +83,16 @@ class Pacing:
         """Bytes of our answers not yet taken by the client: our buffer and the socket's send queue
         (None where the system does not say: then a deadline passed means the client stopped reading)."""
         transport = self.transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        if transport is None or not hasattr(termios, "TIOCOUTQ"):
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None:
             return None
         try:
             queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
         except OSError:
             return None
-        return int(queued) + transport.get_write_buffer_size() if transport is not None else None
+        return int(queued) + transport.get_write_buffer_size()
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None and not self.lingering:
