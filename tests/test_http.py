@@ -546,6 +546,33 @@ async def test_connection_close_and_http10_are_honoured(server: HttpServer, back
     await client.close()
 
 
+@http_test()
+async def test_an_absolute_form_target_is_served_as_its_path(server: HttpServer, backend: FakeBackend) -> None:
+    """RFC 9112 3.2.2: a server accepts ``http://host/path`` (as a proxy sends it); it was a 404."""
+    body = b'{"a": 1}'
+    for target in ("http://test/v1/predict", "HTTP://test:8000/v1/predict?x=1"):
+        resp = await one(server.port, http_request("POST", target, body, {"content-type": "application/json"}))
+        assert resp.status == 200 and resp.json() == {"result": {"a": 1}}, target
+    assert (await one(server.port, http_request("GET", "http://test"))).status == 404  # its path is "/"
+
+
+@http_test()
+async def test_a_transfer_coding_other_than_chunked_is_501_then_closed(server: HttpServer, backend: FakeBackend
+                                                                       ) -> None:
+    """llhttp reads ``gzip, chunked`` as chunked: the gzip bytes were taken as the body itself."""
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: gzip, chunked\r\n\r\n1\r\n1\r\n0\r\n\r\n")
+    resp = await client.response()
+    assert resp.status == 501 and "gzip" in resp.json()["error"]["message"]
+    assert await client.closed()
+    await client.close()
+    assert backend.calls == []
+    resp = await one(server.port, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n"
+                                  b"1\r\n7\r\n0\r\n\r\n")
+    assert resp.status == 200 and resp.json() == {"result": 7}
+
+
 @http_test(header_timeout_s=0.5)
 async def test_slowloris_head_is_cut_off_with_408(server: HttpServer, backend: FakeBackend) -> None:
     client = await Client.open(server.port)

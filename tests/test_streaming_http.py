@@ -88,6 +88,28 @@ def test_server_sent_events_one_per_chunk_then_done(redis_url: str) -> None:
         assert _events(again[2])[:2] == [("message", "last"), ("message", "one")]
 
 
+def test_an_http10_client_reads_a_stream_without_chunks_ended_by_the_close(redis_url: str) -> None:
+    """HTTP/1.0 has no chunked framing (RFC 9112 7.1): the events as they are, then the connection closes."""
+    with running_workers(redis_url, f"{APP}:words", ["Words"]) as workers:
+        workers.wait_ready("t-words")
+
+        def call(port: int) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/stream HTTP/1.0\r\nContent-Type: application/json\r\n"
+                             b"Connection: keep-alive\r\nContent-Length: 7\r\n\r\n\"a b c\"")
+                data = b""
+                while chunk := sock.recv(65536):  # to the close (each recv bounded by the timeout)
+                    data += chunk
+                return data
+
+        data = _served(redis_url, "t-words", call)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert b"connection: close" in head.lower()
+    assert _events(body) == [("message", "a"), ("message", "b"), ("message", "c"),
+                             ("done", {"chunks": 3, "result": 3})]
+
+
 def test_a_chunk_or_return_value_that_is_not_json_ends_the_stream_with_an_error_event(redis_url: str) -> None:
     with running_workers(redis_url, f"{APP}:odd", ["Odd"]) as workers:
         workers.wait_ready("t-odd")

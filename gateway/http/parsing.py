@@ -99,7 +99,8 @@ class RequestReader:
     @property
     def path(self) -> bytes:
         """The path of the request being read (b"" before its URL)."""
-        return self.url.split(b"?", 1)[0]
+        path = self.url.split(b"?", 1)[0]
+        return path if path[:1] in (b"/", b"") else _origin_form(path)
 
     def partial(self) -> Request:
         """What was read of the request under way, for the answer that refuses it mid-way (its
@@ -132,8 +133,13 @@ class RequestReader:
         length = headers.get(b"content-length")
         if length is not None and int(length) > self.max_body_bytes:  # llhttp checked the digits
             raise too_large(self.max_body_bytes)
+        coding = headers.get(b"transfer-encoding")
+        if coding is not None and coding.strip().lower() != b"chunked":  # llhttp read "gzip, chunked" as chunked
+            raise HttpError(501, "NotImplemented", f"transfer coding {coding.decode('latin-1')!r} is not "
+                            "supported: send the body as it is, chunked or with Content-Length",
+                            outcome="bad_request", close=True)
         if self.parser.should_upgrade():
-            if b"transfer-encoding" in headers:
+            if coding is not None:
                 raise bad_request("protocol upgrades are not supported: send this request without 'Upgrade' "
                                   "(its chunked body cannot be read after one)")
             self.held_size = int(length or 0)
@@ -157,8 +163,11 @@ class RequestReader:
         body = bytes(self.body[0]) if self.body else b""
         url = self.url
         path = url.split(b"?", 1)[0] if b"?" in url else url
+        if path[:1] != b"/":
+            path = _origin_form(path)
         parser = self.parser
-        request = Request(parser.get_method(), path, self.headers, body, parser.should_keep_alive())
+        request = Request(parser.get_method(), path, self.headers, body, parser.should_keep_alive(),
+                          chunked_reply=parser.get_http_version() != "1.0")
         if parser.should_upgrade():  # its body follows: feed() takes it (module docstring)
             self.held = request
             if self.held_size == 0:
@@ -166,3 +175,13 @@ class RequestReader:
             return
         self.connection.request_complete(request)
 
+
+
+def _origin_form(target: bytes) -> bytes:
+    """The path of an absolute-form target (``http://host:port/v1/predict``, which RFC 9112 3.2.2 has a
+    server accept, as a proxy sends it); any other form (``*``, a bare name) is left to match no route."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    slash = rest.find(b"/")
+    return rest[slash:] if slash >= 0 else b"/"

@@ -40,8 +40,8 @@ from gateway.http.types import HttpError, Reply, Request
 
 __all__ = ["ConveyorEvents", "EventFormat", "StreamReply", "abandon", "event", "start_stream"]
 
-_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-         b"transfer-encoding: chunked\r\n")
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+_CHUNKED = b"transfer-encoding: chunked\r\n"
 _LAST = b"0\r\n\r\n"
 
 # What the connection is told at the end: an ordinary reply (nothing streamed yet), or None and the
@@ -52,6 +52,11 @@ Done = Callable[[Reply | None, str], None]
 def _piece(data: bytes) -> bytes:
     """One piece of a chunked body."""
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _bare(data: bytes) -> bytes:
+    """One piece of a body that the connection's close ends (an HTTP/1.0 client reads no chunks)."""
+    return data
 
 
 def event(data: bytes, name: bytes = b"", event_id: int | None = None) -> bytes:
@@ -116,10 +121,14 @@ def _unencodable(what: str, exc: Exception) -> HttpError:
 class StreamReply:
     """A streamed answer on its way: opened (the request submitted), then its events as they come."""
 
-    def __init__(self, opening: asyncio.Future[StreamSink], request_id: bytes, events: EventFormat,
+    def __init__(self, opening: asyncio.Future[StreamSink], request: Request, events: EventFormat,
                  cancel: Callable[[StreamSink], object]) -> None:
         self._opening = opening
-        self._request_id = request_id
+        self._request_id = request.request_id
+        # HTTP/1.0 has no chunked framing: the body is the events as they are, ended by the close.
+        self._piece, self._last = (_piece, _LAST) if request.chunked_reply else (_bare, b"")
+        self._chunked = _CHUNKED if request.chunked_reply else b""
+        request.keep_alive = request.keep_alive and request.chunked_reply
         self._events = events
         self._cancel = cancel
         self._sink: StreamSink | None = None
@@ -176,10 +185,10 @@ class StreamReply:
         if not self._sent and not chunks and failed is not None:
             self._refuse(failed)  # nothing streamed: an ordinary answer
             return
-        out = [] if self._head is None else [_HEAD + self._head + b"\r\n"]
+        out = [] if self._head is None else [_HEAD + self._chunked + self._head + b"\r\n"]
         for chunk in chunks:
             try:
-                out.append(_piece(self._events.chunk(self._sent, chunk)))
+                out.append(self._piece(self._events.chunk(self._sent, chunk)))
             except (TypeError, ValueError) as exc:
                 self.ended = True  # before the cancel, whose wake calls back here
                 self._cancel(sink)
@@ -198,17 +207,17 @@ class StreamReply:
             except (TypeError, ValueError) as exc:
                 self._fail(out, _unencodable("the stream's return value", exc))
                 return
-            self._end([*out, _piece(last)] if last else out, "ok")
+            self._end([*out, self._piece(last)] if last else out, "ok")
         else:
             self._fail(out, failed)
 
     def _fail(self, out: list[bytes], exc: BaseException) -> None:
         data, outcome = self._events.error(exc, self._request_id)
-        self._end([*out, _piece(data)], outcome)
+        self._end([*out, self._piece(data)], outcome)
 
     def _end(self, out: list[bytes], outcome: str) -> None:
         self.ended = True
-        out.append(_LAST)
+        out.append(self._last)
         self._send(b"".join(out))
         self._done(None, outcome)
 
@@ -234,7 +243,7 @@ def start_stream(request: Request, backend: Backend, debug: bool) -> Reply | Str
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),
                                            request_id=request.request_id or None, priority=priority))
     cancel = getattr(backend, "cancel", lambda sink: None)
-    return StreamReply(opening, request.request_id, ConveyorEvents(debug), cancel)
+    return StreamReply(opening, request, ConveyorEvents(debug), cancel)
 
 
 def abandon(answer: Pending | StreamReply) -> None:

@@ -27,6 +27,7 @@ class Request:
     headers: dict[bytes, bytes]
     body: bytes = b""
     keep_alive: bool = True  # HTTP/1.1 without "Connection: close", or 1.0 with "keep-alive"
+    chunked_reply: bool = True  # the client reads a chunked body (HTTP/1.1; not 1.0)
     request_id: bytes = b""
     answer_id: bytes = b""
 

@@ -140,4 +140,4 @@ def generate_stream(request: Request, name: str, backend: Backend, io: PipelineI
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),
                                            request_id=request.request_id or None, priority=priority))
     cancel = getattr(backend, "cancel", lambda sink: None)
-    return StreamReply(opening, request.request_id, GenerateEvents(name, io), cancel)
+    return StreamReply(opening, request, GenerateEvents(name, io), cancel)
