@@ -285,8 +285,8 @@ def format_status(name: str, result: PipelineStatus, redis_url: str | None = Non
         for c in s.consumer_details:
             beat = "no heartbeat" if c.heartbeat_age_ms is None else f"heartbeat {c.heartbeat_age_ms / 1000:.1f}s ago"
             stuck = "" if c.stuck_since_ms is None else (
-                f" STUCK in predict since {time.strftime('%H:%M:%S', time.localtime(c.stuck_since_ms / 1000))}, "
-                "being replaced")
+                f" STUCK since {time.strftime('%H:%M:%S', time.localtime(c.stuck_since_ms / 1000))} "
+                "(in predict, or frozen), being replaced")
             lines.append(f"{'':>3}  - {c.name} {'live' if c.live else 'NOT LIVE'} {beat} "
                          f"pending={c.pending} idle={c.idle_ms / 1000:.1f}s{stuck}")
     lines += _partition_lines(result)

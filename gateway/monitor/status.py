@@ -56,7 +56,7 @@ class ConsumerStatus:
     idle_ms: int
     heartbeat_age_ms: int | None = None  # None: no heartbeat in the last hour (or never)
     live: bool = False  # heartbeat within LIVE_AFTER_MS
-    stuck_since_ms: int | None = None  # found stuck in predict (Unix ms) and being replaced
+    stuck_since_ms: int | None = None  # found stuck in predict or frozen (Unix ms), being replaced
 
 
 @dataclass
@@ -68,7 +68,7 @@ class StageStatus:
     consumers: int = 0
     live_workers: int = 0
     loading_workers: int = 0  # started, setup() (e.g. a model load) still running: not live yet
-    stuck_workers: int = 0  # found stuck in predict by their supervisor, not yet replaced
+    stuck_workers: int = 0  # found stuck (in predict, or frozen) by their supervisor, not yet replaced
     stage_errors: int = 0  # totals since the pipeline's keys were made (P:counts:<i>)
     batch_length_errors: int = 0
     cancelled: int = 0  # items dropped (or streams stopped) because their callers left
@@ -118,7 +118,7 @@ class PipelineStatus:
             if s.live_workers - s.stuck_workers > 0:
                 continue
             if s.stuck_workers:
-                reasons.append(f"stage {s.name}: every worker stuck in predict (being replaced)")
+                reasons.append(f"stage {s.name}: every worker stuck in predict or frozen (being replaced)")
             elif s.loading_workers:
                 reasons.append(f"stage {s.name}: {s.loading_workers} worker(s) still loading")
             else:
