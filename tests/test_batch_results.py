@@ -59,6 +59,94 @@ def _run(answer: Any, inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int
     return predictor.run([(None, x) for x in inputs], BatchStats()), wrong  # type: ignore[misc]
 
 
+class Buffered(Stage):
+    """A model that writes into an output buffer it keeps (ONNX Runtime's IOBinding, a TensorRT engine):
+    each item's result is a view of that buffer, overwritten by the next call."""
+
+    batch_size = 4
+
+    def setup(self) -> None:
+        self.out = np.zeros((8, 2))
+
+    def predict(self, xs: list[int]) -> Any:
+        if any(x < 0 for x in xs):
+            raise ValueError("negative input")
+        self.out[:len(xs), 0] = xs
+        self.out[:len(xs), 1] = [10 * x for x in xs]
+        return self.out[:len(xs)]
+
+
+class BufferedGroups(Buffered):
+    group_size = 2
+
+    def batch_key(self, x: int) -> int:
+        return x
+
+
+class BufferedSingle(Stage):
+    def setup(self) -> None:
+        self.out = np.zeros(2)
+
+    def predict(self, x: int) -> Any:
+        self.out[:] = (x, 10 * x)
+        return {"row": self.out}
+
+
+class Consumes(Stage):
+    """Empties the list it is given as it works, or pads it to a fixed size: its own list to change."""
+
+    batch_size = 8
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        if xs[0] == "pad":
+            n = len(xs)
+            xs.extend([""] * (8 - n))
+            return [x.upper() for x in xs][:n]
+        out = []
+        while xs:
+            out.append(xs.pop(0) * 2)
+        return out
+
+
+@pytest.mark.parametrize(("stage", "inputs"), [
+    (Buffered, [1, 2, -3, 4, 5, 6, 7, 8]),  # a bad item: bisected, a call per half
+    (Buffered, [1, 2, 3, 4, 5, 6, 7, 8]),  # a read of two batches: a call per batch_size
+    (BufferedGroups, [5, 1, 4, 2, 8, 3]),  # length-aware groups: a call per group
+    (BufferedSingle, [1, 2, 3]),  # a singleton stage's read: a call per item
+])
+def test_results_viewing_a_buffer_the_next_call_reuses_stay_each_items_own(stage: type[Stage],
+                                                                          inputs: list[int]) -> None:
+    """They were encoded after the read's last call: 6 of 8 requests got another request's numbers."""
+    spec = Pipeline("t-unit").add(stage).stages[0]
+    instance = spec.cls()
+    instance.setup()
+    outcomes = Predictor(instance, spec, None, lambda expected, got: None).run(
+        [(None, x) for x in inputs], BatchStats())  # type: ignore[misc]
+    for x, (ok, value) in zip(inputs, outcomes, strict=True):
+        if x < 0:
+            assert not ok and value.message == "negative input"
+            continue
+        assert ok, value
+        row = value["row"] if isinstance(value, dict) else value
+        assert list(row) == [x, 10 * x]
+
+
+def test_a_predict_that_consumes_or_pads_its_list_answers_each_item() -> None:
+    """It made the worker fail (a zip of unequal lengths; a bisection to RecursionError), the requests
+    dead-lettered after its crashes."""
+    outcomes, wrong = _run_stage(Consumes, [1, 2, 3])
+    assert outcomes == [(True, 2), (True, 4), (True, 6)] and wrong == []
+    outcomes, wrong = _run_stage(Consumes, ["pad", "a", "b"])
+    assert outcomes == [(True, "PAD"), (True, "A"), (True, "B")] and wrong == []
+
+
+def _run_stage(stage: type[Stage], inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
+    spec = Pipeline("t-unit").add(stage).stages[0]
+    wrong: list[tuple[int, int]] = []
+    predictor = Predictor(spec.cls(), spec, None, lambda expected, got: wrong.append((expected, got)))
+    return predictor.run([(None, x) for x in inputs], BatchStats()), wrong  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))
 def test_a_batch_answered_with_the_wrong_kind_fails_every_item(kind: str) -> None:
     answer, what = WRONG_KINDS[kind]

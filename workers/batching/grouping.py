@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
-from workers.loop.runner import Failure
+from workers.loop.runner import Failure, detach
 
 Run = Callable[[Callable[[list[Any]], Any], list[Any]], list[Any]]
 
@@ -127,6 +127,7 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run) -> lis
         return [(False, Failure("ValueError", str(exc), ""))] * len(inputs)
     outcomes: list[Any] = [None] * len(inputs)
     for group in plan_groups(inputs, key, size, spread):
-        for i, outcome in zip(group, run(stage.predict, [inputs[i] for i in group]), strict=True):
+        # detached: the next group's call may overwrite buffers these results view (workers.loop.runner)
+        for i, outcome in zip(group, detach(run(stage.predict, [inputs[i] for i in group])), strict=True):
             outcomes[i] = outcome
     return outcomes

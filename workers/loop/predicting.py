@@ -24,7 +24,7 @@ from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
 from workers.loop.handoff import Handoff
 from workers.loop.routing import Work
-from workers.loop.runner import BatchLengthError, Outcome, failure, run_batch, run_single
+from workers.loop.runner import BatchLengthError, Outcome, detach, detached, failure, run_batch, run_single
 from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
@@ -84,8 +84,9 @@ def check_batch_result(results: Any, size: int) -> None:
 def checked(predict: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     """``predict``, its answers checked by :func:`check_batch_result`."""
     def call(inputs: list[Any]) -> Any:
+        size = len(inputs)  # before predict, which may change its list
         results = predict(inputs)
-        check_batch_result(results, len(inputs))
+        check_batch_result(results, size)
         return results
     return call
 
@@ -117,12 +118,13 @@ class Predictor:
         size = spec.batch_size if spec.batched else len(work)
         for start in range(0, len(work), size):
             part = work[start:start + size]
-            if giver is not None:
-                kept = giver.start(start, start + len(part))
-                if kept is not None:  # some were given back: run the others
-                    outcomes += self._run_kept(work, kept, start, len(part), stats)
-                    continue
-            outcomes += self._run_part(part, start, stats)
+            kept, begin = None if giver is None else giver.start(start, start + len(part)), len(outcomes)
+            if kept is not None:  # some were given back: run the others
+                outcomes += self._run_kept(work, kept, start, len(part), stats)
+            else:
+                outcomes += self._run_part(part, start, stats)
+            if start + size < len(work):  # another call follows before these are encoded
+                detach(outcomes, begin)
         if self._busy is not None:
             self._busy.idle()
         return outcomes
@@ -160,7 +162,7 @@ class Predictor:
                 append(None)
                 continue
             try:
-                append((True, predict(x)))
+                append((True, detached(predict(x))))  # the next call may reuse its buffers
             except Exception as exc:  # user code: any exception is that item's answer
                 append((False, failure(exc, tracebacks)))
         ran = len(work) - outcomes.count(None)

@@ -3,6 +3,11 @@
 A batched ``predict`` that raises, or returns the wrong number of results, is re-run on
 each half of the batch, recursively, so only the offending items get the error and the
 innocent ones their results. A batch with one bad item costs about 2*log2(n) extra calls.
+
+``predict`` gets a list of its own (it may consume or pad it), and results that must outlive a
+later call on the same read are detached (:func:`detach`): a model that writes into a buffer it reuses
+(ONNX Runtime's IOBinding, a TensorRT engine, a preallocated output) returns views of that buffer,
+which the next call would overwrite before they are encoded.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from workers.loop.tracebacks import Tracebacks
 
@@ -40,20 +47,50 @@ def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
     return Failure(type(exc).__name__, str(exc), text)
 
 
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def detached(value: Any) -> Any:
+    """``value`` with each numpy array copied (containers walked): what it is now, whatever the stage
+    does to its buffers next (an array it returns may be a buffer it writes again, or a view of one)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is np.ndarray:
+        return value.copy()
+    if kind is list or kind is tuple:
+        return kind(detached(v) for v in value)
+    if kind is dict:
+        return {k: detached(v) for k, v in value.items()}
+    return value
+
+
+def detach(outcomes: list[Any], start: int = 0) -> list[Any]:
+    """:func:`detached` on each result of ``outcomes`` from ``start``, in place (another call follows
+    them); None (an item given to another worker) is left."""
+    for i in range(start, len(outcomes)):
+        outcome = outcomes[i]
+        if outcome is not None and outcome[0] and type(outcome[1]) not in _PLAIN:
+            outcomes[i] = (True, detached(outcome[1]))
+    return outcomes
+
+
 def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any],
                tracebacks: Tracebacks | None = None) -> list[Outcome]:
     """``predict`` on each item (``tracebacks``: a worker's memo of formatted stacks)."""
     outcomes: list[Outcome] = []
-    for x in inputs:
+    last = len(inputs) - 1
+    for i, x in enumerate(inputs):
         try:
-            outcomes.append((True, predict(x)))
+            y = predict(x)
+            outcomes.append((True, y if i == last or type(y) in _PLAIN else detached(y)))
         except Exception as exc:  # user code: any exception is that item's answer
             outcomes.append((False, failure(exc, tracebacks)))
     return outcomes
 
 
 def _call_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[Any]:
-    results = predict(inputs)
+    results = predict(inputs[:])  # its own list: a predict may consume or pad what it is given
     try:
         results = list(results)
     except TypeError as exc:
@@ -79,5 +116,5 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         if len(inputs) == 1:
             return [(False, failure(exc, tracebacks))]
     mid = len(inputs) // 2
-    return (run_batch(predict, inputs[:mid], wrong_length, tracebacks)
-            + run_batch(predict, inputs[mid:], wrong_length, tracebacks))
+    first = detach(run_batch(predict, inputs[:mid], wrong_length, tracebacks))
+    return first + run_batch(predict, inputs[mid:], wrong_length, tracebacks)
