@@ -49,15 +49,16 @@ _CARRIES = (
     "conveyor's codec carries None, bool, int, float, str, bytes, list/tuple, dict "
     "and numpy arrays/scalars of bool or numeric dtype"
 )
-# Subclasses that strict_types sends to the hook, and the plain type they travel as.
-_COERCE: tuple[tuple[type, type], ...] = (
+# Subclasses that strict_types sends to the hook, and how their value is taken as the plain type: by
+# the base's own method, never the subclass's (a `(str, Enum)` member's __str__ is "Label.CAT").
+_COERCE: tuple[tuple[type, Any], ...] = (
     (tuple, list),
     (list, list),
     (dict, dict),
-    (str, str),
-    (bytes, bytes),
-    (int, int),
-    (float, float),
+    (str, str.__str__),
+    (bytes, bytes.__bytes__),
+    (int, int.__int__),
+    (float, float.__float__),
 )
 
 

@@ -72,6 +72,22 @@ def test_tuples_become_lists_and_subclasses_their_base() -> None:
     assert type(out["o"]) is dict and type(out["e"]) is int and type(out["s"]) is str
 
 
+def test_a_subclass_travels_as_its_value_not_its_str() -> None:
+    """A ``(str, Enum)`` member went as its ``__str__``, "Label.CAT": the wrong answer, silently."""
+    class Label(str, enum.Enum):
+        CAT = "cat"
+
+    class Odd(float):
+        def __float__(self) -> float:
+            return 9.0
+
+    class Tagged(bytes):
+        def __bytes__(self) -> bytes:
+            return b"tag"
+
+    assert roundtrip({Label.CAT: [Label.CAT, Odd(1.5), Tagged(b"ab")]}) == {"cat": ["cat", 1.5, b"ab"]}
+
+
 def test_bytes_likes_decode_as_bytes() -> None:
     assert roundtrip([bytearray(b"ab"), memoryview(b"cd")]) == [b"ab", b"cd"]
 
