@@ -316,9 +316,21 @@ def ok_record(request_id: bytes, value: Any, stage: str = "", timing: bytes | No
                             "")
 
 
+MAX_ERROR_TEXT = 65_536  # characters of an error's message, and of its traceback, that its record carries
+
+
+def _error_text(text: str) -> str:
+    """``text`` as an error record carries it: cut to :data:`MAX_ERROR_TEXT`, and lone surrogates (a
+    file name decoded with ``surrogateescape``) escaped, which UTF-8 cannot encode."""
+    if len(text) > MAX_ERROR_TEXT:
+        text = f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters cut)"
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str,
                  timing: bytes | None = None) -> bytes:
-    error = {"type": type_, "message": message, "stage": stage, "traceback": traceback}
+    error = {"type": _error_text(type_), "message": _error_text(message), "stage": stage,
+             "traceback": _error_text(traceback)}
     if timing is not None:
         return encode({"id": request_id.decode(), "ok": False, "error": error,
                        "timing": timing.decode("ascii", "replace")})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from workers import Pipeline, Stage
@@ -25,4 +26,30 @@ class Double(Stage):
         return x + x
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this one")
+
+
+class Raises(Stage):
+    """What user code raises beyond Exception, or an exception an error record cannot carry as it is."""
+
+    batch_size = 8
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        for x in xs:
+            if x == "exit":
+                sys.exit(2)  # as argparse's error() does
+            if x == "interrupt":
+                raise KeyboardInterrupt
+            if x == "surrogate":
+                raise FileNotFoundError(b"no such file: caf\xe9".decode("utf-8", "surrogateescape"))
+            if x == "unprintable":
+                raise Unprintable
+            if x == "huge":
+                raise ValueError("x" * 1_000_000)
+        return xs
+
+
 sizes = Pipeline("t-sizes").add(Make).add(Double)
+raises = Pipeline("t-raises").add(Raises)

@@ -10,7 +10,9 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import cast
 
+import psutil
 import pytest
 import redis
 
@@ -18,7 +20,7 @@ from broker.keys import Keys
 from broker.spec import StageInfo, encode_spec
 from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http.server import HttpServer, HttpSettings
-from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, sizes
+from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, raises, sizes
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, ping, running_workers
 from workers.embedded.server import EmbeddedRedis
 
@@ -141,6 +143,32 @@ def test_too_large_and_unencodable_results_name_their_stage(redis_url: str) -> N
         assert isinstance(err, StageError), err
         assert (err.type, err.stage) == ("UnencodableResult", stage)
         assert f"stage {stage!r}" in err.message
+
+
+def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker_lives_on(redis_url: str) -> None:
+    """sys.exit(), a KeyboardInterrupt, a message with a lone surrogate, an exception whose str()
+    raises: each ended the worker at every delivery (six restarts, then "its worker crashed")."""
+    bad = ["exit", "interrupt", "surrogate", "unprintable", "huge"]
+
+    async def main() -> list[object]:
+        async with Gateway(redis_url, raises.name) as gw:
+            return await asyncio.gather(*(gw.predict(x, timeout_s=T) for x in [*bad, "fine"]),
+                                        return_exceptions=True)
+
+    with running_workers(redis_url, "tests.error_stages:raises", ["Raises"]) as workers:
+        workers.wait_ready(raises.name)
+        children = {c.pid for c in psutil.Process(workers.procs[0].popen.pid).children()}
+        out = dict(zip([*bad, "fine"], asyncio.run(main()), strict=True))
+        assert {c.pid for c in psutil.Process(workers.procs[0].popen.pid).children()} == children  # none replaced
+    assert out["fine"] == "fine"
+    types = {x: (e.type, e.stage) for x, e in out.items() if isinstance(e, StageError)}
+    assert types == {"exit": ("SystemExit", "Raises"), "interrupt": ("KeyboardInterrupt", "Raises"),
+                     "surrogate": ("FileNotFoundError", "Raises"), "unprintable": ("Unprintable", "Raises"),
+                     "huge": ("ValueError", "Raises")}, out
+    assert cast(StageError, out["surrogate"]).message == "no such file: caf\\udce9"
+    assert "str() of this Unprintable raised RuntimeError" in cast(StageError, out["unprintable"]).message
+    assert len(cast(StageError, out["huge"]).message) < 70_000  # cut, said so
+    assert cast(StageError, out["huge"]).message.endswith("more characters cut)")
 
 
 # -- conveyor run: a port taken ---------------------------------------------------------------

@@ -24,7 +24,16 @@ from broker.commit import BatchStats
 from workers.batching.grouping import run_grouped
 from workers.loop.handoff import Handoff
 from workers.loop.routing import Work
-from workers.loop.runner import BatchLengthError, Outcome, detach, detached, failure, run_batch, run_single
+from workers.loop.runner import (
+    USER_ERRORS,
+    BatchLengthError,
+    Outcome,
+    detach,
+    detached,
+    failure,
+    run_batch,
+    run_single,
+)
 from workers.loop.tracebacks import Tracebacks
 from workers.pipeline import StageSpec
 from workers.process.watch import BusyCell
@@ -163,7 +172,7 @@ class Predictor:
                 continue
             try:
                 append((True, detached(predict(x))))  # the next call may reuse its buffers
-            except Exception as exc:  # user code: any exception is that item's answer
+            except USER_ERRORS as exc:  # user code: any exception is that item's answer
                 append((False, failure(exc, tracebacks)))
         ran = len(work) - outcomes.count(None)
         ended = time.perf_counter()

@@ -41,10 +41,19 @@ class BatchLengthError(Exception):
 
 Outcome = tuple[bool, Any]  # (True, value) or (False, Failure)
 
+# What user code may raise that is its item's answer: any Exception, and what a library raises to end a
+# program (argparse's error() calls sys.exit; a KeyboardInterrupt raised by hand), which would otherwise
+# end the worker at every delivery. A worker's own SIGINT and SIGTERM only set a flag (workers.process.child).
+USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt, GeneratorExit)
+
 
 def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
     text = tracebacks.format(exc) if tracebacks is not None else "".join(traceback.format_exception(exc))
-    return Failure(type(exc).__name__, str(exc), text)
+    try:
+        message = str(exc)
+    except Exception as err:  # user code: an exception whose __str__ raises still answers its item
+        message = f"<str() of this {type(exc).__name__} raised {type(err).__name__}: {err!r}>"
+    return Failure(type(exc).__name__, message, text)
 
 
 _PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
@@ -84,7 +93,7 @@ def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any],
         try:
             y = predict(x)
             outcomes.append((True, y if i == last or type(y) in _PLAIN else detached(y)))
-        except Exception as exc:  # user code: any exception is that item's answer
+        except USER_ERRORS as exc:  # user code: any exception is that item's answer
             outcomes.append((False, failure(exc, tracebacks)))
     return outcomes
 
@@ -110,7 +119,7 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         return []
     try:
         return [(True, y) for y in _call_batch(predict, inputs)]
-    except Exception as exc:  # user code: isolate who caused it
+    except USER_ERRORS as exc:  # user code: isolate who caused it
         if isinstance(exc, BatchLengthError) and wrong_length is not None:
             wrong_length(len(inputs), exc.returned)
         if len(inputs) == 1:

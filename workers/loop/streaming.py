@@ -37,7 +37,7 @@ from workers.loop.heartbeat import Lease
 from workers.loop.lanes import ReadLane
 from workers.loop.problems import Problems
 from workers.loop.routing import EntryRouter, Work
-from workers.loop.runner import Failure, failure
+from workers.loop.runner import USER_ERRORS, Failure, failure
 from workers.loop.tracebacks import Tracebacks
 from workers.loop.tracing import StageTracing
 from workers.pipeline import StageSpec
@@ -165,7 +165,7 @@ class StreamRunner:
                   keys: Keys, more: More, done: list[_Stream]) -> None:
         try:
             steps: Iterator[Any] = self._stage.predict(batch)
-        except Exception as exc:  # user code
+        except USER_ERRORS as exc:  # user code
             self._failed([s for s in slots if s is not None], exc, keys)
             return
         try:
@@ -208,7 +208,7 @@ class StreamRunner:
             return
         try:
             chunks: Iterator[Any] = self._stage.predict(x)
-        except Exception as exc:  # user code
+        except USER_ERRORS as exc:  # user code
             self._failed([stream], exc, keys)
             return
         try:
@@ -218,7 +218,7 @@ class StreamRunner:
                     chunk = next(chunks)
                 except StopIteration as stop:
                     self._end(stream, step, stop.value)
-                except Exception as exc:  # user code: the item's answer is its error
+                except USER_ERRORS as exc:  # user code: the item's answer is its error
                     self._fail(stream, step, exc)
                 else:
                     self._chunk(stream, step, chunk)
@@ -233,7 +233,7 @@ class StreamRunner:
             return
         try:
             steps: Iterator[Any] = self._stage.predict(inputs)
-        except Exception as exc:  # user code
+        except USER_ERRORS as exc:  # user code
             self._failed(part, exc, keys)
             return
         try:
@@ -253,7 +253,7 @@ class StreamRunner:
             for stream in part:
                 if stream.running:
                     self._end(stream, step, None)
-        except Exception as exc:  # user code: every item it still serves gets the error
+        except USER_ERRORS as exc:  # user code: every item it still serves gets the error
             for stream in part:
                 if stream.running:
                     self._fail(stream, step, exc)
@@ -302,7 +302,7 @@ class StreamRunner:
                                          f"{self._spec.name!r} cannot be encoded: {exc}", self._spec.name, "")
         self._final(stream, step, data)
 
-    def _fail(self, stream: _Stream, step: _Step, exc: Exception) -> None:
+    def _fail(self, stream: _Stream, step: _Step, exc: BaseException) -> None:
         why = stream.error = failure(exc, self._tracebacks)
         self._problems.stage_error(stream.item.request_id, why)
         self._final(stream, step, protocol.error_record(stream.item.request_id, why.type, why.message,
@@ -312,7 +312,7 @@ class StreamRunner:
         stream.final = record
         step.add(stream.item.reply, record)
 
-    def _failed(self, part: list[_Stream], exc: Exception, keys: Keys) -> None:
+    def _failed(self, part: list[_Stream], exc: BaseException, keys: Keys) -> None:
         """``predict`` raised before it was a generator (a wrapper that is not one): every item's error."""
         step = _Step()
         for stream in part:
@@ -366,7 +366,7 @@ def _close(generator: Any) -> None:
         return
     try:
         close()
-    except Exception:  # user code
+    except USER_ERRORS:  # user code
         log.exception("a streaming predict raised as it was closed")
 
 
