@@ -242,6 +242,17 @@ def test_a_class_attribute_one_typo_from_a_setting_is_refused(attribute: str, se
         Pipeline("t-typo").add(_stage(**{attribute: 8}))
 
 
+@pytest.mark.parametrize("method", ["predict", "setup"])
+def test_an_async_predict_or_setup_is_refused_when_the_pipeline_is_built(method: str) -> None:
+    """It was accepted: every request then failed with "object of type 'coroutine'" and a warning."""
+    async def coroutine(self: Stage, *args: Any) -> Any:
+        return args
+
+    stage = type("AsyncStage", (Stage,), {"predict": lambda self, x: x, method: coroutine})
+    with pytest.raises(PipelineError, match=f"stage AsyncStage: {method} is 'async def'"):
+        Pipeline("t-async").add(stage)
+
+
 def test_the_new_users_typo_is_refused_before_anything_runs() -> None:
     class Double(Stage):
         batch_sise = 8

@@ -111,6 +111,11 @@ class StageSpec:
         for knob in ("share_bursts", "deterministic", "continuous"):
             if not isinstance(getattr(self, knob), bool):
                 raise PipelineError(f"stage {name}: {knob} must be True or False, got {getattr(self, knob)!r}")
+        for method in ("predict", "setup"):
+            code = getattr(self.cls, method, None)
+            if inspect.iscoroutinefunction(code) or inspect.isasyncgenfunction(code):
+                raise PipelineError(f"stage {name}: {method} is 'async def'; a stage's code is plain synchronous "
+                                    "Python, run in its worker's own process (write it with 'def')")
         if self.continuous and not (self.streams and self.batched):
             raise PipelineError(f"stage {name}: continuous=True needs a streaming batched predict (it yields, and "
                                 f"batch_size > 1), got {'a returning' if not self.streams else 'an unbatched'} one")
