@@ -52,4 +52,6 @@ class Raises(Stage):
 
 
 sizes = Pipeline("t-sizes").add(Make).add(Double)
+versions_old = Pipeline("t-versions").add(Make)
+versions_new = Pipeline("t-versions").add(Make).add(Double)  # the same name, a stage more
 raises = Pipeline("t-raises").add(Raises)

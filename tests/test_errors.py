@@ -17,11 +17,20 @@ import pytest
 import redis
 
 from broker.keys import Keys
-from broker.spec import StageInfo, encode_spec
+from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http.server import HttpServer, HttpSettings
-from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, raises, sizes
-from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, http_call, ping, running_workers
+from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, raises, sizes, versions_old
+from tests.helpers import (
+    REPO_ROOT,
+    conveyor_argv,
+    conveyor_env,
+    http_call,
+    ping,
+    running_workers,
+    start_worker,
+    stop_process,
+)
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
@@ -169,6 +178,28 @@ def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker
     assert "str() of this Unprintable raised RuntimeError" in cast(StageError, out["unprintable"]).message
     assert len(cast(StageError, out["huge"]).message) < 70_000  # cut, said so
     assert cast(StageError, out["huge"]).message.endswith("more characters cut)")
+
+
+def test_workers_of_another_definition_of_a_live_pipeline_refuse_to_start(redis_url: str) -> None:
+    """A half-done upgrade that adds a stage mixed both definitions' answers, and nothing said so."""
+    with running_workers(redis_url, "tests.error_stages:versions_old", ["Make"]) as workers:
+        workers.wait_ready("t-versions")
+        new = start_worker(redis_url, "tests.error_stages:versions_new", "Double")
+        try:
+            code = new.popen.wait(timeout=60)  # the supervisor gives up on a worker that never gets ready
+        finally:
+            stop_process(new.popen)
+        log = new.log_path.read_text()
+        assert code != 0 and "is registered as Make and 1 of its workers are live" in log, log
+        assert "Traceback" not in log
+        stored = decode_spec(redis.Redis.from_url(redis_url).get(Keys("t-versions").spec) or b"")
+        assert [s.name for s in stored] == [s.name for s in versions_old.stages]  # the old definition stays
+        assert asyncio.run(_predict_once(redis_url, "t-versions", 3)) == b"xxx"
+
+
+async def _predict_once(redis_url: str, pipeline: str, x: object) -> object:
+    async with Gateway(redis_url, pipeline) as gw:
+        return await gw.predict(x, timeout_s=T)
 
 
 # -- conveyor run: a port taken ---------------------------------------------------------------

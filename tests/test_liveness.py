@@ -14,14 +14,16 @@ import redis
 
 from broker import acl, protocol
 from broker.connection import RedisSettings, is_nogroup
-from broker.keys import GROUP, Keys
+from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.liveness import PRUNE_MS, Beat, mark_loading, mark_stuck, unmark_loading, unmark_stuck
 from broker.operations import WORKER
 from broker.pending import claim_stale, delivery_counts
 from broker.pins import PinClaims
-from broker.registry import register
+from broker.registry import PipelineMismatch, register
+from broker.spec import StageInfo, encode_spec
 from tests.acl_stages import AclServer, redis_binaries, start_acl_server
 from tests.helpers import wait_for
+from workers.loop.heartbeat import Registration
 
 KEYS = Keys("t-live")
 
@@ -140,6 +142,42 @@ def declared_only(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         acl.roles.cache_clear()
 
 
+def test_another_definition_of_a_pipeline_with_live_workers_is_refused(redis_client: redis.Redis) -> None:
+    """Workers of ``Scale -> Double -> Shift`` joined those of ``Scale -> Shift``: stage 1's stream was
+    read by both Double and the old Shift, and half the answers were another definition's."""
+    keys, old = Keys("t-versions"), encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Shift")])
+    new = encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Double"), StageInfo(2, "Shift")])
+    register(redis_client, keys.pipeline, [(keys, keys.stream(1))], old, None)
+    redis_client.zadd(keys.heartbeats(1), {"shift@host:1": protocol.now_ms()})
+    with pytest.raises(PipelineMismatch, match=r"registered as Scale -> Shift and 1 of its workers are live "
+                                               r"\(shift@host:1\); this worker's definition is Scale -> Double"):
+        register(redis_client, keys.pipeline, [(keys, keys.stream(1))], new, None)
+    assert redis_client.get(keys.spec) == old
+    tuned = encode_spec([StageInfo(0, "Scale", batch_size=64), StageInfo(1, "Shift", batch_size=8)])
+    register(redis_client, keys.pipeline, [(keys, keys.stream(1))], tuned, None)  # the same stages: joins
+    redis_client.zadd(keys.heartbeats(1), {"shift@host:1": protocol.now_ms() - LIVE_AFTER_MS - 1})  # gone
+    register(redis_client, keys.pipeline, [(keys, keys.stream(1))], new, None)
+    assert redis_client.get(keys.spec) == new
+
+
+def test_a_registration_lost_is_written_again_by_the_next_beat_and_never_overwritten(
+        redis_client: redis.Redis) -> None:
+    """A spec evicted (``allkeys-*``) or deleted was never written again: ``/readyz`` 503 for ever, and a
+    gateway started after it refused the pipeline while its workers served."""
+    keys, spec = Keys("t-lost"), encode_spec([StageInfo(0, "Only")])
+    hook = Registration(keys.pipeline, [keys], spec, 7)
+    for stored in (None, b"other"):
+        redis_client.delete(keys.spec, keys.max_backlog, keys.registry)
+        if stored is not None:
+            redis_client.set(keys.spec, stored)
+        beat = Beat(redis_client)
+        hook.queue(beat, ready=True)
+        beat.send()
+        assert redis_client.get(keys.spec) == (stored or spec)
+        assert redis_client.get(keys.max_backlog) == b"7"
+        assert redis_client.sismember(keys.registry, keys.pipeline)
+
+
 @pytest.mark.redis
 def test_the_worker_role_allows_its_liveness_and_recovery(declared_only: AclServer) -> None:
     server = declared_only
@@ -157,7 +195,11 @@ def test_the_worker_role_allows_its_liveness_and_recovery(declared_only: AclServ
         beat.count(KEYS.counts(0), "stage_errors", 1)
         beat.renew_pin(PinClaims(KEYS, "host", 10_000), 0, 0, "me")
         beat.next_stage_reads(KEYS, 1)
+        beat.registration(KEYS, KEYS.pipeline, b"spec", 4)
         assert not any(isinstance(r, Exception) for r in beat.send())
+        client.set(KEYS.spec, encode_spec([StageInfo(0, "Other")]))
+        with pytest.raises(PipelineMismatch):  # its GET and ZRANGE allowed ("me" beat above)
+            register(client, KEYS.pipeline, [(KEYS, stream)], encode_spec([StageInfo(0, "Mine")]), 4)
         page = claim_stale(client, stream, "me", 0, "0-0", 10)
         assert [eid for eid, _ in page.entries] == [held]
         assert delivery_counts(client, stream, "me", [held]) == {held: 2}

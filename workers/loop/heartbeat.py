@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from broker import protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
 from broker.errors import ReplyError, SyncClient
+from broker.keys import Keys
 from broker.liveness import Beat, leave
 from broker.refusals import log_refusal_once
 
@@ -111,6 +112,24 @@ class LiveWorkers:
         if replies and not isinstance(replies[0], Exception):
             live = {protocol.as_bytes(m) for m in replies[0]} | {self._consumer.encode()}  # its first beat
             self._on_count(len(live))
+
+    def stop(self, client: SyncClient) -> None:
+        """Nothing to undo."""
+
+
+class Registration:
+    """The pipeline's registration, written again with each beat where it is gone (its spec evicted
+    by an ``allkeys-*`` policy, deleted by hand): :meth:`broker.liveness.Beat.registration`."""
+
+    def __init__(self, pipeline: str, partitions: Sequence[Keys], spec: bytes, max_backlog: int | None) -> None:
+        self.pipeline, self.partitions, self.spec, self.max_backlog = pipeline, partitions, spec, max_backlog
+
+    def queue(self, beat: Beat, ready: bool) -> None:
+        for keys in self.partitions:
+            beat.registration(keys, self.pipeline, self.spec, self.max_backlog)
+
+    def take(self, replies: list[Any]) -> None:
+        """Nothing to read: a refusal is logged by the beat."""
 
     def stop(self, client: SyncClient) -> None:
         """Nothing to undo."""

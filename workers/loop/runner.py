@@ -66,7 +66,7 @@ def detached(value: Any) -> Any:
     if kind in _PLAIN:
         return value
     if kind is np.ndarray:
-        return value.copy()
+        return value.copy(order="K")  # its layout kept (a Fortran-ordered array stays one)
     if kind is list or kind is tuple:
         return kind(detached(v) for v in value)
     if kind is dict:

@@ -44,7 +44,7 @@ from workers.loop.ahead import ReadAhead
 from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
 from workers.loop.cancels import SLOW_BATCH_S, CancelWatch
 from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
-from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, Wake
+from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, Registration, Wake
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
@@ -132,13 +132,15 @@ class Worker:
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
+        self._registration = Registration(self.pipeline.name, self.pipeline.partition_keys, encode_spec(
+            self.pipeline.describe(self.settings.max_payload_bytes)), self.pipeline.stages[0].max_backlog)
         if not self._with_redis(self._register):
             self._client.close()
             return  # asked to stop before Redis could be reached: never "ready"
         index = self.spec.index
         self._cancels = CancelWatch(self.pipeline.partition_keys, self._client, self._problems)
         hooks: list[BeatHook] = [LiveWorkers(self.pipeline.keys.heartbeats(index), self.consumer, self._live),
-                                 self._problems, self._cancels]
+                                 self._problems, self._cancels, self._registration]
         if self._forward_sizing.enabled:  # how many batch entries a forward becomes
             hooks.append(NextStage(self.pipeline.keys, index + 1, self._forward_sizing))
         # Not for a streaming stage: its calls are long by nature, and a stream cannot be handed over.
@@ -217,10 +219,8 @@ class Worker:
 
     def _register(self, lanes: list[ReadLane] | None = None) -> None:
         check_server(self._client)  # a clear error (and exit before 'ready') on Redis < 6.2
-        spec = encode_spec(self.pipeline.describe(self.settings.max_payload_bytes))
-        register(self._client, self.pipeline.name,
-                 [(lane.keys, lane.stream) for lane in (self._lanes if lanes is None else lanes)],
-                 spec, self.pipeline.stages[0].max_backlog)
+        r, lanes = self._registration, lanes or self._lanes  # raises PipelineMismatch: another definition live
+        register(self._client, r.pipeline, [(lane.keys, lane.stream) for lane in lanes], r.spec, r.max_backlog)
 
     def request_stop(self) -> None:
         """Finish the batch in hand, commit it, and return from ``run``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ from typing import IO, Any
 
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
+from broker.registry import PipelineMismatch
 from broker.tracing import TraceSettings
 from workers.app import AppError, load_pipeline
 from workers.loop.worker import Worker, WorkerSettings
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         worker.run()
+    except PipelineMismatch as exc:  # said in one line: the supervisor stops after a few such starts
+        logging.getLogger("conveyor.worker").error("%s", exc)
+        return EXIT_SETUP_FAILED
     except Exception:  # the supervisor restarts it; before 'ready' it counts towards a crash loop
         traceback.print_exc()
         return EXIT_CRASHED if worker.ready else EXIT_SETUP_FAILED
