@@ -82,6 +82,7 @@ class Slow(Stage):
 
 
 slow = Pipeline("t-slow").add(Slow)
+slow_parts = Pipeline("t-slow-parts", partitions=2).add(Slow)  # requests without a key go round robin
 
 
 class Ticks(Stage):

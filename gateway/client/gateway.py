@@ -36,7 +36,7 @@ from gateway.client.lane import Lane
 from gateway.client.registration import Registration
 from gateway.client.settings import GatewaySettings
 from gateway.client.sizing import size_lanes
-from gateway.client.slot import Waiter
+from gateway.client.slot import Answer, Slot, Waiter
 from gateway.client.streams import StreamSink
 from gateway.client.view import PipelineView, Views
 from gateway.errors import Overloaded, PayloadTooLarge, WrongRoute
@@ -218,7 +218,8 @@ class Gateway:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
-               direct: bool = False, request_id: str | bytes | None = None, priority: int = 0) -> Waiter:
+               direct: bool = False, request_id: str | bytes | None = None,
+               priority: int = 0) -> asyncio.Future[Any] | Slot:
         """:meth:`predict` without the coroutine: what ``x``'s answer will complete (the HTTP
         front adds a callback instead of creating a task per request); Overloaded, CodecError,
         PayloadTooLarge, ValueError (a bad timeout or request id) raise here. ``direct``: a `Slot`
@@ -256,7 +257,18 @@ class Gateway:
     def cancel(self, waiter: Any) -> bool:
         """The caller of the request that ``waiter`` answers left: it is cancelled (workers drop it,
         a stream's generator is closed). False if it was no longer in flight."""
+        if isinstance(waiter, asyncio.Task):  # a partitioned request, or one before registration: its task
+            return waiter.cancel()  # cancels what it submitted (_submitted)
         return self.hub.cancel(waiter)
+
+    async def _submitted(self, answer: Waiter) -> Any:
+        """Await the answer of a request submitted by a task of this gateway; the task cancelled (its
+        caller left), the request is cancelled too."""
+        try:
+            return await cast(Answer, answer)
+        except asyncio.CancelledError:
+            self.hub.cancel(answer)
+            raise
 
     async def stream(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
                      request_id: str | bytes | None = None, priority: int = 0) -> AsyncIterator[Any]:
@@ -349,7 +361,7 @@ class Gateway:
         if remaining <= 0:
             raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
                                "only as the request's deadline passed")
-        return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, remaining, request_id=request_id))
+        return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
 
     async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
         if not self.registration.registered:
@@ -363,8 +375,7 @@ class Gateway:
             self._next = (self._next + 1) % n
             try:
                 # A refused partition forgot the request: the next one may take it under the same id.
-                return await cast(asyncio.Future[Any], self.hub.enqueue(lane, data, timeout_s,
-                                                                        request_id=request_id))
+                return await self._submitted(self.hub.enqueue(lane, data, timeout_s, request_id=request_id))
             except Overloaded:
                 if attempt == n - 1:  # every partition is over its max_backlog
                     raise

@@ -37,7 +37,7 @@ from gateway.client.deadlines import Deadlines
 from gateway.client.lane import UNLINK_ALONE, InFlight, Lane
 from gateway.client.recall import Recall
 from gateway.client.settings import GatewaySettings
-from gateway.client.slot import Slot, Waiter
+from gateway.client.slot import Answer, Slot, Waiter
 from gateway.client.streams import StreamSink
 from gateway.client.trace_context import CURRENT
 from gateway.errors import Overloaded, StageError
@@ -176,7 +176,7 @@ class Hub:
         elif request_id is None:
             lane.counter += 1
             request_id = b"%b%d" % (lane.id_prefix, lane.counter)
-        waiter: Waiter = Slot(self._loop) if direct else self._loop.create_future()
+        waiter: Answer | Slot = Slot(self._loop) if direct else Answer(loop=self._loop)
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter
 
@@ -203,11 +203,12 @@ class Hub:
             raise ValueError(f"request id {request_id.decode()!r} is already in flight: ids must be unique")
         return request_id
 
-    def _add(self, lane: Lane, request_id: bytes, data: bytes, timeout_s: float, waiter: Waiter | StreamSink) -> None:
+    def _add(self, lane: Lane, request_id: bytes, data: bytes, timeout_s: float, waiter: Answer | Slot) -> None:
         loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
         now_s = loop.time()
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)
         trace = CURRENT.get()  # None but for a sampled or timed request (gateway.client.trace_context)
+        waiter.request_id = request_id
         record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
         self.deadlines.add(loop, request_id, now_s + timeout_s)
@@ -284,10 +285,11 @@ class Hub:
         """The caller waiting on ``waiter`` left (a cancelled task, a closed connection, a stream not
         read): the request leaves the table and is marked cancelled in Redis, so that workers drop it
         (:mod:`broker.cancels`). False if it was no longer in flight."""
-        found = next((rid for rid, record in reversed(self.requests.items()) if record.waiter is waiter), None)
-        if found is None:
+        found = getattr(waiter, "request_id", b"")  # every waiter the hub made has it (a task of the gateway's not)
+        record = self.requests.get(found)
+        if record is None or record.waiter is not waiter:  # answered, expired, or its id taken again since
             return False
-        record = self.requests.pop(found)
+        del self.requests[found]
         if type(waiter) is StreamSink:
             waiter.cancel()
         self.cancels += 1

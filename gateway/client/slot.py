@@ -18,15 +18,24 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Slot", "Waiter", "awaitable", "failure"]
+__all__ = ["Answer", "Slot", "Waiter", "awaitable", "failure"]
 
 _PENDING, _DONE, _CANCELLED = 0, 1, 2
 
 
+class Answer(asyncio.Future[Any]):
+    """The Python API's waiter: a future that knows its request's id (the hub finds its record by it
+    when its caller leaves, rather than looking through every request in flight)."""
+
+    __slots__ = ("request_id",)
+    request_id: bytes
+
+
 class Slot:
-    __slots__ = ("_callback", "_exception", "_loop", "_result", "_state")
+    __slots__ = ("_callback", "_exception", "_loop", "_result", "_state", "request_id")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = b""  # set as the hub takes the request
         self._loop = loop
         self._state = _PENDING
         self._result: Any = None
