@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import redis
 
+from broker import protocol
 from broker.commit import BatchStats
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings
@@ -21,6 +23,7 @@ from gateway.errors import StageError
 from tests.helpers import running_workers, wait_for
 from workers import Pipeline, Stage
 from workers.loop.predicting import Predictor
+from workers.loop.routing import Work
 from workers.options import PipelineError
 
 # -- a batched predict's answer, in the worker's predictor (no Redis) -----------------------------
@@ -52,11 +55,16 @@ class Batched(Stage):
         return self.answer([2 * x for x in xs])
 
 
+def _work(inputs: list[Any]) -> Work:
+    """A read's items as the worker's router makes them (no deadline)."""
+    return [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, None), x) for i, x in enumerate(inputs)]
+
+
 def _run(answer: Any, inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
     spec = Pipeline("t-unit").add(Batched, answer=answer).stages[0]
     wrong: list[tuple[int, int]] = []
     predictor = Predictor(spec.cls(**spec.kwargs), spec, None, lambda expected, got: wrong.append((expected, got)))
-    return predictor.run([(None, x) for x in inputs], BatchStats()), wrong  # type: ignore[misc]
+    return predictor.run(_work(inputs), BatchStats()), wrong
 
 
 class Buffered(Stage):
@@ -121,7 +129,7 @@ def test_results_viewing_a_buffer_the_next_call_reuses_stay_each_items_own(stage
     instance = spec.cls()
     instance.setup()
     outcomes = Predictor(instance, spec, None, lambda expected, got: None).run(
-        [(None, x) for x in inputs], BatchStats())  # type: ignore[misc]
+        _work(inputs), BatchStats())
     for x, (ok, value) in zip(inputs, outcomes, strict=True):
         if x < 0:
             assert not ok and value.message == "negative input"
@@ -144,7 +152,35 @@ def _run_stage(stage: type[Stage], inputs: list[Any]) -> tuple[list[Any], list[t
     spec = Pipeline("t-unit").add(stage).stages[0]
     wrong: list[tuple[int, int]] = []
     predictor = Predictor(spec.cls(), spec, None, lambda expected, got: wrong.append((expected, got)))
-    return predictor.run([(None, x) for x in inputs], BatchStats()), wrong  # type: ignore[misc]
+    return predictor.run(_work(inputs), BatchStats()), wrong
+
+
+class Seconds(Stage):
+    """A singleton stage: each call takes its input's seconds, and says it ran."""
+
+    def setup(self) -> None:
+        self.ran: list[float] = []
+
+    def predict(self, x: float) -> float:
+        self.ran.append(x)
+        time.sleep(x)
+        return x
+
+
+def test_a_singleton_reads_items_that_expire_behind_a_long_call_answered_unrun() -> None:
+    """They ran after their callers had their TimeoutError: 40 wasted calls behind one 1.5 s item."""
+    spec = Pipeline("t-unit").add(Seconds).stages[0]
+    stage = spec.cls()
+    stage.setup()
+    soon = protocol.now_ms() + 100
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, deadline), x)
+            for i, (x, deadline) in enumerate([(0.3, None), (0.0, soon), (0.0, None), (0.0, soon)])]
+    outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, BatchStats())
+    assert stage.ran == [0.3, 0.0]
+    assert outcomes[0] == (True, 0.3) and outcomes[2] == (True, 0.0)
+    for ok, failure in (outcomes[1], outcomes[3]):
+        assert not ok and (failure.type, failure.message) == ("DeadlineExceeded",
+                                                              "deadline passed before the stage ran")
 
 
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))

@@ -25,12 +25,14 @@ from workers.batching.grouping import run_grouped
 from workers.loop.handoff import Handoff
 from workers.loop.routing import Work
 from workers.loop.runner import (
+    EXPIRED,
     USER_ERRORS,
     BatchLengthError,
     Outcome,
     detach,
     detached,
     failure,
+    passed,
     run_batch,
     run_single,
 )
@@ -142,9 +144,10 @@ class Predictor:
         """One call on ``part``, the items ``start`` to ``end`` (or as many as ``part`` holds) but
         those given to another worker."""
         began = time.perf_counter()
+        deadlines_ms = [item.deadline_ms for item, _ in part]
         if self._busy is not None:
-            self._busy.batch(self._spec, [item.deadline_ms for item, _ in part])
-        outcomes = self._call([x for _, x in part])
+            self._busy.batch(self._spec, deadlines_ms)
+        outcomes = self._call([x for _, x in part], deadlines_ms)
         ended = time.perf_counter()
         self.slices.append((start, end or start + len(part), began, ended, len(part)))
         took_s = ended - began
@@ -166,9 +169,12 @@ class Predictor:
             self._busy.batch(self._spec, [item.deadline_ms for item, _ in work])
         predict, tracebacks, start, append = self._stage.predict, self._tracebacks, handoff.start, outcomes.append
         began = time.perf_counter()
-        for i, (_, x) in enumerate(work):
+        for i, (item, x) in enumerate(work):
             if start(i, i + 1) == []:
                 append(None)
+                continue
+            if i and passed(item.deadline_ms):  # it expired as the items before it ran
+                append(EXPIRED)
                 continue
             try:
                 append((True, detached(predict(x))))  # the next call may reuse its buffers
@@ -185,10 +191,10 @@ class Predictor:
             self._busy.idle()
         return outcomes
 
-    def _call(self, inputs: list[Any]) -> list[Outcome]:
+    def _call(self, inputs: list[Any], deadlines_ms: list[int | None]) -> list[Outcome]:
         if self._spec.batched:  # length-aware, if the stage asks for it
             return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch)
-        return run_single(self._stage.predict, inputs, self._tracebacks)
+        return run_single(self._stage.predict, inputs, self._tracebacks, deadlines_ms)
 
     def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[Outcome]:
         return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from broker import protocol
 from workers.loop.tracebacks import Tracebacks
 
 
@@ -84,12 +85,25 @@ def detach(outcomes: list[Any], start: int = 0) -> list[Any]:
     return outcomes
 
 
+# An item whose deadline passed while the items before it in its read ran: answered, never run.
+EXPIRED: Outcome = (False, Failure(protocol.E_DEADLINE, "deadline passed before the stage ran", ""))
+
+
+def passed(deadline_ms: int | None) -> bool:
+    """Whether ``deadline_ms`` (an item's) has passed (the read checked it; calls since take time)."""
+    return deadline_ms is not None and protocol.now_ms() >= deadline_ms
+
+
 def run_single(predict: Callable[[Any], Any], inputs: Sequence[Any],
-               tracebacks: Tracebacks | None = None) -> list[Outcome]:
-    """``predict`` on each item (``tracebacks``: a worker's memo of formatted stacks)."""
+               tracebacks: Tracebacks | None = None, deadlines_ms: Sequence[int | None] = ()) -> list[Outcome]:
+    """``predict`` on each item (``tracebacks``: a worker's memo of formatted stacks); an item whose
+    deadline (``deadlines_ms``) passed as the ones before it ran is :data:`EXPIRED`."""
     outcomes: list[Outcome] = []
     last = len(inputs) - 1
     for i, x in enumerate(inputs):
+        if i and deadlines_ms and passed(deadlines_ms[i]):
+            outcomes.append(EXPIRED)
+            continue
         try:
             y = predict(x)
             outcomes.append((True, y if i == last or type(y) in _PLAIN else detached(y)))
