@@ -2,7 +2,7 @@
 
 from gateway.client import Gateway, GatewaySettings
 from gateway.client.streams import StreamInterrupted, StreamLagged
-from gateway.errors import Overloaded, PayloadTooLarge, StageError, UnknownPipeline, WrongRoute
+from gateway.errors import DeadlineExceeded, Overloaded, PayloadTooLarge, StageError, UnknownPipeline, WrongRoute
 
-__all__ = ["Gateway", "GatewaySettings", "Overloaded", "PayloadTooLarge", "StageError", "StreamInterrupted",
-           "StreamLagged", "UnknownPipeline", "WrongRoute"]
+__all__ = ["DeadlineExceeded", "Gateway", "GatewaySettings", "Overloaded", "PayloadTooLarge", "StageError",
+           "StreamInterrupted", "StreamLagged", "UnknownPipeline", "WrongRoute"]

@@ -14,6 +14,11 @@ class StageError(Exception):
         self.traceback = traceback
 
 
+class DeadlineExceeded(StageError, TimeoutError):
+    """A stage met the request past its deadline and answered so, a moment before this gateway's own
+    timer would have: a ``TimeoutError`` as that timer's is (``except TimeoutError`` catches both)."""
+
+
 class Overloaded(Exception):
     """The first stage's backlog (or this gateway's in-flight count) is at its limit."""
 

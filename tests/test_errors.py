@@ -16,9 +16,10 @@ import psutil
 import pytest
 import redis
 
+from broker import codec, protocol
 from broker.keys import Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
-from gateway import Gateway, GatewaySettings, StageError, UnknownPipeline
+from gateway import DeadlineExceeded, Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http.server import HttpServer, HttpSettings
 from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, raises, sizes, versions_old
 from tests.helpers import (
@@ -200,6 +201,37 @@ def test_workers_of_another_definition_of_a_live_pipeline_refuse_to_start(redis_
 async def _predict_once(redis_url: str, pipeline: str, x: object) -> object:
     async with Gateway(redis_url, pipeline) as gw:
         return await gw.predict(x, timeout_s=T)
+
+
+def test_a_stage_that_meets_a_request_past_its_deadline_raises_a_timeout_error(redis_url: str) -> None:
+    """The worker's clock could pass a deadline a moment before the gateway's timer: the caller got a
+    StageError where ``except TimeoutError`` was written (10 of 82,000 timeouts in a soak)."""
+    keys = Keys("t-late")
+    client = redis.Redis.from_url(redis_url)
+    client.set(keys.spec, encode_spec([StageInfo(0, "Only")]))
+
+    async def main() -> BaseException:
+        async with Gateway(redis_url, "t-late", GatewaySettings(timeout_s=5)) as gw:
+            task = asyncio.ensure_future(gw.predict(1, request_id="late-1"))
+            entry = await asyncio.to_thread(_first_entry, client, keys.stream(0))
+            record = {"id": "late-1", "ok": False, "error": {"type": "DeadlineExceeded", "stage": "Only",
+                                                             "message": "deadline passed before the stage ran"}}
+            client.rpush(entry[b"reply"], protocol.array_of([codec.encode(record)]))  # as the stage answers
+            return (await asyncio.gather(task, return_exceptions=True))[0]
+
+    err = asyncio.run(main())
+    assert isinstance(err, TimeoutError) and isinstance(err, DeadlineExceeded) and isinstance(err, StageError)
+    assert err.stage == "Only"
+
+
+def _first_entry(client: redis.Redis, stream: str) -> dict[bytes, bytes]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        entries = client.xrange(stream, count=1)
+        if entries:
+            return cast(dict[bytes, bytes], entries[0][1])
+        time.sleep(0.01)
+    raise AssertionError("the request never reached the stream")
 
 
 # -- conveyor run: a port taken ---------------------------------------------------------------

@@ -40,7 +40,7 @@ from gateway.client.settings import GatewaySettings
 from gateway.client.slot import Answer, Slot, Waiter
 from gateway.client.streams import StreamSink
 from gateway.client.trace_context import CURRENT
-from gateway.errors import Overloaded, StageError
+from gateway.errors import DeadlineExceeded, Overloaded, StageError
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -443,5 +443,6 @@ def _stage_error(answer: dict[str, Any]) -> StageError:
     """An error record's error, as the caller meets it."""
     err = answer.get("error")
     err = err if isinstance(err, dict) else {}
-    return StageError(str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
-                      str(err.get("traceback", "")))
+    kind = DeadlineExceeded if err.get("type") == "DeadlineExceeded" else StageError
+    return kind(str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
+                str(err.get("traceback", "")))
