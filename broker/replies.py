@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from broker.connection import CONNECTION_ERRORS, is_cluster_client, is_refusal
-from broker.families import REPLIES, RESULTS, SHARED_REPLIES
+from broker.families import CANCELS, REPLIES, RESULTS, SHARED_REPLIES
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
 from broker.operations import GATEWAY, sends
@@ -101,14 +101,16 @@ class ReplyList:
         await self.client.aclose()
 
 
-@sends(GATEWAY, uses={"exists": RESULTS}, why="a caller's own request id: whether it was answered a moment ago")
+@sends(GATEWAY, uses={"exists": (RESULTS, CANCELS)},
+       why="a caller's own request id: whether it was answered, cancelled or timed out a moment ago")
 async def answered(client: Any, keys: Sequence[Keys], request_id: bytes) -> bool:
-    """Whether a result of ``request_id`` is held in any of these partitions (a request under that id
-    then would lose its result's ``SET NX`` and wait out its timeout)."""
+    """Whether a result of ``request_id`` is held in any of these partitions, or a cancel marker (a
+    request under that id then would lose its result's ``SET NX`` and wait out its timeout, or take
+    the answer of the earlier run)."""
     for partition in keys:
         name = partition.result_key(request_id)
         try:
-            if await client.exists(name):
+            if await client.exists(name, partition.cancel_prefix + request_id):
                 return True
         except CONNECTION_ERRORS:  # a partition out of reach (a Cluster node down): a check, not the answer's path
             continue

@@ -21,7 +21,7 @@ async def _expire_in_order() -> None:
     loop = asyncio.get_running_loop()
     for request_id, timeout_s in ((b"late", 0.05), (b"answered", 0.01), (b"early", 0.02)):
         live[request_id] = timeout_s
-        deadlines.add(loop, request_id, loop.time() + timeout_s)  # "early" comes after "late": the timer is re-armed
+        deadlines.add(loop, request_id, loop.time() + timeout_s, timeout_s)  # "early" after "late": the timer re-armed
     del live[b"answered"]
     await asyncio.wait_for(done.wait(), 5)
     assert expired == [(b"early", 0.02), (b"late", 0.05)]
@@ -30,13 +30,13 @@ async def _expire_in_order() -> None:
 
 
 async def _no_pile_up() -> None:
-    live: dict[bytes, None] = {}
+    live: dict[bytes, object] = {}
     deadlines = Deadlines(live, lambda request_id: None)
     loop = asyncio.get_running_loop()
     for n in range(20_000):
         request_id = b"%d" % n
-        live[request_id] = None
-        deadlines.add(loop, request_id, loop.time() + 30.0)
+        live[request_id] = record = object()
+        deadlines.add(loop, request_id, loop.time() + 30.0, record)
         if n >= 10:  # ten in flight, the rest answered
             del live[b"%d" % (n - 10)]
     assert len(deadlines) <= 2 * len(live) + 1024 + 1
@@ -57,31 +57,32 @@ async def _added_while_firing() -> tuple[float, float]:
     one; that ``add`` may compact the heap while ``_fire`` walks it. A new list left ``_fire`` re-arming
     from the old heap: a 50 ms deadline fired with the next one, at 1 s."""
     loop = asyncio.get_running_loop()
-    live: set[bytes] = set()
+    live: dict[bytes, object] = {}
     fired: dict[bytes, float] = {}
     done = asyncio.Event()
     after = {b"c1": (b"x1", 1.0), b"c2": (b"x2", 0.05)}  # each connection's next request, its timeout
 
     def expire(request_id: bytes) -> None:
-        live.discard(request_id)
+        live.pop(request_id, None)
         fired[request_id] = loop.time()
         if request_id in after:
             new, timeout_s = after[request_id]
-            live.add(new)
-            deadlines.add(loop, new, loop.time() + timeout_s)
+            live[new] = record = object()
+            deadlines.add(loop, new, loop.time() + timeout_s, record)
         if request_id == b"x2":
             done.set()
 
     deadlines = Deadlines(live, expire)
     start = loop.time()
     for request_id in (b"c1", b"c2"):
-        live.add(request_id)
-        deadlines.add(loop, request_id, start + 0.01)
+        live[request_id] = record = object()
+        deadlines.add(loop, request_id, start + 0.01, record)
     old = [b"old-%d" % n for n in range(1_100)]
-    live.update(old)
     for request_id in old:
-        deadlines.add(loop, request_id, start + 5.0)
-    live.difference_update(old)  # answered since: stale entries, so the next add compacts
+        live[request_id] = record = object()
+        deadlines.add(loop, request_id, start + 5.0, record)
+    for request_id in old:  # answered since: stale entries, so the next add compacts
+        del live[request_id]
     await asyncio.wait_for(done.wait(), 5)
     deadlines.close()
     return fired[b"x2"], fired[b"c1"] + 1.0
@@ -90,3 +91,33 @@ async def _added_while_firing() -> tuple[float, float]:
 def test_a_deadline_added_while_another_expires_is_kept() -> None:
     x2_fired, x1_due = asyncio.run(_added_while_firing())
     assert x2_fired < x1_due
+
+
+async def _id_used_again() -> list[bytes]:
+    loop = asyncio.get_running_loop()
+    live: dict[bytes, object] = {}
+    expired: list[bytes] = []
+    done = asyncio.Event()
+
+    def expire(request_id: bytes) -> None:
+        expired.append(request_id)
+        del live[request_id]
+        if request_id == b"later":
+            done.set()
+
+    deadlines = Deadlines(live, expire)
+    live[b"mine"] = first = object()
+    deadlines.add(loop, b"mine", loop.time() + 0.02, first)
+    del live[b"mine"]  # answered; the caller uses its id again, with a longer timeout
+    live[b"mine"] = second = object()
+    deadlines.add(loop, b"mine", loop.time() + 30.0, second)
+    live[b"later"] = third = object()
+    deadlines.add(loop, b"later", loop.time() + 0.1, third)
+    await asyncio.wait_for(done.wait(), 5)
+    deadlines.close()
+    return expired
+
+
+def test_an_id_used_again_is_expired_at_its_own_deadline_not_the_first_ones() -> None:
+    """The first request's entry expired the second one, 2.95 s into its 30 s."""
+    assert asyncio.run(_id_used_again()) == [b"later"]

@@ -125,6 +125,27 @@ def test_cancelled_callers_items_never_reach_predict(redis_url: str, redis_clien
         assert status.stages[0].cancelled >= 40 - len(ran)
 
 
+def test_a_caller_id_that_timed_out_is_refused_again_and_its_first_run_dropped(redis_url: str, tmp_path: Path) -> None:
+    """A retry under the id of a request that timed out took that request's answer (its stale
+    DeadlineExceeded, or the result of the first input); and a deadline entry of the first expired it."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow")
+
+        async def scenario() -> None:
+            async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=30)) as gw:
+                ahead = [asyncio.ensure_future(gw.predict(f"ahead {i}")) for i in range(10)]  # ~1 s of work
+                with pytest.raises(TimeoutError):
+                    await gw.predict("first", request_id="mine", timeout_s=0.3)
+                with pytest.raises(ValueError, match="'mine' was answered, cancelled or timed out a moment ago"):
+                    await gw.predict("second", request_id="mine")
+                assert [await task for task in ahead] == [f"ahead {i}" for i in range(10)]
+                assert await gw.predict("after", timeout_s=10) == "after"  # behind "first" in the stream
+
+        asyncio.run(scenario())
+        assert "ran first" not in _runs(runs) and "ran second" not in _runs(runs)
+
+
 def test_only_the_last_stage_may_stream() -> None:
     class Gen(Stage):
         def predict(self, x: object) -> object:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 
 __all__ = ["Deadlines"]
+
+_GONE = object()  # what ``live`` holds for an id no longer in flight
 
 # Rebuild the heap once it holds more than twice the live requests plus this many entries.
 _SLACK = 1024
@@ -26,12 +29,14 @@ _SLACK = 1024
 
 class Deadlines:
     """Calls ``expire(request_id)`` at each request's deadline, unless the request left ``live``
-    (the gateway's requests in flight, by id) before. One request id is added at most once."""
+    (the gateway's requests in flight: id -> record) before. An id may come again once its request
+    left (a caller's own id used twice): an entry expires only the record it was added for."""
 
-    def __init__(self, live: Collection[bytes], expire: Callable[[bytes], None]) -> None:
+    def __init__(self, live: Mapping[bytes, object], expire: Callable[[bytes], None]) -> None:
         self._live = live
         self._expire = expire
-        self._heap: list[tuple[float, bytes]] = []  # (loop time, request id)
+        self._heap: list[tuple[float, int, bytes, object]] = []  # (loop time, order, request id, its record)
+        self._order = itertools.count()  # ties broken by arrival: records never compared
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
@@ -39,10 +44,10 @@ class Deadlines:
         """Entries held, stale ones included (for tests of the bound)."""
         return len(self._heap)
 
-    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, when: float) -> None:
-        """Expire ``request_id`` at ``when`` (loop time)."""
+    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, when: float, record: object) -> None:
+        """Expire ``request_id`` at ``when`` (loop time), if it is still ``record`` in ``live`` then."""
         heap = self._heap
-        heapq.heappush(heap, (when, request_id))
+        heapq.heappush(heap, (when, next(self._order), request_id, record))
         if when < self._timer_at:
             self._arm(loop, when)
         if len(heap) > 2 * len(self._live) + _SLACK:
@@ -65,9 +70,9 @@ class Deadlines:
         self._timer, self._timer_at = None, math.inf
         heap, live = self._heap, self._live
         now = loop.time()
-        while heap and (heap[0][0] <= now or heap[0][1] not in live):
-            request_id = heapq.heappop(heap)[1]
-            if request_id in live:
+        while heap and (heap[0][0] <= now or live.get(heap[0][2], _GONE) is not heap[0][3]):
+            _, _, request_id, record = heapq.heappop(heap)
+            if live.get(request_id, _GONE) is record:
                 self._expire(request_id)
         if heap:
             self._arm(loop, heap[0][0])
@@ -76,5 +81,5 @@ class Deadlines:
         """In place: an expiry may submit a request (the HTTP front answers in the expiring call), whose
         ``add`` compacts while ``_fire`` still walks the heap; a new list would leave it the old one."""
         live = self._live
-        self._heap[:] = [entry for entry in self._heap if entry[1] in live]
+        self._heap[:] = [entry for entry in self._heap if live.get(entry[2], _GONE) is entry[3]]
         heapq.heapify(self._heap)

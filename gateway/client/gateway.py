@@ -20,6 +20,7 @@ affinity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -28,6 +29,8 @@ from types import TracebackType
 from typing import Any, cast
 
 from broker import codec, protocol, replies
+from broker.cancels import send_cancels
+from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
 from broker.levels import stream_level
 from broker.spec import PipelineIO
@@ -45,6 +48,7 @@ from gateway.monitor.status import PipelineStatus
 log = logging.getLogger("conveyor.gateway")
 
 UNSERVED_GRACE_S = 10.0  # a stage without a live or loading worker this long fails new requests at once
+REUSE_HOLD_MS = 59_000  # a timed-out caller's id held (+1 s of markers' slack): a worker's result_ttl_ms
 
 
 def partition_of(key: str | bytes, partitions: int) -> int:
@@ -253,6 +257,20 @@ class Gateway:
         except asyncio.CancelledError:
             self.cancel(future)
             raise
+        except TimeoutError:
+            if request_id is not None:  # the caller may use its id again: its first run must answer nothing
+                await self._hold(request_id)
+            raise
+
+    async def _hold(self, request_id: str | bytes) -> None:
+        """Mark a timed-out request of the caller's own id cancelled for ``REUSE_HOLD_MS``, before its
+        TimeoutError is raised: workers drop it if still queued, and :meth:`_check_unanswered` refuses
+        the id meanwhile (a run of the first would answer a second: its stale DeadlineExceeded, or the
+        first input's result). Best effort: a Redis out of reach leaves the id unheld."""
+        rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
+        for lane in self.lanes:  # the partition it went to is not known here: each one
+            with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
+                await send_cancels(self.hub.client, lane.keys, [(rid, REUSE_HOLD_MS)])
 
     def cancel(self, waiter: Any) -> bool:
         """The caller of the request that ``waiter`` answers left: it is cancelled (workers drop it,
@@ -342,8 +360,8 @@ class Gateway:
         rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
         if rid is not None and protocol.is_request_id(rid) and self.lanes \
                 and await replies.answered(self.hub.client, [lane.keys for lane in self.lanes], rid):
-            raise ValueError(f"request id {rid.decode()!r} was answered less than result_ttl_ms ago: ids must be "
-                             "unique")
+            raise ValueError(f"request id {rid.decode()!r} was answered, cancelled or timed out a moment ago (its "
+                             "first run may still answer): ids must be unique")
 
     def _check_served(self, lane: Lane) -> None:
         if self.view is not None and lane.keys.partition in self.view.down:  # not after a wait of its timeout

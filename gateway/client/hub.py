@@ -211,7 +211,7 @@ class Hub:
         waiter.request_id = request_id
         record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
-        self.deadlines.add(loop, request_id, now_s + timeout_s)
+        self.deadlines.add(loop, request_id, now_s + timeout_s, record)
         if trace is not None:
             lane.traced = True
         lane.outbox.append(record)
