@@ -205,3 +205,34 @@ def test_keda_objects_pass_our_structural_schema(name: str) -> None:
                     assert set(trigger["metadata"]) <= {"address", "addresses", "databaseIndex", "enableTLS", "stream",
                                                         "consumerGroup", "streamLength", "lagCount",
                                                         "pendingEntriesCount", "activationLagCount"}
+
+
+# -- probes -------------------------------------------------------------------------------------------
+
+
+def _window_s(probe: dict[str, Any]) -> int:
+    """How long a probe may fail before the kubelet acts: its first check plus failureThreshold periods
+    (the defaults: period 10 s, threshold 3, no initial delay)."""
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+@pytest.mark.parametrize("name", sorted(pipelines()))
+@pytest.mark.parametrize("keda", [True, False])
+def test_a_gateway_waiting_for_redis_is_not_killed_by_its_liveness_probe(name: str, keda: bool) -> None:
+    """The gateway binds its port only once Redis answers: the liveness probe must wait for a startup probe
+    that gives it minutes, not the liveness probe's own 30 s (then CrashLoopBackOff after Redis is back)."""
+    docs = manifests(pipelines()[name], settings_for(keda=keda, min_replicas={None: 0}))
+    (gateway,) = [d for d in by_kind(docs, "Deployment")
+                  if d["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"]
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert 5 * 60 <= _window_s(startup) <= 15 * 60
+    assert startup.get("periodSeconds", 10) <= 5  # readiness waits for it: a bound gateway is found soon
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(gateway, version, strict=True)
+    for worker in worker_deployments(docs):  # workers wait for Redis too: nothing restarts them for it
+        (container,) = worker["spec"]["template"]["spec"]["containers"]
+        assert "livenessProbe" not in container
+        assert "exec" in container["readinessProbe"]

@@ -36,6 +36,11 @@ GATEWAY_MARGIN_S = 10  # beyond the gateway's drain
 # An exec probe starts a Python that imports redis-py: ~0.4 s of CPU, taken from the pod's one core; every
 # 15 s that is ~3 %, and a new pod is found ready within 15 s of its model load.
 PROBE_PERIOD_S = 15
+# The gateway binds its port only once Redis answers (gateway/serve.py, start_when_reachable). The kubelet runs
+# neither liveness nor readiness before the startup probe first succeeds, so a gateway waiting for Redis is given
+# this long (5 s x 120) before it is restarted, and is found ready within 5 s of binding.
+GATEWAY_STARTUP_PERIOD_S = 5
+GATEWAY_STARTUP_FAILURES = 120
 MAX_NAME = 63  # a DNS-1123 label: Service names, and what pod names are built from
 # compose/Dockerfile's user. The image names it (USER conveyor), and the kubelet refuses runAsNonRoot for an image
 # whose user is a name unless the pod gives the number.
@@ -136,7 +141,9 @@ def worker_deployment(pipeline: Pipeline, spec: StageSpec, name: str, settings: 
 
 def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_zero: bool) -> Manifest:
     """The HTTP front: ``/readyz`` for readiness; when a stage may have no worker on purpose (``to_zero``),
-    ``/healthz``, and ``--no-fail-fast`` so that requests reach the stream whose backlog wakes the stage."""
+    ``/healthz``, and ``--no-fail-fast`` so that requests reach the stream whose backlog wakes the stage.
+    Liveness (``/healthz``) starts only once the startup probe has seen the port answer: a gateway that
+    starts while Redis is away has no port yet, and restarting it would only add CrashLoopBackOff's delay."""
     labels = _labels(pipeline, "gateway")
     command = ["conveyor", "gateway", pipeline.name, "--host", "0.0.0.0", "--port", str(settings.port),
                "--timeout-s", f"{settings.timeout_s:g}", "--drain-timeout-s", f"{settings.drain_s:g}"]
@@ -150,6 +157,8 @@ def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_
         "env": [*_redis_env(settings), {"name": "CONVEYOR_ROLE", "value": "gateway"}],
         "ports": [{"name": "http", "containerPort": settings.port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "1"}},  # one gateway process uses at most one core
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": GATEWAY_STARTUP_PERIOD_S,
+                         "failureThreshold": GATEWAY_STARTUP_FAILURES},
         "readinessProbe": {"httpGet": {"path": ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
