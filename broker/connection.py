@@ -11,10 +11,18 @@ and the choice is explicit rather than guessed from a first node's ``INFO`` (a p
 a cluster node would fail later with ``MOVED`` on some keys only). The hosts are seed nodes;
 redis-py's :class:`redis.RedisCluster` (sync) and :class:`redis.asyncio.RedisCluster` discover
 the rest and follow MOVED/ASK and failovers.
+
+**Maintenance notifications** are off in every client made here. redis-py 8 (RESP3, its default) sends
+``CLIENT MAINT_NOTIFICATIONS ON`` at each TCP connect unless told not to: a feature of Redis
+Enterprise/Cloud that conveyor does not use (its reads, held connections and timeouts are its own), that
+the ACL rules of ``conveyor acl`` do not grant, and that Redis 6.2 refuses as an ACL matter (in ACL LOG, on
+every connection) before finding the subcommand unknown; a server that knows it would refuse it too.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,6 +33,7 @@ import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster as scluster
 from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -69,10 +78,11 @@ class RedisSettings:
                 url, startup_nodes=[scluster.ClusterNode(h, p) for h, p in seeds],
                 socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
                 max_connections=self.max_connections, health_check_interval=0,
+                **no_maint_notifications(scluster.RedisCluster),
             ))
         return redis.Redis.from_url(
             self.url, socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
-            max_connections=self.max_connections, health_check_interval=0,
+            max_connections=self.max_connections, health_check_interval=0, **no_maint_notifications(redis.Redis),
         )
 
     def async_client(self, max_connections: int | None = None) -> aredis.Redis:
@@ -83,11 +93,28 @@ class RedisSettings:
                 url, startup_nodes=[acluster.ClusterNode(h, p) for h, p in seeds],
                 socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
                 max_connections=max_connections or self.max_connections, health_check_interval=0,
+                **no_maint_notifications(acluster.RedisCluster),
             ))
         return aredis.Redis.from_url(
             self.url, socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.connect_timeout_s,
             max_connections=max_connections or self.max_connections, health_check_interval=0,
+            **no_maint_notifications(aredis.Redis),
         )
+
+
+def no_maint_notifications(client_class: type) -> dict[str, Any]:
+    """The keyword that turns redis-py's maintenance notifications off for ``client_class`` (module
+    docstring); none where the class does not take it (redis-py 8.0's asyncio clients, which never send
+    them). Connections a pool makes, and held connections made from its ``connection_kwargs``
+    (broker/held.py), follow their pool; a cluster's node clients follow the cluster client."""
+    if not _takes_maint_config(client_class):
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+@functools.cache
+def _takes_maint_config(client_class: type) -> bool:
+    return "maint_notifications_config" in inspect.signature(client_class).parameters
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
