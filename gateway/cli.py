@@ -25,6 +25,7 @@ from broker.registry import registered_pipelines
 from broker.scaling import ScaleRecord
 from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
+from gateway.client.settings import timeout_problem
 from gateway.http.auth import read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
@@ -33,6 +34,14 @@ from gateway.serve import GatewayJob, LoopUnavailable, check_loop, serve, serve_
 
 STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis unresponsive)
 _HTTP_DEFAULTS = HttpSettings()
+
+
+def _check_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """``--timeout-s`` as `GatewaySettings` takes it (click's FloatRange lets NaN through)."""
+    problem = timeout_problem(value)
+    if problem is not None:
+        raise click.BadParameter(problem)
+    return value
 
 
 @click.command()
@@ -46,7 +55,8 @@ _HTTP_DEFAULTS = HttpSettings()
               show_envvar=True)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
 @click.option("--timeout-s", type=float, default=30.0, show_default=True, envvar="CONVEYOR_TIMEOUT_S",
-              show_envvar=True, help="Default deadline of a request (a header may set its own).")
+              show_envvar=True, callback=_check_timeout,
+              help="Default deadline of a request (a header may set its own): seconds, > 0, up to a week.")
 @click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG", show_envvar=True,
               help="Include stage tracebacks in error responses.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_body_bytes,

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from broker.keys import DEFAULT_PREFIX
+from broker.protocol import MAX_DEADLINE_AHEAD_MS
+
+MAX_TIMEOUT_S = MAX_DEADLINE_AHEAD_MS / 1000  # a week: the furthest deadline a stream entry may carry
+
+
+def timeout_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a request's timeout (a positive number of seconds up to a week), else
+    None. NaN and infinities are refused: every request would fail, not the settings."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        return f"must be a positive number of seconds up to a week ({MAX_TIMEOUT_S:g}), got {value!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -34,3 +47,10 @@ class GatewaySettings:
     # A streamed answer's chunks arrived and not yet taken by its reader, at most: past it the stream is
     # cancelled (StreamLagged) and the stage's generator closed (gateway.client.streams).
     stream_buffer_chunks: int = 1024
+
+    def __post_init__(self) -> None:
+        """Refuse a default timeout no request could have: a bad one made every request without a timeout
+        of its own fail as if it had given a wrong one."""
+        problem = timeout_problem(self.timeout_s)
+        if problem is not None:
+            raise ValueError(f"GatewaySettings.timeout_s {problem}")
