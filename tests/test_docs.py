@@ -31,3 +31,12 @@ def test_the_architecture_map_names_no_module_that_is_gone() -> None:
     mapped = set(re.findall(r"`((?:broker|workers|gateway)/[\w/]+\.(?:py|lua))`", text))
     gone = sorted(m for m in mapped if not (ROOT / m).exists())
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+def test_the_deadline_batch_policy_is_described_as_fixed_wait_behaves() -> None:
+    """``FixedWait`` opens no window after an idle spell (its first read waited ``batch_wait_s`` or more:
+    tests/test_units.py, tests/test_batching.py): no doc may say the ``deadline`` policy always waits."""
+    for doc in ("README.md", "docs/operations.md", "docs/architecture.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert not re.search(r"always waits? for `batch_size`", text), f"{doc} says the deadline policy always waits"
+        assert "after an idle spell" in text, f"{doc} does not say when the deadline policy does not wait"

@@ -2,7 +2,8 @@
 
 Two policies (``Stage.batch_policy``): ``"adaptive"`` (:mod:`workers.batching.adaptive`, the
 default) dispatches as soon as waiting can no longer pay, ``batch_wait_s`` being only its upper
-bound; ``"deadline"`` (:class:`FixedWait`) always waits for ``batch_size`` items or the deadline.
+bound; ``"deadline"`` (:class:`FixedWait`) waits for ``batch_size`` items or the deadline, except after an
+idle spell (the first read waited ``batch_wait_s`` or more).
 Each further read ends at the client's own deadline (:meth:`broker.streams.StreamReader.read_until`).
 """
 
