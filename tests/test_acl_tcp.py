@@ -21,6 +21,7 @@ from broker.connection import RedisSettings
 from broker.held import AsyncHeldConnection, HeldConnection
 from broker.keys import Keys
 from tests.acl_stages import AclServer, redis_binaries, start_acl_server
+from tests.cluster import free_ports
 from tests.ops_stages import free_port
 
 pytestmark = pytest.mark.redis
@@ -100,7 +101,7 @@ def test_no_role_is_refused_anything_at_connect_over_tcp(tcp_acl: tuple[AclServe
 @pytest.mark.system  # a (one-node) Redis Cluster
 @pytest.mark.parametrize("version", ["6.2", "7"])
 def test_cluster_clients_are_not_refused_anything_at_connect(version: str) -> None:
-    port = free_port()
+    port = free_ports(1)[0]  # its cluster bus (port + 10000) free and in range too
     acl = start_acl_server(binary(version), roles=(), extra_args=[
         "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"])
     try:
