@@ -66,7 +66,22 @@ class Count(Stage):
             raise
 
 
+class CheckedCount(Count):
+    """Count that refuses what is not a count as it starts, quoting it (a caller's input): one batch."""
+
+    batch_wait_s = 0.3
+    batch_policy = "deadline"
+
+    def predict(self, ns: list[Any]) -> Iterator[list[Any]]:
+        _note(f"checked {len(ns)}")
+        for n in ns:
+            if not isinstance(n, int):
+                raise TypeError(f"expected a count, got {n!r}")
+        yield from super().predict(ns)
+
+
 words = Pipeline("t-words").add(Words)
+checked_counts = Pipeline("t-checked-counts").add(CheckedCount)
 slow_words = Pipeline("t-slow-words").add(Words, pause_s=0.05)
 counts = Pipeline("t-counts").add(Count)
 two = Pipeline("t-two").add(Upper).add(Words)

@@ -65,6 +65,23 @@ def test_a_batched_stream_lets_short_answers_leave_early(redis_url: str) -> None
         assert asyncio.run(scenario()) == [list(range(n)) for n in [5, 0, 3, 1, 12, 7]]
 
 
+def test_a_batched_stream_that_fails_at_its_start_fails_only_the_bad_items(redis_url: str, tmp_path: Path) -> None:
+    """Every item of the batch got the bad one's error, its message quoting another caller's input."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:checked_counts", ["CheckedCount"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-checked-counts")
+
+        async def scenario() -> list[Any]:
+            async with Gateway(redis_url, "t-checked-counts", GatewaySettings(timeout_s=10)) as gw:
+                return list(await asyncio.gather(*(_collect(gw.stream(n)) for n in [3, {"ssn": "123"}, 2]),
+                                                 return_exceptions=True))
+
+        good, bad, other = asyncio.run(scenario())
+    assert _runs(runs)[0] == "checked 3" and _runs(runs).count("batch 1") == 2  # one read; its good halves ran
+    assert good == [0, 1, 2] and other == [0, 1]
+    assert isinstance(bad, StageError) and bad.type == "TypeError" and "ssn" in bad.message
+
+
 def test_a_stream_left_early_closes_the_stages_generator(redis_url: str, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     text = " ".join(f"w{j}" for j in range(200))  # 200 words, 50 ms apart: 10 s if never closed

@@ -229,15 +229,32 @@ class StreamRunner:
     # -- one generator per slice of a batch ------------------------------------------------------
 
     def _run_batched(self, part: list[_Stream], inputs: list[Any], keys: Keys) -> None:
+        """A batch's generator, stepped to its end. One that fails before its first step (the usual
+        place: an input it cannot take) sent nothing yet, so its halves run again, as a unary batch's
+        are: only the bad items get the error, never another caller's message (it may quote the input)."""
         if self._gone(part, keys):
             return
+        steps: Iterator[Any] | None = None
         try:
-            steps: Iterator[Any] = self._stage.predict(inputs)
+            steps = self._stage.predict(inputs[:])
+            first = next(steps)
+            _check_step(first, len(part))
+        except StopIteration:
+            first = [END] * len(part)
         except USER_ERRORS as exc:  # user code
-            self._failed(part, exc, keys)
+            _close(steps)
+            if len(part) == 1:
+                self._failed(part, exc, keys)
+                return
+            mid = len(part) // 2
+            self._run_batched(part[:mid], inputs[:mid], keys)
+            self._run_batched(part[mid:], inputs[mid:], keys)
             return
         try:
-            while any(s.running for s in part):
+            step = _Step()
+            self._apply(part, first, step)
+            self._send(step, part, keys)
+            while steps is not None and any(s.running for s in part):
                 step = _Step()
                 self._step(steps, part, step)
                 self._send(step, part, keys)
@@ -313,7 +330,7 @@ class StreamRunner:
         step.add(stream.item.reply, record)
 
     def _failed(self, part: list[_Stream], exc: BaseException, keys: Keys) -> None:
-        """``predict`` raised before it was a generator (a wrapper that is not one): every item's error."""
+        """``predict`` raised before its first step: every item's error."""
         step = _Step()
         for stream in part:
             self._fail(stream, step, exc)
