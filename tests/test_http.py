@@ -25,7 +25,7 @@ import pytest
 
 from broker.codec import CodecError, decode, encode
 from gateway.errors import Overloaded, StageError
-from gateway.http.codecs import json_decode
+from gateway.http.codecs import NonFiniteNumber, json_decode, json_encode
 from gateway.http.server import HttpServer, HttpSettings
 from gateway.http.server import run as run_http
 from gateway.monitor.metrics import Metrics
@@ -310,6 +310,16 @@ async def test_predict_msgpack_roundtrips_a_numpy_array(server: HttpServer, back
 async def test_json_response_turns_numpy_into_lists(server: HttpServer, backend: FakeBackend) -> None:
     resp = await one(server.port, predict_json({"op": "array"}))
     assert resp.json() == {"result": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]}
+
+
+def test_arrays_orjson_refuses_are_written_as_their_numbers() -> None:
+    """A big-endian array (a stage reading a file or a network format) or long doubles were a 500."""
+    value = {"be": np.array([0.1, 2.0], dtype=">f8"), "rows": [np.array([[1, 2]], dtype=">i4")[:, ::-1]],
+             "long": np.array([1.5], dtype=np.longdouble), "scalar": np.longdouble(2.5), "plain": np.arange(2)}
+    assert json.loads(json_encode(value)) == {"be": [0.1, 2.0], "rows": [[[2, 1]]], "long": [1.5], "scalar": 2.5,
+                                              "plain": [0, 1]}
+    with pytest.raises(NonFiniteNumber):
+        json_encode({"be": np.array([np.nan], dtype=">f8")})
 
 
 @pytest.mark.parametrize(("debug", "with_trace"), [(False, False), (True, True)])

@@ -44,10 +44,35 @@ def _json_default(obj: object) -> Any:
     """orjson hook, for what it does not serialize itself: non-contiguous numpy arrays and other
     dtypes become plain lists/numbers; anything else is refused."""
     if isinstance(obj, np.ndarray):
-        return obj.tolist()
+        return _as_json_numbers(obj).tolist()
     if isinstance(obj, np.generic):
-        return obj.item()
+        return _as_json_numbers(np.asarray(obj)).item()
     raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable (ask for msgpack)")
+
+
+def _as_json_numbers(array: np.ndarray) -> np.ndarray:
+    """What orjson refuses, as numbers it writes: another byte order as this machine's; an extended
+    precision float (or complex) as a double (all JSON numbers are)."""
+    kind = array.dtype.kind
+    if kind in "fc" and array.dtype.itemsize > (8 if kind == "f" else 16):
+        return array.astype(np.float64 if kind == "f" else np.complex128)
+    if not array.dtype.isnative:
+        return array.astype(array.dtype.newbyteorder("="))
+    return array
+
+
+def _numbers_for_orjson(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with every array :func:`_as_json_numbers` (orjson raises on such an array, never
+    calling its hook); only after a refusal, so the usual answer pays nothing."""
+    if isinstance(obj, np.ndarray):
+        return _as_json_numbers(obj)
+    if depth > 256:
+        return obj
+    if isinstance(obj, dict):
+        return {k: _numbers_for_orjson(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_numbers_for_orjson(v, depth + 1) for v in obj]
+    return obj
 
 
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
@@ -55,7 +80,10 @@ _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 def json_encode(obj: Any) -> bytes:
     """JSON of ``obj``; NonFiniteNumber if it holds NaN or an infinity (orjson would write null)."""
-    out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
+    try:
+        out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
+    except orjson.JSONEncodeError:  # an array of another byte order, or of long doubles: again, as numbers
+        out = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_DUMPS_OPTIONS)
     if b"null" in out and _holds_non_finite(obj):  # a real None writes null too: only then look closer
         raise NonFiniteNumber(f"the result holds NaN or Infinity; {_NON_FINITE_HINT}")
     return out
