@@ -12,7 +12,9 @@ is unit-tested without a server.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -107,18 +109,48 @@ def server_info_from_info(info: Mapping[str, Any]) -> ServerInfo:
     return ServerInfo.from_version(version)
 
 
+MAX_CLOCK_SKEW_S = 1.0  # a host's clock this far from Redis's is said at start
+
+
+def clock_skew_s(info: Mapping[str, Any], now_s: float) -> float | None:
+    """How far ``now_s`` (this host's clock) is ahead of the server's (``server_time_usec`` of ``INFO
+    server``); None if the reply does not say (a cluster client's reply of several nodes)."""
+    raw = info.get("server_time_usec")
+    try:
+        return now_s - int(raw) / 1e6 if raw is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _say_skew(info: Mapping[str, Any], who: str) -> None:
+    """Deadlines, heartbeats and liveness compare the clocks of the hosts that write and read them: a
+    worker's clock behind makes it look dead (the gateway fails its stage's requests fast), ahead makes
+    it answer every request DeadlineExceeded at once, with no other sign."""
+    skew = clock_skew_s(info, time.time())
+    if skew is not None and abs(skew) > MAX_CLOCK_SKEW_S:
+        logging.getLogger(f"conveyor.{who}").warning(
+            "this host's clock is %.1fs %s Redis's (INFO server_time_usec): deadlines and heartbeats are "
+            "compared across hosts' clocks, so requests may fail as expired or workers look dead; keep the "
+            "clocks in sync (NTP)", abs(skew), "ahead of" if skew > 0 else "behind")
+
+
 @sends(WORKER, uses={"info": ()}, why="at start")
 def check_server(client: redis.Redis) -> ServerInfo:
-    """Read ``INFO server`` through ``client`` and check the server is supported."""
+    """Read ``INFO server`` through ``client`` and check the server is supported (and this host's
+    clock close to the server's: a warning if not)."""
     info = client.info("server")
-    return server_info_from_info(info)
+    checked = server_info_from_info(info)
+    _say_skew(info, "worker")
+    return checked
 
 
 @sends(GATEWAY, uses={"info": ()}, why="at start")
 async def acheck_server(client: redis.asyncio.Redis) -> ServerInfo:
     """Async twin of :func:`check_server`, for the gateway and the workers' event loops."""
     info = await client.info("server")
-    return server_info_from_info(info)
+    checked = server_info_from_info(info)
+    _say_skew(info, "gateway")
+    return checked
 
 
 @sends(GATEWAY, uses={"info": ()}, why="after a reconnect")

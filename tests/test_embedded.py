@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import stat
@@ -16,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio
 
+from broker import server_info
 from broker.server_info import (
     ServerInfo,
     UnsupportedServer,
@@ -233,6 +235,20 @@ def test_check_server_on_session_server(redis_client: redis.Redis) -> None:
     info = check_server(redis_client)
     assert info.version >= (6, 2, 0)
     assert info.has_blmpop == (info.version >= (7, 0, 0))
+
+
+@pytest.mark.parametrize(("offset_s", "said"), [(0.0, None), (40.0, "40.0s ahead of"), (-20.0, "20.0s behind")])
+def test_a_clock_far_from_redis_is_said_at_start(redis_client: redis.Redis, caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch, offset_s: float,
+                                                 said: str | None) -> None:
+    """A worker 40 s ahead answered every request DeadlineExceeded, 20 s behind looked dead: nothing said
+    why. (This host's clock shifted as another host's would be.)"""
+    real = time.time
+    monkeypatch.setattr(server_info.time, "time", lambda: real() + offset_s)
+    with caplog.at_level(logging.WARNING, logger="conveyor.worker"):
+        check_server(redis_client)
+    warned = [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+    assert (warned == []) if said is None else (len(warned) == 1 and said in warned[0] and "NTP" in warned[0])
 
 
 def test_acheck_server(redis_url: str) -> None:
