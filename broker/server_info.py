@@ -134,13 +134,22 @@ def _say_skew(info: Mapping[str, Any], who: str) -> None:
             "clocks in sync (NTP)", abs(skew), "ahead of" if skew > 0 else "behind")
 
 
-@sends(WORKER, uses={"info": ()}, why="at start")
+@sends(WORKER, uses={"info": (), "client|id": ()}, why="at start")
 def check_server(client: redis.Redis) -> ServerInfo:
     """Read ``INFO server`` through ``client`` and check the server is supported (and this host's
-    clock close to the server's: a warning if not)."""
+    clock close to the server's: a warning if not). ``CLIENT ID`` too: a worker's stream reader needs
+    it (and ``CLIENT UNBLOCK``) to end its blocked read at a stop; a server that renamed or disabled it
+    is refused here, in one line, rather than by the reader after the worker said it was ready."""
     info = client.info("server")
     checked = server_info_from_info(info)
     _say_skew(info, "worker")
+    try:
+        client.client_id()
+    except redis.ResponseError as exc:
+        if "unknown command" not in str(exc).lower():
+            raise
+        raise UnsupportedServer(f"the server refuses CLIENT ID ({exc}): conveyor's workers need CLIENT ID and "
+                                "CLIENT UNBLOCK (a rename-command or a managed service's restriction?)") from exc
     return checked
 
 

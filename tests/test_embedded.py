@@ -251,6 +251,19 @@ def test_a_clock_far_from_redis_is_said_at_start(redis_client: redis.Redis, capl
     assert (warned == []) if said is None else (len(warned) == 1 and said in warned[0] and "NTP" in warned[0])
 
 
+def test_a_server_without_client_id_is_refused_before_a_worker_is_ready(tmp_tempdir: Path) -> None:
+    """``rename-command CLIENT ""``: each worker said ready, then its reader died on CLIENT ID, for ever."""
+    server = EmbeddedRedis(extra_args=["--rename-command", "CLIENT", '""'])
+    server.start()
+    try:
+        client = redis.Redis(unix_socket_path=str(server.socket_path))
+        with pytest.raises(UnsupportedServer, match="refuses CLIENT ID .* need CLIENT ID and CLIENT UNBLOCK"):
+            check_server(client)
+        client.close()
+    finally:
+        server.stop()
+
+
 def test_acheck_server(redis_url: str) -> None:
     async def run() -> ServerInfo:
         client = redis.asyncio.Redis.from_url(redis_url)

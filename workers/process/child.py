@@ -28,6 +28,7 @@ from typing import IO, Any
 from broker.connection import DEFAULT_REDIS_URL, RedisSettings
 from broker.logs import configure_logging
 from broker.registry import PipelineMismatch
+from broker.server_info import UnsupportedServer
 from broker.tracing import TraceSettings
 from workers.app import AppError, load_pipeline
 from workers.loop.worker import Worker, WorkerSettings
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         worker.run()
-    except PipelineMismatch as exc:  # said in one line: the supervisor stops after a few such starts
+    except (PipelineMismatch, UnsupportedServer) as exc:  # in one line: the supervisor stops after a few
         logging.getLogger("conveyor.worker").error("%s", exc)
         return EXIT_SETUP_FAILED
     except Exception:  # the supervisor restarts it; before 'ready' it counts towards a crash loop
