@@ -5,61 +5,88 @@
 -- or answered (its result key is set in the same script). A request that is neither was lost by
 -- Redis itself (a restart without persistence, an AOF's last second, a replica promoted before it
 -- replicated, FLUSHALL, eviction): its producer should submit it again (same id, same deadline; the
--- result's SET NX keeps one answer). A batch entry's ids are read by unpacking its 'items' (cmsgpack):
--- a copy of its payloads inside Redis, paid only when an audit runs.
+-- result's SET NX keeps one answer).
 --
--- KEYS[1..n]   the pipeline partition's stage streams, in order (n = ARGV[1])
--- KEYS[n+1..]  the result keys of the requests asked about, in the order of their ids below
--- ARGV[1] n    ARGV[2..] the request ids asked about
--- Returns the ids that are in no stream and have no result.
+-- One audit is a scan of the partition's streams, in order, split over calls that each read a bounded
+-- part (so that no call holds Redis for long, however deep the backlog), then a check of the result
+-- keys of the ids the scan did not meet. Two calls:
 --
--- Cost: a scan of every entry of the partition's streams, in Redis (only ids are compared; no entry
--- leaves the server). The gateway runs it only for requests older than its audit_after_s, at most
--- once per audit_after_s each: never in a steady state where requests are answered sooner.
+-- 'scan': KEYS the pipeline partition's stage streams, in order
+--   ARGV[1] 'scan'   ARGV[2] s: the stream to go on in (1-based)   ARGV[3] the entry id to go on after
+--   in it ('-' for its start). The first call of an audit passes 1 and '-'; each next one, what the
+--   previous returned.
+--   Returns {s, after, length, read, id, id, ...}: where the next call goes on (s = #KEYS + 1 once the
+--   scan passed the end of the last stream), the total XLEN of the streams from the one this call
+--   started in and the number of entries it read (a caller bounds an audit by them: a stream appended
+--   faster than calls read it would never be passed), and the request ids of the entries read, batch entries' included (their 'items', unpacked: a
+--   copy of their payloads inside Redis, paid only when an audit runs).
+-- 'unanswered': KEYS the result keys of the ids asked about, in their order
+--   ARGV[1] 'unanswered'   ARGV[2..] the ids the whole scan did not meet
+--   Returns those of them that have no result: forgotten.
+--
+-- Why the split scan misses no request that exists: a call moves on to the next stream only once it
+-- has read to the end of this one (in that same call), and a request only ever moves forward: to the
+-- next stage's stream or to the end of its own (a worker sharing a read, a batch entry split), both
+-- after the scan's position if it was. So a request the scan never met was answered before the scan
+-- ended, or lost: the result keys are read after the scan, for that reason.
+--
+-- Cost: each entry is read once per audit, in calls of at most MAX_ENTRIES entries and about
+-- MAX_BYTES of fields; only ids leave the server. The gateway audits only requests older than its
+-- audit_after_s, at most once per audit_after_s each, and stops once it met all of them: never in a
+-- steady state where requests are answered sooner.
 
-local n = tonumber(ARGV[1])
-local wanted, left = {}, 0
-for i = 2, #ARGV do
-  if redis.call('EXISTS', KEYS[n + i - 1]) == 0 then
-    wanted[ARGV[i]] = true
-    left = left + 1
+local MAX_ENTRIES, MAX_BYTES, STEP = 256, 1048576, 64
+
+if ARGV[1] == 'unanswered' then
+  local missing = {}
+  for i = 2, #ARGV do
+    if redis.call('EXISTS', KEYS[i - 1]) == 0 then missing[#missing + 1] = ARGV[i] end
   end
+  return missing
+end
+if ARGV[1] ~= 'scan' then
+  return redis.error_reply("audit.lua: ARGV[1] is 'scan' or 'unanswered' (see the script's header)")
 end
 
-local function found(id)
-  if wanted[id] then
-    wanted[id] = nil
-    left = left - 1
-  end
-end
+local n = #KEYS
+local s, after = tonumber(ARGV[2]), ARGV[3]
+local reply = {0, '', 0, 0}
+local length = 0
+for k = s, n do length = length + redis.call('XLEN', KEYS[k]) end
 
-for s = 1, n do
-  if left == 0 then break end
+local entries_read, bytes = 0, 0
+while s <= n and entries_read < MAX_ENTRIES and bytes < MAX_BYTES do
+  -- As many entries as the budget left allows, at the entries' mean size so far.
+  local count = math.min(STEP, MAX_ENTRIES - entries_read)
+  if bytes > 0 then
+    count = math.max(1, math.min(count, math.floor((MAX_BYTES - bytes) * entries_read / bytes)))
+  end
   local start = '-'
-  while left > 0 do
-    local entries = redis.call('XRANGE', KEYS[s], start, '+', 'COUNT', 1000)
-    for _, entry in ipairs(entries) do
-      local fields = entry[2]
-      for f = 1, #fields, 2 do
-        if fields[f] == 'id' then
-          found(fields[f + 1])
-          break
-        elseif fields[f] == 'items' then  -- a batch entry: ids at 1, 5, 9, ... of its msgpack array
-          local ok, items = pcall(cmsgpack.unpack, fields[f + 1])
-          if ok and type(items) == 'table' then
-            for i = 1, #items, 4 do found(items[i]) end
+  if after ~= '-' then start = '(' .. after end
+  local entries = redis.call('XRANGE', KEYS[s], start, '+', 'COUNT', count)
+  for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    for f = 1, #fields, 2 do
+      local value = fields[f + 1]
+      bytes = bytes + #value
+      if fields[f] == 'id' then
+        reply[#reply + 1] = value
+      elseif fields[f] == 'items' then  -- a batch entry: ids at 1, 5, 9, ... of its msgpack array
+        local ok, items = pcall(cmsgpack.unpack, value)
+        if ok and type(items) == 'table' then
+          for i = 1, #items, 4 do
+            if type(items[i]) == 'string' then reply[#reply + 1] = items[i] end
           end
-          break
         end
       end
     end
-    if #entries < 1000 then break end
-    start = '(' .. entries[#entries][1]
+    after = entry[1]
+  end
+  entries_read = entries_read + #entries
+  if #entries < count then  -- the end of this stream, seen in this call: on to the next one
+    s, after = s + 1, '-'
   end
 end
 
-local missing = {}
-for i = 2, #ARGV do
-  if wanted[ARGV[i]] then missing[#missing + 1] = ARGV[i] end
-end
-return missing
+reply[1], reply[2], reply[3], reply[4] = s, after, length, entries_read
+return reply

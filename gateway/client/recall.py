@@ -51,7 +51,7 @@ class Recall:
         self._resend = resend
         self.audit_after_s = audit_after_s
         self.resubmitted = 0
-        self.audits = 0  # audit.lua calls made
+        self.audits = 0  # audits run: one per pipeline partition per round that had old requests
         self._run_ids: dict[bytes, str] = {}  # by reply key: one per node a reader talks to
 
     # -- another run ---------------------------------------------------------------------------
