@@ -35,7 +35,7 @@
 -- audit_after_s, at most once per audit_after_s each, and stops once it met all of them: never in a
 -- steady state where requests are answered sooner.
 
-local MAX_ENTRIES, MAX_BYTES, STEP = 256, 1048576, 64
+local MAX_ENTRIES, MAX_BYTES, STEP = 256, 524288, 64
 
 if ARGV[1] == 'unanswered' then
   local missing = {}
@@ -55,11 +55,15 @@ local length = 0
 for k = s, n do length = length + redis.call('XLEN', KEYS[k]) end
 
 local entries_read, bytes = 0, 0
+-- This stream's entries and bytes read in this call, and the last read's count: sizes differ from one
+-- stream to the next (batch entries of a batched stage), so each stream's reads start at one entry
+-- and grow at most twofold a read, toward what the budget left allows at the entries' mean size.
+local s_entries, s_bytes, last = 0, 0, 0
 while s <= n and entries_read < MAX_ENTRIES and bytes < MAX_BYTES do
-  -- As many entries as the budget left allows, at the entries' mean size so far.
-  local count = math.min(STEP, MAX_ENTRIES - entries_read)
-  if bytes > 0 then
-    count = math.max(1, math.min(count, math.floor((MAX_BYTES - bytes) * entries_read / bytes)))
+  local count = 1
+  if s_bytes > 0 then
+    local fits = math.floor((MAX_BYTES - bytes) * s_entries / s_bytes)
+    count = math.max(1, math.min(STEP, MAX_ENTRIES - entries_read, 2 * last, fits))
   end
   local start = '-'
   if after ~= '-' then start = '(' .. after end
@@ -68,7 +72,7 @@ while s <= n and entries_read < MAX_ENTRIES and bytes < MAX_BYTES do
     local fields = entry[2]
     for f = 1, #fields, 2 do
       local value = fields[f + 1]
-      bytes = bytes + #value
+      bytes, s_bytes = bytes + #value, s_bytes + #value
       if fields[f] == 'id' then
         reply[#reply + 1] = value
       elseif fields[f] == 'items' then  -- a batch entry: ids at 1, 5, 9, ... of its msgpack array
@@ -82,9 +86,10 @@ while s <= n and entries_read < MAX_ENTRIES and bytes < MAX_BYTES do
     end
     after = entry[1]
   end
-  entries_read = entries_read + #entries
+  entries_read, s_entries, last = entries_read + #entries, s_entries + #entries, count
   if #entries < count then  -- the end of this stream, seen in this call: on to the next one
     s, after = s + 1, '-'
+    s_entries, s_bytes, last = 0, 0, 0
   end
 end
 

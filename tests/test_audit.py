@@ -91,10 +91,24 @@ def _monitored(client: redis.Redis) -> Iterator[list[list[list[str]]]]:
         assert not failed and not thread.is_alive(), failed
 
 
-def _entries_read(client: redis.Redis, xrange_args: list[str]) -> int:
+def _read(client: redis.Redis, xrange_args: list[str]) -> tuple[int, int]:
+    """The entries and the bytes of field values one XRANGE of a script read (the streams unchanged)."""
     key, start, end, *rest = xrange_args
     count = int(rest[1]) if rest and rest[0].upper() == "COUNT" else None
-    return len(client.xrange(key, start, end, count=count))
+    entries = client.xrange(key, start, end, count=count)
+    return len(entries), sum(len(value) for _, fields in entries for value in fields.values())
+
+
+def _read_per_call(url: str, client: redis.Redis, ids: list[bytes]) -> tuple[list[bytes], list[tuple[int, int]]]:
+    """What ``forgotten`` says of ``ids``, and the entries and bytes each of its script calls read."""
+    monitor_client = redis.Redis.from_url(url)
+    try:
+        with _monitored(monitor_client) as calls:
+            missing = _audit(url, ids)
+    finally:
+        monitor_client.close()
+    per_call = [[_read(client, args) for args in call] for call in calls]
+    return missing, [(sum(e for e, _ in reads), sum(b for _, b in reads)) for reads in per_call]
 
 
 def test_an_audit_reads_a_deep_backlog_once_in_bounded_calls(redis_url: str, redis_client: redis.Redis) -> None:
@@ -108,16 +122,27 @@ def test_an_audit_reads_a_deep_backlog_once_in_bounded_calls(redis_url: str, red
     [(lost_entry, _)] = [(e, f) for e, f in redis_client.xrange(KEYS.stream(0)) if f[b"id"] == lost]
     redis_client.xdel(KEYS.stream(0), lost_entry)
     entries = redis_client.xlen(KEYS.stream(0)) + redis_client.xlen(KEYS.stream(1))
-    monitor_client = redis.Redis.from_url(redis_url)
-    try:
-        with _monitored(monitor_client) as calls:
-            missing = _audit(redis_url, [*queued, *later])
-    finally:
-        monitor_client.close()
+    missing, per_call = _read_per_call(redis_url, redis_client, [*queued, *later])
     assert missing == [lost]
-    read = [sum(_entries_read(redis_client, args) for args in call) for call in calls]
-    assert sum(read) <= entries + len(calls), (sum(read), entries)  # each entry about once
+    read = [e for e, _ in per_call]
+    assert sum(read) <= entries + len(per_call), (sum(read), entries)  # each entry about once
     assert max(read) <= 256, read  # a bounded part per call, whatever the backlog
+
+
+def test_an_audit_reads_batch_entries_a_bounded_size_per_call(redis_url: str, redis_client: redis.Redis) -> None:
+    """Batch entries of a batched stage, each of many requests: a call's reads are bounded in bytes
+    too, and the requests inside them are met."""
+    queued = _ids(64 * 200)
+    pipe = redis_client.pipeline(transaction=False)
+    for b in range(0, len(queued), 64):
+        flat = [v for rid in queued[b:b + 64] for v in (rid, codec.encode("x" * 200), b"", b"")]
+        pipe.xadd(KEYS.stream(1), {protocol.F_ITEMS: protocol.batch_entry_items(flat), protocol.F_VERSION: b"1"})
+    pipe.execute()
+    entry_bytes = max(len(f[protocol.F_ITEMS]) for _, f in redis_client.xrange(KEYS.stream(1), count=1))
+    missing, per_call = _read_per_call(redis_url, redis_client, [*queued, b"r-lost"])
+    assert missing == [b"r-lost"]
+    assert sum(e for e, _ in per_call) <= 200 + len(per_call)
+    assert max(b for _, b in per_call) <= 2**20 + entry_bytes, per_call  # not the stream's whole size
 
 
 def test_an_audit_split_over_calls_misses_no_request_that_moves(redis_url: str, redis_client: redis.Redis) -> None:
