@@ -18,8 +18,9 @@
 --   Returns {s, after, length, read, id, id, ...}: where the next call goes on (s = #KEYS + 1 once the
 --   scan passed the end of the last stream), the total XLEN of the streams from the one this call
 --   started in and the number of entries it read (a caller bounds an audit by them: a stream appended
---   faster than calls read it would never be passed), and the request ids of the entries read, batch entries' included (their 'items', unpacked: a
---   copy of their payloads inside Redis, paid only when an audit runs).
+--   faster than calls read it would never be passed), and the request ids of the entries read, batch
+--   entries' included (their 'items', unpacked: a copy of their payloads inside Redis, paid only when
+--   an audit runs).
 -- 'unanswered': KEYS the result keys of the ids asked about, in their order
 --   ARGV[1] 'unanswered'   ARGV[2..] the ids the whole scan did not meet
 --   Returns those of them that have no result: forgotten.
@@ -30,10 +31,10 @@
 -- after the scan's position if it was. So a request the scan never met was answered before the scan
 -- ended, or lost: the result keys are read after the scan, for that reason.
 --
--- Cost: each entry is read once per audit, in calls of at most MAX_ENTRIES entries and about
--- MAX_BYTES of fields; only ids leave the server. The gateway audits only requests older than its
--- audit_after_s, at most once per audit_after_s each, and stops once it met all of them: never in a
--- steady state where requests are answered sooner.
+-- Cost: each entry is read about once per audit (again only if a worker re-added it meanwhile), in
+-- calls of at most MAX_ENTRIES entries and about MAX_BYTES of fields; only ids leave the server. The
+-- gateway audits only requests older than its audit_after_s, at most once per audit_after_s each, and
+-- stops once it met all of them: never in a steady state where requests are answered sooner.
 
 local MAX_ENTRIES, MAX_BYTES, STEP = 256, 524288, 64
 
