@@ -257,7 +257,7 @@ def test_a_server_without_client_id_is_refused_before_a_worker_is_ready(tmp_temp
     server.start()
     try:
         client = redis.Redis(unix_socket_path=str(server.socket_path))
-        with pytest.raises(UnsupportedServer, match="refuses CLIENT ID .* need CLIENT ID and CLIENT UNBLOCK"):
+        with pytest.raises(UnsupportedServer, match=r"refuses CLIENT ID .* need CLIENT ID and CLIENT UNBLOCK"):
             check_server(client)
         client.close()
     finally:
