@@ -134,6 +134,18 @@ def _say_skew(info: Mapping[str, Any], who: str) -> None:
             "clocks in sync (NTP)", abs(skew), "ahead of" if skew > 0 else "behind")
 
 
+def _say_eviction(memory: Mapping[str, Any], who: str) -> None:
+    """An ``allkeys-*`` policy evicts streams, results and the registration like any cache key: requests
+    are lost (the gateway's audit sends them again), answers too, under memory pressure."""
+    policy = memory.get("maxmemory_policy")
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    if isinstance(policy, str) and policy.startswith("allkeys-"):
+        logging.getLogger(f"conveyor.{who}").warning(
+            "Redis evicts any key under memory pressure (maxmemory-policy %s): conveyor's streams, results "
+            "and registration may go, and with them requests and answers; give conveyor a Redis with "
+            "noeviction (or volatile-*, which evicts only results and reply lists)", policy)
+
+
 @sends(WORKER, uses={"info": (), "client|id": ()}, why="at start")
 def check_server(client: redis.Redis) -> ServerInfo:
     """Read ``INFO server`` through ``client`` and check the server is supported (and this host's
@@ -143,6 +155,7 @@ def check_server(client: redis.Redis) -> ServerInfo:
     info = client.info("server")
     checked = server_info_from_info(info)
     _say_skew(info, "worker")
+    _say_eviction(client.info("memory"), "worker")
     try:
         client.client_id()
     except redis.ResponseError as exc:
@@ -159,6 +172,7 @@ async def acheck_server(client: redis.asyncio.Redis) -> ServerInfo:
     info = await client.info("server")
     checked = server_info_from_info(info)
     _say_skew(info, "gateway")
+    _say_eviction(await client.info("memory"), "gateway")
     return checked
 
 

@@ -264,6 +264,23 @@ def test_a_server_without_client_id_is_refused_before_a_worker_is_ready(tmp_temp
         server.stop()
 
 
+@pytest.mark.parametrize(("policy", "warned"), [("allkeys-lru", True), ("volatile-lru", False), ("noeviction", False)])
+def test_a_redis_that_evicts_any_key_is_said_at_start(tmp_tempdir: Path, caplog: pytest.LogCaptureFixture,
+                                                      policy: str, warned: bool) -> None:
+    """Under allkeys-*, the spec, streams and results went as a cache's keys would; nothing said so."""
+    server = EmbeddedRedis(extra_args=["--maxmemory-policy", policy])
+    server.start()
+    try:
+        client = redis.Redis(unix_socket_path=str(server.socket_path))
+        with caplog.at_level(logging.WARNING, logger="conveyor.worker"):
+            check_server(client)
+        client.close()
+    finally:
+        server.stop()
+    said = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    assert (len(said) == 1 and policy in said[0] and "noeviction" in said[0]) if warned else said == []
+
+
 def test_acheck_server(redis_url: str) -> None:
     async def run() -> ServerInfo:
         client = redis.asyncio.Redis.from_url(redis_url)
