@@ -183,6 +183,34 @@ def test_a_singleton_reads_items_that_expire_behind_a_long_call_answered_unrun()
                                                               "deadline passed before the stage ran")
 
 
+class Down(Stage):
+    """A model that fails every call (its server down), 50 ms each."""
+
+    batch_size = 8
+
+    def setup(self) -> None:
+        self.calls = 0
+
+    def predict(self, xs: list[int]) -> list[int]:
+        self.calls += 1
+        time.sleep(0.05)
+        raise ConnectionError("the model server is down")
+
+
+def test_a_batch_failing_whole_is_not_bisected_past_its_items_deadlines() -> None:
+    """Its 2n - 1 calls all ran (8 items: 15 calls, 0.75 s) while the callers' 0.12 s passed."""
+    spec = Pipeline("t-unit").add(Down).stages[0]
+    stage = spec.cls()
+    stage.setup()
+    soon = protocol.now_ms() + 120
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, soon), i) for i in range(8)]
+    outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, BatchStats())
+    kinds = {failure.type for _, failure in outcomes}
+    # Calls start >= 50 ms apart: a fourth would start past the deadline.
+    assert "DeadlineExceeded" in kinds and kinds <= {"ConnectionError", "DeadlineExceeded"} and stage.calls <= 3, (
+        stage.calls, kinds)
+
+
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))
 def test_a_batch_answered_with_the_wrong_kind_fails_every_item(kind: str) -> None:
     answer, what = WRONG_KINDS[kind]

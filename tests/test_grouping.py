@@ -22,6 +22,10 @@ pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 T = 30.0
 
 
+
+def _run(predict: Any, inputs: list[Any], deadlines_ms: Any) -> list[Any]:
+    return run_batch(predict, inputs, deadlines_ms=deadlines_ms)
+
 def test_plan_sorts_by_cost_and_splits_evenly() -> None:
     costs = random.Random(1).sample(range(1000), 64)
     groups = plan_groups(costs, lambda c: c, 16)
@@ -90,7 +94,7 @@ class _Stage:
 
 def test_run_grouped_answers_in_input_order_and_isolates_a_bad_item() -> None:
     stage = _Stage()
-    outcomes = run_grouped(stage, [5, 1, 13, 3], 4, run_batch)
+    outcomes = run_grouped(stage, [5, 1, 13, 3], 4, _run)
     assert [o[1] for o in outcomes if o[0]] == [50, 10, 30]
     assert not outcomes[2][0] and outcomes[2][1].type == "ValueError"
     assert stage.calls[:2] == [[1, 3], [5, 13]]  # sorted, two per call; then 5 and 13 apart
@@ -99,16 +103,16 @@ def test_run_grouped_answers_in_input_order_and_isolates_a_bad_item() -> None:
 def test_run_grouped_without_a_key_is_one_call_and_a_bad_group_size_is_every_items_error() -> None:
     stage = _Stage()
     stage.batch_key = None  # type: ignore[assignment,method-assign]
-    assert run_grouped(stage, [2, 1], 4, run_batch) == [(True, 20), (True, 10)]
+    assert run_grouped(stage, [2, 1], 4, _run) == [(True, 20), (True, 10)]
     assert stage.calls == [[2, 1]]
     stage = _Stage()
     stage.group_size = 0
-    outcomes = run_grouped(stage, [2, 1], 4, run_batch)
+    outcomes = run_grouped(stage, [2, 1], 4, _run)
     assert all(not ok and isinstance(f, Failure) and "group_size" in f.message for ok, f in outcomes)
     for bad in (0.5, float("nan"), "1.5", True):
         stage = _Stage()
         stage.group_spread = bad
-        outcomes = run_grouped(stage, [2, 1], 4, run_batch)
+        outcomes = run_grouped(stage, [2, 1], 4, _run)
         assert all(not ok and isinstance(f, Failure) and "group_spread" in f.message for ok, f in outcomes)
         assert stage.calls == []
 
@@ -116,7 +120,7 @@ def test_run_grouped_without_a_key_is_one_call_and_a_bad_group_size_is_every_ite
 def test_run_grouped_with_a_spread_splits_calls_by_cost() -> None:
     stage = _Stage()
     stage.group_size, stage.group_spread = 8, 2
-    outcomes = run_grouped(stage, [50, 1, 2, 9, 3], 8, run_batch)
+    outcomes = run_grouped(stage, [50, 1, 2, 9, 3], 8, _run)
     assert [o[1] for o in outcomes] == [500, 10, 20, 90, 30]
     assert stage.calls == [[1, 2], [3], [9], [50]]
 

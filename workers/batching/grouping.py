@@ -28,7 +28,7 @@ from typing import Any
 
 from workers.loop.runner import Failure, detach
 
-Run = Callable[[Callable[[list[Any]], Any], list[Any]], list[Any]]
+Run = Callable[[Callable[[list[Any]], Any], list[Any], Sequence[int | None]], list[Any]]
 
 
 def group_size_of(stage: Any, batch_size: int) -> int:
@@ -115,12 +115,13 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
     return [group for run in _runs(order, costs, spread) for group in _even(run, group_size)]
 
 
-def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run) -> list[Any]:
-    """``run(stage.predict, inputs)``, split by cost when the stage defines ``batch_key``;
+def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
+                deadlines_ms: Sequence[int | None] = ()) -> list[Any]:
+    """``run(stage.predict, inputs, deadlines_ms)``, split by cost when the stage defines ``batch_key``;
     outcomes come back in the order of ``inputs``."""
     key = getattr(stage, "batch_key", None)
     if key is None or len(inputs) <= 1:
-        return run(stage.predict, inputs)
+        return run(stage.predict, inputs, deadlines_ms)
     try:
         size, spread = group_size_of(stage, batch_size), group_spread_of(stage)
     except ValueError as exc:  # a configuration error: each requester learns it, the worker lives on
@@ -128,6 +129,7 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run) -> lis
     outcomes: list[Any] = [None] * len(inputs)
     for group in plan_groups(inputs, key, size, spread):
         # detached: the next group's call may overwrite buffers these results view (workers.loop.runner)
-        for i, outcome in zip(group, detach(run(stage.predict, [inputs[i] for i in group])), strict=True):
+        deadlines = [deadlines_ms[i] for i in group] if deadlines_ms else ()
+        for i, outcome in zip(group, detach(run(stage.predict, [inputs[i] for i in group], deadlines)), strict=True):
             outcomes[i] = outcome
     return outcomes

@@ -15,7 +15,7 @@ isolated by bisection, each item still failing gets it, logged and counted as a 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Set, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set, Sized
 from typing import Any
 
 import numpy as np
@@ -193,11 +193,12 @@ class Predictor:
 
     def _call(self, inputs: list[Any], deadlines_ms: list[int | None]) -> list[Outcome]:
         if self._spec.batched:  # length-aware, if the stage asks for it
-            return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch)
+            return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch, deadlines_ms)
         return run_single(self._stage.predict, inputs, self._tracebacks, deadlines_ms)
 
-    def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[Outcome]:
-        return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks)
+    def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any],
+                   deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+        return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms)
 
     def _record(self, stats: BatchStats, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""

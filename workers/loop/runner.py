@@ -126,9 +126,11 @@ def _call_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[
 
 def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
               wrong_length: Callable[[int, int], None] | None = None,
-              tracebacks: Tracebacks | None = None) -> list[Outcome]:
+              tracebacks: Tracebacks | None = None, deadlines_ms: Sequence[int | None] = ()) -> list[Outcome]:
     """``predict`` on the batch, each failing item isolated; ``wrong_length(expected, returned)``
-    hears of each call that returned the wrong number of results (the caller logs and counts it)."""
+    hears of each call that returned the wrong number of results (the caller logs and counts it).
+    A bisection's call leaves out the items whose deadline (``deadlines_ms``) passed meanwhile: a
+    batch that fails whole (a model down) costs 2n - 1 calls, which must not run for callers gone."""
     if not inputs:
         return []
     try:
@@ -139,5 +141,16 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         if len(inputs) == 1:
             return [(False, failure(exc, tracebacks))]
     mid = len(inputs) // 2
-    first = detach(run_batch(predict, inputs[:mid], wrong_length, tracebacks))
-    return first + run_batch(predict, inputs[mid:], wrong_length, tracebacks)
+    first = detach(_live_part(predict, inputs[:mid], wrong_length, tracebacks, deadlines_ms[:mid]))
+    return first + _live_part(predict, inputs[mid:], wrong_length, tracebacks, deadlines_ms[mid:])
+
+
+def _live_part(predict: Callable[[list[Any]], Any], inputs: list[Any], wrong_length: Callable[[int, int], None] | None,
+               tracebacks: Tracebacks | None, deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+    """:func:`run_batch` on the items of ``inputs`` still within their deadlines; the others :data:`EXPIRED`."""
+    live = [i for i, deadline in enumerate(deadlines_ms) if not passed(deadline)] if deadlines_ms else None
+    if live is None or len(live) == len(inputs):
+        return run_batch(predict, inputs, wrong_length, tracebacks, deadlines_ms)
+    ran = iter(run_batch(predict, [inputs[i] for i in live], wrong_length, tracebacks, [deadlines_ms[i] for i in live]))
+    kept = set(live)
+    return [next(ran) if i in kept else EXPIRED for i in range(len(inputs))]
