@@ -234,7 +234,18 @@ def safe_url(url: str) -> str:
     return text.replace(":/", ":///", 1) if url.startswith(f"{parts.scheme}:///") and not parts.netloc else text
 
 
+# What Redis says to a client without the right password or user (as a status's text carries it too).
+_AUTH_REFUSALS = ("NOAUTH", "WRONGPASS", "HELLO must be called with the client already authenticated",
+                  "invalid username-password pair")
+
+
 def unreachable(url: str, exc: BaseException) -> str:
-    """One line for a Redis that cannot be reached: where, why, and what to check."""
+    """One line for a Redis that cannot be reached, or that refused our credentials: where, why, and
+    what to check."""
+    text = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or any(m in text for m in _AUTH_REFUSALS):  # reached, refused
+        return (f"Redis at {safe_url(url)} refused the connection's credentials ({exc}): give its password "
+                "in the URL, redis://:PASSWORD@host:port or redis://USER:PASSWORD@host:port (--redis or "
+                "CONVEYOR_REDIS_URL)")
     return (f"cannot reach Redis at {safe_url(url)} ({exc}): is the server running, and is the URL right "
             "(--redis or CONVEYOR_REDIS_URL)?")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import redis
 
+from broker.connection import unreachable
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings, PayloadTooLarge
 from gateway.cli import format_status
@@ -239,6 +240,17 @@ def test_status_says_which_redis_and_one_line_when_unreachable(redis_url: str) -
     assert "cannot reach Redis at redis://someone:***@127.0.0.1:1/0" in done.stderr and "secret" not in done.stderr
     done = _run(conveyor_argv("status", "nothere"), conveyor_env(redis_url))
     assert done.returncode == 1 and f"[redis: {redis_url}]" in done.stdout and "not registered" in done.stdout
+
+
+def test_a_redis_that_refuses_our_password_is_not_called_unreachable() -> None:
+    """A password missing from the URL read "cannot reach Redis ... is the server running?"."""
+    url = "redis://127.0.0.1:6390/0"
+    hello = "HELLO must be called with the client already authenticated, otherwise the HELLO AUTH ..."
+    for exc in (redis.AuthenticationError(hello), RuntimeError(f"redis unreachable: {hello}"),
+                redis.ResponseError("WRONGPASS invalid username-password pair or user is disabled.")):
+        said = unreachable(url, exc)
+        assert said.startswith(f"Redis at {url} refused the connection's credentials") and "PASSWORD@" in said
+    assert unreachable(url, ConnectionRefusedError("refused")).startswith("cannot reach Redis")
 
 
 @pytest.mark.parametrize("command", ["gateway", "worker", "run"])
