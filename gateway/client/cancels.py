@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,10 @@ from broker.cancels import send_cancels
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
 
-__all__ = ["Canceller"]
+__all__ = ["REUSE_HOLD_MS", "Canceller"]
+
+REUSE_HOLD_MS = 59_000  # a timed-out caller's id held (+1 s of markers' slack): a worker's result_ttl_ms
+_HELD_PRUNE = 4096  # ids held before the expired ones are forgotten
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -29,6 +33,22 @@ class Canceller:
         self._closing = closing
         self._pending: dict[Keys, list[tuple[bytes, int]]] = {}
         self._wake = asyncio.Event()
+        self._held: dict[bytes, float] = {}  # a caller's own ids that timed out: until when (monotonic s)
+
+    def hold(self, keys: Keys, request_id: bytes) -> None:
+        """A request under the caller's own id timed out: marked cancelled for ``REUSE_HOLD_MS`` (workers
+        drop its run if still queued) and held here as long, so that the id is refused if used again
+        meanwhile (its run would answer the next request: its stale DeadlineExceeded, or its result)."""
+        now_s = time.monotonic()
+        if len(self._held) >= _HELD_PRUNE:
+            self._held = {rid: until for rid, until in self._held.items() if until > now_s}
+        self._held[request_id] = now_s + REUSE_HOLD_MS / 1000
+        self.add(keys, request_id, REUSE_HOLD_MS)
+
+    def holds(self, request_id: bytes) -> bool:
+        """Whether ``request_id`` timed out here a moment ago (:meth:`hold`)."""
+        until = self._held.get(request_id)
+        return until is not None and until > time.monotonic()
 
     def add(self, keys: Keys, request_id: bytes, remaining_ms: int) -> None:
         """Mark ``request_id`` (of partition ``keys``, ``remaining_ms`` before its deadline) cancelled;

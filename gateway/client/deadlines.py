@@ -18,10 +18,15 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 __all__ = ["Deadlines"]
 
-_GONE = object()  # what ``live`` holds for an id no longer in flight
+
+class Record(Protocol):
+    """What ``live`` maps an id to: its record carries the serial its deadline was added under."""
+
+    serial: int
 
 # Rebuild the heap once it holds more than twice the live requests plus this many entries.
 _SLACK = 1024
@@ -32,11 +37,13 @@ class Deadlines:
     (the gateway's requests in flight: id -> record) before. An id may come again once its request
     left (a caller's own id used twice): an entry expires only the record it was added for."""
 
-    def __init__(self, live: Mapping[bytes, object], expire: Callable[[bytes], None]) -> None:
+    def __init__(self, live: Mapping[bytes, Record], expire: Callable[[bytes], None]) -> None:
         self._live = live
         self._expire = expire
-        self._heap: list[tuple[float, int, bytes, object]] = []  # (loop time, order, request id, its record)
-        self._order = itertools.count()  # ties broken by arrival: records never compared
+        # (loop time, serial, request id): the serial tells this request from a later one under its id
+        # (never the record itself, which would keep an answered request's input and result alive).
+        self._heap: list[tuple[float, int, bytes]] = []
+        self._serials = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
@@ -44,14 +51,20 @@ class Deadlines:
         """Entries held, stale ones included (for tests of the bound)."""
         return len(self._heap)
 
-    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, when: float, record: object) -> None:
-        """Expire ``request_id`` at ``when`` (loop time), if it is still ``record`` in ``live`` then."""
-        heap = self._heap
-        heapq.heappush(heap, (when, next(self._order), request_id, record))
+    def add(self, loop: asyncio.AbstractEventLoop, request_id: bytes, when: float) -> int:
+        """Expire ``request_id`` at ``when`` (loop time), if its record in ``live`` then carries the
+        serial returned (the caller sets it on the record)."""
+        heap, serial = self._heap, next(self._serials)
+        heapq.heappush(heap, (when, serial, request_id))
         if when < self._timer_at:
             self._arm(loop, when)
         if len(heap) > 2 * len(self._live) + _SLACK:
             self._compact()
+        return serial
+
+    def _current(self, serial: int, request_id: bytes) -> bool:
+        record = self._live.get(request_id)
+        return record is not None and record.serial == serial
 
     def close(self) -> None:
         """Stop the timer; the entries are dropped (the gateway fails its pending requests itself)."""
@@ -68,11 +81,12 @@ class Deadlines:
 
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer, self._timer_at = None, math.inf
-        heap, live = self._heap, self._live
+        heap = self._heap
         now = loop.time()
-        while heap and (heap[0][0] <= now or live.get(heap[0][2], _GONE) is not heap[0][3]):
-            _, _, request_id, record = heapq.heappop(heap)
-            if live.get(request_id, _GONE) is record:
+        current = self._current
+        while heap and (heap[0][0] <= now or not current(heap[0][1], heap[0][2])):
+            _, serial, request_id = heapq.heappop(heap)
+            if current(serial, request_id):
                 self._expire(request_id)
         if heap:
             self._arm(loop, heap[0][0])
@@ -80,6 +94,6 @@ class Deadlines:
     def _compact(self) -> None:
         """In place: an expiry may submit a request (the HTTP front answers in the expiring call), whose
         ``add`` compacts while ``_fire`` still walks the heap; a new list would leave it the old one."""
-        live = self._live
-        self._heap[:] = [entry for entry in self._heap if live.get(entry[2], _GONE) is entry[3]]
+        current = self._current
+        self._heap[:] = [entry for entry in self._heap if current(entry[1], entry[2])]
         heapq.heapify(self._heap)

@@ -20,7 +20,6 @@ affinity.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import zlib
@@ -29,8 +28,6 @@ from types import TracebackType
 from typing import Any, cast
 
 from broker import codec, protocol, replies
-from broker.cancels import send_cancels
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
 from broker.levels import stream_level
 from broker.spec import PipelineIO
@@ -48,7 +45,6 @@ from gateway.monitor.status import PipelineStatus
 log = logging.getLogger("conveyor.gateway")
 
 UNSERVED_GRACE_S = 10.0  # a stage without a live or loading worker this long fails new requests at once
-REUSE_HOLD_MS = 59_000  # a timed-out caller's id held (+1 s of markers' slack): a worker's result_ttl_ms
 
 
 def partition_of(key: str | bytes, partitions: int) -> int:
@@ -257,20 +253,6 @@ class Gateway:
         except asyncio.CancelledError:
             self.cancel(future)
             raise
-        except TimeoutError:
-            if request_id is not None:  # the caller may use its id again: its first run must answer nothing
-                await self._hold(request_id)
-            raise
-
-    async def _hold(self, request_id: str | bytes) -> None:
-        """Mark a timed-out request of the caller's own id cancelled for ``REUSE_HOLD_MS``, before its
-        TimeoutError is raised: workers drop it if still queued, and :meth:`_check_unanswered` refuses
-        the id meanwhile (a run of the first would answer a second: its stale DeadlineExceeded, or the
-        first input's result). Best effort: a Redis out of reach leaves the id unheld."""
-        rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
-        for lane in self.lanes:  # the partition it went to is not known here: each one
-            with contextlib.suppress(*CONNECTION_OR_REPLY_ERRORS):
-                await send_cancels(self.hub.client, lane.keys, [(rid, REUSE_HOLD_MS)])
 
     def cancel(self, waiter: Any) -> bool:
         """The caller of the request that ``waiter`` answers left: it is cancelled (workers drop it,
@@ -358,8 +340,9 @@ class Gateway:
         result loses its ``SET NX`` and waits out its timeout. (`submit` takes the id as given: the HTTP
         front's ids are made unique.)"""
         rid = request_id.encode("ascii", "replace") if isinstance(request_id, str) else request_id
-        if rid is not None and protocol.is_request_id(rid) and self.lanes \
-                and await replies.answered(self.hub.client, [lane.keys for lane in self.lanes], rid):
+        if rid is not None and protocol.is_request_id(rid) and self.lanes and (
+                self.hub.canceller.holds(rid)  # it timed out here: its marker may still be on its way
+                or await replies.answered(self.hub.client, [lane.keys for lane in self.lanes], rid)):
             raise ValueError(f"request id {rid.decode()!r} was answered, cancelled or timed out a moment ago (its "
                              "first run may still answer): ids must be unique")
 

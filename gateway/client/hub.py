@@ -94,8 +94,8 @@ class Hub:
             self._wake = asyncio.Event()
             self._spawn(self._flusher(lambda: list(self._lanes.values()), self._wake), "conveyor-flusher")
             self._spawn(self._reader(self._reply_list(self._shared_reply, 1)), "conveyor-reader")
-        self._canceller = Canceller(self._client, lambda: self._closing)
-        self._spawn(self._canceller.run(), "conveyor-canceller")
+        self.canceller = Canceller(self._client, lambda: self._closing)
+        self._spawn(self.canceller.run(), "conveyor-canceller")
         if self.settings.resend_forgotten and self.settings.audit_after_s > 0:
             self._spawn(self.recall.audit_forever(self._client), "conveyor-audit")
         self._started = True
@@ -211,7 +211,7 @@ class Hub:
         waiter.request_id = request_id
         record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
-        self.deadlines.add(loop, request_id, now_s + timeout_s, record)
+        record.serial = self.deadlines.add(loop, request_id, now_s + timeout_s)
         if trace is not None:
             lane.traced = True
         lane.outbox.append(record)
@@ -229,6 +229,8 @@ class Hub:
 
     def _expire(self, request_id: bytes) -> None:
         record = self.requests.pop(request_id)
+        if type(record.waiter) is Answer and not request_id.startswith(record.lane.id_prefix):  # the caller's id
+            self.canceller.hold(record.lane.keys, request_id)
         if not record.waiter.done():
             record.waiter.set_exception(TimeoutError(
                 f"no answer within {record.timeout_s:g}s for request {request_id.decode()}"))
@@ -298,7 +300,7 @@ class Hub:
             outbox.pop()
             return True
         remaining_s = record.since_s + record.timeout_s - self._loop.time()
-        self._canceller.add(record.lane.keys, found, int(remaining_s * 1000))
+        self.canceller.add(record.lane.keys, found, int(remaining_s * 1000))
         return True
 
     def _fail(self, records: list[InFlight], error: Callable[[], Exception]) -> None:

@@ -32,7 +32,7 @@ class InFlight:
     so that a late copy's ``SET NX`` loses: one answer). The hub keeps one per request, by id; the
     outboxes, the deadline timer and the resends read them."""
 
-    __slots__ = ("lane", "resent", "since_s", "submission", "timeout_s", "trace", "waiter")
+    __slots__ = ("lane", "resent", "serial", "since_s", "submission", "timeout_s", "trace", "waiter")
 
     def __init__(self, waiter: Waiter | StreamSink, lane: Lane, submission: Submission, since_s: float,
                  timeout_s: float, trace: RequestTrace | None = None) -> None:
@@ -43,6 +43,7 @@ class InFlight:
         self.timeout_s = timeout_s
         self.resent = False
         self.trace = trace  # a sampled or timed request's (gateway.client.trace_context); nearly always None
+        self.serial = 0  # its deadline's (gateway.client.deadlines)
 
 
 class Lane:
