@@ -175,8 +175,10 @@ def test_a_singleton_reads_items_that_expire_behind_a_long_call_answered_unrun()
     soon = protocol.now_ms() + 100
     work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, deadline), x)
             for i, (x, deadline) in enumerate([(0.3, None), (0.0, soon), (0.0, None), (0.0, soon)])]
-    outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, BatchStats())
+    stats = BatchStats()
+    outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, stats)
     assert stage.ran == [0.3, 0.0]
+    assert stats.sizes == [b"1", b"1"]  # two calls counted, not four (they would look a quarter as long)
     assert outcomes[0] == (True, 0.3) and outcomes[2] == (True, 0.0)
     for ok, failure in (outcomes[1], outcomes[3]):
         assert not ok and (failure.type, failure.message) == ("DeadlineExceeded",

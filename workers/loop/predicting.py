@@ -153,7 +153,8 @@ class Predictor:
         took_s = ended - began
         if self._handoff is not None:
             self._handoff.took(1, took_s)
-        self._record(stats, len(part), took_s * 1000)
+        ran = len(part) if self._spec.batched else len(part) - outcomes.count(EXPIRED)  # not run: no call
+        self._record(stats, ran, took_s * 1000)
         return outcomes
 
     def _run_kept(self, work: Work, kept: list[int], start: int, size: int, stats: BatchStats) -> list[Outcome | None]:
@@ -180,7 +181,7 @@ class Predictor:
                 append((True, detached(predict(x))))  # the next call may reuse its buffers
             except USER_ERRORS as exc:  # user code: any exception is that item's answer
                 append((False, failure(exc, tracebacks)))
-        ran = len(work) - outcomes.count(None)
+        ran = len(work) - outcomes.count(None) - outcomes.count(EXPIRED)
         ended = time.perf_counter()
         self.slices.append((0, len(work), began, ended, 1))  # one clock for the read: its calls share it evenly
         took_s = ended - began

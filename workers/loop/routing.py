@@ -17,6 +17,7 @@ from broker.commit import Commit
 from broker.keys import Keys
 from broker.streams import Entry
 from workers.loop.problems import Problems
+from workers.loop.runner import EXPIRED
 from workers.pipeline import StageSpec
 
 log = logging.getLogger("conveyor.worker")
@@ -96,7 +97,7 @@ class EntryRouter:
         """The outcome of user code on ``item``: an error, the result, or the next stage's input."""
         ok, value = outcome
         if not ok:
-            if self.problems is not None:
+            if self.problems is not None and outcome is not EXPIRED:  # never run: not the stage's error
                 self.problems.stage_error(item.request_id, value)
             self._error(item, value.type, value.message, commit, keys, value.traceback)
         elif self.last_stage:

@@ -29,7 +29,7 @@ from broker import otlp, tracing
 from broker.commit import BatchStats, bucket_of
 from workers.loop.predicting import Slice
 from workers.loop.routing import Work
-from workers.loop.runner import Outcome
+from workers.loop.runner import EXPIRED, Outcome
 from workers.pipeline import StageSpec
 
 __all__ = ["StageTracing"]
@@ -150,7 +150,7 @@ class StageTracing:
                     wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
                     item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
                 parent = parents.get(i)
-                if parent is None:
+                if parent is None or outcomes[i] is EXPIRED:  # never run (its deadline passed): no predict span
                     continue
                 if not tail:
                     tail = self._predict_tail(size)
