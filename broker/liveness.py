@@ -24,7 +24,7 @@ from redis.cluster import key_slot
 from broker import protocol
 from broker.batch_entries import queue_reads
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, is_cluster_client
-from broker.families import CANCEL_FLAG, COUNTS, HEARTBEATS, LOADING, MAX_BACKLOG, REGISTRY, SPEC, STREAMS, STUCK
+from broker.families import CANCEL_FLAG, COUNTS, HEARTBEATS, LOADING, MAX_BACKLOG, SPEC, STREAMS, STUCK
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
 from broker.pins import PinClaims
@@ -77,14 +77,15 @@ class Beat:
         """Whether the partition's ``P:cancels`` exists (reply: 1 or 0; :mod:`broker.cancels`)."""
         self._pipe.exists(flag_key)
 
-    @sends(WORKER, uses={"set": (SPEC, MAX_BACKLOG), "sadd": REGISTRY},
+    @sends(WORKER, uses={"set": (SPEC, MAX_BACKLOG)},
            why="with the heartbeat: a registration lost (evicted, deleted) is written again, never overwritten")
-    def registration(self, keys: Keys, pipeline: str, spec: bytes, max_backlog: int | None) -> None:
+    def registration(self, keys: Keys, spec: bytes, max_backlog: int | None) -> None:
         """What :func:`broker.registry.register` wrote in ``keys``' partition, where it is gone (SET NX):
-        without its spec a gateway started later refuses the pipeline, and ``/readyz`` fails."""
+        without its spec a gateway started later refuses the pipeline, and ``/readyz`` fails. Not the
+        prefix's registry (``gateway --all``): on a Redis Cluster its slot is another node's, whose
+        outage must not slow every worker's heartbeat; it is written again at the next start."""
         self._pipe.set(keys.spec, spec, nx=True)
         self._pipe.set(keys.max_backlog, "none" if max_backlog is None else max_backlog, nx=True)
-        self._pipe.sadd(keys.registry, pipeline)
 
     def renew_pin(self, claims: PinClaims, cpu: int, stage: int, consumer: str) -> None:
         """Renew a core's claim (:meth:`broker.pins.PinClaims.renew`, declared there)."""

@@ -167,7 +167,7 @@ def test_a_registration_lost_is_written_again_by_the_next_beat_and_never_overwri
     keys, spec = Keys("t-lost"), encode_spec([StageInfo(0, "Only")])
     hook = Registration(keys.pipeline, [keys], spec, 7)
     for stored in (None, b"other"):
-        redis_client.delete(keys.spec, keys.max_backlog, keys.registry)
+        redis_client.delete(keys.spec, keys.max_backlog)
         if stored is not None:
             redis_client.set(keys.spec, stored)
         beat = Beat(redis_client)
@@ -175,7 +175,6 @@ def test_a_registration_lost_is_written_again_by_the_next_beat_and_never_overwri
         beat.send()
         assert redis_client.get(keys.spec) == (stored or spec)
         assert redis_client.get(keys.max_backlog) == b"7"
-        assert redis_client.sismember(keys.registry, keys.pipeline)
 
 
 @pytest.mark.redis
@@ -195,7 +194,7 @@ def test_the_worker_role_allows_its_liveness_and_recovery(declared_only: AclServ
         beat.count(KEYS.counts(0), "stage_errors", 1)
         beat.renew_pin(PinClaims(KEYS, "host", 10_000), 0, 0, "me")
         beat.next_stage_reads(KEYS, 1)
-        beat.registration(KEYS, KEYS.pipeline, b"spec", 4)
+        beat.registration(KEYS, b"spec", 4)
         assert not any(isinstance(r, Exception) for r in beat.send())
         client.set(KEYS.spec, encode_spec([StageInfo(0, "Other")]))
         with pytest.raises(PipelineMismatch):  # its GET and ZRANGE allowed ("me" beat above)

@@ -265,7 +265,7 @@ class Gateway:
         """Await the answer of a request submitted by a task of this gateway; the task cancelled (its
         caller left), the request is cancelled too."""
         try:
-            return await cast(Answer, answer)
+            return await cast(Answer, answer)  # never a Slot: submitted without direct
         except asyncio.CancelledError:
             self.hub.cancel(answer)
             raise

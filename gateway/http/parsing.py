@@ -176,7 +176,6 @@ class RequestReader:
         self.connection.request_complete(request)
 
 
-
 def _origin_form(target: bytes) -> bytes:
     """The path of an absolute-form target (``http://host:port/v1/predict``, which RFC 9112 3.2.2 has a
     server accept, as a proxy sends it); any other form (``*``, a bare name) is left to match no route."""

@@ -127,9 +127,12 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
     except ValueError as exc:  # a configuration error: each requester learns it, the worker lives on
         return [(False, Failure("ValueError", str(exc), ""))] * len(inputs)
     outcomes: list[Any] = [None] * len(inputs)
-    for group in plan_groups(inputs, key, size, spread):
-        # detached: the next group's call may overwrite buffers these results view (workers.loop.runner)
+    groups = plan_groups(inputs, key, size, spread)
+    for n, group in enumerate(groups, 1):
         deadlines = [deadlines_ms[i] for i in group] if deadlines_ms else ()
-        for i, outcome in zip(group, detach(run(stage.predict, [inputs[i] for i in group], deadlines)), strict=True):
+        ran = run(stage.predict, [inputs[i] for i in group], deadlines)
+        if n < len(groups):  # the next group's call may overwrite buffers these view (workers.loop.runner)
+            detach(ran)
+        for i, outcome in zip(group, ran, strict=True):
             outcomes[i] = outcome
     return outcomes

@@ -126,7 +126,7 @@ class Registration:
 
     def queue(self, beat: Beat, ready: bool) -> None:
         for keys in self.partitions:
-            beat.registration(keys, self.pipeline, self.spec, self.max_backlog)
+            beat.registration(keys, self.spec, self.max_backlog)
 
     def take(self, replies: list[Any]) -> None:
         """Nothing to read: a refusal is logged by the beat."""

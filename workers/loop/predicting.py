@@ -129,7 +129,8 @@ class Predictor:
         size = spec.batch_size if spec.batched else len(work)
         for start in range(0, len(work), size):
             part = work[start:start + size]
-            kept, begin = None if giver is None else giver.start(start, start + len(part)), len(outcomes)
+            begin = len(outcomes)
+            kept = None if giver is None else giver.start(start, start + len(part))
             if kept is not None:  # some were given back: run the others
                 outcomes += self._run_kept(work, kept, start, len(part), stats)
             else:
@@ -169,7 +170,7 @@ class Predictor:
         if self._busy is not None:
             self._busy.batch(self._spec, [item.deadline_ms for item, _ in work])
         predict, tracebacks, start, append = self._stage.predict, self._tracebacks, handoff.start, outcomes.append
-        began = time.perf_counter()
+        began, last = time.perf_counter(), len(work) - 1
         for i, (item, x) in enumerate(work):
             if start(i, i + 1) == []:
                 append(None)
@@ -178,7 +179,8 @@ class Predictor:
                 append(EXPIRED)
                 continue
             try:
-                append((True, detached(predict(x))))  # the next call may reuse its buffers
+                y = predict(x)
+                append((True, y if i == last else detached(y)))  # the next call may reuse its buffers
             except USER_ERRORS as exc:  # user code: any exception is that item's answer
                 append((False, failure(exc, tracebacks)))
         ran = len(work) - outcomes.count(None) - outcomes.count(EXPIRED)
