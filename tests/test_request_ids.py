@@ -14,12 +14,14 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from broker.logs import block, configure_logging
 from gateway import Gateway
@@ -257,11 +259,33 @@ def test_an_id_reused_after_its_answer_is_refused_at_once_not_left_to_wait(stack
     async def main() -> None:
         async with Gateway(stack.url, "t-ops") as gw:
             assert await gw.predict(5, request_id="py-again") == 10
+            # Others' answers after it: the gateway unlinks consumed result keys 64 at a time, and unlinked the
+            # caller's own one with them, so a reuse got in (its answer then open to a late run of the first).
+            assert await asyncio.gather(*(gw.predict(i) for i in range(70))) == [2 * i for i in range(70)]
+            assert await gw.predict(1) == 2  # its submission carries the consumed keys' UNLINK
             with pytest.raises(ValueError, match="'py-again' was answered, cancelled or timed out a moment ago"):
                 await asyncio.wait_for(gw.predict(6, request_id="py-again"), 10)
             assert await gw.predict(6, request_id="py-fresh") == 12  # nothing else lost
 
     asyncio.run(asyncio.wait_for(main(), T))
+
+
+def test_the_id_check_spends_the_requests_own_timeout(stack: Stack) -> None:
+    """With Redis paused, predict(request_id=...) waited for its id's check before its deadline began:
+    answers came seconds past the deadline."""
+    async def main() -> float:
+        async with Gateway(stack.url, "t-ops") as gw:
+            assert await gw.predict(1, request_id="py-warm") == 2
+            redis.Redis.from_url(stack.url).execute_command("CLIENT", "PAUSE", 4000, "ALL")
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await gw.predict(2, request_id="py-paused", timeout_s=0.5)
+            return time.monotonic() - started
+
+    try:
+        assert asyncio.run(asyncio.wait_for(main(), T)) < 2.0  # its 0.5 s, not the pause's 4 s
+    finally:
+        redis.Redis.from_url(stack.url).execute_command("CLIENT", "UNPAUSE")
 
 
 # -- the access log ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -245,7 +246,8 @@ class Gateway:
         """Run ``x`` through the pipeline; ``timeout_s``: its deadline (default ``settings.timeout_s``);
         ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``). A caller
         that cancels the awaiting task cancels the request: workers drop it (broker.cancels)."""
-        await self._check_unanswered(request_id)
+        if request_id is not None:
+            timeout_s = await self._unanswered_within(request_id, timeout_s)
         # direct=False: never a Slot
         future = cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id, priority=priority))
         try:
@@ -334,6 +336,21 @@ class Gateway:
                                "Gateway(...) as gw:` or `await gw.start()` first")
         stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
         return rid, data, timeout
+
+    async def _unanswered_within(self, request_id: str | bytes, timeout_s: float | None) -> float | None:
+        """:meth:`_check_unanswered` within the request's own timeout, which it spends (a Redis paused or
+        slow must not hold a request past its deadline); returns what is left of it."""
+        budget = self.settings.timeout_s if timeout_s is None else timeout_s
+        if type(budget) not in (int, float) or not 0 < budget < math.inf:  # submit says what is wrong with it
+            await self._check_unanswered(request_id)
+            return timeout_s
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._check_unanswered(request_id), budget)
+        except TimeoutError:
+            raise TimeoutError(f"no answer within {budget:g}s: Redis did not answer whether request id "
+                               f"{request_id!r} is in use") from None
+        return max(budget - (time.monotonic() - started), 0.001)
 
     async def _check_unanswered(self, request_id: str | bytes | None) -> None:
         """A caller's own id answered less than ``result_ttl_ms`` ago: a ValueError now, not a request whose

@@ -211,6 +211,7 @@ class Hub:
         waiter.request_id = request_id
         record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
+        record.keep_result = type(waiter) is Answer and not request_id.startswith(lane.id_prefix)  # caller's id
         record.serial = self.deadlines.add(loop, request_id, now_s + timeout_s)
         if trace is not None:
             lane.traced = True
@@ -221,7 +222,7 @@ class Hub:
         """Queue again requests Redis forgot (gateway.client.recall): first in the lane's next turn.
         Their result keys are left to expire, so that a late first run's SET NX loses."""
         for record in records:
-            record.resent = True
+            record.keep_result = True
             lane.traced = lane.traced or record.trace is not None
         lane.outbox[:0] = records
         if records:
@@ -229,7 +230,7 @@ class Hub:
 
     def _expire(self, request_id: bytes) -> None:
         record = self.requests.pop(request_id)
-        if type(record.waiter) is Answer and not request_id.startswith(record.lane.id_prefix):  # the caller's id
+        if record.keep_result:  # the caller's own id (or a request resent: never used again, held all the same)
             self.canceller.hold(record.lane.keys, request_id)
         if not record.waiter.done():
             record.waiter.set_exception(TimeoutError(
@@ -245,7 +246,7 @@ class Hub:
         if type(record.waiter) is StreamSink:
             self._end_stream(request_id, record, answer)
             return
-        if not record.resent:
+        if not record.keep_result:
             lane = record.lane
             lane.unlink.append(lane.keys.result_key(request_id))
         if record.trace is not None:
@@ -443,8 +444,7 @@ class Hub:
 
 def _stage_error(answer: dict[str, Any]) -> StageError:
     """An error record's error, as the caller meets it."""
-    err = answer.get("error")
-    err = err if isinstance(err, dict) else {}
+    err = answer["error"] if isinstance(answer.get("error"), dict) else {}
     kind = DeadlineExceeded if err.get("type") == "DeadlineExceeded" else StageError
     return kind(str(err.get("type", "Error")), str(err.get("message", "")), str(err.get("stage", "")),
                 str(err.get("traceback", "")))

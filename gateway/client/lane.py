@@ -28,11 +28,12 @@ class InFlight:
     """Everything a gateway knows of one request until it is answered (or expires, or is refused):
     who waits for its answer, its lane, what was submitted (id, data, deadline), its timeout, since
     when it is held (monotonic: reset when audited or sent again, see gateway.client.recall), and
-    whether it was sent more than once (then its result key is left to expire rather than unlinked,
-    so that a late copy's ``SET NX`` loses: one answer). The hub keeps one per request, by id; the
-    outboxes, the deadline timer and the resends read them."""
+    whether its result key is left to expire rather than unlinked once answered: a request sent more
+    than once (a late copy's ``SET NX`` must lose: one answer), or one under its caller's own id (a
+    request under that id again is refused while the result lives: ``Gateway.predict``). The hub keeps
+    one per request, by id; the outboxes, the deadline timer and the resends read them."""
 
-    __slots__ = ("lane", "resent", "serial", "since_s", "submission", "timeout_s", "trace", "waiter")
+    __slots__ = ("keep_result", "lane", "serial", "since_s", "submission", "timeout_s", "trace", "waiter")
 
     def __init__(self, waiter: Waiter | StreamSink, lane: Lane, submission: Submission, since_s: float,
                  timeout_s: float, trace: RequestTrace | None = None) -> None:
@@ -41,7 +42,7 @@ class InFlight:
         self.submission = submission
         self.since_s = since_s
         self.timeout_s = timeout_s
-        self.resent = False
+        self.keep_result = False
         self.trace = trace  # a sampled or timed request's (gateway.client.trace_context); nearly always None
         self.serial = 0  # its deadline's (gateway.client.deadlines)
 
