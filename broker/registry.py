@@ -34,6 +34,16 @@ def _shape(spec: bytes) -> tuple[Any, ...] | None:
     return tuple((s.name, s.streams, s.partitions, s.priority_levels) for s in stages)
 
 
+def other_definition(stored: bytes, mine: bytes) -> str | None:
+    """``stored`` (a partition's ``P:spec``) against this worker's ``mine``: a sentence naming both
+    stage lists if they cannot serve the pipeline together, else None (the same stages, or unreadable)."""
+    theirs, ours = _shape(stored), _shape(mine)
+    if theirs is None or ours is None or theirs == ours:
+        return None
+    return (f"registered as {' -> '.join(s[0] for s in theirs)}, this worker's definition is "
+            f"{' -> '.join(s[0] for s in ours)} (or they differ in partitions, priority levels or streaming)")
+
+
 # MGET, not GET: the worker role has it already (cancel markers), and on Redis 6.2, whose rules have no
 # selectors, a new read command would reach every key of the role (results included).
 @sends(WORKER, uses={"mget": SPEC, "zrange": HEARTBEATS}, why="at start: another definition of the pipeline live")

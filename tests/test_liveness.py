@@ -177,6 +177,24 @@ def test_a_registration_lost_is_written_again_by_the_next_beat_and_never_overwri
         assert redis_client.get(keys.max_backlog) == b"7"
 
 
+def test_a_spec_of_other_stages_written_meanwhile_is_said_by_the_next_beat(redis_client: redis.Redis,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The spec lost, a worker of another definition started and wrote its own (the check at start saw
+    none): the running workers mixed answers with its, and nothing said so."""
+    keys, mine = Keys("t-overwritten"), encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Shift")])
+    hook = Registration(keys.pipeline, [keys], mine, None)
+    caplog.set_level(logging.ERROR, "conveyor.worker")
+    for stored in (mine, encode_spec([StageInfo(0, "Scale", batch_size=8), StageInfo(1, "Shift")]),
+                   encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Double"), StageInfo(2, "Shift")])):
+        redis_client.set(keys.spec, stored)
+        beat = Beat(redis_client)
+        hook.queue(beat, ready=True)
+        hook.take(beat.send())
+    said = [r.getMessage() for r in caplog.records if "answer each other's requests" in r.getMessage()]
+    assert len(said) == 1 and "registered as Scale -> Double -> Shift" in said[0], said  # not the batch_size change
+    assert redis_client.get(keys.spec) != mine  # said, not overwritten
+
+
 @pytest.mark.redis
 def test_the_worker_role_allows_its_liveness_and_recovery(declared_only: AclServer) -> None:
     server = declared_only

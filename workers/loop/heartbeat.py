@@ -25,7 +25,9 @@ from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Red
 from broker.errors import ReplyError, SyncClient
 from broker.keys import Keys
 from broker.liveness import Beat, leave
+from broker.logs import Throttle
 from broker.refusals import log_refusal_once
+from broker.registry import other_definition
 
 log = logging.getLogger("conveyor.worker")
 
@@ -119,17 +121,26 @@ class LiveWorkers:
 
 class Registration:
     """The pipeline's registration, written again with each beat where it is gone (its spec evicted
-    by an ``allkeys-*`` policy, deleted by hand): :meth:`broker.liveness.Beat.registration`."""
+    by an ``allkeys-*`` policy, deleted by hand): :meth:`broker.liveness.Beat.registration`. A spec of
+    other stages found there (written by a worker of another definition as this one's was gone: the
+    check at start saw none) is said at once, and every minute while it stays: the two definitions'
+    workers share streams by position and answer each other's requests."""
 
     def __init__(self, pipeline: str, partitions: Sequence[Keys], spec: bytes, max_backlog: int | None) -> None:
         self.pipeline, self.partitions, self.spec, self.max_backlog = pipeline, partitions, spec, max_backlog
+        self._throttle = Throttle(60.0)
 
     def queue(self, beat: Beat, ready: bool) -> None:
         for keys in self.partitions:
             beat.registration(keys, self.spec, self.max_backlog)
 
     def take(self, replies: list[Any]) -> None:
-        """Nothing to read: a refusal is logged by the beat."""
+        for stored in replies[2::3]:  # each partition's [spec]; a refusal is logged by the beat
+            raw = stored[0] if isinstance(stored, list) and stored else None
+            other = None if raw is None or raw == self.spec else other_definition(protocol.as_bytes(raw), self.spec)
+            if other is not None and self._throttle.allow(("other", other)) is not None:
+                log.error("pipeline %r is %s: the two share streams by position and answer each other's "
+                          "requests; stop one of them", self.pipeline, other)
 
     def stop(self, client: SyncClient) -> None:
         """Nothing to undo."""
