@@ -122,6 +122,9 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
                         api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log,
                         traces=TraceSettings.from_env(os.environ), timing_headers=timing_headers)
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries, fail_fast=fail_fast)
+    if processes > 8 * (os.cpu_count() or 1):  # each a whole gateway (~45 MB, its connections): a typo's hundreds OOM
+        raise click.BadParameter(f"{processes} is more than 8 per core ({os.cpu_count()} cores here); one per core "
+                                 "is the usual choice", param_hint="'--processes'")
     chosen = choose_redis(redis_url, names)
     if not redis_url:
         click.echo(f"conveyor gateway: {chosen.said()}", err=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import logging
 import multiprocessing
@@ -40,6 +41,7 @@ log = logging.getLogger("gateway.serve")
 
 _START_TIMEOUT_S = 60.0  # children import numpy, redis, ...: slow on a loaded machine
 _STOP_GRACE_S = 10.0  # beyond the drain timeout, before a child that will not exit is killed
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class LoopUnavailable(RuntimeError):
@@ -133,10 +135,11 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
             loop.remove_signal_handler(sig)
 
 
-def _child(job: GatewayJob, index: int, ready: Any) -> None:
+def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:
     """Entry point of one child of `serve_processes`."""
     from broker.logs import configure_logging
 
+    _end_with(parent_pid)
     configure_logging(job.log_format)
 
     def started(server: HttpServer) -> None:
@@ -147,6 +150,16 @@ def _child(job: GatewayJob, index: int, ready: Any) -> None:
     except PortInUse as exc:
         print(f"conveyor gateway: {exc.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _end_with(parent_pid: int) -> None:
+    """This process gets SIGTERM (a drain) when its parent dies, SIGKILLed or OOM-killed (Linux's
+    ``PR_SET_PDEATHSIG``): orphans would go on serving the port unsupervised, never stopped."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent_pid:  # it died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _reserve(host: str, port: int) -> socket.socket:
@@ -179,8 +192,8 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
     ready = ctx.Queue()
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    children = [ctx.Process(target=_child, args=(child_job, i, ready), name=f"gateway-{i}", daemon=False)
-                for i in range(processes)]
+    children = [ctx.Process(target=_child, args=(child_job, i, ready, os.getpid()), name=f"gateway-{i}",
+                            daemon=False) for i in range(processes)]
     try:
         for child in children:
             child.start()

@@ -5,6 +5,7 @@ Real processes (``python -m gateway``) against the session's real Redis; every w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 import click
 import psutil
 import pytest
+from click.testing import CliRunner
 
 from gateway.cli import gateway, status, status_json
 from gateway.http.server import PortInUse, check_port_free
@@ -94,6 +96,38 @@ def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path:
     assert text.count("drain: done") == 2, text
     assert "all processes stopped" in text
     assert not any(p.is_running() for p in psutil.Process().children() if p.pid in listeners)
+
+
+def test_hundreds_of_processes_are_refused_at_once() -> None:
+    """--processes 600 started 600 gateways (45 MB each) on a 2-core machine: the OOM killer came."""
+    result = CliRunner().invoke(gateway, ["t-many", "--processes", str(8 * (os.cpu_count() or 1) + 1)])
+    assert result.exit_code == 2 and "more than 8 per core" in result.output, result.output
+
+
+def test_processes_end_with_their_parent_killed(redis_url: str, tmp_path: Path) -> None:
+    """SIGKILL (or the OOM killer) on the parent left its gateway processes serving the port, unsupervised."""
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as err:
+        proc = _gateway("t-orphans", "--processes", "2", "--port", str(port), "--redis", redis_url,
+                        stderr=err.fileno())
+    children: list[psutil.Process] = []
+    try:
+        _wait_listening(port)
+        deadline = time.monotonic() + WAIT_S
+        while len(children) < 2 and time.monotonic() < deadline:  # (and multiprocessing's resource tracker)
+            children = psutil.Process(proc.pid).children()
+            time.sleep(0.1)
+        assert len(children) >= 2, log.read_text()
+        proc.kill()
+        proc.wait(WAIT_S)
+        _, alive = psutil.wait_procs(children, timeout=WAIT_S)
+        assert not alive, log.read_text()
+    finally:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    assert log.read_text().count("drain: done") == 2  # a drain, as at a stop
 
 
 @pytest.mark.parametrize("command", [gateway, status])
