@@ -81,13 +81,15 @@ class Beat:
            why="with the heartbeat: a registration lost (evicted, deleted) is written again, never overwritten")
     def registration(self, keys: Keys, spec: bytes, max_backlog: int | None) -> None:
         """What :func:`broker.registry.register` wrote in ``keys``' partition, where it is gone (SET NX):
-        without its spec a gateway started later refuses the pipeline, and ``/readyz`` fails; then the
-        spec as it stands (replies: the two SETs', then ``[spec]``), to tell another definition's. Not
+        without its spec a gateway started later refuses the pipeline, and ``/readyz`` fails; then, but on
+        a Redis Cluster, the spec as it stands (replies: the two SETs', then ``[spec]``), to tell another
+        definition's. Not
         the prefix's registry (``gateway --all``): on a Redis Cluster its slot is another node's, whose
         outage must not slow every worker's heartbeat; it is written again at the next start."""
         self._pipe.set(keys.spec, spec, nx=True)
         self._pipe.set(keys.max_backlog, "none" if max_backlog is None else max_backlog, nx=True)
-        self._pipe.mget([keys.spec])
+        if not self._cluster:  # redis-py refuses MGET in a cluster pipeline (and GET would widen 6.2's rules)
+            self._pipe.mget([keys.spec])
 
     def renew_pin(self, claims: PinClaims, cpu: int, stage: int, consumer: str) -> None:
         """Renew a core's claim (:meth:`broker.pins.PinClaims.renew`, declared there)."""

@@ -135,6 +135,8 @@ class Registration:
             beat.registration(keys, self.spec, self.max_backlog)
 
     def take(self, replies: list[Any]) -> None:
+        if len(replies) != 3 * len(self.partitions):  # a Redis Cluster: no spec read back (Beat.registration)
+            return
         for stored in replies[2::3]:  # each partition's [spec]; a refusal is logged by the beat
             raw = stored[0] if isinstance(stored, list) and stored else None
             other = None if raw is None or raw == self.spec else other_definition(protocol.as_bytes(raw), self.spec)
