@@ -26,7 +26,7 @@ from broker.scaling import ScaleRecord
 from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
 from gateway.client.settings import timeout_problem
-from gateway.http.auth import read_keys
+from gateway.http.auth import NoKeyGiven, read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
 from gateway.monitor.status import PipelineStatus, read_all_partitions
@@ -116,10 +116,14 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
     if not names and not discover:
         raise click.UsageError("name the pipelines to serve (conveyor gateway NAME [NAME...]), or pass --all")
     configure_logging(log_format.lower())
+    try:
+        api_keys = read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file)
+    except NoKeyGiven as exc:
+        raise click.BadParameter(str(exc), param_hint="'--api-key-file' / CONVEYOR_API_KEYS") from None
     http = HttpSettings(host=host, port=port, debug=debug, max_body_bytes=max_body_bytes,
                         header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s, send_timeout_s=send_timeout_s,
                         max_connections=max_connections, drain_timeout_s=drain_timeout_s,
-                        api_keys=read_keys(os.environ.get("CONVEYOR_API_KEYS"), api_key_file), access_log=access_log,
+                        api_keys=api_keys, access_log=access_log,
                         traces=TraceSettings.from_env(os.environ), timing_headers=timing_headers)
     settings = GatewaySettings(timeout_s=timeout_s, prefix=prefix, batch_entries=batch_entries, fail_fast=fail_fast)
     if processes > 8 * (os.cpu_count() or 1):  # each a whole gateway (~45 MB, its connections): a typo's hundreds OOM

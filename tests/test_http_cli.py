@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.cli import gateway, status, status_json
+from gateway.http.auth import read_keys
 from gateway.http.server import PortInUse, check_port_free
 from gateway.monitor.status import PipelineStatus
 from tests.ops_stages import free_port
@@ -102,6 +103,26 @@ def test_hundreds_of_processes_are_refused_at_once() -> None:
     """--processes 600 started 600 gateways (45 MB each) on a 2-core machine: the OOM killer came."""
     result = CliRunner().invoke(gateway, ["t-many", "--processes", str(8 * (os.cpu_count() or 1) + 1)])
     assert result.exit_code == 2 and "more than 8 per core" in result.output, result.output
+
+
+@pytest.mark.parametrize("env, lines", [({"CONVEYOR_API_KEYS": " , "}, None), ({}, "# keys go here\n\n")])
+def test_keys_asked_for_but_none_given_refuse_to_serve_open(tmp_path: Path, env: dict[str, str],
+                                                            lines: str | None) -> None:
+    """An empty key file or a variable of only separators served the front open to anyone."""
+    with socket.socket() as taken:  # without the check, the gateway would stop here (exit 1), not serve
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["t-keys", "--redis", "redis://127.0.0.1:9", "--port", str(taken.getsockname()[1])]
+        if lines is not None:
+            (tmp_path / "keys").write_text(lines)
+            args += ["--api-key-file", str(tmp_path / "keys")]
+        result = CliRunner().invoke(gateway, args, env=env)
+    assert result.exit_code == 2 and "holds no key" in result.output, result.output
+
+
+def test_a_blank_key_variable_means_unset() -> None:
+    """compose passes an unset CONVEYOR_API_KEYS as an empty string: that is no keys, not an error."""
+    assert read_keys("", None) == read_keys("  ", None) == ()
 
 
 def test_processes_end_with_their_parent_killed(redis_url: str, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import orjson
 
 from gateway.http.types import HttpError, Reply
 
-__all__ = ["OPEN_ROUTES", "ApiKeys", "read_keys"]
+__all__ = ["OPEN_ROUTES", "ApiKeys", "NoKeyGiven", "read_keys"]
 
 OPEN_ROUTES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})  # route labels answered without a key
 _OPENAI_ROUTES = frozenset({"embeddings", "models", "model"})
@@ -25,16 +25,25 @@ _OIP_ROUTES = frozenset({"infer", "v2_metadata"})
 _CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
+class NoKeyGiven(ValueError):
+    """Keys were asked for (a key file, a non-blank ``CONVEYOR_API_KEYS``) and none were found: serving
+    open then would let anyone in who was meant to be kept out."""
+
+
 def read_keys(text: str | None, file: Path | None) -> tuple[str, ...]:
     """The keys of ``CONVEYOR_API_KEYS`` (separated by commas or whitespace) and of a file (one a line,
-    ``#`` comments), in order, without duplicates."""
-    found: list[str] = []
-    if text:
-        found += text.replace(",", " ").split()
+    ``#`` comments), in order, without duplicates. A blank variable means unset (compose passes an unset one
+    as ``""``); a file or a non-blank variable that holds no key raises :class:`NoKeyGiven`."""
+    from_text = text.replace(",", " ").split() if text else []
+    if text and text.strip() and not from_text:
+        raise NoKeyGiven(f"CONVEYOR_API_KEYS holds no key ({text!r}); unset it to serve without keys")
+    from_file: list[str] = []
     if file is not None:
-        found += [line.strip() for line in file.read_text().splitlines() if line.strip() and
-                  not line.lstrip().startswith("#")]
-    return tuple(dict.fromkeys(found))
+        from_file = [line.strip() for line in file.read_text().splitlines() if line.strip() and
+                     not line.lstrip().startswith("#")]
+        if not from_file:
+            raise NoKeyGiven(f"{file} holds no key (one a line; '#' starts a comment)")
+    return tuple(dict.fromkeys(from_text + from_file))
 
 
 class ApiKeys:
