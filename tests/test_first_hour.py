@@ -9,6 +9,7 @@ import itertools
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +227,30 @@ def test_a_gateway_used_after_close_says_so_at_once(redis_url: str) -> None:
                 await asyncio.wait_for(call, 5)
 
     asyncio.run(scenario())
+
+
+def test_a_gateway_used_from_another_event_loop_says_so_before_sending(redis_url: str) -> None:
+    """Started on one loop, awaited on another (two ``asyncio.run`` calls, a thread's loop): the request
+    went out, then its caller got asyncio's "attached to a different loop", so a retry ran it twice."""
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    gw = Gateway(redis_url, "t-two-loops", GatewaySettings(timeout_s=5))
+    try:
+        asyncio.run_coroutine_threadsafe(gw.start(), home).result(10)
+
+        async def elsewhere() -> None:
+            for call in (gw.predict(3), anext(gw.stream(3))):
+                with pytest.raises(RuntimeError, match="started on another event loop"):
+                    await asyncio.wait_for(call, 5)
+            assert gw.in_flight == 0
+
+        asyncio.run(elsewhere())
+    finally:
+        asyncio.run_coroutine_threadsafe(gw.close(), home).result(10)
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)
+        home.close()
 
 
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:

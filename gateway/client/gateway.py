@@ -227,6 +227,8 @@ class Gateway:
         (one callback, run as the answer arrives, without an event-loop handle) where it can, else a
         future."""
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
+        if not direct:  # direct: the HTTP front, on the hub's loop by construction (and hot)
+            self._check_loop()
         if self.registration.streams:
             raise WrongRoute(f"pipeline {self.pipeline!r} streams its answers (its last stage's predict yields): "
                              "use Gateway.stream (HTTP: POST .../stream)")
@@ -296,6 +298,7 @@ class Gateway:
         """:meth:`stream` without the iteration: the request's `StreamSink` (the HTTP front listens to
         it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
+        self._check_loop()
         if not self.registration.registered:
             started = time.monotonic()
             await self.registration.wait(timeout)
@@ -336,6 +339,14 @@ class Gateway:
                                "Gateway(...) as gw:` or `await gw.start()` first")
         stream_level(priority, self.levels)  # a bad priority raises here, in the caller's stack
         return rid, data, timeout
+
+    def _check_loop(self) -> None:
+        """Refuse, before anything is sent, a call from another event loop than the one this gateway
+        started on: its connections and tasks live there, and asyncio would raise only once the request
+        was out (a retry then ran it twice)."""
+        if asyncio.get_running_loop() is not self.hub.loop:
+            raise RuntimeError(f"Gateway for {self.pipeline!r} was started on another event loop: start and use it "
+                               "on one (`async with Gateway(...) as gw:` inside the one asyncio.run)")
 
     async def _unanswered_within(self, request_id: str | bytes, timeout_s: float | None) -> float | None:
         """:meth:`_check_unanswered` within the request's own timeout, which it spends (a Redis paused or

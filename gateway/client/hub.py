@@ -79,7 +79,7 @@ class Hub:
         self._tasks = []
         self._lanes = {}
         self._replies = []
-        self._loop = asyncio.get_running_loop()  # the clients and tasks live on this loop
+        self.loop = asyncio.get_running_loop()  # the clients and tasks live on this loop
         self._client = self.client = self.redis.async_client(self.settings.max_connections)
         self._cluster = is_cluster_client(self._client)
         self._submissions = Submissions(self._client)
@@ -176,7 +176,7 @@ class Hub:
         elif request_id is None:
             lane.counter += 1
             request_id = b"%b%d" % (lane.id_prefix, lane.counter)
-        waiter: Answer | Slot = Slot(self._loop) if direct else Answer(loop=self._loop)
+        waiter: Answer | Slot = Slot(self.loop) if direct else Answer(loop=self.loop)
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter
 
@@ -185,7 +185,7 @@ class Hub:
         """:meth:`enqueue` for a streamed answer: its chunks arrive in a `StreamSink` that holds at most
         ``max_buffered`` of them not yet taken (else the stream is cancelled: StreamLagged)."""
         request_id = self._admit(lane, request_id)
-        sink = StreamSink(self._loop, max_buffered)
+        sink = StreamSink(self.loop, max_buffered)
         sink.on_abandon = self.cancel
         self._add(lane, request_id, data, timeout_s, sink)
         return sink
@@ -204,7 +204,7 @@ class Hub:
         return request_id
 
     def _add(self, lane: Lane, request_id: bytes, data: bytes, timeout_s: float, waiter: Answer | Slot) -> None:
-        loop = self._loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
+        loop = self.loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
         now_s = loop.time()
         deadline_ms = protocol.now_ms() + int(timeout_s * 1000)
         trace = CURRENT.get()  # None but for a sampled or timed request (gateway.client.trace_context)
@@ -300,7 +300,7 @@ class Hub:
         if outbox and outbox[-1] is record:  # not sent yet (a request of several refused on its way): never sent
             outbox.pop()
             return True
-        remaining_s = record.since_s + record.timeout_s - self._loop.time()
+        remaining_s = record.since_s + record.timeout_s - self.loop.time()
         self.canceller.add(record.lane.keys, found, int(remaining_s * 1000))
         return True
 
@@ -384,12 +384,12 @@ class Hub:
             try:
                 if recovering:
                     await self._recover(replies, reread=not started)
-                    recovering, started, checked_s = False, False, self._loop.time()
-                elif self._cluster and self._loop.time() - checked_s > RUN_CHECK_S:
+                    recovering, started, checked_s = False, False, self.loop.time()
+                elif self._cluster and self.loop.time() - checked_s > RUN_CHECK_S:
                     # redis-py follows a failover to the promoted node by itself, without an error
                     # here: the run id of the slot's node says whether one happened.
                     await self.recall.check_run(replies.client, replies.key, self._lanes_of(replies.key))
-                    checked_s = self._loop.time()
+                    checked_s = self.loop.time()
                 elements = await replies.pop()
                 backoff.reset()
             except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
@@ -403,7 +403,7 @@ class Hub:
                 # Resolved on the loop's next turn, one handle per element (a batch's answers), in order:
                 # the next BLPOP goes out first, not after the HTTP front has written every reply (a
                 # Slot answers its request in the resolver's stack).
-                self._loop.call_soon(self._deliver_popped, element)
+                self.loop.call_soon(self._deliver_popped, element)
 
     def _deliver_popped(self, element: bytes) -> None:
         self._deliver(element)
