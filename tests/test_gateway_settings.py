@@ -16,6 +16,8 @@ from click.testing import CliRunner
 import gateway.cli as gateway_cli
 from gateway import GatewaySettings
 from gateway.cli import gateway
+from gateway.client.settings import SettingsError
+from gateway.http.settings import HttpSettings
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +67,55 @@ def test_a_good_timeout_reaches_the_settings(served: list[Any]) -> None:
     assert result.exit_code == 0, result.output
     (job,) = served
     assert job.gateway.timeout_s == 2.5
+
+
+# Every other numeric setting, refused where the settings are made (a bad one misbehaved at the first request:
+# max_in_flight=0 or max_backlog=0 answered every request 503, reply_block_s=0 blocked the reply reader for ever,
+# NaN and infinity went through every comparison).
+NOT_FINITE = [math.nan, math.inf, -math.inf]
+BAD_SETTINGS = [
+    *(("max_in_flight", v) for v in [0, -1, 2.5, True, None]),
+    *(("max_backlog", v) for v in [0, -3, 1.5]),
+    *(("max_connections", v) for v in [0, -1, 4.0]),
+    *(("reply_block_s", v) for v in [0, -1, 0.0001, 60, "1", *NOT_FINITE]),
+    *(("register_wait_s", v) for v in [-0.5, 1e9, *NOT_FINITE]),
+    *(("max_payload_bytes", v) for v in [0, -1, 1e6]),
+    *(("audit_after_s", v) for v in [-1, 1e9, *NOT_FINITE]),
+    *(("stream_buffer_chunks", v) for v in [0, -1, 8.0]),
+    *(("prefix", v) for v in ["", "a:b", "with space", "{x}"]),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_SETTINGS)
+def test_gateway_settings_refuse_values_no_gateway_could_serve_with(name: str, value: object) -> None:
+    with pytest.raises(SettingsError, match=rf"GatewaySettings\.{name}\b"):
+        GatewaySettings(**{name: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name, value", [("audit_after_s", 0), ("register_wait_s", 0), ("max_backlog", None),
+                                         ("max_backlog", 1), ("reply_block_s", 0.001), ("reply_block_s", 2),
+                                         ("max_in_flight", 1), ("prefix", "tenant-a"), ("stream_buffer_chunks", 1)])
+def test_meaningful_edge_values_are_taken(name: str, value: object) -> None:
+    """0 means off for the audit and "fail at once" for an unregistered pipeline: kept."""
+    assert getattr(GatewaySettings(**{name: value}), name) == value  # type: ignore[arg-type]
+
+
+BAD_HTTP = [
+    *((name, v) for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
+                             "status_timeout_s") for v in [0, -1, *NOT_FINITE]),
+    *(("drain_timeout_s", v) for v in [-1, *NOT_FINITE]),
+    *(("oip_plans", v) for v in [-1, 2.5]),
+    *((name, v) for name in ("max_body_bytes", "max_header_bytes", "max_connections", "backlog") for v in [0, 1.5]),
+    *(("port", v) for v in [-1, 65536, 80.0]),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_HTTP)
+def test_http_settings_refuse_nan_infinity_and_fractions(name: str, value: object) -> None:
+    with pytest.raises(SettingsError, match=rf"HttpSettings\.{name}\b"):
+        HttpSettings(**{name: value})  # type: ignore[arg-type]
+
+
+def test_http_settings_keep_the_zeros_that_mean_something() -> None:
+    settings = HttpSettings(drain_timeout_s=0, oip_plans=0, port=0)
+    assert (settings.drain_timeout_s, settings.oip_plans, settings.port) == (0, 0, 0)

@@ -5,10 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from broker.keys import DEFAULT_PREFIX
+from broker.connection import LONGEST_BLOCK_S
+from broker.keys import DEFAULT_PREFIX, Keys
 from broker.protocol import MAX_DEADLINE_AHEAD_MS
 
 MAX_TIMEOUT_S = MAX_DEADLINE_AHEAD_MS / 1000  # a week: the furthest deadline a stream entry may carry
+# A BLPOP's timeout: Redis counts it in whole milliseconds, and 0 ms blocks for ever (past the client's socket
+# timeout, which then cuts the connection); past LONGEST_BLOCK_S the socket timeout may cut it too.
+MIN_BLOCK_S = 0.001
+
+
+class SettingsError(ValueError):
+    """A gateway or HTTP setting no gateway could run with: the message names the setting and its range."""
 
 
 def timeout_problem(value: object) -> str | None:
@@ -17,6 +25,24 @@ def timeout_problem(value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
         return f"must be a positive number of seconds up to a week ({MAX_TIMEOUT_S:g}), got {value!r}"
+    return None
+
+
+def number_problem(value: object, low: float, high: float = math.inf, low_open: bool = False) -> str | None:
+    """What is wrong with ``value`` as a finite number from ``low`` (excluded with ``low_open``) to ``high``, else
+    None. NaN passes every comparison's negation and infinity every lower bound: both are named here."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not (
+            (value > low if low_open else value >= low) and value <= high):
+        above = f"> {low:g}" if low_open else f">= {low:g}"
+        return f"must be a finite number {above}{'' if high == math.inf else f' and <= {high:g}'}, got {value!r}"
+    return None
+
+
+def count_problem(value: object, low: int = 1) -> str | None:
+    """What is wrong with ``value`` as an integer >= ``low``, else None (a float such as 2.5 or 1e9 is refused:
+    it would be compared and formatted as a count where Redis and the front take integers)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return f"must be an integer >= {low}, got {value!r}"
     return None
 
 
@@ -49,8 +75,26 @@ class GatewaySettings:
     stream_buffer_chunks: int = 1024
 
     def __post_init__(self) -> None:
-        """Refuse a default timeout no request could have: a bad one made every request without a timeout
-        of its own fail as if it had given a wrong one."""
-        problem = timeout_problem(self.timeout_s)
-        if problem is not None:
-            raise ValueError(f"GatewaySettings.timeout_s {problem}")
+        """Refuse, here, a value no gateway could serve with: a bad default timeout made every request without
+        one of its own fail as if it had given a wrong one; ``max_in_flight`` or ``max_backlog`` 0 answered every
+        request 503, ``reply_block_s`` 0 blocked the reply reader for ever, a bad prefix failed at the first
+        request. 0 is kept where it has a meaning: ``audit_after_s`` (no audit), ``register_wait_s`` (an
+        unregistered pipeline's requests fail at once)."""
+        problems = {
+            "timeout_s": timeout_problem(self.timeout_s),
+            "max_in_flight": count_problem(self.max_in_flight),
+            "max_backlog": None if self.max_backlog is None else count_problem(self.max_backlog),
+            "max_connections": count_problem(self.max_connections),
+            "reply_block_s": number_problem(self.reply_block_s, MIN_BLOCK_S, LONGEST_BLOCK_S),
+            "register_wait_s": number_problem(self.register_wait_s, 0, MAX_TIMEOUT_S),
+            "max_payload_bytes": count_problem(self.max_payload_bytes),
+            "audit_after_s": number_problem(self.audit_after_s, 0, MAX_TIMEOUT_S),
+            "stream_buffer_chunks": count_problem(self.stream_buffer_chunks),
+        }
+        for name, problem in problems.items():
+            if problem is not None:
+                raise SettingsError(f"GatewaySettings.{name} {problem}")
+        try:
+            Keys("x", self.prefix)
+        except ValueError as exc:
+            raise SettingsError(f"GatewaySettings.prefix: {exc}") from None

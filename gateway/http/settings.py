@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from broker.tracing import TraceSettings
+from gateway.client.settings import MAX_TIMEOUT_S, SettingsError, count_problem, number_problem
 
 __all__ = ["LOOPS", "HttpSettings"]
 
@@ -65,16 +66,19 @@ class HttpSettings:
     half_close_answers: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
-                     "status_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
-        if self.oip_plans < 0:
-            raise ValueError(f"oip_plans must be >= 0, got {self.oip_plans!r}")
+        """Refuse what no front could serve with, naming the setting: NaN passed every ``> 0`` test as false
+        and ``< 0`` too (a NaN drain timeout was taken), infinity turned a timeout that frees abandoned
+        connections off, and 2.5 connections compared as a count. ``drain_timeout_s`` 0 (stop at once) and
+        ``oip_plans`` 0 (keep none) have a meaning and are kept."""
+        problems = {name: number_problem(getattr(self, name), 0, MAX_TIMEOUT_S, low_open=True)
+                    for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s", "send_timeout_s",
+                                 "status_timeout_s")}
+        problems["drain_timeout_s"] = number_problem(self.drain_timeout_s, 0, MAX_TIMEOUT_S)
+        problems["oip_plans"] = count_problem(self.oip_plans, 0)
         for name in ("max_body_bytes", "max_header_bytes", "max_connections", "backlog"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+            problems[name] = count_problem(getattr(self, name))
+        if count_problem(self.port, 0) is not None or self.port > 65535:
+            problems["port"] = f"must be an integer in 0..65535, got {self.port!r}"
+        for name, problem in problems.items():
+            if problem is not None:
+                raise SettingsError(f"HttpSettings.{name} {problem}")
