@@ -118,3 +118,33 @@ def test_conveyor_says_its_version() -> None:
 
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"conveyor, version {version('conveyor')}"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"group_size": 0}, "group_size must be an integer >= 1"),
+    ({"group_size": 2.5}, "group_size must be an integer >= 1"),
+    ({"group_spread": 0.5}, "group_spread must be a finite number >= 1"),
+    ({"group_spread": float("nan")}, "group_spread must be a finite number >= 1"),
+    ({"group_spread": float("inf")}, "group_spread must be a finite number >= 1, or None for no cut"),
+    ({"max_backlog": 0}, "max_backlog must be an integer >= 1"),
+    ({"max_run_s": 0}, "max_run_s must be a finite number > 0"),
+])
+def test_settings_that_failed_at_run_time_are_refused_where_written(options: dict[str, Any], says: str) -> None:
+    """group_size and group_spread were checked at each batch (every item of it failed), max_backlog=0 refused
+    every request (Overloaded), max_run_s=0 was taken as unset: each is refused by add, the stage named."""
+    with pytest.raises(PipelineError, match=f"stage Shift: {says}"):
+        Pipeline("p").add(Shift, **options)
+
+    class Declared(Shift):
+        pass
+
+    for knob, value in options.items():
+        setattr(Declared, knob, value)
+    with pytest.raises(PipelineError, match=says):
+        Pipeline("p").add(Declared)
+
+
+def test_group_settings_that_run_are_taken() -> None:
+    stage = Pipeline("p").add(Shift, group_size=4, group_spread=1.25, max_backlog=1, max_run_s=0.5).stages[0]
+    assert (stage.kwargs["group_size"], stage.kwargs["group_spread"], stage.max_backlog) == (4, 1.25, 1)
+    assert Pipeline("p").add(Shift, group_spread=None).stages[0].kwargs["group_spread"] is None

@@ -13,11 +13,13 @@ import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.levels import MAX_LEVELS
 from broker.spec import PipelineIO, StageInfo, TensorSpec, task_error
+from workers.batching.grouping import group_size_of, group_spread_of
 from workers.options import STAGE_KNOBS, PipelineError, check_options, check_stage_class
 from workers.stage import Stage
 
@@ -82,8 +84,9 @@ class StageSpec:
         if not isinstance(self.name, str) or not self.name:
             raise PipelineError(f"stage names must be non-empty strings, got {self.name!r}")
         name = self.name
+        # max_backlog 0 would refuse every request (Overloaded, 503): unset (None) is "no bound".
         for knob, minimum, optional in (("workers", 1, False), ("batch_size", 1, False), ("max_deliveries", 1, False),
-                                        ("threads", 1, True), ("max_backlog", 0, True)):
+                                        ("threads", 1, True), ("max_backlog", 1, True)):
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_int(name, knob, value, minimum)
@@ -91,7 +94,7 @@ class StageSpec:
             _check_int(name, "workers' maximum", self.max_workers, self.workers)
         for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
                                            ("target_wait_s", False, False), ("scale_down_after_s", False, False),
-                                           ("max_run_s", True, True), ("stuck_grace_s", True, True),
+                                           ("max_run_s", False, True), ("stuck_grace_s", True, True),
                                            ("handoff_after_s", False, True)):
             value = getattr(self, knob)
             if not (optional and value is None):
@@ -119,6 +122,19 @@ class StageSpec:
         if self.continuous and not (self.streams and self.batched):
             raise PipelineError(f"stage {name}: continuous=True needs a streaming batched predict (it yields, and "
                                 f"batch_size > 1), got {'a returning' if not self.streams else 'an unbatched'} one")
+
+
+def _check_grouping(stage: str, cls: type, options: Mapping[str, Any]) -> None:
+    """``group_size`` and ``group_spread`` (length-aware batching), from ``add``'s options or the class, by
+    the rules the worker applies (workers.batching.grouping): checked here, they failed every item of each
+    batch instead. A stage whose ``setup`` sets them is still checked there."""
+    given = SimpleNamespace(**{knob: options.get(knob, getattr(cls, knob, None))
+                               for knob in ("group_size", "group_spread")})
+    try:
+        group_size_of(given, 1)
+        group_spread_of(given)
+    except ValueError as exc:
+        raise PipelineError(f"stage {stage}: {exc}") from None
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:
@@ -255,6 +271,7 @@ class Pipeline:
             resolved["workers"], resolved["max_workers"] = _worker_range(str(resolved["name"]), resolved["workers"])
         spec = StageSpec(cls=cls, index=len(self.stages), kwargs=dict(options), **resolved)
         spec.validate()
+        _check_grouping(spec.name, cls, options)
         if any(s.name == spec.name for s in self.stages):
             raise PipelineError(f"pipeline {self.name}: two stages are named {spec.name!r}")
         streaming = next((s for s in self.stages if s.streams), None)

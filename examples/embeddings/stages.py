@@ -51,10 +51,6 @@ class Embed(Stage):
     batch_wait_s = 0.0
     threads = 1
     group_size = 8  # predict calls per read batch hold up to 8 texts of similar length
-    # ... and, by default, within the spread that suits the engine (engines.GROUP_SPREAD: 1.25 of the
-    # shortest one's length on ONNX Runtime, whose calls are cheap; off on torch, whose calls are dear),
-    # set in setup() unless given (Pipeline.add(Embed, group_spread=...)).
-    group_spread: float | None = BY_ENGINE
 
     # The code that runs the model (examples/embeddings/engines.py): "auto" (the default: the fastest engine
     # that keeps fp32's vectors, measured at a worker's first start on a machine and kept in the cache
@@ -63,6 +59,13 @@ class Embed(Stage):
     # in bfloat16), "onnx-int8", "torch", "torch-int8".
     engine = DEFAULT_ENGINE
     cache_dir: str | None = None  # where the ONNX graphs are cached (default: $CONVEYOR_CACHE_DIR or ~/.cache/conveyor)
+
+    def __init__(self, group_spread: float | None = BY_ENGINE, **kwargs: Any) -> None:
+        """``group_spread``: by default the spread that suits the engine (engines.GROUP_SPREAD: 1.25 of the
+        shortest one's length on ONNX Runtime, whose calls are cheap; off on torch, whose calls are dear), set
+        in setup() unless given (Pipeline.add(Embed, group_spread=...)). A default here, not a class attribute:
+        Pipeline.add checks the class's group_spread, and BY_ENGINE is no spread."""
+        super().__init__(group_spread=group_spread, **kwargs)
 
     def setup(self) -> None:
         # The worker sets OMP_NUM_THREADS from the stage's `threads` (also when Pipeline.add overrides

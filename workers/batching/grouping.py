@@ -22,6 +22,7 @@ an extra ``predict`` call is what bounds this: an engine whose calls are dear wa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -42,13 +43,13 @@ def group_size_of(stage: Any, batch_size: int) -> int:
 
 
 def group_spread_of(stage: Any) -> float | None:
-    """``stage.group_spread``: None (off), else a number >= 1."""
+    """``stage.group_spread``: None (off), else a finite number >= 1 (infinity would cut nowhere: None says so)."""
     spread = getattr(stage, "group_spread", None)
     if spread is None:
         return None
     value = float(spread) if isinstance(spread, Real) and not isinstance(spread, bool) else float("nan")
-    if not value >= 1:  # NaN fails too
-        raise ValueError(f"group_spread must be a number >= 1 or None, got {spread!r}")
+    if not (math.isfinite(value) and value >= 1):  # NaN fails too
+        raise ValueError(f"group_spread must be a finite number >= 1, or None for no cut, got {spread!r}")
     return value
 
 
