@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -42,6 +43,11 @@ REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path
 LONGEST_BLOCK_S = 2.0  # no XREADGROUP/BLPOP of ours blocks longer than this
 
 
+class RedisURLError(ValueError):
+    """A Redis URL no client can be made of, or that redis-py would read otherwise than written: the message
+    says what is wrong (commands report it as a bad ``--redis``)."""
+
+
 @dataclass(frozen=True)
 class RedisSettings:
     """Where Redis is and how to talk to it. AUTH/ACL users and TLS come from the URL
@@ -51,6 +57,9 @@ class RedisSettings:
     socket_timeout_s: float = LONGEST_BLOCK_S + 8.0
     connect_timeout_s: float = 5.0
     max_connections: int = 16
+
+    def __post_init__(self) -> None:
+        check_redis_url(self.url)
 
     @property
     def is_cluster(self) -> bool:
@@ -118,6 +127,42 @@ def _takes_maint_config(client_class: type) -> bool:
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+
+
+def check_redis_url(url: str) -> None:
+    """Raise `RedisURLError` for a URL that made a traceback deep in redis-py (``redis://h:abc``, an unknown
+    scheme, ``?db=x``) or was read otherwise than written: ``redis://h/abc`` was database 0, ``/0/1`` database
+    1, ``/-1`` an error at each command, a cluster URL's ``/2`` dropped (a cluster has database 0 only)."""
+    try:
+        parts = urlsplit(url)
+        port = None if parts.scheme in CLUSTER_SCHEMES else parts.port
+    except ValueError as exc:  # "Port could not be cast to integer value as 'abc'", "Invalid IPv6 URL", ...
+        raise RedisURLError(f"Redis URL {_shown(url)}: {exc} (write {REDIS_URL_HELP})") from None
+    if parts.scheme not in _SCHEMES:
+        raise RedisURLError(f"Redis URL {_shown(url)}: unknown scheme {parts.scheme!r}; write {REDIS_URL_HELP}")
+    db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    dbs = [db, *(v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db")]
+    if any(d and not _DIGITS.fullmatch(d) for d in dbs):
+        raise RedisURLError(f"Redis URL {_shown(url)}: the database must be a number (redis://host:{port or 6379}/0),"
+                            f" got {next(d for d in dbs if d and not _DIGITS.fullmatch(d))!r}")
+    if parts.scheme in CLUSTER_SCHEMES:
+        if any(d not in ("", "0") for d in dbs):
+            raise RedisURLError(f"Redis URL {_shown(url)}: a Redis Cluster has database 0 only (no /N path)")
+        _cluster_url(url)
+    elif parts.scheme == "unix" and not parts.path:
+        raise RedisURLError(f"Redis URL {_shown(url)}: no socket path (unix:///path/to/redis.sock)")
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _shown(url: str) -> str:
+    """``url`` for a message, its password hidden even where it does not parse."""
+    try:
+        return safe_url(url)
+    except ValueError:
+        return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def _cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -127,8 +172,9 @@ def _cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
     seeds: list[tuple[str, int]] = []
     for host in hosts.split(","):
         name, _, port = host.strip().rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"cluster URL {url!r}: every seed must be host:port, got {host!r}")
+        if not name or not _DIGITS.fullmatch(port) or int(port) > 65535:
+            raise RedisURLError(f"Redis URL {_shown(url)}: every seed of a cluster must be host:port (a port from "
+                                f"0 to 65535), got {host!r}")
         seeds.append((name.strip("[]"), int(port)))
     first = f"{userinfo}@{hosts.split(',')[0]}" if userinfo else hosts.split(",")[0]
     return urlunsplit((CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, "")), seeds

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.connection import DEFAULT_REDIS_URL
+from broker.connection import DEFAULT_REDIS_URL, check_redis_url
 from broker.probe import answers
 
 __all__ = ["CHOICE_HELP", "Chosen", "choose_redis", "run_dir"]
@@ -42,9 +42,11 @@ class Chosen:
 
 
 def choose_redis(given: str | None, pipelines: Sequence[str]) -> Chosen:
-    """``given`` if any; else the embedded Redis of a ``conveyor run`` of one of ``pipelines`` on this
-    machine that answers; else the default URL."""
+    """``given`` if any (`broker.connection.RedisURLError` if malformed: said by the command at once, not by
+    each process that would use it); else the embedded Redis of a ``conveyor run`` of one of ``pipelines`` on
+    this machine that answers; else the default URL."""
     if given:
+        check_redis_url(given)
         return Chosen(given, "given by --redis or CONVEYOR_REDIS_URL")
     for name in pipelines:
         sock = run_dir(name) / "redis.sock"

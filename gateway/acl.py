@@ -14,7 +14,7 @@ import click
 from broker.acl import DEFAULT_VERSION, ROLE_NAMES, RoleRules, Scope, describe, parse_version, role_rules
 from broker.acl import roles as declared_roles
 from broker.admin import server_version, set_users
-from broker.connection import CLUSTER_SCHEMES, safe_url, unreachable
+from broker.connection import CLUSTER_SCHEMES, RedisURLError, safe_url, unreachable
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.local_runs import choose_redis
@@ -151,6 +151,8 @@ def _print(fmt: str, role: str, name: str, rules: RoleRules, password: str | Non
 def _read_version(url: str) -> tuple[int, int, int]:
     try:
         return server_version(url)
+    except RedisURLError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--redis' / CONVEYOR_REDIS_URL") from None
     except CONNECTION_OR_REPLY_ERRORS as exc:
         raise click.ClickException(unreachable(url, exc)) from exc
 

@@ -10,13 +10,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import click
 
-from broker.connection import REDIS_URL_HELP, RedisSettings, safe_url, unreachable
+from broker.connection import REDIS_URL_HELP, RedisSettings, RedisURLError, safe_url, unreachable
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, Keys
 from broker.local_runs import CHOICE_HELP, choose_redis
@@ -42,6 +43,18 @@ def _check_timeout(ctx: click.Context, param: click.Parameter, value: float) -> 
     if problem is not None:
         raise click.BadParameter(problem)
     return value
+
+
+def _choose(redis_url: str | None, names: Sequence[str], command: str) -> str:
+    """The Redis to read (broker.local_runs), said when not given; a malformed --redis in one line (exit 2),
+    not a traceback from the first client made of it."""
+    try:
+        chosen = choose_redis(redis_url, names)
+    except RedisURLError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--redis' / CONVEYOR_REDIS_URL") from None
+    if not redis_url:
+        click.echo(f"conveyor {command}: {chosen.said()}", err=True)
+    return chosen.url
 
 
 @click.command()
@@ -129,10 +142,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
     if processes > 8 * (os.cpu_count() or 1):  # each a whole gateway (~45 MB, its connections): a typo's hundreds OOM
         raise click.BadParameter(f"{processes} is more than 8 per core ({os.cpu_count()} cores here); one per core "
                                  "is the usual choice", param_hint="'--processes'")
-    chosen = choose_redis(redis_url, names)
-    if not redis_url:
-        click.echo(f"conveyor gateway: {chosen.said()}", err=True)
-    job = GatewayJob(names, chosen.url, settings, http, loop, log_format.lower(), discover)
+    job = GatewayJob(names, _choose(redis_url, names, "gateway"), settings, http, loop, log_format.lower(), discover)
     try:
         check_loop(loop)
         if processes > 1:
@@ -159,13 +169,11 @@ def status(name: str, redis_url: str | None, prefix: str, as_json: bool, watch: 
     """Per stage of pipeline NAME: backlog, pending, live workers, throughput and batch-duration
     percentiles over the last minute, dead letters, and every consumer with its heartbeat.
 
-    Exits 2 when Redis is unreachable, 1 when NAME is not registered there (without --watch).
+    Exits 2 when the Redis URL is malformed or Redis is unreachable, 1 when NAME is not registered there
+    (without --watch).
     """
     keys = Keys(name, prefix)
-    chosen = choose_redis(redis_url, [name])
-    if not redis_url:
-        click.echo(f"conveyor status: {chosen.said()}", err=True)
-    redis_url = chosen.url
+    redis_url = _choose(redis_url, [name], "status")
     if watch:
         try:
             asyncio.run(_watch(name, keys, redis_url, interval_s, as_json))

@@ -27,6 +27,8 @@ from broker.connection import (
     CONNECTION_OR_REPLY_ERRORS,
     REDIS_URL_HELP,
     RedisSettings,
+    RedisURLError,
+    check_redis_url,
     safe_url,
     unreachable,
 )
@@ -110,6 +112,15 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
                          log_level=log_level)
 
 
+def _check_url(url: str | None) -> None:
+    """A malformed --redis in one line (exit 2) before anything starts, not a traceback from each worker."""
+    try:
+        if url:
+            check_redis_url(url)
+    except RedisURLError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--redis' / CONVEYOR_REDIS_URL") from None
+
+
 def _load(app: str, prefix: str | None) -> Any:
     try:
         return load_pipeline(app, prefix)
@@ -180,6 +191,7 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
     compose or Kubernetes replaces the container.
     """
     pipeline = _load(app, prefix)
+    _check_url(redis_url)
     chosen = choose_redis(redis_url, [pipeline.name])
     if not redis_url:
         click.echo(f"conveyor worker: {chosen.said()}", err=True)
@@ -225,6 +237,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     stops and its directory is removed. A second Ctrl-C cuts the gateway's wait short. A worker, the embedded
     Redis or the gateway that dies is started again.
     """
+    _check_url(redis_url)
     child = _child_settings(redis_url or "", prefix, opts)
     pipelines = _load_all(app, prefix)
     names = [p.name for _, p in pipelines]

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from broker.connection import CLUSTER_SCHEMES
+from broker.connection import CLUSTER_SCHEMES, RedisURLError, check_redis_url
 from workers.pipeline import Pipeline, StageSpec
 
 __all__ = ["DEFAULT_SECRET", "KEDA_FIELDS", "METRICS", "K8sError", "K8sSettings", "Overrides", "RedisTarget",
@@ -61,6 +61,10 @@ class RedisTarget:
         if plain not in ("redis", "rediss"):
             raise K8sError(f"--redis must be redis://, rediss://, redis+cluster:// or rediss+cluster://, "
                            f"got {scheme!r}")
+        try:  # what the pods' clients would refuse (a port that is no number), said before they crash-loop
+            check_redis_url(url)
+        except RedisURLError as exc:
+            raise K8sError(f"--redis: {exc}") from None
         userinfo, _, hosts = parts.netloc.rpartition("@")
         addresses = tuple(_address(h.strip()) for h in hosts.split(",") if h.strip())
         if not addresses:

@@ -1,0 +1,93 @@
+"""A malformed Redis URL is refused where it is given, in one line, by every command (exit 2), never a traceback
+from deep in redis-py, and never read otherwise than written.
+
+``--redis redis://h:abc`` (a port that is no number) was a traceback from each command, and from each worker
+process of ``conveyor worker`` (a crash loop); ``redis://h/abc`` silently used database 0; a cluster URL's
+``/2`` was dropped. No Redis is needed: every refusal comes before a connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import gateway.cli as gateway_cli
+from broker.connection import RedisSettings, RedisURLError, check_redis_url
+from broker.local_runs import choose_redis
+from workers.cli import main
+
+pytestmark = pytest.mark.unit
+
+BAD = {
+    "redis://h:abc": "could not be cast to integer",
+    "rediss://h:x/0": "could not be cast to integer",
+    "redis://h:99999/0": "out of range",
+    "redis://h/abc": "the database must be a number",
+    "redis://h:6379/-1": "the database must be a number",
+    "redis://h:6379/0/1": "the database must be a number",
+    "redis://h:6379/0?db=x": "the database must be a number",
+    "unix:///tmp/r.sock?db=abc": "the database must be a number",
+    "unix://": "no socket path",
+    "http://h:6379": "unknown scheme 'http'",
+    "redis://[::1:6379": "Invalid IPv6 URL",
+    "redis+cluster://h:abc": "every seed of a cluster must be host:port",
+    "redis+cluster://h:99999": "every seed of a cluster must be host:port",
+    "redis+cluster://h/abc": "the database must be a number",
+    "rediss+cluster://h:7000/2": "a Redis Cluster has database 0 only",
+}
+GOOD = ["redis://h:6379/0", "redis://h:6379", "redis://h:6379/", "rediss://u:p@h:6380/3", "unix:///tmp/r.sock",
+        "unix:///tmp/r.sock?db=2", "redis+cluster://h:7000,g:7001", "rediss+cluster://u:p@h:7000/0"]
+
+
+@pytest.mark.parametrize("url, says", BAD.items())
+def test_a_malformed_url_is_refused_before_any_client(url: str, says: str) -> None:
+    with pytest.raises(RedisURLError, match=says):
+        check_redis_url(url)
+    with pytest.raises(RedisURLError, match=says):
+        RedisSettings(url)
+    with pytest.raises(RedisURLError, match=says):
+        choose_redis(url, ["p"])
+
+
+@pytest.mark.parametrize("url", GOOD)
+def test_good_urls_are_taken(url: str) -> None:
+    check_redis_url(url)
+    assert choose_redis(url, ["p"]).url == url
+
+
+def test_a_password_never_shows_in_the_refusal() -> None:
+    for url in ("redis://u:sesame@h:abc/0", "redis://u:sesame@[::1:6379/0"):
+        with pytest.raises(RedisURLError) as caught:
+            check_redis_url(url)
+        assert "sesame" not in str(caught.value)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What ``conveyor gateway`` would serve: recorded, not served (no port, no Redis)."""
+    jobs: list[Any] = []
+    monkeypatch.setattr(gateway_cli, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(gateway_cli, "serve", jobs.append)
+    return jobs
+
+
+COMMANDS = {
+    "worker": ["worker", "examples.scale_shift:pipeline", "--stage", "scale"],
+    "run": ["run", "examples.scale_shift:pipeline", "--port", "0"],
+    "gateway": ["gateway", "scale-shift", "--port", "0"],
+    "status": ["status", "scale-shift"],
+    "k8s": ["k8s", "examples.scale_shift:pipeline", "--image", "i:1", "--redis-version", "7"],
+    "acl": ["acl", "--pipeline", "scale-shift"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("url", ["redis://h:abc", "redis://h/abc", "redis+cluster://h/abc"])
+def test_every_command_says_a_malformed_url_in_one_line(command: str, url: str, served: list[Any]) -> None:
+    result = CliRunner().invoke(main, [*COMMANDS[command], "--redis", url])
+    assert result.exit_code == 2 and not served, (result.output, result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert "Redis URL" in errors[0] and ("--redis" in errors[0] or command == "k8s"), errors[0]
