@@ -104,6 +104,11 @@ PROTOCOL_VERSION = 1
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat (``P:hb:<i>`` score) is older is not live
 
 
+class KeyNameError(ValueError):
+    """A pipeline name or prefix no key can be made of (empty, not a string, or with a brace, colon or space):
+    commands say it as a bad argument, a pipeline as a `workers.PipelineError`."""
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names of one pipeline. Pure: it computes names, it never talks to Redis."""
@@ -116,9 +121,9 @@ class Keys:
     level: int = 0
 
     def __post_init__(self) -> None:
-        for part in (self.pipeline, self.prefix):
-            if not part or any(c in part for c in "{}: \t\r\n"):
-                raise ValueError(f"invalid pipeline name or prefix {part!r}: no braces, colons or spaces")
+        for what, part in (("pipeline name", self.pipeline), ("prefix", self.prefix)):
+            if not isinstance(part, str) or not part or any(c in part for c in "{}: \t\r\n"):
+                raise KeyNameError(f"invalid {what} {part!r}: a non-empty string without braces, colons or spaces")
         if isinstance(self.partition, bool) or not isinstance(self.partition, int) or self.partition < 0:
             raise ValueError(f"partition must be an integer >= 0, got {self.partition!r}")
         if isinstance(self.level, bool) or not isinstance(self.level, int) or self.level < 0:

@@ -19,14 +19,14 @@ import click
 
 from broker.connection import REDIS_URL_HELP, RedisSettings, RedisURLError, safe_url, unreachable
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
-from broker.keys import DEFAULT_PREFIX, Keys
+from broker.keys import DEFAULT_PREFIX, KeyNameError, Keys
 from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
 from broker.registry import registered_pipelines
 from broker.scaling import ScaleRecord
 from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
-from gateway.client.settings import timeout_problem
+from gateway.client.settings import SettingsError, timeout_problem
 from gateway.http.auth import NoKeyGiven, read_keys
 from gateway.http.server import HttpSettings, PortInUse, check_port_free
 from gateway.http.settings import LOOPS
@@ -57,7 +57,18 @@ def _choose(redis_url: str | None, names: Sequence[str], command: str) -> str:
     return chosen.url
 
 
-@click.command()
+class _Checked(click.Command):
+    """A command whose settings and names are checked where they are made (`SettingsError`, `KeyNameError`):
+    a bad one is said as a usage error, exit 2, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (SettingsError, KeyNameError) as exc:
+            raise click.UsageError(str(exc), ctx) from None
+
+
+@click.command(cls=_Checked)
 @click.argument("names", metavar="[NAME]...", nargs=-1, envvar="CONVEYOR_PIPELINE")
 @click.option("--all", "discover", is_flag=True, envvar="CONVEYOR_ALL_PIPELINES", show_envvar=True,
               help="Serve every pipeline registered under the prefix, and those registered later.")
@@ -154,7 +165,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
         raise SystemExit(1) from None
 
 
-@click.command()
+@click.command(cls=_Checked)
 @click.argument("name", envvar="CONVEYOR_PIPELINE")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help=REDIS_URL_HELP + " " + CHOICE_HELP)

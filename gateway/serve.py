@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from broker.connection import CONNECTION_ERRORS, Backoff, unreachable
+from broker.keys import Keys
 from broker.logs import Throttle
 from gateway.client import GatewaySettings
 from gateway.client.pipelines import Pipelines
@@ -61,6 +62,12 @@ class GatewayJob:
     loop: str = "auto"
     log_format: str = "kv"
     discover: bool = False
+
+    def __post_init__(self) -> None:
+        """Each name a key can be made of (else `broker.keys.KeyNameError`), before any process starts: a bad
+        one failed at the first request, once Redis was reached, or waited for it unnoticed."""
+        for name in self.names:
+            Keys(name, self.gateway.prefix)
 
 
 def check_loop(loop: str) -> None:

@@ -9,7 +9,7 @@ import sys
 import traceback
 from pathlib import PurePath
 
-from workers.pipeline import Pipeline
+from workers.pipeline import Pipeline, PipelineError
 
 
 class AppError(Exception):
@@ -21,7 +21,10 @@ def load_pipeline(app: str, prefix: str | None = None) -> Pipeline:
     _refuse_path(app.partition(":")[0])
     pipeline = _import_pipeline(app)
     if prefix:
-        pipeline.use_prefix(prefix)
+        try:
+            pipeline.use_prefix(prefix)
+        except PipelineError as exc:  # said by the command in one line, as APP's own mistakes are
+            raise AppError(f"--prefix (CONVEYOR_PREFIX): {exc}") from None
     return pipeline
 
 

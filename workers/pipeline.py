@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from broker.keys import DEFAULT_PREFIX, Keys
+from broker.keys import DEFAULT_PREFIX, KeyNameError, Keys
 from broker.levels import MAX_LEVELS
 from broker.spec import PipelineIO, StageInfo, TensorSpec, task_error
 from workers.batching.grouping import group_size_of, group_spread_of
@@ -122,6 +122,14 @@ class StageSpec:
         if self.continuous and not (self.streams and self.batched):
             raise PipelineError(f"stage {name}: continuous=True needs a streaming batched predict (it yields, and "
                                 f"batch_size > 1), got {'a returning' if not self.streams else 'an unbatched'} one")
+
+
+def _keys(name: str, prefix: str) -> Keys:
+    """The pipeline's keys; a name or prefix no key can hold is the pipeline's configuration error."""
+    try:
+        return Keys(name, prefix)
+    except KeyNameError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 def _check_grouping(stage: str, cls: type, options: Mapping[str, Any]) -> None:
@@ -244,7 +252,7 @@ class Pipeline:
         if error is not None:
             raise PipelineError(error)
         self.task = task
-        self.keys = Keys(name, prefix)  # validates the name
+        self.keys = _keys(name, prefix)
         self.name = name
         self.prefix = prefix
         self.stages: list[StageSpec] = []
@@ -253,7 +261,7 @@ class Pipeline:
 
     def use_prefix(self, prefix: str) -> None:
         """Move the pipeline's keys under another prefix (tenants sharing one Redis)."""
-        self.keys = Keys(self.name, prefix)
+        self.keys = _keys(self.name, prefix)
         self.prefix = prefix
         self.partition_keys = self.keys.partitions(self.partitions)
 
