@@ -51,6 +51,18 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
+@pytest.fixture
+def gateway_served(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The jobs ``conveyor gateway`` would serve: recorded, not served (no port bound, no Redis), for tests of
+    what the command refuses before serving."""
+    import gateway.cli as gateway_cli  # here: only the tests that use it import the gateway
+
+    jobs: list[object] = []
+    monkeypatch.setattr(gateway_cli, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(gateway_cli, "serve", jobs.append)
+    return jobs
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
     """One embedded Redis for the whole session: starting one per test would cost ~30 ms each.

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import gateway.cli as gateway_cli
 from broker.keys import KeyNameError, Keys
 from gateway.client import GatewaySettings
 from gateway.http.settings import HttpSettings
@@ -56,15 +55,6 @@ def test_a_gateway_job_refuses_a_name_no_key_can_hold() -> None:
         GatewayJob(("ok", "a:b"), URL, GatewaySettings(), HttpSettings())
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """What ``conveyor gateway`` would serve: recorded, not served (no port, no Redis)."""
-    jobs: list[Any] = []
-    monkeypatch.setattr(gateway_cli, "check_port_free", lambda host, port: None)
-    monkeypatch.setattr(gateway_cli, "serve", jobs.append)
-    return jobs
-
-
 COMMANDS = {
     "worker": (["worker", "examples.scale_shift:pipeline", "--stage", "scale", "--prefix", "a:b"], "prefix"),
     "run": (["run", "examples.scale_shift:pipeline", "--port", "0", "--prefix", "a:b"], "prefix"),
@@ -77,10 +67,10 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_says_a_bad_name_or_prefix_in_one_line(command: str, served: list[Any]) -> None:
+def test_every_command_says_a_bad_name_or_prefix_in_one_line(command: str, gateway_served: list[Any]) -> None:
     args, what = COMMANDS[command]
     result = CliRunner().invoke(main, [*args, "--redis", URL])
-    assert result.exit_code == 2 and not served, (result.output, result.exception)
+    assert result.exit_code == 2 and not gateway_served, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert f"invalid {what}" in errors[0], errors[0]

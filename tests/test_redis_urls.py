@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import gateway.cli as gateway_cli
 from broker.connection import RedisSettings, RedisURLError, check_redis_url
 from broker.local_runs import choose_redis
 from workers.cli import main
@@ -64,15 +63,6 @@ def test_a_password_never_shows_in_the_refusal() -> None:
         assert "sesame" not in str(caught.value)
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """What ``conveyor gateway`` would serve: recorded, not served (no port, no Redis)."""
-    jobs: list[Any] = []
-    monkeypatch.setattr(gateway_cli, "check_port_free", lambda host, port: None)
-    monkeypatch.setattr(gateway_cli, "serve", jobs.append)
-    return jobs
-
-
 COMMANDS = {
     "worker": ["worker", "examples.scale_shift:pipeline", "--stage", "scale"],
     "run": ["run", "examples.scale_shift:pipeline", "--port", "0"],
@@ -85,9 +75,9 @@ COMMANDS = {
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("url", ["redis://h:abc", "redis://h/abc", "redis+cluster://h/abc"])
-def test_every_command_says_a_malformed_url_in_one_line(command: str, url: str, served: list[Any]) -> None:
+def test_every_command_says_a_malformed_url_in_one_line(command: str, url: str, gateway_served: list[Any]) -> None:
     result = CliRunner().invoke(main, [*COMMANDS[command], "--redis", url])
-    assert result.exit_code == 2 and not served, (result.output, result.exception)
+    assert result.exit_code == 2 and not gateway_served, (result.output, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert "Redis URL" in errors[0] and ("--redis" in errors[0] or command == "k8s"), errors[0]
