@@ -28,7 +28,7 @@ from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
 from gateway.client.settings import SettingsError, timeout_problem
 from gateway.http.auth import NoKeyGiven, read_keys
-from gateway.http.server import HttpSettings, PortInUse, check_port_free
+from gateway.http.server import CannotListen, HttpSettings, check_port_free
 from gateway.http.settings import LOOPS
 from gateway.monitor.status import PipelineStatus, read_all_partitions
 from gateway.serve import GatewayJob, LoopUnavailable, check_loop, serve, serve_processes
@@ -160,8 +160,8 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
             raise SystemExit(serve_processes(job, processes))
         check_port_free(host, port)
         serve(job)
-    except (PortInUse, LoopUnavailable) as exc:
-        click.echo(f"conveyor gateway: {exc.strerror if isinstance(exc, PortInUse) else exc}", err=True)
+    except (CannotListen, LoopUnavailable) as exc:
+        click.echo(f"conveyor gateway: {exc.strerror if isinstance(exc, CannotListen) else exc}", err=True)
         raise SystemExit(1) from None
 
 

@@ -32,7 +32,7 @@ from broker.keys import Keys
 from broker.logs import Throttle
 from gateway.client import GatewaySettings
 from gateway.client.pipelines import Pipelines
-from gateway.http.server import HttpServer, HttpSettings, PortInUse, check_port_free
+from gateway.http.server import CannotListen, HttpServer, HttpSettings, check_port_free
 from gateway.http.server import run as serve_http
 
 __all__ = ["GatewayJob", "LoopUnavailable", "check_loop", "resolve_loop", "run_loop", "serve", "serve_processes"]
@@ -154,7 +154,7 @@ def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:
 
     try:
         serve(job, started)
-    except PortInUse as exc:
+    except CannotListen as exc:
         print(f"conveyor gateway: {exc.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from gateway.cli import gateway, status, status_json
 from gateway.http.auth import read_keys
-from gateway.http.server import PortInUse, check_port_free
+from gateway.http.server import CannotListen, PortInUse, check_port_free
 from gateway.monitor.status import PipelineStatus
 from tests.ops_stages import free_port
 
@@ -68,6 +68,31 @@ def test_taken_port_is_one_line_naming_the_option() -> None:
     assert len(lines) == 1, lines
     assert f"127.0.0.1:{port} is already in use" in lines[0]
     assert "--port (CONVEYOR_PORT)" in lines[0] and "Traceback" not in lines[0]
+
+
+def test_a_host_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host no-such-host.invalid`` was a socket.gaierror traceback. Exit 1, as for a taken port: the options
+    are well formed, this machine cannot listen there (a name may resolve later, or elsewhere). ``.invalid``
+    never resolves (RFC 6761), and the real command is bounded by WAIT_S; in process, nothing is asked of DNS."""
+
+    def no_such_host(*args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(socket, "getaddrinfo", no_such_host)
+        for port in (8000, 0):  # port 0 too: any port will do, but the host must
+            with pytest.raises(CannotListen, match=r"cannot listen on nowhere.invalid:\d+: Name or service not known"):
+                check_port_free("nowhere.invalid", port)
+    proc = _gateway("t-host", "--host", "no-such-host.invalid", "--port", "0", "--redis", "redis://127.0.0.1:1/0")
+    try:
+        _, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert "cannot listen on no-such-host.invalid:0" in lines[0] and "--host (CONVEYOR_HOST)" in lines[0], lines
 
 
 def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path) -> None:

@@ -38,14 +38,25 @@ from gateway.http.state import ServerState
 from gateway.http.tracing import RequestTracing
 from gateway.monitor.metrics import Metrics
 
-__all__ = ["Backend", "Backends", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
+__all__ = ["Backend", "Backends", "CannotListen", "HttpServer", "HttpSettings", "PortInUse", "check_port_free", "run"]
 
 log = logging.getLogger(__name__)
 
 _COALESCE_S = 2.0  # a different stop signal within this of the first is the same stop
 
 
-class PortInUse(OSError):
+class CannotListen(OSError):
+    """The gateway cannot listen where it was told: a host name that does not resolve, an address that is not
+    this machine's, a port it may not bind. One line for the command (exit 1: the same options may work on
+    another machine, or later), with the options that change it; not a traceback from deep in asyncio."""
+
+    @classmethod
+    def of(cls, host: str, port: int, exc: OSError) -> CannotListen:
+        return cls(exc.errno or 0, f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another address "
+                                   f"with --host (CONVEYOR_HOST), or another port with --port (CONVEYOR_PORT)")
+
+
+class PortInUse(CannotListen):
     """The address is taken; the message says which option (and variable) changes it."""
 
     def __init__(self, host: str, port: int) -> None:
@@ -57,11 +68,14 @@ class PortInUse(OSError):
 def check_port_free(host: str, port: int) -> None:
     """Raise `PortInUse` if ``host:port`` cannot be bound (as our server binds: SO_REUSEADDR,
     no SO_REUSEPORT, so another gateway sharing the port does not hide). A pre-check for CLIs,
-    so that a taken port is one line instead of a traceback from deep in asyncio."""
-    if port == 0:
-        return
-    for family, type_, proto, _, addr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                            flags=socket.AI_PASSIVE):
+    so that a taken port is one line instead of a traceback from deep in asyncio; any other reason the
+    address cannot be bound (`CannotListen`: a host that does not resolve, one not on this machine) too.
+    Port 0 is bound as well: any port will do, but the host must."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CannotListen.of(host, port, exc) from None
+    for family, type_, proto, _, addr in addresses:
         with socket.socket(family, type_, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -69,7 +83,7 @@ def check_port_free(host: str, port: int) -> None:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     raise PortInUse(host, port) from None
-                raise
+                raise CannotListen.of(host, port, exc) from None
 
 
 class HttpServer:
@@ -112,7 +126,7 @@ class HttpServer:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUse(self.settings.host, self.settings.port) from None
-            raise
+            raise CannotListen.of(self.settings.host, self.settings.port, exc) from None
         log.info("gateway HTTP listening on %s:%d", self.settings.host, self.port)
 
     @property
