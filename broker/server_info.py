@@ -22,7 +22,8 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from broker.operations import GATEWAY, WORKER, sends
+from broker.connection import is_cluster_client
+from broker.operations import GATEWAY, MONITOR, WORKER, sends
 
 __all__ = [
     "MIN_VERSION",
@@ -31,6 +32,8 @@ __all__ = [
     "acheck_server",
     "arun_id",
     "check_server",
+    "full_memory",
+    "memory_refusal",
     "parse_version",
     "server_info_from_info",
 ]
@@ -186,3 +189,32 @@ async def arun_id(client: Any, key: str) -> str:
     else:
         info = await client.info("server")
     return str(info["run_id"])
+
+
+def full_memory(memory: Mapping[str, Any]) -> str | None:
+    """What to say when ``INFO memory`` shows a Redis at its ``maxmemory`` that cannot evict (noeviction,
+    or a ``volatile-*`` policy with nothing volatile left): it refuses writes with OOM, workers'
+    heartbeats among them, so their stages look dead. None when it is not, or evicts (``allkeys-*``)."""
+    def number(name: str) -> int:
+        try:
+            return int(memory.get(name) or 0)
+        except (TypeError, ValueError):
+            return 0
+
+    limit, used = number("maxmemory"), number("used_memory") - number("mem_not_counted_for_evict")
+    policy = memory.get("maxmemory_policy")
+    policy = policy.decode() if isinstance(policy, bytes) else str(policy)
+    if not limit or used < limit or policy.startswith("allkeys-"):
+        return None
+    return (f"Redis is at its maxmemory ({used / 2**20:.1f} of {limit / 2**20:.1f} MiB, maxmemory-policy {policy}) "
+            "and refuses writes (OOM): workers' heartbeats, commits and new requests among them; free memory "
+            "(dead letters, old results) or raise maxmemory")
+
+
+@sends(GATEWAY, MONITOR, uses={"info": ()}, why="when a stage has no live worker")
+async def memory_refusal(client: Any) -> str | None:
+    """:func:`full_memory` of the server behind ``client`` (None on a Redis Cluster, whose nodes each
+    have their own: ``conveyor status`` names a refusing node by its errors)."""
+    if is_cluster_client(client):
+        return None
+    return full_memory(await client.info("memory"))

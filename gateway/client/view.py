@@ -45,7 +45,7 @@ from broker.status import (
     read_partitions_apart,
     read_specs,
 )
-from gateway.monitor.status import PipelineStatus, StatusReader, spec_status
+from gateway.monitor.status import PipelineStatus, StatusReader, explain, spec_status
 
 __all__ = ["HURRY_S", "REFRESH_S", "STALE_AFTER_S", "PipelineView", "Views"]
 
@@ -128,6 +128,10 @@ class PipelineView:
         """A refresh could not read it: batch entries stop until one does (their sizing is unknown)."""
         self.failure = exc
         self.sizing = []
+
+    @property
+    def latest(self) -> PipelineStatus | None:
+        return self._status
 
     def unserved_stage(self) -> str | None:
         """The first stage with no live and no loading worker in the latest refresh (None: each has one,
@@ -305,6 +309,7 @@ class Views:
                     nodes = node_names(self._client, [q.keys for q in qs])
                     view.take_reads(reads[start:start + len(qs)], now, nodes)
                     start += len(qs)
+            await explain(self._client, *(v.latest for v in views if v.latest is not None))
         for view in views:
             view.on_refresh(view)
 

@@ -25,10 +25,11 @@ from typing import Any
 
 from broker.commit import ItemExemplar, item_stats
 from broker.connection import CONNECTION_ERRORS
-from broker.errors import ReplyError
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
 from broker.keys import LIVE_AFTER_MS, Keys
 from broker.protocol import now_ms
 from broker.scaling import ScaleRecord
+from broker.server_info import memory_refusal
 from broker.spec import SpecError, StageInfo
 from broker.status import (
     ConsumerInfo,
@@ -44,7 +45,7 @@ from broker.status import (
 from gateway.monitor.window import STATS_MAXLEN, BatchTally, StatsWindow, batches_of, id_key, ms_of
 
 __all__ = ["LIVE_AFTER_MS", "STATS_WINDOW_MS", "ConsumerStatus", "PipelineStatus", "StageStatus", "StatusReader",
-           "merge_status", "read_all_partitions", "read_status", "spec_status"]
+           "explain", "merge_status", "read_all_partitions", "read_status", "spec_status"]
 
 STATS_WINDOW_MS = 60_000  # throughput and percentiles are over this much recent time
 
@@ -105,6 +106,7 @@ class PipelineStatus:
     # With partitions > 1 (see gateway.client.gateway): ``stages`` are the totals, these the parts.
     by_partition: list[PipelineStatus] = field(default_factory=list)
     node: str = ""  # on a Redis Cluster: host:port of the master serving this (partition's) slot
+    cause: str = ""  # Redis's own state that explains a stage without live workers (at its maxmemory)
 
     @property
     def ready(self) -> bool:
@@ -123,7 +125,22 @@ class PipelineStatus:
                 reasons.append(f"stage {s.name}: {s.loading_workers} worker(s) still loading")
             else:
                 reasons.append(f"stage {s.name}: no live worker")
-        return reasons
+        return [*reasons, self.cause] if reasons and self.cause else reasons
+
+
+async def explain(client: Any, *statuses: PipelineStatus) -> None:
+    """Statuses with a stage that cannot answer get Redis's own refusal as their ``cause``, if it
+    refuses writes (then heartbeats are refused, and "no live worker" alone would mislead): one
+    ``INFO memory`` for them all, none when every stage answers."""
+    failing = [s for s in statuses if s.reachable and not s.error and s.not_ready_stages]
+    if not failing:
+        return
+    try:
+        cause = await memory_refusal(client) or ""
+    except CONNECTION_OR_REPLY_ERRORS:  # a monitor user generated before INFO was in its rules: no cause told
+        cause = ""
+    for status in failing:
+        status.cause = cause
 
 
 def spec_status(keys: Keys, spec: Spec) -> PipelineStatus | None:
@@ -243,6 +260,7 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     """``read_status`` of every partition (count from partition 0's spec), merged."""
     first = await read_status(client, keys, None if marks is None else marks.setdefault(0, {}))
     if first.partitions <= 1:
+        await explain(client, first)
         return first
     parts = [first]
     for k in keys.partitions(first.partitions)[1:]:  # one after another: the client may hold one connection
@@ -250,7 +268,9 @@ async def read_all_partitions(client: Any, keys: Keys, marks: dict[int, dict[int
     # On a Redis Cluster, where each partition lives: spread or not, at a glance.
     for part, node in zip(parts, node_names(client, keys.partitions(first.partitions)), strict=True):
         part.node = node
-    return merge_status(parts)
+    merged = merge_status(parts)
+    await explain(client, merged)
+    return merged
 
 
 def merge_status(parts: list[PipelineStatus]) -> PipelineStatus:
