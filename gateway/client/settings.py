@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from broker.connection import LONGEST_BLOCK_S
 from broker.keys import DEFAULT_PREFIX, Keys
-from broker.protocol import MAX_DEADLINE_AHEAD_MS
+from broker.numbers import MAX_TIMEOUT_S, timeout_problem
 
-MAX_TIMEOUT_S = MAX_DEADLINE_AHEAD_MS / 1000  # a week: the furthest deadline a stream entry may carry
+__all__ = ["MAX_TIMEOUT_S", "MIN_BLOCK_S", "GatewaySettings", "SettingsError", "count_problem", "number_problem",
+           "timeout_problem"]  # timeout_problem lives in broker (conveyor k8s needs it too)
 # A BLPOP's timeout: Redis counts it in whole milliseconds, and 0 ms blocks for ever (past the client's socket
 # timeout, which then cuts the connection); past LONGEST_BLOCK_S the socket timeout may cut it too.
 MIN_BLOCK_S = 0.001
@@ -17,15 +18,6 @@ MIN_BLOCK_S = 0.001
 
 class SettingsError(ValueError):
     """A gateway or HTTP setting no gateway could run with: the message names the setting and its range."""
-
-
-def timeout_problem(value: object) -> str | None:
-    """What is wrong with ``value`` as a request's timeout (a positive number of seconds up to a week), else
-    None. NaN and infinities are refused: every request would fail, not the settings."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        return f"must be a positive number of seconds up to a week ({MAX_TIMEOUT_S:g}), got {value!r}"
-    return None
 
 
 def number_problem(value: object, low: float, high: float = math.inf, low_open: bool = False) -> str | None:
