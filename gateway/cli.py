@@ -22,11 +22,12 @@ from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import DEFAULT_PREFIX, KeyNameError, Keys
 from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, configure_logging
+from broker.numbers import MAX_TIMEOUT_S, PlainNumbers, timeout_problem
 from broker.registry import registered_pipelines
 from broker.scaling import ScaleRecord
 from broker.tracing import TraceSettings
 from gateway.client import GatewaySettings
-from gateway.client.settings import SettingsError, timeout_problem
+from gateway.client.settings import SettingsError
 from gateway.http.auth import NoKeyGiven, read_keys
 from gateway.http.server import CannotListen, HttpSettings, check_port_free
 from gateway.http.settings import LOOPS
@@ -37,12 +38,12 @@ STATUS_TIMEOUT_S = 10.0  # one status read never takes longer than this (Redis u
 _HTTP_DEFAULTS = HttpSettings()
 
 
-def _check_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    """``--timeout-s`` as `GatewaySettings` takes it (click's FloatRange lets NaN through)."""
-    problem = timeout_problem(value)
-    if problem is not None:
-        raise click.BadParameter(problem)
-    return value
+class Seconds(PlainNumbers, click.FloatRange):
+    """A float option (seconds, all of them): FloatRange alone lets NaN and infinities through (broker.numbers)."""
+
+
+class Count(PlainNumbers, click.IntRange):
+    """A whole-number option: IntRange alone takes ``1_0`` (int() reads it as 10)."""
 
 
 def _choose(redis_url: str | None, names: Sequence[str], command: str) -> str:
@@ -75,30 +76,30 @@ class _Checked(click.Command):
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help=REDIS_URL_HELP + " " + CHOICE_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
+@click.option("--port", type=Count(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True)
 @click.option("--prefix", default=DEFAULT_PREFIX, show_default=True, envvar="CONVEYOR_PREFIX", show_envvar=True)
-@click.option("--timeout-s", type=float, default=30.0, show_default=True, envvar="CONVEYOR_TIMEOUT_S",
-              show_envvar=True, callback=_check_timeout,
+@click.option("--timeout-s", type=Seconds(0, MAX_TIMEOUT_S, min_open=True, check=timeout_problem), default=30.0,
+              show_default=True, envvar="CONVEYOR_TIMEOUT_S", show_envvar=True,
               help="Default deadline of a request (a header may set its own): seconds, > 0, up to a week.")
 @click.option("--debug/--no-debug", default=False, envvar="CONVEYOR_DEBUG", show_envvar=True,
               help="Include stage tracebacks in error responses.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_body_bytes,
+@click.option("--max-body-bytes", type=Count(min=1), default=_HTTP_DEFAULTS.max_body_bytes,
               show_default=True, envvar="CONVEYOR_MAX_BODY_BYTES", show_envvar=True,
               help="Larger request bodies get 413.")
-@click.option("--header-timeout-s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--header-timeout-s", type=Seconds(min=0, min_open=True),
               default=_HTTP_DEFAULTS.header_timeout_s, show_default=True, envvar="CONVEYOR_HEADER_TIMEOUT_S",
               show_envvar=True, help="A request head must arrive within this (slow clients get 408).")
-@click.option("--body-timeout-s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--body-timeout-s", type=Seconds(min=0, min_open=True),
               default=_HTTP_DEFAULTS.body_timeout_s, show_default=True, envvar="CONVEYOR_BODY_TIMEOUT_S",
               show_envvar=True, help="A request body must arrive within this once its head is in (else 408).")
-@click.option("--send-timeout-s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--send-timeout-s", type=Seconds(min=0, min_open=True),
               default=_HTTP_DEFAULTS.send_timeout_s, show_default=True, envvar="CONVEYOR_SEND_TIMEOUT_S",
               show_envvar=True, help="A client that takes no byte of its answers for this long is dropped.")
-@click.option("--max-connections", type=click.IntRange(min=1), default=_HTTP_DEFAULTS.max_connections,
+@click.option("--max-connections", type=Count(min=1), default=_HTTP_DEFAULTS.max_connections,
               show_default=True, envvar="CONVEYOR_MAX_CONNECTIONS", show_envvar=True,
               help="Open connections beyond this (per process) are answered 503 at once.")
-@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=_HTTP_DEFAULTS.drain_timeout_s,
+@click.option("--drain-timeout-s", type=Seconds(min=0), default=_HTTP_DEFAULTS.drain_timeout_s,
               show_default=True, envvar="CONVEYOR_DRAIN_TIMEOUT_S", show_envvar=True,
               help="On SIGTERM/SIGINT, how long requests already admitted may finish.")
 @click.option("--batch-entries/--no-batch-entries", envvar="CONVEYOR_BATCH_ENTRIES", default=True,
@@ -113,7 +114,7 @@ class _Checked(click.Command):
               show_default=True, show_envvar=True,
               help="Answers carry x-total-time, x-queue-time, x-inference-time (ms) and Server-Timing; every request "
                    "then asks its stages for their timings (docs/operations.md, Traces).")
-@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--processes", type=Count(min=1), default=1, show_default=True,
               envvar="CONVEYOR_GATEWAY_PROCESSES", show_envvar=True,
               help="Gateway processes sharing the port (SO_REUSEPORT), each with its own Redis connections.")
 @click.option("--loop", type=click.Choice(LOOPS), default="auto", show_default=True, envvar="CONVEYOR_LOOP",
@@ -174,7 +175,7 @@ def gateway(names: tuple[str, ...], discover: bool, redis_url: str | None, host:
               help="Print JSON for scripts (with --watch: one compact object per line).")
 @click.option("--watch", is_flag=True, envvar="CONVEYOR_STATUS_WATCH", show_envvar=True,
               help="Refresh every --interval-s until Ctrl-C (exit 0).")
-@click.option("--interval-s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+@click.option("--interval-s", type=Seconds(min=0.1), default=2.0, show_default=True,
               envvar="CONVEYOR_STATUS_INTERVAL_S", show_envvar=True, help="Seconds between refreshes with --watch.")
 def status(name: str, redis_url: str | None, prefix: str, as_json: bool, watch: bool, interval_s: float) -> None:
     """Per stage of pipeline NAME: backlog, pending, live workers, throughput and batch-duration

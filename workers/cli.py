@@ -34,10 +34,12 @@ from broker.connection import (
 )
 from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
+from broker.numbers import expire_problem, pin_ttl_problem, ttl_ms
 from workers.app import AppError, load_pipeline, load_pipelines
 from workers.embedded.keeper import RedisKeeper
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError, RedisDirError, default_redis_dir
 from workers.loop.worker import WorkerSettings
+from workers.numbers import Count, Seconds
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.pinning import PIN_MODES, PinningError
@@ -53,13 +55,13 @@ def _options(func: Any) -> Any:
     options = [
         click.option("--prefix", envvar="CONVEYOR_PREFIX", default=None, show_envvar=True,
                      help="Key prefix (default: the pipeline's own, 'conveyor')."),
-        click.option("--result-ttl-s", type=click.FloatRange(min=0.001), envvar="CONVEYOR_RESULT_TTL_S",
+        click.option("--result-ttl-s", type=Seconds(min=0.001, check=expire_problem), envvar="CONVEYOR_RESULT_TTL_S",
                      default=_WORKER_DEFAULTS.result_ttl_ms / 1000, show_default=True, show_envvar=True,
                      help="How long a result key lives for a foreign client to read it."),
-        click.option("--reply-ttl-s", type=click.FloatRange(min=0.001), envvar="CONVEYOR_REPLY_TTL_S",
+        click.option("--reply-ttl-s", type=Seconds(min=0.001, check=expire_problem), envvar="CONVEYOR_REPLY_TTL_S",
                      default=_WORKER_DEFAULTS.reply_ttl_ms / 1000, show_default=True, show_envvar=True,
                      help="How long an unread reply list lives (a dead gateway's list expires)."),
-        click.option("--max-payload-bytes", type=click.IntRange(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
+        click.option("--max-payload-bytes", type=Count(min=1), envvar="CONVEYOR_MAX_PAYLOAD_BYTES",
                      default=_WORKER_DEFAULTS.max_payload_bytes, show_default=True, show_envvar=True,
                      help="A stage result larger than this (encoded) is answered ResultTooLarge; a larger "
                           "incoming entry is dead-lettered."),
@@ -68,7 +70,7 @@ def _options(func: Any) -> Any:
                      help="Without a stage's explicit cpus: 'claim' gives the workers of one host distinct "
                           "cores, host-wide, through Redis (several containers or `conveyor worker` processes); "
                           "'slot' pins by slot within this process only, each process from its first core."),
-        click.option("--pin-ttl-s", type=click.FloatRange(min=2.0), envvar="CONVEYOR_PIN_TTL_S",
+        click.option("--pin-ttl-s", type=Seconds(min=2.0, check=pin_ttl_problem), envvar="CONVEYOR_PIN_TTL_S",
                      default=_WORKER_DEFAULTS.pin_ttl_ms / 1000, show_default=True, show_envvar=True,
                      help="How long the core of a worker that died stays claimed."),
         click.option("--read-ahead/--no-read-ahead", envvar="CONVEYOR_READ_AHEAD",
@@ -103,10 +105,9 @@ def _child_settings(redis_url: str, prefix: str | None, opts: dict[str, Any]) ->
         configure_logging(log_format, log_level)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--log-level") from exc
-    worker = WorkerSettings(result_ttl_ms=int(opts["result_ttl_s"] * 1000),
-                            reply_ttl_ms=int(opts["reply_ttl_s"] * 1000),
+    worker = WorkerSettings(result_ttl_ms=ttl_ms(opts["result_ttl_s"]), reply_ttl_ms=ttl_ms(opts["reply_ttl_s"]),
                             max_payload_bytes=opts["max_payload_bytes"], pin=opts["pin"],
-                            pin_ttl_ms=int(opts["pin_ttl_s"] * 1000), read_ahead=opts["read_ahead"],
+                            pin_ttl_ms=ttl_ms(opts["pin_ttl_s"]), read_ahead=opts["read_ahead"],
                             batch_entries=opts["batch_entries"], fill_levels=opts["fill_levels"])
     return ChildSettings(redis_url=redis_url, prefix=prefix, worker=worker, log_format=log_format,
                          log_level=log_level)
@@ -176,11 +177,12 @@ def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
 @click.command()
 @click.argument("app", envvar="CONVEYOR_APP")
 @click.option("--stage", required=True, envvar="CONVEYOR_STAGE", show_envvar=True, help="Name of the stage to run.")
-@click.option("--workers", type=click.IntRange(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
+@click.option("--workers", type=Count(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
               help="Worker processes (default: the stage's own setting).")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help=REDIS_URL_HELP + " " + CHOICE_HELP)
-@click.option("--grace-s", type=float, default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S", show_envvar=True,
+@click.option("--grace-s", type=Seconds(min=0), default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S",
+              show_envvar=True,
               help="On SIGTERM, how long workers may take to finish their batch.")
 @_options
 def worker(app: str, stage: str, workers: int | None, redis_url: str | None, prefix: str | None, grace_s: float,
@@ -216,9 +218,9 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
               show_envvar=True, default=None,
               help="Directory of the embedded Redis's socket  [default: /tmp/conveyor-<pipeline>]")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
+@click.option("--port", type=Count(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True)
-@click.option("--grace-s", type=click.FloatRange(min=0), default=30.0, show_default=True, envvar="CONVEYOR_GRACE_S",
+@click.option("--grace-s", type=Seconds(min=0), default=30.0, show_default=True, envvar="CONVEYOR_GRACE_S",
               show_envvar=True,
               help="On SIGTERM or Ctrl-C, how long admitted requests may take to finish (then workers "
                    "get as long to finish their batch).")

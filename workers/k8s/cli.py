@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import click
 
 from broker.connection import CLUSTER_SCHEMES, CONNECTION_OR_REPLY_ERRORS, RedisSettings, safe_url, unreachable
+from broker.numbers import MAX_TIMEOUT_S, timeout_problem
 from broker.server_info import UnsupportedServer, check_server, parse_version
 from workers.app import AppError, load_pipeline
 from workers.k8s.manifests import manifests
@@ -30,6 +31,7 @@ from workers.k8s.settings import (
     stage_scaling,
 )
 from workers.k8s.yamlout import dump_all
+from workers.numbers import Count, Seconds
 from workers.pipeline import Pipeline
 
 __all__ = ["k8s", "warnings_for"]
@@ -120,18 +122,19 @@ def warnings_for(pipeline: Pipeline, settings: K8sSettings) -> list[str]:
               help="Key prefix (default: the pipeline's own), passed on to every pod.")
 @click.option("--keda/--no-keda", default=True, show_default=True,
               help="ScaledObjects and a TriggerAuthentication; without: fixed replicas (the stage's `workers`).")
-@click.option("--timeout-s", type=click.FloatRange(min=0.001), default=DEFAULT_TIMEOUT_S, show_default=True,
-              help="The gateway's default request deadline; a worker's stop waits for a batch this long (plus "
-                   "stuck_grace_s), or max_run_s where the stage sets it.")
-@click.option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--timeout-s", type=Seconds(0, MAX_TIMEOUT_S, min_open=True, check=timeout_problem),
+              default=DEFAULT_TIMEOUT_S, show_default=True,
+              help="The gateway's default request deadline (what conveyor gateway --timeout-s takes); a worker's stop "
+                   "waits for a batch this long (plus stuck_grace_s), or max_run_s where the stage sets it.")
+@click.option("--drain-timeout-s", type=Seconds(min=0), default=30.0, show_default=True,
               help="How long a stopping gateway lets admitted requests finish.")
-@click.option("--gateway-replicas", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--gateway-replicas", type=Count(min=1), default=1, show_default=True)
+@click.option("--port", type=Count(1, 65535), default=8000, show_default=True)
 @click.option("--memory", default=None, help="A worker pod's memory request and limit (e.g. 2Gi): with it, a pod is "
               "Guaranteed and the static CPU manager gives it its core to itself.")
-@click.option("--polling-interval", type=click.IntRange(min=1), default=15, show_default=True,
+@click.option("--polling-interval", type=Count(min=1), default=15, show_default=True,
               help="KEDA's pollingInterval (s).")
-@click.option("--cooldown-period", type=click.IntRange(min=0), default=300, show_default=True,
+@click.option("--cooldown-period", type=Count(min=0), default=300, show_default=True,
               help="KEDA's cooldownPeriod (s): how long a stage stays idle before going to zero (with --min 0).")
 @click.option("--output", "-o", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
 def k8s(app: str, image: str, namespace: str | None, redis_url: str | None, secret: str, redis_version: str | None,

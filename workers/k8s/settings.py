@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from broker.connection import CLUSTER_SCHEMES, RedisURLError, check_redis_url
+from broker.numbers import written_problem
 from workers.pipeline import Pipeline, StageSpec
 
 __all__ = ["DEFAULT_SECRET", "KEDA_FIELDS", "METRICS", "K8sError", "K8sSettings", "Overrides", "RedisTarget",
@@ -161,6 +162,9 @@ def parse_overrides(values: Iterable[str], option: str, minimum: int) -> dict[st
     out: dict[str | None, int] = {}
     for value in values:
         name, sep, number = value.rpartition("=")
+        problem = written_problem(number)
+        if problem is not None:
+            raise K8sError(f"{option}: {problem}")
         try:
             n = int(number)
         except ValueError:
