@@ -178,3 +178,12 @@ def test_numbers_with_underscores_are_refused(command: list[str], option: str, v
 @pytest.mark.parametrize("option", ["--port", "--max-body-bytes", "--max-connections", "--processes"])
 def test_the_gateway_s_whole_numbers_refuse_underscores(option: str, started: list[Any]) -> None:
     assert "underscores" in refused(invoke(gateway_cli.gateway, [*GATEWAY, option, "1_0"]), option)
+
+
+def test_run_on_port_zero_says_the_port_the_gateway_listens_on(started: list[Any]) -> None:
+    result = invoke(main, [*RUN, "--port", "0"])
+    assert result.exit_code == 0, result.output
+    (said,) = re.findall(r"HTTP on http://127\.0\.0\.1:(\d+)/", result.output)
+    argv, _supervisor = started
+    port = argv[argv.index("--port") + 1]
+    assert said == port and int(port) > 0

@@ -219,7 +219,7 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
               help="Directory of the embedded Redis's socket  [default: /tmp/conveyor-<pipeline>]")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
 @click.option("--port", type=Count(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
-              show_envvar=True)
+              show_envvar=True, help="The gateway's port; 0: one the system chooses, said at start.")
 @click.option("--grace-s", type=Seconds(min=0), default=30.0, show_default=True, envvar="CONVEYOR_GRACE_S",
               show_envvar=True,
               help="On SIGTERM or Ctrl-C, how long admitted requests may take to finish (then workers "
@@ -243,7 +243,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     child = _child_settings(redis_url or "", prefix, opts)
     pipelines = _load_all(app, prefix)
     names = [p.name for _, p in pipelines]
-    _check_port_free(host, port)
+    port = _check_port_free(host, port)  # 0: the port the system chose, kept for the gateway's restarts
     embedded = None
     if redis_url is None:
         home = names[0] if len(names) == 1 else app.replace(".", "-")
@@ -319,11 +319,14 @@ def _start_redis(embedded: EmbeddedRedis) -> str:
         raise click.ClickException(str(exc)) from exc
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail in one line, before anything starts, if the gateway could not listen on host:port.
+def _check_port_free(host: str, port: int) -> int:
+    """The port the gateway is to listen on: ``port``, or for 0 the one the system gives this bind test;
+    fail in one line, before anything starts, if the gateway could not listen there.
 
     The gateway runs in a child process (workers never import gateway code): a bind test here
-    spares the user a traceback from that child after Redis and the workers have started.
+    spares the user a traceback from that child after Redis and the workers have started. Port 0 is
+    settled here, once, rather than by the gateway: the address said at start is then the one it
+    listens on, and a gateway that dies is started again on the same port, not on a new one.
     """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -331,6 +334,7 @@ def _check_port_free(host: str, port: int) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds
             probe.bind(address)
+            return int(probe.getsockname()[1])
     except socket.gaierror as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}; choose another address with "
                                    "--host (or CONVEYOR_HOST)") from exc
