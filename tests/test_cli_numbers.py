@@ -187,3 +187,8 @@ def test_run_on_port_zero_says_the_port_the_gateway_listens_on(started: list[Any
     argv, _supervisor = started
     port = argv[argv.index("--port") + 1]
     assert said == port and int(port) > 0
+
+
+def test_workers_says_it_turns_autoscaling_off() -> None:
+    help_text = " ".join(invoke(main, ["worker", "--help"]).output.split())
+    assert "autoscaling (workers=(min, max)) is then off" in help_text

@@ -178,7 +178,8 @@ def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
 @click.argument("app", envvar="CONVEYOR_APP")
 @click.option("--stage", required=True, envvar="CONVEYOR_STAGE", show_envvar=True, help="Name of the stage to run.")
 @click.option("--workers", type=Count(min=1), envvar="CONVEYOR_WORKERS", show_envvar=True,
-              help="Worker processes (default: the stage's own setting).")
+              help="Worker processes, that many and fixed: a stage's autoscaling (workers=(min, max)) is then off "
+                   "(default: the stage's own setting).")
 @click.option("--redis", "redis_url", envvar="CONVEYOR_REDIS_URL", default=None, show_envvar=True,
               help=REDIS_URL_HELP + " " + CHOICE_HELP)
 @click.option("--grace-s", type=Seconds(min=0), default=10.0, show_default=True, envvar="CONVEYOR_GRACE_S",
