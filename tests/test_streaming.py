@@ -163,6 +163,26 @@ def test_a_caller_id_that_timed_out_is_refused_again_and_its_first_run_dropped(r
         assert "ran first" not in _runs(runs) and "ran second" not in _runs(runs)
 
 
+@pytest.mark.parametrize("first_timeout_s", [0.002, 0.12])  # before its first chunk, and in its middle
+def test_a_stream_under_a_caller_id_that_timed_out_is_refused_again(redis_url: str, first_timeout_s: float) -> None:
+    """As predict: a stream retried under the id of one that timed out took the first run's chunks or
+    its stale DeadlineExceeded ("chunk 0 of the stream is missing ... Redis lost part of it")."""
+    with running_workers(redis_url, f"{APP}:slow_words", ["Words"]) as workers:
+        workers.wait_ready("t-slow-words")
+
+        async def scenario() -> None:
+            async with Gateway(redis_url, "t-slow-words", GatewaySettings(timeout_s=30)) as gw:
+                with pytest.raises(TimeoutError):
+                    async for _ in gw.stream("a b c d e f g h", request_id="again", timeout_s=first_timeout_s):
+                        pass
+                with pytest.raises(ValueError, match="'again' was answered, cancelled or timed out a moment ago"):
+                    async for _ in gw.stream("x y", request_id="again"):
+                        pass
+                assert [chunk async for chunk in gw.stream("x y", request_id="fresh")] == ["x", "y"]
+
+        asyncio.run(scenario())
+
+
 def test_only_the_last_stage_may_stream() -> None:
     class Gen(Stage):
         def predict(self, x: object) -> object:

@@ -297,6 +297,8 @@ class Gateway:
                             request_id: str | bytes | None = None, priority: int = 0) -> StreamSink:
         """:meth:`stream` without the iteration: the request's `StreamSink` (the HTTP front listens to
         it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
+        if request_id is not None:  # as predict: an id whose earlier run may still answer is refused
+            timeout_s = await self._unanswered_within(request_id, timeout_s)
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
         self._check_loop()
         if not self.registration.registered:

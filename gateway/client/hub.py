@@ -211,7 +211,7 @@ class Hub:
         waiter.request_id = request_id
         record = self.requests[request_id] = InFlight(
             waiter, lane, lane.submitter.entry(request_id, data, b"%d" % deadline_ms), now_s, timeout_s, trace)
-        record.keep_result = type(waiter) is Answer and not request_id.startswith(lane.id_prefix)  # caller's id
+        record.keep_result = type(waiter) is not Slot and not request_id.startswith(lane.id_prefix)  # caller's id
         record.serial = self.deadlines.add(loop, request_id, now_s + timeout_s)
         if trace is not None:
             lane.traced = True
