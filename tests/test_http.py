@@ -38,6 +38,14 @@ WAIT_S = 5.0  # upper bound of any single wait in these tests
 # -- fakes and helpers ---------------------------------------------------------------------------
 
 
+_CANNED: dict[str, Callable[[], Any]] = {  # results a test asks for by "op"
+    "array": lambda: np.arange(6, dtype=np.float32).reshape(2, 3),
+    "nan": lambda: np.array([1.0, np.nan]),
+    "keys": lambda: {"inner": {1: "int one", "1": "text one"}},
+    "tuple-key": lambda: {(1, 2): "pair"},
+}
+
+
 @dataclass
 class FakeBackend:
     """Echoes its input; a dict ``{"op": ...}`` makes it fail the way a real gateway can."""
@@ -93,10 +101,8 @@ class FakeBackend:
             raise CodecError("cannot encode int 2**70")
         if op == "crash":
             raise RuntimeError("gateway bug")
-        if op == "array":
-            return np.arange(6, dtype=np.float32).reshape(2, 3)
-        if op == "nan":
-            return np.array([1.0, np.nan])
+        if op in _CANNED:
+            return _CANNED[op]()
         if op == "block":
             self.entered.set()
             try:
@@ -912,6 +918,23 @@ async def test_nan_result_is_a_clear_500_in_json_and_fine_in_msgpack(server: Htt
     assert resp.status == 500
     error = resp.json()["error"]
     assert error["type"] == "UnencodableResult" and "NaN or Infinity" in error["message"]
+
+
+@http_test()
+async def test_map_keys_json_cannot_keep_apart_are_a_clear_500_in_json_and_fine_in_msgpack(
+        server: HttpServer, backend: FakeBackend) -> None:
+    """{1: ..., "1": ...} was sent as JSON with the key twice: every reader kept one value, silently."""
+    resp = await one(server.port, predict_json({"op": "keys"}))
+    assert resp.status == 500, resp.body
+    error = resp.json()["error"]
+    assert error["type"] == "UnencodableResult" and "keys that are one in JSON" in error["message"]
+    assert "send the request as msgpack" in error["message"]
+    resp = await one(server.port, predict_json({"op": "tuple-key"}))
+    assert resp.status == 500 and "map key JSON cannot carry" in resp.json()["error"]["message"]
+    resp = await one(server.port, http_request("POST", "/v1/predict", encode({"op": "keys"}),
+                                               {"content-type": "application/msgpack"}))
+    assert resp.status == 200 and decode(resp.body)["result"] == {"inner": {1: "int one", "1": "text one"}}
+    assert (await one(server.port, predict_json({"plain": {"a": 1}}))).json() == {"result": {"plain": {"a": 1}}}
 
 
 @http_test(half_close_answers=True)

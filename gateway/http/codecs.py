@@ -25,11 +25,13 @@ import orjson
 from broker.codec import decode as msgpack_decode
 from broker.codec import encode as msgpack_encode
 
-__all__ = ["JSON", "MSGPACK", "Codec", "NonFiniteNumber", "UnsupportedMediaType", "codec_for", "json_decode",
-           "json_encode"]
+__all__ = ["JSON", "MSGPACK", "Codec", "KeyCollision", "NonFiniteNumber", "UnsupportedMediaType", "codec_for",
+           "json_decode", "json_encode"]
 
 _NON_FINITE_HINT = ("JSON carries finite numbers only (no NaN, Infinity or numbers beyond 1.8e308): "
                     "send finite numbers, or msgpack (Content-Type: application/msgpack)")
+# An answer comes in its request's encoding (an Accept header is not read): what to do about a result JSON cannot carry.
+_AS_MSGPACK = "send the request as msgpack (Content-Type: application/msgpack): its answer comes as msgpack too"
 
 
 class NonFiniteNumber(ValueError):
@@ -47,7 +49,7 @@ def _json_default(obj: object) -> Any:
         return _as_json_numbers(obj).tolist()
     if isinstance(obj, np.generic):
         return _as_json_numbers(np.asarray(obj)).item()
-    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable (ask for msgpack)")
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable; {_AS_MSGPACK}")
 
 
 def _as_json_numbers(array: np.ndarray) -> np.ndarray:
@@ -75,18 +77,57 @@ def _numbers_for_orjson(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_KEYED_OPTIONS = _DUMPS_OPTIONS | orjson.OPT_NON_STR_KEYS
+
+
+class KeyCollision(ValueError):
+    """A result map whose keys are no longer distinct once written as JSON's text keys (``1`` and
+    ``"1"``): every JSON reader would keep one of the two values, so it is not sent."""
 
 
 def json_encode(obj: Any) -> bytes:
-    """JSON of ``obj``; NonFiniteNumber if it holds NaN or an infinity (orjson would write null)."""
+    """JSON of ``obj``; NonFiniteNumber if it holds NaN or an infinity (orjson would write null),
+    KeyCollision if two of a map's keys write as one text."""
     try:
         out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
-    except orjson.JSONEncodeError:  # an array of another byte order, or of long doubles: again, as numbers
-        out = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_DUMPS_OPTIONS)
+    except orjson.JSONEncodeError:  # a map key that is not text, or an array orjson refuses: the slow path
+        out = _encode_slowly(obj)
     if b"null" in out and _holds_non_finite(obj):  # a real None writes null too: only then look closer
-        raise NonFiniteNumber(f"the result holds NaN or Infinity; {_NON_FINITE_HINT}")
+        raise NonFiniteNumber(f"the result holds NaN or Infinity, which JSON cannot carry; {_AS_MSGPACK}")
     return out
+
+
+def _encode_slowly(obj: Any) -> bytes:
+    """Arrays as numbers, and map keys that are numbers, booleans or None as text, checked distinct."""
+    try:
+        out: bytes = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_KEYED_OPTIONS)
+    except orjson.JSONEncodeError as exc:
+        if "Dict key" in str(exc):
+            raise TypeError("the result holds a map key JSON cannot carry (keys must be text, numbers, booleans "
+                            f"or None); {_AS_MSGPACK}") from None
+        raise
+    if _keys_collide(obj, orjson.loads(out)):
+        raise KeyCollision("the result holds a map with keys that are one in JSON (such as 1 and '1'): one of "
+                           f"their values would be lost; {_AS_MSGPACK}")
+    return out
+
+
+def _keys_collide(obj: Any, written: Any, depth: int = 0) -> bool:
+    """Whether a map of ``obj`` has more keys than its JSON ``written`` (read back) kept."""
+    if depth > 256:
+        return False
+    if isinstance(obj, dict):
+        return not isinstance(written, dict) or len(written) != len(obj) or any(
+            _keys_collide(v, written.get(k if type(k) is str else _key_text(k)), depth + 1) for k, v in obj.items())
+    if isinstance(obj, list | tuple) and isinstance(written, list):
+        return any(_keys_collide(v, w, depth + 1) for v, w in zip(obj, written, strict=False))
+    return False
+
+
+def _key_text(key: Any) -> str:
+    """A map key as orjson writes it (the text form of its JSON value)."""
+    return str(orjson.loads(orjson.dumps({key: 0}, option=_KEYED_OPTIONS)).popitem()[0])
 
 
 def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
