@@ -145,6 +145,29 @@ def test_an_answer_that_breaks_the_declaration_is_a_500_not_a_wrong_tensor() -> 
     assert nan.status == 500 and b"binary_data_output" in nan.body  # JSON cannot carry NaN: says how to get it
 
 
+@pytest.mark.parametrize("datatype, answer", [("FP32", 1e300), ("FP32", -1e39), ("FP16", 70000.0), ("FP16", 70000)])
+@pytest.mark.parametrize("binary", [False, True])
+def test_an_answer_beyond_a_narrower_floats_range_is_a_500_not_infinity(datatype: str, answer: float,
+                                                                        binary: bool) -> None:
+    """FP64 answers for an FP32 output became inf (200 in binary; in JSON a 500 saying NaN or Infinity,
+    advising binary data, which then answered inf): out of range is refused, as for integers."""
+    io = PipelineIO((TensorSpec("x", "FP32", (-1,)),), (TensorSpec("y", datatype, (-1,)),), batched=True)
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 2]}],
+           "parameters": {"binary_data_output": binary}}
+    reply = Inference("m", io, json.dumps(doc).encode(), None).respond([1.5, answer])
+    assert reply.status == 500 and b"beyond " + datatype.encode() + b"'s range" in reply.body, reply.body
+    fine = Inference("m", io, json.dumps(doc).encode(), None).respond([1.5, 2.0])
+    assert fine.status == 200
+
+
+def test_a_float_answer_out_of_an_integer_outputs_range_is_said_in_conveyors_words() -> None:
+    """numpy's own "Python integer 300 out of bounds for int8" reached the client."""
+    io = PipelineIO((TensorSpec("x", "FP32", (-1,)),), (TensorSpec("y", "INT8", (-1,)),), batched=True)
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 2]}]}
+    reply = Inference("m", io, json.dumps(doc).encode(), None).respond([np.float64(3.0), np.float64(300.0)])
+    assert reply.status == 500 and b"numbers that are no INT8" in reply.body, reply.body
+
+
 def test_id_and_parameters_are_echoed_binary_request_flag_is_not() -> None:
     doc = {"id": "abc", "parameters": {"binary_data_output": True, "mine": 1},
            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}

@@ -294,11 +294,22 @@ def _as_declared(spec: TensorSpec, values: Any, dtype: np.dtype[Any]) -> npt.NDA
             raise OverflowError(f"output {spec.name!r}: the pipeline answered values from {array.min()} to "
                                 f"{array.max()}, out of {spec.datatype}'s range")
     elif dtype.kind in "iu" and kind == "f":  # fractions, or Python integers past int64 (numpy infers floats)
-        exact = np.asarray(values, dtype=dtype)
-        if not np.array_equal(exact, array):
+        try:  # from the answer itself: its integers past 2**53 are exact there, not in ``array``
+            exact = np.asarray(values, dtype=dtype)
+        except (OverflowError, ValueError):  # numpy's "Python integer 300 out of bounds for int8"
+            exact = None
+        if exact is None or not np.array_equal(exact, array):
             raise TypeError(f"output {spec.name!r}: the pipeline answered numbers that are no {spec.datatype} "
                             "(fractions, or out of its range)")
         return exact
+    elif dtype.kind == "f" and ((kind == "f" and array.dtype.itemsize > dtype.itemsize) or
+                                (kind in "iu" and dtype.itemsize == 2)):  # a narrower float: 1e300 as FP32 is inf
+        with np.errstate(over="ignore"):
+            narrow = array.astype(dtype)
+        if (np.isfinite(array) & ~np.isfinite(narrow)).any():
+            raise OverflowError(f"output {spec.name!r}: the pipeline answered values beyond {spec.datatype}'s range "
+                                f"(+-{np.finfo(dtype).max:g}), from {array.min()} to {array.max()}")
+        return narrow
     return array.astype(dtype, copy=False)
 
 
