@@ -286,11 +286,12 @@ def _unpack_array(data: bytes) -> npt.NDArray[Any]:
     head = msgpack.Unpacker(raw=False, max_buffer_size=_HEAD_MAX_BYTES)
     head.feed(data[:_HEAD_MAX_BYTES])
     try:
-        if head.read_array_header() != 4:
-            raise CodecError("malformed array payload")
-        name, shape, order = head.unpack(), head.unpack(), head.unpack()
+        fields = head.read_array_header()
+        name, shape, order = (head.unpack(), head.unpack(), head.unpack()) if fields == 4 else (None, None, None)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise CodecError(f"malformed array payload: {exc}") from exc
+    if fields != 4:  # outside the try: a CodecError is a ValueError, and was said twice
+        raise CodecError(f"malformed array payload: a head of {fields} fields, not 4 (dtype, shape, order, bytes)")
     dtype = _dtype(name)
     if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
         raise CodecError(f"bad array shape in payload: {shape!r}")

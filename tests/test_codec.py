@@ -399,3 +399,11 @@ def test_large_value_then_small_one() -> None:
     big = np.arange(200_000, dtype="<f8")
     assert np.array_equal(decode(encode({"big": big, "n": 1}))["big"], big)
     assert encode(7) == msgpack.packb(7)
+
+
+@pytest.mark.parametrize("head", [["<f8", [1]], ["<f8", [1], "C", b"x", 5]])
+def test_an_array_head_of_other_than_four_fields_is_said_once(head: list[Any]) -> None:
+    """It read "malformed array payload: malformed array payload" (the inner error caught and wrapped)."""
+    with pytest.raises(CodecError) as caught:
+        decode(msgpack.packb(msgpack.ExtType(1, msgpack.packb(head))))
+    assert str(caught.value).count("malformed array payload") == 1 and f"{len(head)} fields" in str(caught.value)
