@@ -101,33 +101,49 @@ def json_encode(obj: Any) -> bytes:
 def _encode_slowly(obj: Any) -> bytes:
     """Arrays as numbers, and map keys that are numbers, booleans or None as text, checked distinct."""
     try:
-        out: bytes = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_KEYED_OPTIONS)
+        try:
+            out: bytes = orjson.dumps(obj, default=_json_default, option=_KEYED_OPTIONS)
+        except orjson.JSONEncodeError:  # an array of another byte order, or of long doubles: as numbers
+            out = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_KEYED_OPTIONS)
     except orjson.JSONEncodeError as exc:
         if "Dict key" in str(exc):
             raise TypeError("the result holds a map key JSON cannot carry (keys must be text, numbers, booleans "
                             f"or None); {_AS_MSGPACK}") from None
         raise
-    if _keys_collide(obj, orjson.loads(out)):
+    if _keys_collide(obj):
         raise KeyCollision("the result holds a map with keys that are one in JSON (such as 1 and '1'): one of "
                            f"their values would be lost; {_AS_MSGPACK}")
     return out
 
 
-def _keys_collide(obj: Any, written: Any, depth: int = 0) -> bool:
-    """Whether a map of ``obj`` has more keys than its JSON ``written`` (read back) kept."""
-    if depth > 256:
-        return False
-    if isinstance(obj, dict):
-        return not isinstance(written, dict) or len(written) != len(obj) or any(
-            _keys_collide(v, written.get(k if type(k) is str else _key_text(k)), depth + 1) for k, v in obj.items())
-    if isinstance(obj, list | tuple) and isinstance(written, list):
-        return any(_keys_collide(v, w, depth + 1) for v, w in zip(obj, written, strict=False))
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _keys_collide(obj: Any) -> bool:
+    """Whether a map in ``obj`` has two keys that JSON writes as one text (keys of one type never do:
+    distinct ints, or floats, stay distinct). A loop, not a recursion: only answers with non-text keys
+    come here, and their lists of numbers should cost a pass, not a call per number."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind in _LEAVES:
+            continue
+        if isinstance(value, dict):
+            if len({type(k) for k in value}) > 1 and \
+                    len({k if type(k) is str else _key_text(k) for k in value}) != len(value):
+                return True
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
     return False
 
 
 def _key_text(key: Any) -> str:
-    """A map key as orjson writes it (the text form of its JSON value)."""
-    return str(orjson.loads(orjson.dumps({key: 0}, option=_KEYED_OPTIONS)).popitem()[0])
+    """A map key as orjson writes it."""
+    if type(key) is int:
+        return str(key)
+    return orjson.dumps({key: 0}, option=_KEYED_OPTIONS)[2:-4].decode()  # b'{"<text>":0}'
 
 
 def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
