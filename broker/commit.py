@@ -22,6 +22,7 @@ from broker.families import DEAD, REPLIES, RESULTS, SHARED_REPLIES, STATS, STREA
 from broker.held import HeldConnection
 from broker.keys import GROUP, Keys
 from broker.logs import Throttle
+from broker.numbers import SettingsError, expire_ms_problem
 from broker.operations import WORKER, Script, sends
 from broker.protocol import batch_entry_items, traces_field
 from broker.refusals import log_refusal_once
@@ -152,6 +153,15 @@ def bucket_of(seconds: float) -> int:
 class Ttls:
     result_ttl_ms: int = 60_000
     reply_ttl_ms: int = 300_000
+
+    def __post_init__(self) -> None:
+        """Refuse here a TTL ``commit.lua`` would hand to Redis in vain: 0, a negative, NaN or a float, or one past
+        what ``SET PX``/``PEXPIRE`` take, failed every commit of the stage, in a loop (the command line refuses
+        them at start; a library caller learns it where the TTLs are made)."""
+        for name in ("result_ttl_ms", "reply_ttl_ms"):
+            problem = expire_ms_problem(getattr(self, name))
+            if problem is not None:
+                raise SettingsError(f"Ttls.{name} {problem}")
 
 
 class Committer:

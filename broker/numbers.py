@@ -19,8 +19,9 @@ from typing import Any, NoReturn
 
 from broker.protocol import MAX_DEADLINE_AHEAD_MS
 
-__all__ = ["MAX_EXPIRE_MS", "MAX_PIN_TTL_MS", "MAX_TIMEOUT_S", "PlainNumbers", "expire_problem", "pin_ttl_problem",
-           "timeout_problem", "ttl_ms", "written_problem"]
+__all__ = ["MAX_EXPIRE_MS", "MAX_PIN_TTL_MS", "MAX_TIMEOUT_S", "PlainNumbers", "SettingsError", "count_problem",
+           "expire_ms_problem", "expire_problem", "number_problem", "pin_ttl_problem", "timeout_problem", "ttl_ms",
+           "written_problem"]
 
 Check = Callable[[float], "str | None"]
 MAX_TIMEOUT_S = MAX_DEADLINE_AHEAD_MS / 1000  # a week: the furthest deadline a stream entry may carry
@@ -33,6 +34,31 @@ MAX_EXPIRE_MS = 2**63 - 1 - YEAR_10000_MS
 # turns back into text with %.17g: from 1e17 on that is e-notation ("1e+17"), which PEXPIRE refuses. The
 # largest whole number of ms whose double is below 1e17 (doubles there are 16 apart; ...992 rounds up to 1e17).
 MAX_PIN_TTL_MS = 99_999_999_999_999_991
+
+
+class SettingsError(ValueError):
+    """A setting made in code (a settings dataclass: gateway, HTTP, worker, Redis, TTLs) that nothing could run
+    with: the message names the class, the setting and its range. Raised where the settings are made, so that a
+    library caller learns it there, as a command line's user does at start, not from a worker's loop later."""
+
+
+def number_problem(value: object, low: float, high: float = math.inf, low_open: bool = False) -> str | None:
+    """What is wrong with ``value`` as a finite number from ``low`` (excluded with ``low_open``) to ``high``, else
+    None. NaN passes every comparison's negation and infinity every lower bound: both are named here."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not (
+            (value > low if low_open else value >= low) and value <= high):
+        above = f"> {low:g}" if low_open else f">= {low:g}"
+        return f"must be a finite number {above}{'' if high == math.inf else f' and <= {high:g}'}, got {value!r}"
+    return None
+
+
+def count_problem(value: object, low: int = 1, high: int | None = None) -> str | None:
+    """What is wrong with ``value`` as an integer from ``low`` (to ``high``, where given), else None (a float such
+    as 2.5 or 1e9 is refused: it would be compared and formatted as a count where Redis and the front take
+    integers)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        return f"must be an integer >= {low}{'' if high is None else f' and <= {high}'}, got {value!r}"
+    return None
 
 
 def written_problem(text: object, check: Check | None = None) -> str | None:
@@ -103,6 +129,12 @@ def _ttl_problem(seconds: float, most_ms: int, why: str) -> str | None:
             most_s -= 1
         return f"{seconds:g} s is more than {why}: at most {most_s} s"
     return None
+
+
+def expire_ms_problem(value: object, most_ms: int = MAX_EXPIRE_MS) -> str | None:
+    """What is wrong with ``value`` as a TTL in whole ms that Redis takes (``SET PX``, ``PEXPIRE``: 0 and
+    below are refused, and so is a sum with the clock past 2**63 - 1, see ``MAX_EXPIRE_MS``), else None."""
+    return count_problem(value, 1, most_ms)
 
 
 def expire_problem(seconds: float) -> str | None:

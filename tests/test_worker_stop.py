@@ -47,7 +47,9 @@ def blocked_reads(admin: redis.Redis) -> int:
 def test_an_idle_worker_stops_without_waiting_for_its_read(redis_url: str, shape: str) -> None:
     pipeline = PIPELINES[shape]
     consumer = f"Echo@test:{os.getpid()}:{shape}:0"
-    worker = Worker(pipeline, pipeline.stages[0], RedisSettings(redis_url), consumer,
+    # The socket timeout outlasts the read (a worker refuses an idle read the client would cut: check_idle_block).
+    redis_settings = RedisSettings(redis_url, socket_timeout_s=BLOCK_MS / 1000 + 10)
+    worker = Worker(pipeline, pipeline.stages[0], redis_settings, consumer,
                     WorkerSettings(idle_block_ms=BLOCK_MS), StatusPipe(None))
     thread = threading.Thread(target=worker.run, name=f"worker-{shape}", daemon=True)
     admin = redis.Redis.from_url(redis_url)

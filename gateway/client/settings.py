@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from broker.connection import LONGEST_BLOCK_S
 from broker.keys import DEFAULT_PREFIX, Keys
-from broker.numbers import MAX_TIMEOUT_S, timeout_problem
+from broker.numbers import MAX_TIMEOUT_S, SettingsError, count_problem, number_problem, timeout_problem
 
 __all__ = ["MAX_TIMEOUT_S", "MIN_BLOCK_S", "GatewaySettings", "SettingsError", "count_problem", "number_problem",
-           "timeout_problem"]  # timeout_problem lives in broker (conveyor k8s needs it too)
+           "timeout_problem"]  # these live in broker/numbers.py (conveyor k8s and the workers' settings need them too)
 # A BLPOP's timeout: Redis counts it in whole milliseconds, and 0 ms blocks for ever (past the client's socket
 # timeout, which then cuts the connection); past LONGEST_BLOCK_S the socket timeout may cut it too.
 MIN_BLOCK_S = 0.001
-
-
-class SettingsError(ValueError):
-    """A gateway or HTTP setting no gateway could run with: the message names the setting and its range."""
-
-
-def number_problem(value: object, low: float, high: float = math.inf, low_open: bool = False) -> str | None:
-    """What is wrong with ``value`` as a finite number from ``low`` (excluded with ``low_open``) to ``high``, else
-    None. NaN passes every comparison's negation and infinity every lower bound: both are named here."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not (
-            (value > low if low_open else value >= low) and value <= high):
-        above = f"> {low:g}" if low_open else f">= {low:g}"
-        return f"must be a finite number {above}{'' if high == math.inf else f' and <= {high:g}'}, got {value!r}"
-    return None
-
-
-def count_problem(value: object, low: int = 1) -> str | None:
-    """What is wrong with ``value`` as an integer >= ``low``, else None (a float such as 2.5 or 1e9 is refused:
-    it would be compared and formatted as a count where Redis and the front take integers)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        return f"must be an integer >= {low}, got {value!r}"
-    return None
 
 
 @dataclass(frozen=True)

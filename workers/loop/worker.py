@@ -20,7 +20,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from broker.commit import BatchStats, Commit, Committer, Ttls
@@ -54,6 +53,7 @@ from workers.loop.recovery import Recovery
 from workers.loop.retry import with_redis
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
+from workers.loop.settings import WorkerSettings, check_idle_block
 from workers.loop.streaming import StreamRunner, read_more
 from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
@@ -65,20 +65,6 @@ log = logging.getLogger("conveyor.worker")
 __all__ = ["Worker", "WorkerSettings"]
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    idle_block_ms: int = 250  # how often an idle worker looks at its stop flag
-    heartbeat_s: float = 1.0
-    result_ttl_ms: int = 60_000
-    reply_ttl_ms: int = 300_000
-    max_payload_bytes: int = 16 * 1024 * 1024
-    pin: str = "claim"  # "claim": a core claimed host-wide through Redis; "slot": by slot (workers.process.pinning)
-    pin_ttl_ms: int = 10_000  # a claim not renewed this long (its worker died) frees its core
-    read_ahead: bool = True  # after a full batch, read the next one while its commit runs (workers.loop.ahead)
-    batch_entries: bool = True  # forward a batch as batch entries, not one entry per item (workers.loop.batch_entries)
-    fill_levels: bool = True  # a higher priority level's batch takes lower levels' entries (workers.loop.priorities)
-
-
 class Worker:
     def __init__(self, pipeline: Pipeline, spec: StageSpec, redis_settings: RedisSettings,
                  consumer: str, settings: WorkerSettings, status: StatusPipe, previous_exit: str = "",
@@ -87,6 +73,7 @@ class Worker:
         """``claim_cpu``: claim a core host-wide, preferring this one, and pin to it (else the
         process is pinned already, or not at all). ``busy``: where the supervisor watches each
         batch's stuck time. ``traces``: whether this process exports spans (broker.tracing)."""
+        check_idle_block(settings, redis_settings)
         self.traces = traces or TraceSettings()
         self.pipeline = pipeline
         self.spec = spec
