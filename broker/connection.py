@@ -37,6 +37,8 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
+from broker.numbers import MAX_TIMEOUT_S, SettingsError, count_problem, number_problem
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or "
                   "redis+cluster://host:port[,host:port...] for a Redis Cluster.")
@@ -59,7 +61,17 @@ class RedisSettings:
     max_connections: int = 16
 
     def __post_init__(self) -> None:
+        """The URL, and the numbers redis-py would take and fail on later (SettingsError naming the field): a NaN
+        or past-the-clock timeout (1e10 s) raised at every connect, from each worker's loop; 0 made the sockets
+        non-blocking; ``max_connections`` 0 meant redis-py's default (2**31), not a bound. The timeouts' week is
+        conveyor's longest request deadline: no call of ours waits longer."""
         check_redis_url(self.url)
+        problems = {name: number_problem(getattr(self, name), 0, MAX_TIMEOUT_S, low_open=True)
+                    for name in ("socket_timeout_s", "connect_timeout_s")}
+        problems["max_connections"] = count_problem(self.max_connections)
+        for name, problem in problems.items():
+            if problem is not None:
+                raise SettingsError(f"RedisSettings.{name} {problem}")
 
     @property
     def is_cluster(self) -> bool:

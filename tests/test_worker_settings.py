@@ -1,8 +1,8 @@
-"""WorkerSettings and Ttls refuse, where they are made, what the command line refuses at start.
+"""WorkerSettings, Ttls and RedisSettings refuse, where they are made, what the command line refuses at start.
 
 A library caller's bad value was taken: a TTL of 0 or past what ``PEXPIRE`` takes failed every commit of the
 stage in a loop, ``heartbeat_s`` NaN or 0 busy-looped the heartbeat thread, a heartbeat rarer than the liveness
-window made the worker look dead to every gateway.
+window made the worker look dead to every gateway, a NaN or huge socket timeout raised at every connect.
 """
 
 from __future__ import annotations
@@ -71,6 +71,25 @@ def test_ttls_refuse_what_redis_would_refuse_at_every_commit(name: str, value: o
 
 def test_ttls_take_redis_limits() -> None:
     assert Ttls(1, MAX_EXPIRE_MS) == Ttls(result_ttl_ms=1, reply_ttl_ms=MAX_EXPIRE_MS)
+
+
+BAD_REDIS = [
+    *((name, v) for name in ("socket_timeout_s", "connect_timeout_s")
+      for v in [0, -1, 1e10, 1e300, "5", None, *NOT_FINITE]),
+    *(("max_connections", v) for v in [0, -1, 2.5, math.nan, True]),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_REDIS)
+def test_redis_settings_refuse_what_redis_py_fails_on_later(name: str, value: object) -> None:
+    with pytest.raises(SettingsError, match=rf"^RedisSettings\.{name}\b"):
+        RedisSettings(URL, **{name: value})  # type: ignore[arg-type]
+
+
+def test_redis_settings_take_the_edges_and_the_callers_own_timeouts() -> None:
+    settings = RedisSettings(URL, socket_timeout_s=0.001, connect_timeout_s=7 * 24 * 3600, max_connections=1)
+    assert (settings.socket_timeout_s, settings.max_connections) == (0.001, 1)
+    assert RedisSettings(URL, socket_timeout_s=2, connect_timeout_s=2).socket_timeout_s == 2
 
 
 def test_one_settings_error_for_every_settings_class() -> None:
