@@ -102,11 +102,23 @@ DEFAULT_PREFIX = "conveyor"
 GROUP = "workers"
 PROTOCOL_VERSION = 1
 LIVE_AFTER_MS = 5_000  # a worker whose last heartbeat (``P:hb:<i>`` score) is older is not live
+# A partition exists to put its keys in another hash slot, and a Redis Cluster has 16384: past that, partitions
+# only share slots (no more spread), while each costs every worker a read per turn, each stage a KEDA trigger and
+# each gateway its keys (Pipeline(partitions=10**9) built a billion of them at definition).
+MAX_PARTITIONS = 16384
 
 
 class KeyNameError(ValueError):
     """A pipeline name or prefix no key can be made of (empty, not a string, or with a brace, colon or space):
     commands say it as a bad argument, a pipeline as a `workers.PipelineError`."""
+
+
+def partitions_problem(n: object) -> str | None:
+    """What is wrong with ``n`` as a pipeline's partition count, else None (see ``MAX_PARTITIONS``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PARTITIONS:
+        return (f"must be an integer from 1 to {MAX_PARTITIONS} (a Redis Cluster's hash slots: more partitions "
+                f"cannot spread further), got {n!r}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -139,9 +151,10 @@ class Keys:
         return f"{self.prefix}:{{{self.tag}}}"
 
     def partitions(self, n: int) -> list[Keys]:
-        """The keys of partitions 0..n-1 of this pipeline."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"partitions must be an integer >= 1, got {n!r}")
+        """The keys of partitions 0..n-1 of this pipeline (at most ``MAX_PARTITIONS``)."""
+        problem = partitions_problem(n)
+        if problem is not None:
+            raise ValueError(f"partitions {problem}")
         return [Keys(self.pipeline, self.prefix, p) for p in range(n)]
 
     def at_level(self, level: int) -> Keys:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from broker import codec
+from broker.keys import partitions_problem
 
 
 class SpecError(codec.CodecError):
@@ -125,6 +126,9 @@ def decode_spec(raw: bytes) -> list[StageInfo]:
 def _stage(position: int, item: Any) -> StageInfo:
     if not isinstance(item, dict):
         raise SpecError(f"pipeline spec stage {position} is not a map")
+    if isinstance(item.get("partitions"), int) and partitions_problem(item["partitions"]) is not None:
+        # A reader builds every partition's keys: a foreign or corrupt spec's 10**9 would build a billion.
+        raise SpecError(f"pipeline spec stage {position}: partitions {partitions_problem(item['partitions'])}")
     try:
         max_backlog = item.get("max_backlog")
         max_payload = item.get("max_payload_bytes")

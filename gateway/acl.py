@@ -16,7 +16,7 @@ from broker.acl import roles as declared_roles
 from broker.admin import server_version, set_users
 from broker.connection import CLUSTER_SCHEMES, RedisURLError, safe_url, unreachable
 from broker.errors import CONNECTION_OR_REPLY_ERRORS
-from broker.keys import DEFAULT_PREFIX, Keys
+from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, Keys
 from broker.local_runs import choose_redis
 
 FORMATS = ("setuser", "aclfile", "table")
@@ -65,7 +65,7 @@ def password_rule(sha256: str | None, stdin: bool) -> str | None:
               help="The key prefix of the tenant; repeat for a user that spans several prefixes.")
 @click.option("--pipeline", "pipelines", multiple=True, callback=_names,
               help="Only these pipelines' keys (repeat for several); default: every pipeline under the prefix.")
-@click.option("--partitions", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--partitions", type=click.IntRange(min=1, max=MAX_PARTITIONS), default=1, show_default=True,
               help="With --pipeline: the pipelines' partition count (one pattern per partition's hash tag).")
 @click.option("--redis-version", "version", callback=_version, help="The server's version (default: read from "
               f"--redis, else {'.'.join(map(str, DEFAULT_VERSION[:2]))}): 7.x gets selectors with read/write key "

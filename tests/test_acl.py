@@ -201,6 +201,13 @@ def run_acl(*args: str, stdin: str | None = None) -> Any:
 
 
 @pytest.mark.unit
+def test_partitions_past_a_clusters_slots_are_refused() -> None:
+    out = run_acl("--role", "worker", "--pipeline", "p", "--partitions", "16385")
+    assert out.exit_code == 2 and "16385 is not in the range 1<=x<=16384" in out.output, out.output
+    assert run_acl("--role", "worker", "--pipeline", "p", "--partitions", "16384").exit_code == 0
+
+
+@pytest.mark.unit
 def test_the_command_prints_the_generated_rules() -> None:
     out = run_acl("--role", "gateway", "--prefix", "tenant-a")
     assert out.exit_code == 0, out.output

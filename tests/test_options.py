@@ -4,12 +4,15 @@ what to pass, instead of running with defaults or crashing every worker."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from broker.keys import MAX_PARTITIONS
+from broker.spec import SpecError, decode_spec, encode_spec
 from workers import Pipeline, PipelineError, Stage
-from workers.pipeline import DEFAULT_STUCK_GRACE_S
+from workers.pipeline import DEFAULT_STUCK_GRACE_S, MAX_BATCH_SIZE
 
 
 class Shift(Stage):
@@ -148,3 +151,31 @@ def test_group_settings_that_run_are_taken() -> None:
     stage = Pipeline("p").add(Shift, group_size=4, group_spread=1.25, max_backlog=1, max_run_s=0.5).stages[0]
     assert (stage.kwargs["group_size"], stage.kwargs["group_spread"], stage.max_backlog) == (4, 1.25, 1)
     assert Pipeline("p").add(Shift, group_spread=None).stages[0].kwargs["group_spread"] is None
+
+
+@pytest.mark.parametrize("partitions", [MAX_PARTITIONS + 1, 10**9, 0, -1, 2.0, True])
+def test_partitions_past_a_clusters_slots_are_refused_before_any_key_is_made(partitions: Any) -> None:
+    """Pipeline(partitions=10**9) built a billion key objects at definition (minutes, gigabytes); more
+    partitions than a Redis Cluster's 16384 slots cannot spread further."""
+    with pytest.raises(PipelineError, match=rf"pipeline p: partitions must be an integer from 1 to {MAX_PARTITIONS}"):
+        Pipeline("p", partitions=partitions)
+
+
+def test_as_many_partitions_as_slots_are_taken() -> None:
+    assert len(Pipeline("p", partitions=MAX_PARTITIONS).partition_keys) == MAX_PARTITIONS
+
+
+def test_a_spec_naming_too_many_partitions_is_unreadable() -> None:
+    """A gateway builds every partition's keys from the spec a worker (or a foreign tool) wrote."""
+    stage = Pipeline("p").add(Shift).describe()[0]
+    assert decode_spec(encode_spec([replace(stage, partitions=MAX_PARTITIONS)]))[0].partitions == MAX_PARTITIONS
+    with pytest.raises(SpecError, match="partitions must be an integer from 1 to 16384"):
+        decode_spec(encode_spec([replace(stage, partitions=10**9)]))
+
+
+@pytest.mark.parametrize("batch_size", [MAX_BATCH_SIZE + 1, 2**63])
+def test_a_batch_size_no_worker_could_read_is_refused(batch_size: int) -> None:
+    """Past 2**63 - 1 Redis refused every XREADGROUP's COUNT; a continuous stage allocated its slots up front."""
+    with pytest.raises(PipelineError, match=f"stage Shift: batch_size must be at most {MAX_BATCH_SIZE}"):
+        Pipeline("p").add(Shift, batch_size=batch_size)
+    assert Pipeline("p").add(Shift, batch_size=MAX_BATCH_SIZE).stages[0].batch_size == MAX_BATCH_SIZE

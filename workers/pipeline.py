@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from broker.keys import DEFAULT_PREFIX, KeyNameError, Keys
+from broker.keys import DEFAULT_PREFIX, KeyNameError, Keys, partitions_problem
 from broker.levels import MAX_LEVELS
 from broker.spec import PipelineIO, StageInfo, TensorSpec, task_error
 from workers.batching.grouping import group_size_of, group_spread_of
@@ -29,10 +29,14 @@ DEFAULT_HANDOFF_AFTER_S = 1.0
 DEFAULT_TARGET_WAIT_S = 0.1
 DEFAULT_SCALE_DOWN_AFTER_S = 60.0
 LONG_BATCH_WAIT_S = 1.0  # a longer batch_wait_s is warned of: it is in seconds
+# Far above any model's batch (GPU batches are in the thousands), far below what misbehaves: a continuous stage's
+# LiveBatch allocates its slots up front (10**9 took gigabytes at start) and past 2**63 - 1 Redis refuses
+# XREADGROUP's COUNT, failing every read; a worker takes up to this many entries in one reply.
+MAX_BATCH_SIZE = 1_000_000
 
 log = logging.getLogger("conveyor.pipeline")
 
-__all__ = ["STAGE_KNOBS", "Pipeline", "PipelineError", "StageSpec"]
+__all__ = ["MAX_BATCH_SIZE", "STAGE_KNOBS", "Pipeline", "PipelineError", "StageSpec"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class StageSpec:
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_int(name, knob, value, minimum)
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise PipelineError(f"stage {name}: batch_size must be at most {MAX_BATCH_SIZE} (a worker reads and holds "
+                                f"that many entries at once), got {self.batch_size!r}")
         if self.max_workers is not None:
             _check_int(name, "workers' maximum", self.max_workers, self.workers)
         for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
@@ -246,6 +253,9 @@ class Pipeline:
         after this many batches in a row from levels above the lowest, a worker takes its next one from
         the lowest level that has entries, so that the default level is not starved."""
         _check_levels(priority_levels, fair_after)
+        problem = partitions_problem(partitions)
+        if problem is not None:  # before any key is made: there would be one set per partition
+            raise PipelineError(f"pipeline {name}: partitions {problem}")
         self.priority_levels, self.fair_after = priority_levels, fair_after
         self.inputs, self.outputs, self.batched = _check_io(tuple(inputs), tuple(outputs), batched)
         error = task_error(PipelineIO(self.inputs, self.outputs, self.batched, task))
@@ -256,7 +266,7 @@ class Pipeline:
         self.name = name
         self.prefix = prefix
         self.stages: list[StageSpec] = []
-        self.partition_keys = self.keys.partitions(partitions)  # validates the count
+        self.partition_keys = self.keys.partitions(partitions)
         self.partitions = partitions
 
     def use_prefix(self, prefix: str) -> None:
