@@ -23,6 +23,8 @@ from workers.k8s.manifests import manifests
 from workers.k8s.settings import (
     DEFAULT_SECRET,
     DEFAULT_TIMEOUT_S,
+    INT32_MAX,
+    INT64_MAX,
     METRICS,
     K8sError,
     K8sSettings,
@@ -126,15 +128,15 @@ def warnings_for(pipeline: Pipeline, settings: K8sSettings) -> list[str]:
               default=DEFAULT_TIMEOUT_S, show_default=True,
               help="The gateway's default request deadline (what conveyor gateway --timeout-s takes); a worker's stop "
                    "waits for a batch this long (plus stuck_grace_s), or max_run_s where the stage sets it.")
-@click.option("--drain-timeout-s", type=Seconds(min=0), default=30.0, show_default=True,
+@click.option("--drain-timeout-s", type=Seconds(0, MAX_TIMEOUT_S), default=30.0, show_default=True,
               help="How long a stopping gateway lets admitted requests finish.")
-@click.option("--gateway-replicas", type=Count(min=1), default=1, show_default=True)
+@click.option("--gateway-replicas", type=Count(1, INT32_MAX), default=1, show_default=True)
 @click.option("--port", type=Count(1, 65535), default=8000, show_default=True)
 @click.option("--memory", default=None, help="A worker pod's memory request and limit (e.g. 2Gi): with it, a pod is "
               "Guaranteed and the static CPU manager gives it its core to itself.")
-@click.option("--polling-interval", type=Count(min=1), default=15, show_default=True,
+@click.option("--polling-interval", type=Count(1, INT32_MAX), default=15, show_default=True,
               help="KEDA's pollingInterval (s).")
-@click.option("--cooldown-period", type=Count(min=0), default=300, show_default=True,
+@click.option("--cooldown-period", type=Count(0, INT32_MAX), default=300, show_default=True,
               help="KEDA's cooldownPeriod (s): how long a stage stays idle before going to zero (with --min 0).")
 @click.option("--output", "-o", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
 def k8s(app: str, image: str, namespace: str | None, redis_url: str | None, secret: str, redis_version: str | None,
@@ -161,8 +163,8 @@ def k8s(app: str, image: str, namespace: str | None, redis_url: str | None, secr
             polling_s=polling_interval, cooldown_s=cooldown_period,
             min_replicas=parse_overrides(min_replicas, "--min", 0),
             max_replicas=parse_overrides(max_replicas, "--max", 1),
-            target=parse_overrides(target, "--target", 1),
-            activation=parse_overrides(activation, "--activation", 0))
+            target=parse_overrides(target, "--target", 1, INT64_MAX),
+            activation=parse_overrides(activation, "--activation", 0, INT64_MAX))
         documents = manifests(pipeline, settings)
         warnings = warnings_for(pipeline, settings)
     except (K8sError, ValueError) as exc:

@@ -129,7 +129,9 @@ def worker_deployment(pipeline: Pipeline, spec: StageSpec, name: str, settings: 
         "selector": {"matchLabels": labels},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {"metadata": {"labels": labels}, "spec": {
-            "terminationGracePeriodSeconds": grace_seconds(bound, STOP_MARGIN_S),
+            "terminationGracePeriodSeconds": grace_seconds(
+                bound, STOP_MARGIN_S, f"stage {spec.name}: terminationGracePeriodSeconds (max_run_s, or --timeout-s "
+                                      "+ stuck_grace_s, plus a margin)"),
             "securityContext": dict(POD_SECURITY),
             "containers": [container],
         }},
@@ -168,7 +170,8 @@ def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_
         "replicas": settings.gateway_replicas,
         "selector": {"matchLabels": labels},
         "template": {"metadata": {"labels": labels}, "spec": {
-            "terminationGracePeriodSeconds": grace_seconds(settings.drain_s, GATEWAY_MARGIN_S),
+            "terminationGracePeriodSeconds": grace_seconds(settings.drain_s, GATEWAY_MARGIN_S,
+                                                           "the gateway's terminationGracePeriodSeconds"),
             "securityContext": dict(POD_SECURITY),
             "containers": [container],
         }},

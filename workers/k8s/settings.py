@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from broker.connection import CLUSTER_SCHEMES, RedisURLError, check_redis_url
-from broker.numbers import written_problem
+from broker.numbers import MAX_TIMEOUT_S, count_problem, number_problem, written_problem
 from workers.pipeline import Pipeline, StageSpec
 
-__all__ = ["DEFAULT_SECRET", "KEDA_FIELDS", "METRICS", "K8sError", "K8sSettings", "Overrides", "RedisTarget",
-           "StageScaling", "batch_bound_s", "default_target", "grace_seconds", "parse_overrides", "stage_scaling"]
+__all__ = ["DEFAULT_SECRET", "INT32_MAX", "INT64_MAX", "KEDA_FIELDS", "METRICS", "K8sError", "K8sSettings",
+           "Overrides", "RedisTarget", "StageScaling", "batch_bound_s", "default_target", "grace_seconds", "k8s_int",
+           "parse_overrides", "stage_scaling"]
 
 # The KEDA redis-streams figures conveyor can be scaled on (pkg/scalers/redis_streams_scaler.go):
 # "length" = XLEN of the stage stream (no consumerGroup in the trigger), which conveyor keeps equal to
@@ -31,6 +32,11 @@ DEFAULT_SECRET = "conveyor-redis"
 DEFAULT_TIMEOUT_S = 30.0  # the gateway's default request deadline (conveyor gateway --timeout-s)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$")  # a memory quantity, as the API server takes it
 TARGET_BATCHES = 4  # default target: this many batches of entries per worker (see default_target)
+# What the API server takes for the integers conveyor writes (it refuses the object at apply past them): replicas,
+# minReplicaCount, maxReplicaCount, pollingInterval and cooldownPeriod are int32 fields; terminationGracePeriodSeconds
+# is an int64, and so are KEDA's figures (lagCount, activationLagCount: strconv.ParseInt(s, 10, 64)).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 class K8sError(ValueError):
@@ -139,6 +145,7 @@ class K8sSettings:
             raise K8sError(f"--memory must be a Kubernetes quantity (512Mi, 2Gi, 1G), got {self.memory!r}")
         if self.metric not in METRICS:
             raise K8sError(f"--metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        self._check_numbers()
         names = {s.name for s in pipeline.stages}
         for option, values in (("--min", self.min_replicas), ("--max", self.max_replicas),
                                ("--target", self.target), ("--activation", self.activation)):
@@ -157,8 +164,24 @@ class K8sSettings:
                            "length (any version) or pending")
 
 
-def parse_overrides(values: Iterable[str], option: str, minimum: int) -> dict[str | None, int]:
-    """``N`` (every stage) or ``STAGE=N`` (one stage), repeatable; the last one given wins."""
+    def _check_numbers(self) -> None:
+        """The numbers written into the manifests, within what the gateway and Kubernetes take (the command line
+        refuses them at start; a library caller's K8sSettings are checked here)."""
+        problems = {"--drain-timeout-s": number_problem(self.drain_s, 0, MAX_TIMEOUT_S)}  # the gateway's own limit
+        for option, value, low, high in (("--gateway-replicas", self.gateway_replicas, 1, INT32_MAX),
+                                         ("--port", self.port, 1, 65535), ("--polling-interval", self.polling_s, 1,
+                                                                           INT32_MAX),
+                                         ("--cooldown-period", self.cooldown_s, 0, INT32_MAX)):
+            problems[option] = count_problem(value, low, high)
+        for option, problem in problems.items():
+            if problem is not None:
+                raise K8sError(f"{option} {problem}")
+
+
+def parse_overrides(values: Iterable[str], option: str, minimum: int,
+                    maximum: int = INT32_MAX) -> dict[str | None, int]:
+    """``N`` (every stage) or ``STAGE=N`` (one stage), repeatable; the last one given wins. At most ``maximum``:
+    what Kubernetes or KEDA takes in the field the number is written to."""
     out: dict[str | None, int] = {}
     for value in values:
         name, sep, number = value.rpartition("=")
@@ -169,8 +192,8 @@ def parse_overrides(values: Iterable[str], option: str, minimum: int) -> dict[st
             n = int(number)
         except ValueError:
             raise K8sError(f"{option} takes N or STAGE=N, got {value!r}") from None
-        if n < minimum:
-            raise K8sError(f"{option} must be >= {minimum}, got {value!r}")
+        if not minimum <= n <= maximum:
+            raise K8sError(f"{option} must be from {minimum} to {maximum} (what Kubernetes takes), got {value!r}")
         out[name if sep else None] = n
     return out
 
@@ -206,12 +229,24 @@ def stage_scaling(spec: StageSpec, settings: K8sSettings) -> StageScaling:
         raise K8sError(f"stage {spec.name}: --max {high} is below --min {low} (and KEDA needs max >= 1)")
     target = _pick(settings.target, spec.name, default_target(spec))
     activation = _pick(settings.activation, spec.name, 0)
+    for field_name, value, most in (("minReplicaCount", low, INT32_MAX), ("maxReplicaCount", high, INT32_MAX),
+                                    ("target", target, INT64_MAX), ("activation", activation, INT64_MAX)):
+        k8s_int(value, f"stage {spec.name}: {field_name}", most)  # a Pipeline's workers are not bounded
     if low == 0 and settings.metric == "pending":
         raise K8sError(f"stage {spec.name}: --min 0 with --metric pending would never scale up again (no worker, "
                        "nothing pending); use --metric length, or --min 1")
     return StageScaling(low, high, target, activation)
 
 
-def grace_seconds(bound_s: float, margin_s: int) -> int:
-    """``terminationGracePeriodSeconds``: the batch bound, rounded up, plus a margin."""
-    return math.ceil(bound_s) + margin_s
+def k8s_int(value: int, what: str, most: int) -> int:
+    """``value``, refused (K8sError naming ``what``) past ``most``: what the API server takes in that field."""
+    if value > most:
+        shown = str(value) if value < 10**20 else f"{float(value):.3g}"  # a 1e300 grace period: not 301 digits
+        raise K8sError(f"{what} {shown} is more than Kubernetes takes (at most {most})")
+    return value
+
+
+def grace_seconds(bound_s: float, margin_s: int, what: str = "terminationGracePeriodSeconds") -> int:
+    """``terminationGracePeriodSeconds``: the batch bound, rounded up, plus a margin; within an int64, which
+    Kubernetes refuses past (a stage's max_run_s of 1e300 is finite, and was taken)."""
+    return k8s_int(math.ceil(bound_s) + margin_s, what, INT64_MAX)
