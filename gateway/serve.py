@@ -27,6 +27,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from broker.addresses import host_port
 from broker.connection import CONNECTION_ERRORS, Backoff, unreachable
 from broker.keys import Keys
 from broker.logs import Throttle
@@ -207,7 +208,7 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
         _await_ready(children, ready, processes, stop)
         reserve.close()
         if not stop.requested:
-            log.info("gateway: %d processes listening on %s:%d", processes, job.http.host, port)
+            log.info("gateway: %d processes listening on %s", processes, host_port(job.http.host, port))
         return _supervise(children, stop, job.http.drain_timeout_s)
     finally:
         reserve.close()

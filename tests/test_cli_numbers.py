@@ -189,6 +189,14 @@ def test_run_on_port_zero_says_the_port_the_gateway_listens_on(started: list[Any
     assert said == port and int(port) > 0
 
 
+@pytest.mark.parametrize("host, shown", [("::1", r"\[::1\]"), ("127.0.0.1", r"127\.0\.0\.1")])
+def test_run_prints_a_url_an_ipv6_host_is_bracketed_in(host: str, shown: str, started: list[Any]) -> None:
+    """``--host ::1`` printed ``http://::1:8000``, which no browser or curl reads as that address."""
+    result = invoke(main, [*RUN, "--host", host, "--port", "0"])
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"HTTP on http://{shown}:\d+/v1/predict ", result.output), result.output
+
+
 def test_workers_says_it_turns_autoscaling_off() -> None:
     help_text = " ".join(invoke(main, ["worker", "--help"]).output.split())
     assert "autoscaling (workers=(min, max)) is then off" in help_text

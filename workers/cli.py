@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from broker.addresses import host_port
 from broker.connection import (
     CONNECTION_OR_REPLY_ERRORS,
     REDIS_URL_HELP,
@@ -261,7 +262,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         else:
             _say_if_unreachable(url)
         routes = "/v1/predict" if len(names) == 1 else "/v1/pipelines/NAME/predict"
-        click.echo(f"conveyor: HTTP on http://{host}:{port}{routes} and /v2/models/NAME/infer  (Ctrl-C to stop)")
+        http = f"http://{host_port(host, port)}"  # [::1]: http://::1:8000 is no URL
+        click.echo(f"conveyor: HTTP on {http}{routes} and /v2/models/NAME/infer  (Ctrl-C to stop)")
         # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
         # supervisor stops the gateway first, while the workers still answer what it admitted.
         gateway = Companion("gateway", [
@@ -337,14 +339,14 @@ def _check_port_free(host: str, port: int) -> int:
             probe.bind(address)
             return int(probe.getsockname()[1])
     except socket.gaierror as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}; choose another address with "
-                                   "--host (or CONVEYOR_HOST)") from exc
+        raise click.ClickException(f"cannot listen on {host_port(host, port)}: {exc.strerror}; choose another address "
+                                   "with --host (or CONVEYOR_HOST)") from exc
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             why = "address already in use (another process listens there)"
         else:
             why = exc.strerror or str(exc)
-        raise click.ClickException(f"cannot listen on {host}:{port}: {why}; choose another port with --port "
+        raise click.ClickException(f"cannot listen on {host_port(host, port)}: {why}; choose another port with --port "
                                    "(or CONVEYOR_PORT), or another address with --host") from exc
 
 

@@ -30,6 +30,7 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 
+from broker.addresses import host_port
 from gateway.backends import Backend, Backends, as_backends
 from gateway.http.connection import HttpProtocol
 from gateway.http.routes import Router
@@ -52,16 +53,16 @@ class CannotListen(OSError):
 
     @classmethod
     def of(cls, host: str, port: int, exc: OSError) -> CannotListen:
-        return cls(exc.errno or 0, f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another address "
-                                   f"with --host (CONVEYOR_HOST), or another port with --port (CONVEYOR_PORT)")
+        return cls(exc.errno or 0, f"cannot listen on {host_port(host, port)}: {exc.strerror or exc}; choose another "
+                                   f"address with --host (CONVEYOR_HOST), or another port with --port (CONVEYOR_PORT)")
 
 
 class PortInUse(CannotListen):
     """The address is taken; the message says which option (and variable) changes it."""
 
     def __init__(self, host: str, port: int) -> None:
-        super().__init__(errno.EADDRINUSE, f"address {host}:{port} is already in use: choose another with --port "
-                                           f"(CONVEYOR_PORT) or --host (CONVEYOR_HOST)")
+        super().__init__(errno.EADDRINUSE, f"address {host_port(host, port)} is already in use: choose another with "
+                                           f"--port (CONVEYOR_PORT) or --host (CONVEYOR_HOST)")
         self.host, self.port = host, port
 
 
@@ -127,7 +128,7 @@ class HttpServer:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUse(self.settings.host, self.settings.port) from None
             raise CannotListen.of(self.settings.host, self.settings.port, exc) from None
-        log.info("gateway HTTP listening on %s:%d", self.settings.host, self.port)
+        log.info("gateway HTTP listening on %s", host_port(self.settings.host, self.port))
 
     @property
     def port(self) -> int:
