@@ -150,7 +150,7 @@ def test_a_request_is_one_tree_across_three_processes(stack: Stack) -> None:
     assert abs(float(headers["x-total-time"]) - gateway.duration_ms) < 0.5
     queue = sum(spans[f"{n} wait"].duration_ms for n in ("Prep", "Post"))
     inference = sum(spans[f"{n} predict"].duration_ms for n in ("Prep", "Post"))
-    assert abs(float(headers["x-queue-time"]) - queue) < 0.5
+    assert abs(float(headers["x-queue-time"]) - queue) < 0.005  # the same instants (ms printed to 3 places)
     assert abs(float(headers["x-inference-time"]) - inference) < 0.5
     assert headers["server-timing"].startswith("queue;dur=") and "inference-1;dur=" in headers["server-timing"]
 

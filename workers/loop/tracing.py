@@ -147,7 +147,7 @@ class StageTracing:
                 item = work[i][0]
                 value = item.trace or b""
                 if tracing.timing_asked(value):
-                    wait_ns = max(0, began_ns - _entered_ms(item.entry_id) * 1_000_000)
+                    wait_ns = max(0, self._start_ns - _entered_ms(item.entry_id) * 1_000_000)  # as its wait span
                     item.trace = tracing.with_timing(value, wait_ns / 1e6, (ended_ns - began_ns) / 1e6)
                 parent = parents.get(i)
                 if parent is None or outcomes[i] is EXPIRED:  # never run (its deadline passed): no predict span
