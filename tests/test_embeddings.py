@@ -196,7 +196,8 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
     meta = client.get_model_metadata(NAME)
     assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
     assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]},
-                               {"name": "tokens", "datatype": "INT64", "shape": [-1]}]
+                               {"name": "tokens", "datatype": "INT64", "shape": [-1]},
+                               {"name": "truncated", "datatype": "BOOL", "shape": [-1]}]
     texts = [*SIMILAR, UNRELATED]
     want = embed_direct(direct, texts)
     for binary in (True, False):
@@ -206,6 +207,11 @@ def test_tritonclient_embeds_a_batch_of_texts(stack: Stack, direct: tuple[Tokeni
         got = client.infer(NAME, [text], outputs=[out]).as_numpy("embedding")
         assert got.dtype == np.float32 and got.shape == (len(texts), DIM)
         assert np.sum(got * want, axis=1).min() > min_cosine()
+    # a text cut at the model's length says so here too (the stage's "truncated" was dropped: silent)
+    text = triton.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([b"short", b"word " * 300], dtype=object))
+    cut = client.infer(NAME, [text], outputs=[triton.InferRequestedOutput("truncated")]).as_numpy("truncated")
+    assert cut.tolist() == [False, True]
 
 
 def test_the_openai_client_gets_the_same_vectors(stack: Stack, direct: tuple[Tokenizer, Embedder]) -> None:
@@ -273,6 +279,24 @@ def test_a_text_of_megabytes_is_read_only_as_far_as_its_first_tokens(direct: tup
     assert truncated and first_truncated and len(ids) == 256 and ids.tolist() == first.tolist()
     [(_, short_truncated)] = tokenizer.encode(["a short text"])
     assert not short_truncated
+
+
+def test_a_long_text_whose_start_holds_few_tokens_is_read_to_its_words(direct: tuple[Tokenizer, Embedder]) -> None:
+    """Only the first 32,768 characters were read: a page of blanks (PDF or HTML extraction) before the words
+    gave the empty text's vector with a 200 under ``truncate``; 150-character words gave 220 tokens of 256.
+    Now the ids are transformers' own, and "truncated" means the text holds more than 256 tokens."""
+    import transformers
+
+    from examples.embeddings.model import MAX_TOKENS, model_path
+
+    reference = transformers.AutoTokenizer.from_pretrained(model_path())
+    texts = [" " * 40_000 + "hello world, this is the real content", "word " * 100 + " " * 33_000 + "tail " * 50,
+             "para one.\n\n\t  " * 3_000 + "end", ("a" * 150 + " ") * 300, "\u00a0" * 40_000 + "after nbsp"]
+    want = reference(texts, truncation=True, max_length=MAX_TOKENS)["input_ids"]
+    whole = reference(texts)["input_ids"]
+    got = direct[0].encode(texts)
+    assert [ids.tolist() for ids, _ in got] == want
+    assert [cut for _, cut in got] == [len(ids) > MAX_TOKENS for ids in whole] == [False, False, True, True, False]
 
 
 def test_tokenizer_gives_transformers_ids(direct: tuple[Tokenizer, Embedder]) -> None:

@@ -25,7 +25,8 @@ from workers import Pipeline, Tensor
 
 # What the Open Inference Protocol serves: a batch of texts in, one embedding per text out.
 INPUTS = [Tensor("text", "BYTES", (-1,))]
-OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM)), Tensor("tokens", "INT64", (-1,))]
+OUTPUTS = [Tensor("embedding", "FP32", (-1, DIM)), Tensor("tokens", "INT64", (-1,)),
+           Tensor("truncated", "BOOL", (-1,))]  # whether a text was cut at the model's 256 tokens
 
 
 def make_pipeline(name: str = "embeddings", *, grouped: bool = True, embed_workers: int = 2,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,11 @@ MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): long
 # inside (English runs about 4 characters a token; a word past 100 characters is one [UNK]), and a text of
 # megabytes costs its worker what 32 kB do, not seconds and gigabytes of the tokenizer's overflow pieces.
 CHARS_PER_TOKEN_READ = 128
+# A long text whose first characters hold fewer tokens than the model takes is read further, up to this.
+READ_AT_MOST = 2**19
+# Runs of ASCII whitespace, one space to BERT's tokenizer (its normalizer makes each a space, its pre-tokenizer
+# splits on them): collapsed in a long text before its cut, so that a page of blanks does not hide its words.
+_WHITESPACE_RUN = re.compile(r"[ \t\n\r]{2,}")
 INSTALL_HINT = "pip install -e '.[embeddings]' --extra-index-url https://download.pytorch.org/whl/cpu"
 
 
@@ -85,16 +91,31 @@ class Tokenizer:
         return [ids for ids, _ in self.encode(texts)]
 
     def encode(self, texts: Sequence[str]) -> list[tuple[np.ndarray, bool]]:
-        """Each text's ids, and whether it was cut (at MAX_TOKENS, or read only to CHARS_PER_TOKEN_READ
-        characters a token)."""
+        """Each text's ids (its first MAX_TOKENS), and whether the text holds more tokens than that (or,
+        past READ_AT_MOST characters without them, was read only that far)."""
         for text in texts:
             if not isinstance(text, str):
                 raise TypeError(f"embeddings take a string, got {type(text).__name__}")
         limit = self.max_tokens * CHARS_PER_TOKEN_READ
-        encodings = self._backend.encode_batch([text[:limit] for text in texts])
-        return [(np.asarray(e.ids, dtype=np.int32),
-                 len(text) > limit or (len(e.ids) == self.max_tokens and bool(e.overflowing)))
-                for text, e in zip(texts, encodings, strict=True)]
+        long = {i: _WHITESPACE_RUN.sub(" ", text) for i, text in enumerate(texts) if len(text) > limit}
+        encodings = self._backend.encode_batch([long.get(i, text)[:limit] for i, text in enumerate(texts)])
+        cut = [False] * len(texts)
+        for i, text in long.items():
+            if len(text) > limit and not encodings[i].overflowing:  # its start held fewer tokens than the model takes
+                encodings[i], cut[i] = self._read_further(text, limit * 4)
+        return [(np.asarray(e.ids, dtype=np.int32), cut[i] or bool(e.overflowing)) for i, e in enumerate(encodings)]
+
+    def _read_further(self, text: str, window: int) -> tuple[Any, bool]:
+        """A long text whose start holds fewer tokens than the model takes (words of hundreds of characters,
+        other spaces): read four times as far, until its tokens overflow or the text ends, or up to
+        READ_AT_MOST characters (then said cut: a tokenizer takes ~0.5 ms a kB of such text)."""
+        while True:
+            encoding = self._backend.encode(text[:window])
+            if encoding.overflowing or window >= len(text):
+                return encoding, False
+            if window >= READ_AT_MOST:
+                return encoding, True
+            window *= 4
 
 
 def native_bf16(torch: Any) -> bool:

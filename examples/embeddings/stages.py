@@ -94,8 +94,9 @@ class Embed(Stage):
 
     def predict(self, batch: list[Any]) -> list[dict[str, Any]]:
         """Each text's unit vector, and its token count (special tokens included): what the
-        OpenAI-compatible route reports as usage; ``truncated`` for a text cut at the model's length."""
+        OpenAI-compatible route reports as usage; ``truncated``: whether the text was cut at the model's
+        length (every answer says, so that the Open Inference Protocol's callers see it too)."""
         ids = [item["ids"] if isinstance(item, dict) else item for item in batch]
         vectors = self._embed(ids)
-        return [{"embedding": v, "tokens": len(i), **({"truncated": True} if isinstance(item, dict) else {})}
+        return [{"embedding": v, "tokens": len(i), "truncated": isinstance(item, dict)}
                 for v, i, item in zip(vectors, ids, batch, strict=True)]
