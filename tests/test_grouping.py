@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from typing import Any
@@ -115,6 +116,30 @@ def test_run_grouped_without_a_key_is_one_call_and_a_bad_group_size_is_every_ite
         outcomes = run_grouped(stage, [2, 1], 4, _run)
         assert all(not ok and isinstance(f, Failure) and "group_spread" in f.message for ok, f in outcomes)
         assert stage.calls == []
+
+
+def test_a_batch_key_that_raises_is_said_once_per_type_and_serving_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A key raising on every item ran every item at cost 0 (length-aware batching off) with no log line:
+    now a warning, once per stage and exception type, names the stage and the exception."""
+    stage = _Stage()
+
+    def key(x: int) -> int:
+        if x == 7:
+            raise KeyError("tokens")
+        raise ValueError(f"no cost for {x}")
+
+    stage.batch_key = key  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="conveyor.worker"):
+        for _ in range(3):
+            assert run_grouped(stage, [2, 1, 5], 4, _run, stage_name="t-raising-key") == [
+                (True, 20), (True, 10), (True, 50)]
+        run_grouped(stage, [7, 1], 4, _run, stage_name="t-raising-key")
+    said = [r.getMessage() for r in caplog.records if "batch_key raised" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "stage=t-raising-key type=ValueError message=no cost for 2" in said[0]
+    assert "length-aware batching is off" in said[0]
+    assert "type=KeyError" in said[1]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "batch_key raised" in r.getMessage())
 
 
 def test_run_grouped_with_a_spread_splits_calls_by_cost() -> None:

@@ -147,6 +147,42 @@ def test_settings_that_failed_at_run_time_are_refused_where_written(options: dic
         Pipeline("p").add(Declared)
 
 
+@pytest.mark.parametrize("batch_key, says", [
+    ("cost", "batch_key must be a method batch_key\\(self, x\\) .*got 'cost' \\(str\\)"),
+    (3, "batch_key must be a method"),
+    (lambda: 1, "batch_key must take one decoded item"),
+])
+def test_a_batch_key_that_cannot_be_called_with_an_item_is_refused(batch_key: Any, says: str) -> None:
+    """A string (or a key without the item's parameter) was accepted: it raised on every item at run time
+    and length-aware batching was silently off. Refused by add, as an option or in the class body."""
+    with pytest.raises(PipelineError, match=f"stage Shift: {says}"):
+        Pipeline("p").add(Shift, batch_key=batch_key)
+
+    class Declared(Shift):
+        pass
+
+    Declared.batch_key = batch_key  # type: ignore[assignment]
+    with pytest.raises(PipelineError, match="batch_key must"):
+        Pipeline("p").add(Declared)
+
+
+def test_batch_keys_that_take_an_item_are_taken() -> None:
+    class Method(Shift):
+        def batch_key(self, x: Any) -> int:
+            return len(x)
+
+    class Builtin(Shift):
+        batch_key = len  # type: ignore[assignment]  # not a descriptor: called as len(x)
+
+    class Static(Shift):
+        batch_key = staticmethod(len)  # type: ignore[assignment]
+
+    for cls in (Method, Builtin, Static):
+        assert Pipeline("p").add(cls).stages[0].cls is cls
+    assert Pipeline("p").add(Shift, batch_key=len).stages[0].kwargs["batch_key"] is len
+    assert Pipeline("p").add(Method, batch_key=None).stages[0].kwargs["batch_key"] is None
+
+
 def test_group_settings_that_run_are_taken() -> None:
     stage = Pipeline("p").add(Shift, group_size=4, group_spread=1.25, max_backlog=1, max_run_s=0.5).stages[0]
     assert (stage.kwargs["group_size"], stage.kwargs["group_spread"], stage.max_backlog) == (4, 1.25, 1)

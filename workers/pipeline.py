@@ -143,6 +143,7 @@ def _check_grouping(stage: str, cls: type, options: Mapping[str, Any]) -> None:
     """``group_size`` and ``group_spread`` (length-aware batching), from ``add``'s options or the class, by
     the rules the worker applies (workers.batching.grouping): checked here, they failed every item of each
     batch instead. A stage whose ``setup`` sets them is still checked there."""
+    _check_batch_key(stage, cls, options)
     given = SimpleNamespace(**{knob: options.get(knob, getattr(cls, knob, None))
                                for knob in ("group_size", "group_spread")})
     try:
@@ -150,6 +151,29 @@ def _check_grouping(stage: str, cls: type, options: Mapping[str, Any]) -> None:
         group_spread_of(given)
     except ValueError as exc:
         raise PipelineError(f"stage {stage}: {exc}") from None
+
+
+def _check_batch_key(stage: str, cls: type, options: Mapping[str, Any]) -> None:
+    """``batch_key`` is None or called with one decoded item. A string (``batch_key = "cost"``) or a method
+    without the item's parameter was accepted, raised on every item at run time, and length-aware batching
+    was silently off: refused here, where it is written."""
+    if "batch_key" in options:  # Pipeline.add(cls, batch_key=f): set on the instance, called as f(x)
+        key, static = options["batch_key"], None
+    else:
+        key, static = getattr(cls, "batch_key", None), inspect.getattr_static(cls, "batch_key", None)
+    if key is None:
+        return
+    if not callable(key):
+        raise PipelineError(f"stage {stage}: batch_key must be a method batch_key(self, x) returning one item's "
+                            f"cost (or None for no length-aware batching), got {key!r} ({type(key).__name__})")
+    args = 2 if inspect.isfunction(static) else 1  # a plain function in the class body is bound: (self, x)
+    try:
+        inspect.signature(key).bind(*[None] * args)
+    except TypeError as exc:
+        raise PipelineError(f"stage {stage}: batch_key must take one decoded item, as batch_key(self, x): "
+                            f"{exc}") from None
+    except ValueError:  # no signature to read (some builtins): it is called as it is
+        return
 
 
 def _check_int(stage: str, knob: str, value: Any, minimum: int) -> None:

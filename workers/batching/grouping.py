@@ -22,6 +22,7 @@ an extra ``predict`` call is what bounds this: an engine whose calls are dear wa
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from numbers import Real
@@ -30,6 +31,11 @@ from typing import Any
 from workers.loop.runner import Failure, detach
 
 Run = Callable[[Callable[[list[Any]], Any], list[Any], Sequence[int | None]], list[Any]]
+OnKeyError = Callable[[Exception], None]
+
+log = logging.getLogger("conveyor.worker")
+# (stage, exception type) pairs already said: a key raising on every item is one fault, said once per process.
+_said: set[tuple[str, str]] = set()
 
 
 def group_size_of(stage: Any, batch_size: int) -> int:
@@ -53,13 +59,31 @@ def group_spread_of(stage: Any) -> float | None:
     return value
 
 
-def _cost(key: Callable[[Any], Any], x: Any) -> tuple[bool, Any]:
+def _cost(key: Callable[[Any], Any], x: Any, on_error: OnKeyError | None = None) -> tuple[bool, Any]:
     """(failed, cost): an item whose key raises sorts last and meets predict alone in its group's
-    bisection (runner.run_batch), where it gets its own error; it never fails the others."""
+    bisection (runner.run_batch), where it gets its own error; it never fails the others. The
+    exception goes to ``on_error``: a key that raises on every item turns length-aware batching off,
+    which must be said (it once was not)."""
     try:
         return (False, key(x))
-    except Exception:  # user code
+    except Exception as exc:  # user code
+        if on_error is not None:
+            on_error(exc)
         return (True, 0)
+
+
+def key_error_logger(stage: str) -> OnKeyError:
+    """``plan_groups``'s ``on_error`` for ``stage``: a warning the first time each exception type is
+    raised in this process (with the stage and the exception), then silence: serving goes on, the
+    failing items sorted last, and a log line per item would flood the log."""
+    def said(exc: Exception) -> None:
+        seen = (stage, type(exc).__name__)
+        if seen not in _said:
+            _said.add(seen)
+            log.warning("batch_key raised stage=%s type=%s message=%s: its items sort last (cost 0), so "
+                        "length-aware batching is off for them; said once per stage and exception type",
+                        stage, type(exc).__name__, str(exc)[:500])
+    return said
 
 
 def _number(cost: tuple[bool, Any]) -> float | None:
@@ -104,11 +128,12 @@ def _even(order: list[int], group_size: int) -> list[list[int]]:
 
 
 def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: int,
-                spread: float | None = None) -> list[list[int]]:
+                spread: float | None = None, on_error: OnKeyError | None = None) -> list[list[int]]:
     """Indices of ``inputs`` sorted by cost, in consecutive groups of at most ``group_size``,
     sized as evenly as possible (64 items in groups of up to 24 -> 21, 21, 22); with ``spread``,
-    first cut where a cost passes ``spread`` times the cheapest since the last cut."""
-    costs = [_cost(key, x) for x in inputs]
+    first cut where a cost passes ``spread`` times the cheapest since the last cut. ``on_error``:
+    told of each exception ``key`` raises (:func:`key_error_logger`)."""
+    costs = [_cost(key, x, on_error) for x in inputs]
     try:
         order = sorted(range(len(inputs)), key=costs.__getitem__)
     except (TypeError, ValueError):  # costs that do not compare (mixed types, arrays): keep arrival order
@@ -117,9 +142,10 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
 
 
 def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
-                deadlines_ms: Sequence[int | None] = ()) -> list[Any]:
+                deadlines_ms: Sequence[int | None] = (), stage_name: str | None = None) -> list[Any]:
     """``run(stage.predict, inputs, deadlines_ms)``, split by cost when the stage defines ``batch_key``;
-    outcomes come back in the order of ``inputs``."""
+    outcomes come back in the order of ``inputs``. ``stage_name`` (default: the class's) names the
+    stage where ``batch_key`` raising is logged."""
     key = getattr(stage, "batch_key", None)
     if key is None or len(inputs) <= 1:
         return run(stage.predict, inputs, deadlines_ms)
@@ -128,7 +154,7 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
     except ValueError as exc:  # a configuration error: each requester learns it, the worker lives on
         return [(False, Failure("ValueError", str(exc), ""))] * len(inputs)
     outcomes: list[Any] = [None] * len(inputs)
-    groups = plan_groups(inputs, key, size, spread)
+    groups = plan_groups(inputs, key, size, spread, key_error_logger(stage_name or type(stage).__name__))
     for n, group in enumerate(groups, 1):
         deadlines = [deadlines_ms[i] for i in group] if deadlines_ms else ()
         ran = run(stage.predict, [inputs[i] for i in group], deadlines)

@@ -196,7 +196,8 @@ class Predictor:
 
     def _call(self, inputs: list[Any], deadlines_ms: list[int | None]) -> list[Outcome]:
         if self._spec.batched:  # length-aware, if the stage asks for it
-            return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch, deadlines_ms)
+            return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch, deadlines_ms,
+                               self._spec.name)
         return run_single(self._stage.predict, inputs, self._tracebacks, deadlines_ms)
 
     def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any],
