@@ -3,8 +3,13 @@ architecture doc's module map (a module added without a word there fails here)."
 
 from __future__ import annotations
 
+import ast
 import re
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -40,3 +45,43 @@ def test_the_deadline_batch_policy_is_described_as_fixed_wait_behaves() -> None:
         text = " ".join((ROOT / doc).read_text().split())
         assert not re.search(r"always waits? for `batch_size`", text), f"{doc} says the deadline policy always waits"
         assert "after an idle spell" in text, f"{doc} does not say when the deadline policy does not wait"
+
+
+def _protocol_example() -> ast.Module:
+    """The Python block of docs/protocol.md's "Example" section: what a foreign producer copies."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    section = text[text.index("## Example (Python"):]
+    return ast.parse(section[section.index("```python") + len("```python"):section.index("```\n", 10)])
+
+
+def _calls(tree: ast.Module, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == name]
+
+
+def test_the_protocol_examples_blpop_returns_none_at_its_timeout(redis_url: str) -> None:
+    """redis-py 8 reads with a 5 s socket timeout by default: the example's ``redis.Redis()`` with
+    ``blpop(..., timeout=10)`` raised TimeoutError (after ~59 s of retries) where no answer came, instead
+    of returning None. The documented client settings must outlast the documented BLPOP, and a BLPOP on
+    a client made with them returns None at its timeout."""
+    tree = _protocol_example()
+    [client_call] = _calls(tree, "Redis")
+    assert not client_call.args, "the example's client is made with keywords only (the test runs them)"
+    settings = {k.arg: ast.literal_eval(k.value) for k in client_call.keywords if k.arg is not None}
+    [blpop] = _calls(tree, "blpop")
+    timeout = next(ast.literal_eval(k.value) for k in blpop.keywords if k.arg == "timeout")
+    # Made as the example makes it (from_url would skip redis.Redis's defaults), only aimed at the test's server.
+    where = urlsplit(redis_url)
+    aim = ({"unix_socket_path": where.path} if where.scheme == "unix"
+           else {"host": where.hostname or "localhost", "port": where.port or 6379})
+    client = redis.Redis(**aim, **settings)
+    try:
+        read_s = client.get_connection_kwargs().get("socket_timeout")
+        assert read_s is None or read_s > timeout, (
+            f"docs/protocol.md's client reads with a {read_s} s socket timeout, its BLPOP waits {timeout} s: "
+            "redis-py raises TimeoutError instead of returning None")
+        began = time.monotonic()
+        assert client.blpop(["conveyor:{t-docs}:reply:nobody"], timeout=1) is None
+        assert time.monotonic() - began < 30  # a bound far above 1 s: only a retrying client passes it
+    finally:
+        client.close()
