@@ -101,6 +101,21 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# Below this a deadline_ms is most likely seconds since the epoch: 1e11 ms is March 1973, while as seconds
+# it is the year 5138. `date +%s` (or time.time()) where ms are meant made every request DeadlineExceeded.
+SECONDS_LIKE_BELOW = 100_000_000_000
+
+
+def deadline_passed(deadline_ms: int, when: str = "before the stage ran") -> str:
+    """The message of a request whose deadline passed ``when``: with a hint when the value looks like
+    seconds, the likeliest reason a fresh request is already past its deadline (shared by the workers
+    and the gateway's HTTP header parse)."""
+    message = f"deadline passed {when}"
+    if 0 < deadline_ms < SECONDS_LIKE_BELOW:
+        message += f" (deadline_ms {deadline_ms} looks like seconds: it is milliseconds since the epoch)"
+    return message
+
+
 def is_request_id(raw: bytes) -> bool:
     """Whether ``raw`` is a request id workers accept (1-128 chars of ``[A-Za-z0-9_.:-]``)."""
     return _ID_RE.fullmatch(raw) is not None

@@ -154,6 +154,19 @@ def test_a_passed_deadline_is_answered_without_running_the_stage(workers: Worker
     [record] = pop_records(redis_client, reply)
     assert record["id"] == "late-1" and record["ok"] is False
     assert record["error"]["type"] == "DeadlineExceeded" and record["error"]["stage"] == "AddOne"
+    assert "looks like seconds" not in record["error"]["message"]
+
+
+def test_a_deadline_in_seconds_is_answered_with_a_hint(workers: Workers, redis_client: redis.Redis) -> None:
+    """``deadline_ms`` set from ``time.time()`` or ``date +%s`` (seconds) is long past as ms: the answer
+    was a bare DeadlineExceeded; it now says the value looks like seconds."""
+    reply = reply_key("svc-seconds")
+    redis_client.xadd(STREAM0, {"id": "seconds-1", "data": msgpack.packb(1), "reply": reply,
+                                "deadline_ms": 1700000000})
+    [record] = pop_records(redis_client, reply)
+    assert record["id"] == "seconds-1" and record["error"]["type"] == "DeadlineExceeded"
+    assert record["error"]["message"] == ("deadline passed before the stage ran (deadline_ms 1700000000 looks like "
+                                          "seconds: it is milliseconds since the epoch)")
 
 
 def test_a_reply_key_of_another_type_is_skipped_not_fatal(workers: Workers, redis_client: redis.Redis) -> None:

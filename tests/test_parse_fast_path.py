@@ -13,7 +13,16 @@ import pytest
 
 from broker.codec import decode, encode
 from broker.keys import Keys
-from broker.protocol import E_UNENCODABLE, Limits, _parse_checked, ok_record, parse_entries, parse_entry
+from broker.protocol import (
+    E_UNENCODABLE,
+    SECONDS_LIKE_BELOW,
+    Limits,
+    _parse_checked,
+    deadline_passed,
+    ok_record,
+    parse_entries,
+    parse_entry,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +98,12 @@ def test_ok_record_is_the_records_msgpack(request_id: bytes, value: object) -> N
 def test_an_unencodable_value_is_the_stages_error() -> None:
     record = decode(ok_record(b"r1", object(), "S"))
     assert record["ok"] is False and record["error"]["type"] == E_UNENCODABLE and record["error"]["stage"] == "S"
+
+
+def test_a_passed_deadline_that_looks_like_seconds_says_so() -> None:
+    """``date +%s`` where ms are meant: the DeadlineExceeded message says the value looks like seconds."""
+    assert deadline_passed(1_700_000_000) == ("deadline passed before the stage ran (deadline_ms 1700000000 looks "
+                                              "like seconds: it is milliseconds since the epoch)")
+    assert "looks like seconds" in deadline_passed(SECONDS_LIKE_BELOW - 1, "before submission")
+    for ms in (SECONDS_LIKE_BELOW, NOW, 0, -5):
+        assert deadline_passed(ms) == "deadline passed before the stage ran"

@@ -53,7 +53,7 @@ class EntryRouter:
             if count > max_deliveries:
                 self._reject(item, self._redelivery_reason(count), commit, keys)
             elif item.deadline_ms is not None and at >= item.deadline_ms:  # item.expired(at), inlined
-                self._error(item, protocol.E_DEADLINE, "deadline passed before the stage ran", commit, keys)
+                self._error(item, protocol.E_DEADLINE, protocol.deadline_passed(item.deadline_ms), commit, keys)
             else:
                 try:
                     work.append((item, decode(item.data)))
