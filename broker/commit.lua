@@ -37,7 +37,9 @@
 --   n_ptrace, then its traces, ptraces, forwards, batch entries and acks as above (its results and dead
 --   letters ride with the batch's: only the streams are a level's own)
 -- Returns {number of results written (duplicates are not), then the reply keys whose push failed (a
--- refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error}.
+-- refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error, then,
+-- only where a result key held an answer already (so not written), an array of those results' positions
+-- (1-based, as KEYS[4 + j])}: a reply of odd length is the one of before, with no such result.
 --
 -- Removal of acked entries: a batch of TRIM_FROM entries or more is removed by one XTRIM MINID rather
 -- than one XDEL each (an XDEL seeks its entry through the stream's node and, for the stream's first
@@ -113,13 +115,17 @@ add_singles(KEYS[2], n_fwd)
 add_packed(KEYS[2], n_packed)
 add_singles(KEYS[1], n_back)
 
-local written, failed, k = 0, {}, 5
+local written, failed, kept, k = 0, {}, {}, 5
 for _ = 1, n_groups do
   local rep, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   local records = {}
   a = a + 2
   for j = a, a + count - 1 do
-    if redis.call('SET', KEYS[k], ARGV[j], 'NX', 'PX', result_ttl) then records[#records + 1] = ARGV[j] end
+    if redis.call('SET', KEYS[k], ARGV[j], 'NX', 'PX', result_ttl) then
+      records[#records + 1] = ARGV[j]
+    else
+      kept[#kept + 1] = k - 4  -- its key held an answer already: a re-run, or a request id used again
+    end
     k = k + 1
   end
   a = a + count
@@ -209,4 +215,5 @@ while a <= #ARGV do  -- the other levels' parts of a batch of several
   add_packed(out_key, packed_n)
   ack_and_remove(in_key, acks_n)
 end
+if #kept > 0 then failed[#failed + 1] = kept end
 return {written, unpack(failed)}

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
 
@@ -167,6 +167,10 @@ class Ttls:
 class Committer:
     """Runs ``commit.lua`` with EVALSHA (redis-py falls back to EVAL after a script flush)."""
 
+    # Results not written in this process because their key held an answer (``results_kept`` in P:counts).
+    kept_total: ClassVar[int] = 0
+    _kept_said: ClassVar[Throttle] = Throttle(60.0)
+
     def __init__(self, client: redis.Redis, keys: Keys, stage: int, stage_name: str,
                  has_next: bool, ttls: Ttls) -> None:
         self._client = client
@@ -189,6 +193,8 @@ class Committer:
         self._packed_evalsha = b"".join(pack_args([b"EVALSHA", self._sha], []))
         self._sent: bytes | int | None = None  # the command sent, its reply not yet taken (a cluster's: its result)
         self._wrong_type = Throttle(60.0)
+        self._result_prefix = keys.result_prefix
+        self._result_keys: list[bytes] = []  # the commit sent's, in commit.lua's order (KEYS[5 ..])
 
     @property
     def streams(self) -> tuple[str, str]:
@@ -240,6 +246,7 @@ class Committer:
 
     def _call_cluster(self, commit: Commit) -> Any:
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
+        self._result_keys = result_keys
         n_keys = len(self._static_keys) + len(result_keys) + len(reply_keys)
         singles, packed, traced = _forward_args(commit)
         args: list[bytes | str | int] = [*self._constant_head, *self._counts(commit, n_groups, packed, traced),
@@ -263,6 +270,7 @@ class Committer:
     def _pack(self, commit: Commit) -> bytes:
         """The whole ``EVALSHA`` command, packed from bytes."""
         result_keys, reply_keys, n_groups, results = self._results(commit.results)
+        self._result_keys = result_keys
         singles, packed, traced = _forward_args(commit)
         keys = result_keys + reply_keys
         # The ARGV after the constant head, in one list: one packing pass (a batch of one item at low
@@ -312,6 +320,9 @@ class Committer:
         except redis.ResponseError as exc:
             log_refusal_once(exc, "commit.lua", self._static_keys[0])
             raise
+        if len(reply) % 2 == 0:  # last, the positions of results whose key held an answer (none: odd length)
+            *reply, kept = reply
+            self._kept([self._result_keys[int(j) - 1] for j in kept])
         for i in range(1, len(reply) - 1, 2):  # reply lists the script could not push to (pcall)
             key, error = reply[i], reply[i + 1]
             if _text(error).startswith("WRONGTYPE"):  # a producer named a key of another type: said once a minute
@@ -322,6 +333,20 @@ class Committer:
             elif not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
                 log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
         return int(reply[0])
+
+    def _kept(self, result_keys: list[bytes]) -> None:
+        """Results not written because their key held an answer: a request run again (a gateway resubmitting
+        after a lost connection, an entry delivered again) or a request id a producer used again within
+        ``result_ttl_ms``. The first answer stays and this run's is not pushed (first write wins): counted,
+        and said once a minute per process, in words true of both causes."""
+        Committer.kept_total += len(result_keys)
+        held = Committer._kept_said.allow("kept")
+        if held is not None:
+            request_id = _text(result_keys[0][len(self._result_prefix):])
+            log.warning("request id %s already answered (reused id, or a re-run): result not overwritten stage=%s "
+                        "results=%d held_back=%d (the first answer stays in its result key and this one is not "
+                        "pushed; a producer must not use an id again within result_ttl_ms)", request_id,
+                        self._stage_name, len(result_keys), held)
 
     def close(self) -> None:
         self._sent = None

@@ -5,6 +5,7 @@ gateway's audit count on it), and no pending entry is ever removed."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -13,6 +14,7 @@ import redis
 from broker import codec
 from broker.commit import Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
+from broker.logs import Throttle
 from broker.protocol import entry_fields, ok_record
 
 pytestmark = pytest.mark.redis
@@ -165,3 +167,30 @@ def commit_two_levels(client: redis.Redis, name: str) -> None:
 
 def test_a_batch_of_two_levels_commits_in_one_call(redis_client: redis.Redis) -> None:
     commit_two_levels(redis_client, "t-two-levels")
+
+
+def test_a_result_whose_key_holds_an_answer_is_kept_counted_and_said(
+        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request id answered already (a producer using it again, or a re-run): SET NX keeps the first
+    answer and nothing is pushed, as before; it was silent, and is now counted and logged, naming the id."""
+    monkeypatch.setattr(Committer, "_kept_said", Throttle(60.0))  # said once a minute per process: a fresh minute
+    keys, _ = _setup(redis_client, "t-kept", 0)
+    committer = Committer(redis_client, keys, 0, "Only", has_next=False, ttls=Ttls())
+    reply = keys.reply("kept").encode()
+
+    def commit(request_id: bytes, value: int) -> int:
+        batch = Commit(acks=[])
+        batch.publish(keys.result_key(request_id), ok_record(request_id, value), reply)
+        return committer(batch)
+
+    before = Committer.kept_total
+    assert commit(b"svc:reused-1", 1) == 1
+    assert Committer.kept_total == before
+    with caplog.at_level(logging.WARNING, logger="conveyor.worker"):
+        assert commit(b"svc:reused-1", 2) == 0
+    assert Committer.kept_total == before + 1
+    said = [r.getMessage() for r in caplog.records if "already answered" in r.getMessage()]
+    assert said and said[0].startswith("request id svc:reused-1 already answered (reused id, or a re-run): "
+                                       "result not overwritten stage=Only")
+    assert codec.decode(redis_client.get(keys.result_key(b"svc:reused-1")))["value"] == 1  # the first stays
+    assert redis_client.llen(reply) == 1  # the second was not pushed

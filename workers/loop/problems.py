@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from broker.commit import Committer
 from broker.errors import SyncClient
 from broker.liveness import Beat
 from broker.logs import Throttle
@@ -23,7 +24,9 @@ from workers.loop.runner import Failure
 
 log = logging.getLogger("conveyor.worker")
 
-_FIELDS = ("stage_errors", "batch_length_errors", "cancelled")
+# results_kept: results not written because their key held an answer (broker.commit.Committer: a re-run, or
+# a request id used again), counted by the process's committers.
+_FIELDS = ("stage_errors", "batch_length_errors", "cancelled", "results_kept")
 
 
 class Problems:
@@ -66,6 +69,7 @@ class Problems:
     # -- BeatHook: the counts go to Redis with the heartbeat ------------------------------------
 
     def queue(self, beat: Beat, ready: bool) -> None:
+        self._total["results_kept"] = Committer.kept_total  # the heartbeat's thread: its only writer
         self._sending = {field: self._total[field] - self._sent[field] for field in _FIELDS}
         for field, count in self._sending.items():
             if count:
