@@ -369,7 +369,9 @@ async def test_passed_deadline_is_504_without_calling_the_backend(
         server: HttpServer, backend: FakeBackend) -> None:
     past_ms = str(int((time.time() - 1) * 1000))
     resp = await one(server.port, predict_json(1, **{"X-Conveyor-Deadline-Ms": past_ms}))
-    assert resp.status == 504
+    assert resp.status == 504 and "looks like seconds" not in resp.json()["error"]["message"]
+    seconds = await one(server.port, predict_json(1, **{"X-Conveyor-Deadline-Ms": str(int(time.time()) + 60)}))
+    assert seconds.status == 504 and "looks like seconds" in seconds.json()["error"]["message"]  # $(date +%s)
     assert backend.calls == []
 
 

@@ -209,7 +209,9 @@ def request_bound_s(headers: dict[bytes, bytes]) -> float | None:
         return None
     bound_s = timeout_s(headers, time.time())
     if bound_s is not None and bound_s <= 0:
-        raise HttpError(504, "DeadlineExceeded", "deadline passed before submission", outcome="timeout")
+        given = headers.get(DEADLINE_HEADER, b"")  # seconds where ms are meant: said so
+        raise HttpError(504, "DeadlineExceeded", protocol.deadline_passed(
+            int(given) if given.isdigit() and len(given) < 19 else 0, "before submission"), outcome="timeout")
     return bound_s
 
 
