@@ -35,15 +35,17 @@ class Canceller:
         self._wake = asyncio.Event()
         self._held: dict[bytes, float] = {}  # a caller's own ids that timed out: until when (monotonic s)
 
-    def hold(self, keys: Keys, request_id: bytes) -> None:
+    def hold(self, keys: Keys, request_id: bytes, mark: bool = True) -> None:
         """A request under the caller's own id timed out: marked cancelled for ``REUSE_HOLD_MS`` (workers
         drop its run if still queued) and held here as long, so that the id is refused if used again
-        meanwhile (its run would answer the next request: its stale DeadlineExceeded, or its result)."""
+        meanwhile (its run would answer the next request: its stale DeadlineExceeded, or its result).
+        ``mark=False``: held only (a stream that ended, whose result key its worker writes just after)."""
         now_s = time.monotonic()
         if len(self._held) >= _HELD_PRUNE:
             self._held = {rid: until for rid, until in self._held.items() if until > now_s}
         self._held[request_id] = now_s + REUSE_HOLD_MS / 1000
-        self.add(keys, request_id, REUSE_HOLD_MS)
+        if mark:
+            self.add(keys, request_id, REUSE_HOLD_MS)
 
     def holds(self, request_id: bytes) -> bool:
         """Whether ``request_id`` timed out here a moment ago (:meth:`hold`)."""

@@ -260,18 +260,18 @@ class Hub:
             waiter.set_exception(_stage_error(answer))
 
     def _end_stream(self, request_id: bytes, record: InFlight, answer: dict[str, Any]) -> None:
-        """A streamed request's last record: its end, unless it is an earlier run's (kept waiting).
-        Its result key is left to expire: the worker writes it after pushing this record."""
+        """A streamed request's last record: its end, unless an earlier run's (kept waiting); no unlink."""
         sink = cast(StreamSink, record.waiter)
         if sink.finish(answer):
             if not sink.done():
                 self.requests[request_id] = record  # a straggler of an earlier run: the stream goes on
             return
+        if record.keep_result:  # a caller's id: refused again at once here, not once its worker's SET lands
+            self.canceller.hold(record.lane.keys, request_id, mark=False)
         if answer.get("ok"):
             sink.set_result(answer.get("value"))
         else:
             sink.set_exception(_stage_error(answer))
-
 
     def _chunk(self, answer: dict[str, Any]) -> None:
         """One chunk of a streamed answer, to its request's sink (else late: the stream ended or left)."""
