@@ -70,6 +70,7 @@ class StageReads:
     stage_errors: int = 0
     batch_length_errors: int = 0
     cancelled: int = 0  # items dropped because their callers left (broker.cancels)
+    results_kept: int = 0  # results not written: their key held an answer (a reused id, or a re-run)
     scale: list[ScaleRecord] = field(default_factory=list)  # its autoscaling supervisors (partition 0)
     levels: list[int] = field(default_factory=list)  # XLEN of the level streams above the default, level 1 first
 
@@ -200,6 +201,7 @@ def _stage(replies: list[Any]) -> StageReads:
     reads.stage_errors = int(counts.get(b"stage_errors", counts.get("stage_errors", 0)))
     reads.batch_length_errors = int(counts.get(b"batch_length_errors", counts.get("batch_length_errors", 0)))
     reads.cancelled = int(counts.get(b"cancelled", counts.get("cancelled", 0)))
+    reads.results_kept = int(counts.get(b"results_kept", counts.get("results_kept", 0)))
     reads.scale = scale_records(scale)
     return reads
 

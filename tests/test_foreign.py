@@ -6,6 +6,7 @@ one XADD to submit, one BLPOP (or a GET of the result key) to read the answer.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import msgpack
 import pytest
 import redis
 
-from tests.helpers import Workers, running_workers, wait_for
+from tests.helpers import Workers, read_pipeline_status, running_workers, wait_for
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
@@ -199,3 +200,16 @@ def test_an_unreadable_trace_value_is_ignored_not_fatal(workers: Workers, redis_
     workers.check_alive()
     submit(redis_client, f"after-bad-trace-{x}", 2, reply)
     assert pop_records(redis_client, reply) == [{"id": f"after-bad-trace-{x}", "ok": True, "value": 6}]
+
+
+def test_a_reused_request_id_is_counted_where_operators_look(workers: Workers, redis_client: redis.Redis) -> None:
+    """The second run of a reused id writes no result and pushes nothing (its caller waits in vain): the
+    workers counted it in P:counts only; now `conveyor status --json` and /metrics show it per stage."""
+    request_id, reply = f"reused-{uuid.uuid4().hex[:8]}", reply_key(f"reused-{uuid.uuid4().hex[:8]}")
+    submit(redis_client, request_id, 1, reply)
+    assert [r["value"] for r in pop_records(redis_client, reply)] == [4]
+    before = asyncio.run(read_pipeline_status(workers.redis_url, PIPELINE)).stages[-1].results_kept
+    submit(redis_client, request_id, 2, reply)  # the same id again, within result_ttl_ms
+    wait_for(lambda: asyncio.run(read_pipeline_status(workers.redis_url, PIPELINE)).stages[-1].results_kept > before,
+             T, "the last stage's results_kept to count the reused id")
+    assert msgpack.unpackb(redis_client.get(result_key(request_id)), raw=False)["value"] == 4  # the first answer

@@ -87,6 +87,8 @@ class StageStatusLike(Protocol):
     @property
     def cancelled(self) -> int: ...
     @property
+    def results_kept(self) -> int: ...
+    @property
     def workers_wanted(self) -> int: ...
     @property
     def workers_max(self) -> int: ...
@@ -198,6 +200,9 @@ class Metrics:
             "cancelled": Gauge(f"{ns}_stage_cancelled", "Items dropped because their callers left (disconnected, "
                                "cancelled, stopped reading a stream), in total (kept in Redis).", STAGE_LABELS,
                                registry=reg),
+            "results_kept": Gauge(f"{ns}_stage_results_kept", "Results not written because their key held an "
+                                  "answer: a request id reused within result_ttl_ms, or a run again after a worker "
+                                  "died past its write, in total (kept in Redis).", STAGE_LABELS, registry=reg),
             "workers_wanted": Gauge(f"{ns}_stage_autoscale_workers",
                                     "Workers its autoscaling supervisors run now (0: not autoscaled).", STAGE_LABELS,
                                     registry=reg),

@@ -73,6 +73,7 @@ class StageStatus:
     stage_errors: int = 0  # totals since the pipeline's keys were made (P:counts:<i>)
     batch_length_errors: int = 0
     cancelled: int = 0  # items dropped (or streams stopped) because their callers left
+    results_kept: int = 0  # results not written: their key held an answer (a reused request id, or a re-run)
     dead_letters: int = 0
     max_backlog: int | None = None
     # Entries (waiting or pending) in the stage's streams of the priority levels above the default, by
@@ -198,7 +199,7 @@ def _stage(info: StageInfo, reads: StageReads, now: int) -> StageStatus:
     status = StageStatus(info.index, info.name, pending=reads.pending, consumers=reads.consumers,
                          dead_letters=reads.dead_letters, max_backlog=info.max_backlog,
                          stage_errors=reads.stage_errors, batch_length_errors=reads.batch_length_errors,
-                         cancelled=reads.cancelled)
+                         cancelled=reads.cancelled, results_kept=reads.results_kept)
     # Redis >= 7 says how many entries the group has not read yet (lag; None when it cannot
     # tell); otherwise the stream holds the undelivered entries plus the pending ones.
     status.backlog = reads.lag if reads.lag is not None else max(0, reads.length - reads.pending)
