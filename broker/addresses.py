@@ -8,7 +8,10 @@ both write them and may not import each other.
 
 from __future__ import annotations
 
-__all__ = ["host_port"]
+__all__ = ["browsable", "host_port"]
+
+# A wildcard address listens everywhere, but no browser or curl opens it: the loopback of its family then.
+_WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 def host_port(host: str, port: int | str) -> str:
@@ -16,3 +19,8 @@ def host_port(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def browsable(host: str) -> str:
+    """The host a URL printed for people should name: ``host``, or loopback for a wildcard (``0.0.0.0``)."""
+    return _WILDCARDS.get(host.strip("[]"), host)

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from broker.addresses import host_port
+from broker.addresses import browsable, host_port
 from gateway.http.server import CannotListen, PortInUse
 from tests.test_http import serving
 
@@ -40,3 +40,10 @@ def test_the_gateways_listening_line_brackets_an_ipv6_host(caplog: pytest.LogCap
     said = [r.getMessage() for r in caplog.records if "listening on" in r.getMessage()]
     assert said == [f"gateway HTTP listening on [::1]:{port}"], said
     assert re.fullmatch(r"gateway HTTP listening on \[::1\]:\d+", said[0])
+
+
+@pytest.mark.parametrize("host, shown", [("0.0.0.0", "127.0.0.1"), ("::", "::1"), ("[::]", "::1"), ("::1", "::1"),
+                                         ("10.0.0.5", "10.0.0.5"), ("example.org", "example.org")])
+def test_a_wildcard_host_is_shown_as_loopback_in_urls_for_people(host: str, shown: str) -> None:
+    """`conveyor run --host 0.0.0.0` printed http://0.0.0.0:8000/..., which no browser opens."""
+    assert browsable(host) == shown

@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from broker.addresses import host_port
+from broker.addresses import browsable, host_port
 from broker.connection import (
     CONNECTION_OR_REPLY_ERRORS,
     REDIS_URL_HELP,
@@ -262,7 +262,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         else:
             _say_if_unreachable(url)
         routes = "/v1/predict" if len(names) == 1 else "/v1/pipelines/NAME/predict"
-        http = f"http://{host_port(host, port)}"  # [::1]: http://::1:8000 is no URL
+        http = f"http://{host_port(browsable(host), port)}"  # [::1]: http://::1:8000 is no URL; 0.0.0.0 opens nowhere
         click.echo(f"conveyor: HTTP on {http}{routes} and /v2/models/NAME/infer  (Ctrl-C to stop)")
         # A session of its own (as the workers and Redis): a Ctrl-C reaches only us, and the
         # supervisor stops the gateway first, while the workers still answer what it admitted.
