@@ -147,3 +147,20 @@ def test_answered_requests_are_not_kept_alive_by_their_deadlines() -> None:
         return held
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_deadline_added_as_the_heap_is_compacted_is_kept() -> None:
+    """The record carries its serial only once ``add`` returns: a compaction inside that ``add`` dropped the
+    entry just pushed, and one request in about every (in flight + 1024) never timed out."""
+    async def scenario() -> None:
+        live: dict[bytes, Record] = {}
+        deadlines = Deadlines(live, lambda request_id: None)
+        loop = asyncio.get_running_loop()
+        for n in range(3_000):
+            request_id = b"%d" % n
+            _add(deadlines, live, loop, request_id, loop.time() + 30.0)
+            assert any(entry[2] == request_id for entry in deadlines._heap), f"request {n}'s deadline was dropped"
+            del live[request_id]  # answered
+        deadlines.close()
+
+    asyncio.run(scenario())

@@ -55,11 +55,11 @@ class Deadlines:
         """Expire ``request_id`` at ``when`` (loop time), if its record in ``live`` then carries the
         serial returned (the caller sets it on the record)."""
         heap, serial = self._heap, next(self._serials)
+        if len(heap) >= 2 * len(self._live) + _SLACK:  # before the push: the record does not carry its serial yet,
+            self._compact()  # so a compaction after it dropped this very entry (its request then never timed out)
         heapq.heappush(heap, (when, serial, request_id))
         if when < self._timer_at:
             self._arm(loop, when)
-        if len(heap) > 2 * len(self._live) + _SLACK:
-            self._compact()
         return serial
 
     def _current(self, serial: int, request_id: bytes) -> bool:
