@@ -253,6 +253,29 @@ def test_a_gateway_used_from_another_event_loop_says_so_before_sending(redis_url
         home.close()
 
 
+def test_a_gateway_started_again_after_close_never_hands_a_new_caller_an_old_answer(redis_url: str) -> None:
+    """start() after close() reused the gateway's id, and its lanes' counters began again: the run of a
+    request left in flight answered the first request after the restart, which took it as its own."""
+    with running_workers(redis_url, "tests.stream_stages:slow", ["Slow"]) as workers:
+        workers.wait_ready("t-slow")
+
+        async def scenario() -> None:
+            gw = Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=10))
+            await gw.start()
+            old = gw.submit("old")  # its run takes 0.1 s
+            await asyncio.sleep(0.03)
+            await gw.close()
+            with pytest.raises(ConnectionError):
+                await old
+            await gw.start()
+            try:
+                assert await asyncio.wait_for(gw.predict("new"), 10) == "new"
+            finally:
+                await gw.close()
+
+        asyncio.run(scenario())
+
+
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
                           stdin=subprocess.DEVNULL)

@@ -74,9 +74,9 @@ class Hub:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start the tasks; may be called again after a `close` (a restart)."""
-        self._closing = False
-        self._tasks = []
+        """Connect and start the tasks; after a `close` again, under a new id (old runs' answers match no request)."""
+        self.gateway_id = uuid.uuid4().hex[:16]  # the lanes' counters start again: their ids must not
+        self._closing, self._tasks = False, []
         self._lanes = {}
         self._replies = []
         self.loop = asyncio.get_running_loop()  # the clients and tasks live on this loop
