@@ -184,6 +184,27 @@ def test_a_stream_under_a_caller_id_that_timed_out_is_refused_again(redis_url: s
         asyncio.run(scenario())
 
 
+def test_cancelling_a_submit_future_cancels_its_request(redis_url: str, tmp_path: Path) -> None:
+    """``gw.submit(x).cancel()`` left the request in flight (counted against max_in_flight) and run by the
+    workers; only ``gw.cancel(future)`` or a cancelled ``predict`` task cancelled it."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-slow")
+
+        async def scenario() -> None:
+            async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=30)) as gw:
+                ahead = gw.submit("ahead")  # 0.1 s of work before the others
+                futures = [gw.submit(f"left {i}") for i in range(10)]
+                for future in futures:
+                    assert future.cancel()
+                assert gw.in_flight == 1 and gw.hub.cancels == 10
+                assert await ahead == "ahead"
+                assert await gw.predict("after", timeout_s=10) == "after"  # behind the cancelled ones
+
+        asyncio.run(scenario())
+        assert "ran left" not in _runs(runs)
+
+
 def test_only_the_last_stage_may_stream() -> None:
     class Gen(Stage):
         def predict(self, x: object) -> object:

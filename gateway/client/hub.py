@@ -176,7 +176,7 @@ class Hub:
         elif request_id is None:
             lane.counter += 1
             request_id = b"%b%d" % (lane.id_prefix, lane.counter)
-        waiter: Answer | Slot = Slot(self.loop) if direct else Answer(loop=self.loop)
+        waiter: Answer | Slot = Slot(self.loop) if direct else Answer(loop=self.loop, on_cancel=self.cancel)
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter
 

@@ -25,10 +25,21 @@ _PENDING, _DONE, _CANCELLED = 0, 1, 2
 
 class Answer(asyncio.Future[Any]):
     """The Python API's waiter: a future that knows its request's id (the hub finds its record by it
-    when its caller leaves, rather than looking through every request in flight)."""
+    when its caller leaves, rather than looking through every request in flight), and cancels its
+    request when it is cancelled itself: by the task awaiting it, or ``cancel()`` on ``submit``'s future."""
 
-    __slots__ = ("request_id",)
+    __slots__ = ("on_cancel", "request_id")
     request_id: bytes
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[Answer], object]) -> None:
+        super().__init__(loop=loop)
+        self.on_cancel = on_cancel
+
+    def cancel(self, msg: Any = None) -> bool:
+        cancelled = super().cancel(msg)
+        if cancelled:
+            self.on_cancel(self)
+        return cancelled
 
 
 class Slot:
