@@ -276,6 +276,25 @@ def test_a_gateway_started_again_after_close_never_hands_a_new_caller_an_old_ans
         asyncio.run(scenario())
 
 
+def test_a_second_start_and_a_wrong_partition_count_are_refused_clearly(redis_url: str) -> None:
+    """A second start() opened another hub, failed with MaxConnectionsError and closed the first (its requests
+    failed); Gateway(partitions=3) on a pipeline of one sent two thirds of the requests where no worker reads."""
+    with running_workers(redis_url, "tests.stream_stages:slow", ["Slow"]) as workers:
+        workers.wait_ready("t-slow")
+
+        async def scenario() -> None:
+            async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=10)) as gw:
+                pending = gw.submit("kept")
+                with pytest.raises(RuntimeError, match="already started"):
+                    await gw.start()
+                assert await pending == "kept"
+            with pytest.raises(ValueError, match=r"partitions=3.*whose spec says 1"):
+                async with Gateway(redis_url, "t-slow", GatewaySettings(timeout_s=10), partitions=3):
+                    pass
+
+        asyncio.run(scenario())
+
+
 def _run(argv: list[str], env: dict[str, str], timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
                           stdin=subprocess.DEVNULL)

@@ -97,6 +97,8 @@ class Gateway:
         self._unserved_since_s: float | None = None
 
     async def start(self) -> None:
+        if self.lanes:  # a second start would open a second hub over this one's requests and then close both
+            raise RuntimeError(f"Gateway for {self.pipeline!r} is already started: close() it before starting again")
         if self._own_hub:
             await self.hub.start()
         try:
@@ -106,6 +108,9 @@ class Gateway:
             self.registration.bind(self.views, self.view, self.hub.client)
             await self.views.refreshed(self.view)
             count = self.partitions or self.view.partitions
+            if self.partitions and self.view.partitions and self.partitions != self.view.partitions:
+                raise ValueError(f"Gateway(partitions={self.partitions}) for {self.pipeline!r}, whose spec says "
+                                 f"{self.view.partitions}: requests would go to streams no worker reads; leave it out")
             self._counted = count is not None
             self.lanes = [self.hub.lane(keys, self._stage_count) for keys in self.keys.partitions(count or 1)]
             self._refreshed(self.view)
