@@ -37,7 +37,7 @@ from gateway.client.deadlines import Deadlines
 from gateway.client.lane import UNLINK_ALONE, InFlight, Lane
 from gateway.client.recall import Recall
 from gateway.client.settings import GatewaySettings
-from gateway.client.slot import Answer, Slot, Waiter
+from gateway.client.slot import Answer, Slot, Waiter, new_answer
 from gateway.client.streams import StreamSink
 from gateway.client.trace_context import CURRENT
 from gateway.errors import DeadlineExceeded, Overloaded, StageError
@@ -176,7 +176,7 @@ class Hub:
         elif request_id is None:
             lane.counter += 1
             request_id = b"%b%d" % (lane.id_prefix, lane.counter)
-        waiter: Answer | Slot = Slot(self.loop) if direct else Answer(loop=self.loop, on_cancel=self.cancel)
+        waiter: Answer | Slot = Slot(self.loop) if direct else new_answer(self.loop, self.cancel)
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter
 
