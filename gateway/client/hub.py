@@ -75,7 +75,7 @@ class Hub:
 
     async def start(self) -> None:
         """Connect and start the tasks; after a `close` again, under a new id (old runs' answers match no request)."""
-        self.gateway_id = uuid.uuid4().hex[:16]  # the lanes' counters start again: their ids must not
+        self.gateway_id = uuid.uuid4().hex[:16]  # new: the lanes' counters start again, their ids must be new too
         self._closing, self._tasks = False, []
         self._lanes = {}
         self._replies = []

@@ -30,7 +30,7 @@ class Answer(asyncio.Future[Any]):
 
     __slots__ = ("on_cancel", "request_id")
     request_id: bytes
-    on_cancel: Callable[[Answer], object]  # set by the hub as it makes one (no __init__ here: 0.4 us a request)
+    on_cancel: Callable[[Answer], object]  # set by new_answer (an __init__ here would cost every request)
 
     def cancel(self, msg: Any = None) -> bool:
         cancelled = super().cancel(msg)
