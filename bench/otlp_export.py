@@ -1,5 +1,5 @@
 """What one span export costs the exporting process, by the number of spans it carries: why
-conveyor sends 4,096 spans an export by default (``broker.tracing.EXPORT_BATCH``) where the SDK sends 512.
+conveyor sends 16,384 spans an export by default (``broker.tracing.EXPORT_BATCH``) where the SDK sends 512.
 
     python -m bench.otlp_export [--sizes 512,4096,16384] [--posts 20]
 

@@ -51,8 +51,10 @@ _NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
 _HEX, _ODD_HEX = frozenset(b"0123456789abcdefABCDEF"), frozenset(b"13579bdfBDF")
 # Spans per export unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise: not the SDK's 512, because a
 # post costs the exporter's client about the same CPU whatever its size (docs/benchmarks.md,
-# "Tracing"); 4,096 of conveyor's spans are under 1 MB, far below a collector's limit (20 MiB).
-EXPORT_BATCH = 4096
+# "Tracing"). An export also stops at EXPORT_BYTES (spans with long error texts are large), well
+# under a collector's limit for a request (20 MiB for the OpenTelemetry Collector's OTLP/HTTP).
+EXPORT_BATCH = 16384
+EXPORT_BYTES = 4 << 20
 TIMING = b"t"
 
 
@@ -170,22 +172,31 @@ def parent_of(value: bytes) -> tuple[bytes, bytes] | None:
 
 class SpanSink:
     """Sends spans (encoded by their recorders with :mod:`broker.otlp`) on a thread of its own, every
-    ``period_s`` or as soon as ``batch`` wait, at most ``batch`` per request; the recording side only
-    appends. ``send``: the OTLP/HTTP exporter's client's ``export(bytes)`` (:func:`start_sink`);
-    ``resource``: the attributes of the process every span shares (sent once per request). At most
-    ``queue`` spans wait: past that, new ones are dropped (counted in ``dropped``), as the SDK's batch
-    processor does, so that a collector that cannot keep up never grows a process. Why not send
-    sooner: one HTTP request costs the exporter's client a millisecond or more of CPU, which at a low
-    sampling rate and a short period was most of tracing's cost (docs/benchmarks.md, "Tracing")."""
+    ``period_s`` or as soon as a batch waits: ``batch`` spans, or ``batch_bytes`` (spans with long
+    error texts are large); the recording side only appends. ``send``: the OTLP/HTTP exporter's
+    client's ``export(bytes)`` (:func:`start_sink`); ``resource``: the attributes of the process
+    every span shares (sent once per request). At most ``queue`` spans, and ``QUEUED_BATCHES``
+    batches' bytes, wait: past that, new ones are dropped (counted in ``dropped``), as the SDK's
+    batch processor does, so that a collector that cannot keep up never grows a process. Why not
+    send sooner: one HTTP request costs the exporter's client most of a millisecond of CPU, which at
+    a low sampling rate and a short period was most of tracing's cost (docs/benchmarks.md, "Tracing")."""
+
+    QUEUED_BATCHES = 16
 
     def __init__(self, send: Any, resource: Mapping[str, Any], period_s: float = 5.0, batch: int = EXPORT_BATCH,
-                 queue: int = 65_536) -> None:
-        self.WAKE_AT = self.MAX_BATCH = max(1, batch)
+                 queue: int = 65_536, batch_bytes: int = EXPORT_BYTES) -> None:
+        self.MAX_BATCH = max(1, batch)
+        self.MAX_BYTES = max(1, batch_bytes)
         self.MAX_QUEUE = max(1, queue)
+        self.MAX_QUEUE_BYTES = self.QUEUED_BATCHES * self.MAX_BYTES
         self._send = send
         self._resource = dict(resource)
         self._period_s = period_s
         self._spans: deque[bytes] = deque()
+        # Bytes recorded, and bytes taken for export: each written by one thread only, so that no
+        # update is lost without a lock; what waits is their difference.
+        self._recorded_bytes = 0
+        self._taken_bytes = 0
         self._wake = threading.Event()
         self._stopped = False
         self.dropped = 0
@@ -197,30 +208,44 @@ class SpanSink:
         self.record_all((span,))
 
     def record_all(self, spans: Sequence[bytes]) -> None:
-        """Several spans at once (a batch's), in one check of the queue's bound."""
+        """Several spans at once (a batch's), in one check of the queue's bounds."""
         queue = self._spans
+        size = sum(map(len, spans))
+        waiting = self._recorded_bytes - self._taken_bytes
+        if waiting + size > self.MAX_QUEUE_BYTES:
+            self.dropped += len(spans)
+            return
         room = self.MAX_QUEUE - len(queue)
         if room < len(spans):
             self.dropped += len(spans) - max(0, room)
             spans = spans[:max(0, room)]
+            size = sum(map(len, spans))
         queue.extend(spans)
-        if len(queue) >= self.WAKE_AT:
+        self._recorded_bytes += size
+        if len(queue) >= self.MAX_BATCH or waiting + size >= self.MAX_BYTES:
             self._wake.set()
 
     def _run(self) -> None:
         while not self._stopped:
             full = self._wake.wait(self._period_s)
             self._wake.clear()
-            self._drain(1 if self._stopped or not full else self.MAX_BATCH)
+            self._drain(whole_batches=full and not self._stopped)
 
-    def _drain(self, least: int = 1) -> None:
-        """Export what waits, a batch at a time, while at least ``least`` do: woken by a full batch,
-        the rest waits for the next one (or the period), rather than going out as a small export."""
+    def _drain(self, whole_batches: bool = False) -> None:
+        """Export what waits, a batch at a time (``whole_batches``: woken by a full batch, the rest
+        waits for the next one or the period, rather than going out as a small export)."""
         from broker import otlp
 
         queue = self._spans
-        while len(queue) >= least:
-            batch = [queue.popleft() for _ in range(min(len(queue), self.MAX_BATCH))]
+        while queue and (not whole_batches or len(queue) >= self.MAX_BATCH
+                         or self._recorded_bytes - self._taken_bytes >= self.MAX_BYTES):
+            batch: list[bytes] = []
+            size = 0
+            while queue and len(batch) < self.MAX_BATCH and size < self.MAX_BYTES:
+                span = queue.popleft()
+                batch.append(span)
+                size += len(span)
+            self._taken_bytes += size
             try:
                 result = self._send(otlp.export_request(self._resource, "conveyor", batch))
                 if getattr(result, "success", True) is False:

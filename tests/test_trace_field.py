@@ -140,6 +140,45 @@ def test_span_sink_sends_whole_batches_then_the_rest_and_bounds_its_queue() -> N
 
 
 @pytest.mark.unit
+def test_span_sink_bounds_its_exports_and_its_queue_by_bytes() -> None:
+    """Spans with long error texts are large: an export stops adding spans once it holds
+    ``batch_bytes`` (a collector's size limit refuses none; a span larger than that goes alone),
+    that many bytes waiting wake the sink as a full batch does, and at most ``QUEUED_BATCHES``
+    batches' bytes wait, whatever the count of spans."""
+    sent: list[list[str]] = []
+    span = otlp.span(bytes(range(16)), bytes(range(8)), b"", 1, 2, otlp.head("s") + otlp.error("E", "x" * 900, "", 3))
+    sink = tracing.SpanSink(lambda body: sent.append(_spans_of(body)), {}, period_s=60, batch=100,
+                            batch_bytes=3 * len(span))
+    sink.record_all([span] * 7)
+    sink.close()
+    assert [len(names) for names in sent] == [3, 3, 1]
+    sent.clear()
+    alone = tracing.SpanSink(lambda body: sent.append(_spans_of(body)), {}, period_s=60, batch=100,
+                             batch_bytes=len(span) // 2)
+    alone.record_all([span] * 2)
+    alone.close()
+    assert [len(names) for names in sent] == [1, 1]
+    sent.clear()
+    taken, release = threading.Event(), threading.Event()
+
+    def stuck(body: bytes) -> None:
+        taken.set()
+        release.wait(10)
+        sent.append(_spans_of(body))
+
+    bounded = tracing.SpanSink(stuck, {}, period_s=60, batch=1000, batch_bytes=len(span))
+    bounded.record(span)  # a batch's bytes: the sink wakes at once, and its export hangs
+    assert taken.wait(10)
+    bounded.record_all([span] * (bounded.QUEUED_BATCHES + 1))
+    for _ in range(bounded.QUEUED_BATCHES + 1):
+        bounded.record(span)
+    assert bounded.dropped == bounded.QUEUED_BATCHES + 2
+    release.set()
+    bounded.close()
+    assert [len(names) for names in sent] == [1] * (1 + bounded.QUEUED_BATCHES)
+
+
+@pytest.mark.unit
 def test_hand_encoded_spans_decode_as_written_at_every_size() -> None:
     """broker.otlp's fast paths (one pack with the length, an attribute's prefix by length) write
     what the general encoding writes, and opentelemetry-proto reads it back, short and long alike."""
