@@ -150,6 +150,41 @@ class Growing(Stage):
 growing = Pipeline("t-growing").add(Growing)
 
 
+class Fragile(Growing):
+    """Growing, but the item "boom" makes its generator raise at its second step, after noting it and a
+    pause (in which a test sends the items that join next); with "end" instead, the generator returns."""
+
+    batch_size = 4
+
+    def predict(self, batch: Any) -> Iterator[list[Any]]:
+        _note("generator start")
+        left: dict[int, Any] = {}
+        while batch:
+            for slot in batch.joined():
+                left[slot] = batch[slot]
+            step: list[Any] = [None] * len(batch)
+            for slot in range(len(batch)):
+                if not batch.occupied(slot):
+                    continue
+                if left[slot] in ("boom", "end"):
+                    step[slot] = "b"
+                    left[slot] += "!"
+                elif left[slot] in ("boom!", "end!"):
+                    _note("ending")
+                    time.sleep(0.5)
+                    if left[slot] == "boom!":
+                        raise RuntimeError("boom")
+                    return
+                else:
+                    step[slot] = left[slot] if left[slot] > 0 else END
+                    left[slot] -= 1
+            yield step
+            time.sleep(0.02)
+
+
+fragile = Pipeline("t-fragile").add(Fragile)
+
+
 class Odd(Stage):
     """Yields each word of a text, but "nan" as the float NaN and "raw" as bytes (neither can be sent as
     JSON); returns NaN when the text ends with "!"."""

@@ -247,6 +247,30 @@ def test_a_continuous_stage_takes_new_items_into_its_running_batch(redis_url: st
     assert _runs(runs).count("generator start") == 1  # every item joined the one running generator
 
 
+@pytest.mark.parametrize("ender", ["boom", "end"])
+def test_items_that_would_join_a_continuous_generator_that_ended_get_a_new_one(redis_url: str, tmp_path: Path,
+                                                                                 ender: str) -> None:
+    """A continuous generator that raised (or returned) takes no more items: those read after its end
+    start a new one and stream whole. They used to be stepped on the ended generator, whose
+    StopIteration ended them at once: an empty stream and "ok", with no error anywhere."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:fragile", ["Fragile"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-fragile")
+
+        async def scenario() -> tuple[Any, list[list[Any]]]:
+            async with Gateway(redis_url, "t-fragile", GatewaySettings(timeout_s=20)) as gw:
+                doomed = asyncio.ensure_future(_collect(gw.stream(ender)))
+                await asyncio.to_thread(wait_for, lambda: "ending" in _runs(runs), 10, "the generator's end")
+                joiners = await asyncio.gather(*(_collect(gw.stream(n)) for n in (3, 4)))
+                first = await asyncio.gather(doomed, return_exceptions=True)
+                return first[0], joiners
+
+        first, joiners = asyncio.run(scenario())
+    assert joiners == [[3, 2, 1], [4, 3, 2, 1]]
+    assert isinstance(first, StageError) if ender == "boom" else first == ["b"]
+    assert _runs(runs).count("generator start") == 2
+
+
 def test_continuous_needs_a_streaming_batched_stage() -> None:
     class Plain(Stage):
         batch_size = 4

@@ -150,7 +150,7 @@ class StreamRunner:
             began = time.perf_counter()
             batch = LiveBatch(self._spec.batch_size)
             slots: list[_Stream | None] = [None] * self._spec.batch_size
-            joined = self._join(batch, slots, queue, keys, more, done)
+            joined = len(self._join(batch, slots, queue, keys, more, done))
             if not joined:
                 break
             if self._busy is not None:
@@ -163,34 +163,43 @@ class StreamRunner:
 
     def _run_live(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]],
                   keys: Keys, more: More, done: list[_Stream]) -> None:
+        """One generator over ``batch`` until it is empty or the generator ends (returns or raises):
+        an ended generator takes no more items, and those that joined it since its last step, which
+        it never served, go back to the head of ``queue`` for a new one (after its first step: a
+        generator that ends at once ends its items, so that every round makes progress)."""
         try:
             steps: Iterator[Any] = self._stage.predict(batch)
         except USER_ERRORS as exc:  # user code
             self._failed([s for s in slots if s is not None], exc, keys)
             return
         try:
+            joined: list[tuple[_Stream, Any]] = []  # since the last step; the first step's items are its own
             while batch:
                 live = [s for s in slots if s is not None]
                 step = _Step()
-                self._step(steps, [s or _FREE for s in slots], step)
+                new = {id(stream) for stream, _ in joined}
+                if not self._step(steps, [s or _FREE for s in slots], step, spare=new):
+                    self._send(step, live, keys)
+                    queue[:0] = [(stream, x) for stream, x in joined if stream.running]
+                    return
                 self._send(step, live, keys)
                 for slot, stream in enumerate(slots):
                     if stream is not None and not stream.running:
                         slots[slot] = None
                         batch.free(slot)
-                self._join(batch, slots, queue, keys, more, done)
+                joined = self._join(batch, slots, queue, keys, more, done)
         finally:
             _close(steps)
 
     def _join(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]], keys: Keys,
-              more: More, done: list[_Stream]) -> int:
-        """Free slots take queued items, then newly read ones; returns how many joined."""
+              more: More, done: list[_Stream]) -> list[tuple[_Stream, Any]]:
+        """Free slots take queued items, then newly read ones; returns those that joined."""
         free = [slot for slot, stream in enumerate(slots) if stream is None]
         if free and len(queue) < len(free):
             fresh = [(_Stream(item, 1), x) for item, x in more(len(free) - len(queue))]
             done += [stream for stream, _ in fresh]
             queue += fresh
-        joined = 0
+        joined: list[tuple[_Stream, Any]] = []
         while free and queue:
             stream, x = queue.pop(0)
             if not stream.running:
@@ -198,7 +207,7 @@ class StreamRunner:
             slot = free.pop(0)
             slots[slot] = stream
             batch.fill(slot, x)
-            joined += 1
+            joined.append((stream, x))
         return joined
 
     # -- one generator per item ------------------------------------------------------------------
@@ -261,21 +270,25 @@ class StreamRunner:
         finally:
             _close(steps)
 
-    def _step(self, steps: Iterator[Any], part: list[_Stream], step: _Step) -> None:
-        """One step of a batched stream into ``step``: its chunks and the items it ended."""
+    def _step(self, steps: Iterator[Any], part: list[_Stream], step: _Step, spare: set[int] | None = None) -> bool:
+        """One step of a batched stream into ``step``: its chunks and the items it ended. False if the
+        generator ended (returned or raised), which ends every item it still serves, but for those
+        in ``spare`` (ids of items it never served: they stay running)."""
         try:
             values = next(steps)
             _check_step(values, len(part))
         except StopIteration:  # every item still running ends with it
             for stream in part:
-                if stream.running:
+                if stream.running and id(stream) not in (spare or ()):
                     self._end(stream, step, None)
+            return False
         except USER_ERRORS as exc:  # user code: every item it still serves gets the error
             for stream in part:
-                if stream.running:
+                if stream.running and id(stream) not in (spare or ()):
                     self._fail(stream, step, exc)
-        else:
-            self._apply(part, values, step)
+            return False
+        self._apply(part, values, step)
+        return True
 
     def _apply(self, part: list[_Stream], values: Sequence[Any], step: _Step) -> None:
         for stream, value in zip(part, values, strict=True):
