@@ -104,6 +104,29 @@ def test_a_partitioned_stage_adds_up_its_partitions() -> None:
     assert [r["parameter"] for r in auth["spec"]["secretTargetRef"]] == ["password", "username"]
 
 
+@pytest.mark.parametrize("name", ["prioritized", "prioritized-parts"])
+@pytest.mark.parametrize("metric", ["length", "lag", "pending"])
+def test_a_stage_scales_on_every_priority_levels_stream(name: str, metric: str) -> None:
+    """Every stream the stage's workers read has its trigger (each level's, in each partition), and the formula
+    adds them up: priority traffic alone scales (and wakes) the stage."""
+    pipeline = pipelines()[name]
+    for obj in by_kind(manifests(pipeline, settings_for(metric=metric, version=(7, 2, 0))), "ScaledObject"):
+        triggers = obj["spec"]["triggers"]
+        index = pipeline.stage(obj["metadata"]["labels"]["conveyor/stage"]).index
+        read = {k.stream(index) for p in pipeline.partition_keys for k in p.levels(pipeline.priority_levels)}
+        assert len(read) == pipeline.partitions * pipeline.priority_levels
+        assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(read)
+        assert len({t["name"] for t in triggers}) == len(triggers)
+        assert {t["metadata"].get("consumerGroup") for t in triggers} == {None if metric == "length" else GROUP}
+        modifiers = obj["spec"]["advanced"]["scalingModifiers"]
+        assert modifiers["formula"] == " + ".join(t["name"] for t in triggers)
+        assert modifiers["metricType"] == "AverageValue"
+    one = by_kind(manifests(pipelines()["prioritized"], settings_for()), "ScaledObject")[0]["spec"]["triggers"]
+    assert [(t["name"], t["metadata"]["stream"]) for t in one] == [
+        ("p0", "conveyor:{t-prio}:stream:0"), ("p0l1", "conveyor:{t-prio}:stream:0:p1"),
+        ("p0l2", "conveyor:{t-prio}:stream:0:p2")]
+
+
 @pytest.mark.parametrize("url,address,extra", [
     ("redis://redis:6379/3", "redis:6379", {"databaseIndex": "3"}),
     ("redis://redis", "redis:6379", {}),

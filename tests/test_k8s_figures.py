@@ -54,7 +54,10 @@ from tests.helpers import (
     wait_for,
 )
 from tests.k8s_stages import RELEASED, pipeline
+from workers import Pipeline
 from workers.embedded.server import EmbeddedRedis
+from workers.k8s.manifests import manifests
+from workers.k8s.settings import K8sSettings, RedisTarget
 
 pytestmark = pytest.mark.system
 
@@ -329,3 +332,24 @@ def test_the_lag_figure_asks_the_server_its_version(tcp_redis: str) -> None:
         assert done.returncode == 0 and "lagCount" in done.stdout, done.stderr
     else:
         assert done.returncode == 2 and "needs Redis >= 7" in done.stderr, done.stderr
+
+
+def test_priority_traffic_alone_wakes_and_scales_a_stage(redis_url: str) -> None:
+    """Requests of a level above the default wait in ``P:stream:<i>:p<L>``: the ScaledObject's triggers read every
+    level's stream and its formula adds them up, so KEDA sees them (a stage at zero is woken), as it reads them."""
+    prio = Pipeline("t-k8s-levels", priority_levels=3).add(pipeline.stages[0].cls, batch_size=4)
+    settings = K8sSettings(app="x:pipeline", image="i", redis=RedisTarget.from_url("redis://redis:6379/0"),
+                           min_replicas={None: 0})
+    (obj,) = [d for d in manifests(prio, settings) if d["kind"] == "ScaledObject"]
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys(prio.name)
+    client.delete(*(k.stream(0) for k in keys.levels(3)))
+    for level, count in ((1, 5), (2, 2)):
+        for n in range(count):
+            client.xadd(keys.at_level(level).stream(0), {"id": f"r{level}-{n}", "data": codec.encode(n)})
+    figures = {t["name"]: keda_scaler.stream_length(client, t["metadata"]["stream"]) for t in obj["spec"]["triggers"]}
+    modifiers = obj["spec"]["advanced"]["scalingModifiers"]
+    total = sum(figures[name].value or 0 for name in modifiers["formula"].split(" + "))
+    assert total == 7 > int(modifiers["activationTarget"])  # the stage's whole backlog, and a stage at zero wakes
+    assert figures["p0"].value == 0  # what the one trigger on P:stream:0 read before
+    client.delete(*(k.stream(0) for k in keys.levels(3)))

@@ -58,6 +58,8 @@ def pipelines() -> dict[str, Pipeline]:
         "bounded": Pipeline("t-bounded").add(One, workers=(3, 9), max_run_s=120.0).add(Many, name="many_2",
                                                                                    stuck_grace_s=None),
         "partitioned": Pipeline("t-parts", partitions=3).add(One, workers=2).add(Many),
+        "prioritized": Pipeline("t-prio", priority_levels=3).add(One).add(Many),
+        "prioritized-parts": Pipeline("t-prio-parts", partitions=2, priority_levels=2).add(Many),
     }
 
 

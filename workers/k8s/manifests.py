@@ -1,12 +1,13 @@
 """The manifests of one pipeline, as plain dicts: a pure function of the pipeline and the settings.
 
 Per stage: a Deployment of one-worker pods (``conveyor worker APP --stage NAME --workers 1``) and, with
-KEDA, a ScaledObject on the stage's stream. Why one worker per pod: a worker is pinned to one core, so a
-pod is one core, its CPU request says exactly that (with the kubelet's static CPU manager and a memory
-limit the pod is given that core to itself), the scheduler counts what a stage uses, an evicted pod loses
-one worker, and KEDA's replica count *is* the stage's worker count (its target reads as "entries per
-worker"). The gateway: a Deployment and a Service. Credentials never appear: the pods read the URL from a
-Secret, KEDA the password through a TriggerAuthentication that names the same Secret.
+KEDA, a ScaledObject on the stage's streams (each partition's, each priority level's). Why one worker per
+pod: a worker is pinned to one core, so a pod is one core, its CPU request says exactly that (with the
+kubelet's static CPU manager and a memory limit the pod is given that core to itself), the scheduler counts
+what a stage uses, an evicted pod loses one worker, and KEDA's replica count *is* the stage's worker count
+(its target reads as "entries per worker"). The gateway: a Deployment and a Service. Credentials never
+appear: the pods read the URL from a Secret, KEDA the password through a TriggerAuthentication that names
+the same Secret.
 """
 
 from __future__ import annotations
@@ -197,9 +198,11 @@ def trigger_authentication(pipeline: Pipeline, name: str, settings: K8sSettings,
             "metadata": _meta(name, settings, _labels(pipeline, "autoscaling")), "spec": {"secretTargetRef": refs}}
 
 
-def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, settings: K8sSettings, redis: RedisTarget,
-             scaling: StageScaling, auth: str) -> dict[str, Any]:
-    keys = pipeline.partition_keys[partition]
+def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, level: int, settings: K8sSettings,
+             redis: RedisTarget, scaling: StageScaling, auth: str) -> dict[str, Any]:
+    """The trigger on one stream of the stage: partition ``partition``'s stream of priority level ``level``
+    (0: the default level's, ``P:stream:<i>``; L >= 1: ``P:stream:<i>:p<L>``)."""
+    keys = pipeline.partition_keys[partition].at_level(level)
     metadata: dict[str, str] = {}
     if redis.cluster:
         metadata["addresses"] = ",".join(redis.addresses)
@@ -215,8 +218,8 @@ def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, settings: K8sS
     metadata[KEDA_FIELDS[settings.metric]] = str(scaling.target)
     metadata["activationLagCount"] = str(scaling.activation)  # every figure's activation threshold, whatever its name
     trigger: dict[str, Any] = {"type": "redis-cluster-streams" if redis.cluster else "redis-streams"}
-    if pipeline.partitions > 1:
-        trigger["name"] = f"p{partition}"
+    if pipeline.partitions > 1 or pipeline.priority_levels > 1:  # named: the formula adds them up
+        trigger["name"] = f"p{partition}" + (f"l{level}" if level else "")
     trigger["metadata"] = metadata
     trigger["authenticationRef"] = {"name": auth}
     return trigger
@@ -224,10 +227,12 @@ def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, settings: K8sS
 
 def scaled_object(pipeline: Pipeline, spec: StageSpec, name: str, settings: K8sSettings, redis: RedisTarget,
                   scaling: StageScaling, auth: str) -> Manifest:
-    """KEDA scales the stage's Deployment on its stream; a partitioned pipeline has one stream per
-    partition, one trigger each, and the formula adds them up (the stage's total, as ``conveyor status``
-    shows it: the HPA alone would take the largest partition's)."""
-    triggers = [_trigger(pipeline, spec, p, settings, redis, scaling, auth) for p in range(pipeline.partitions)]
+    """KEDA scales the stage's Deployment on its streams: one per partition and priority level, one trigger
+    each (the streams its workers read, ``Keys.levels``), and the formula adds them up, so that the target
+    applies to the stage's total (the HPA alone would take the largest trigger's figure, not the sum)."""
+    levels = [0, *range(1, pipeline.priority_levels)]  # Keys.at_level's numbering: 0 the default level's stream
+    triggers = [_trigger(pipeline, spec, p, level, settings, redis, scaling, auth)
+                for p in range(pipeline.partitions) for level in levels]
     body: dict[str, Any] = {
         "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
         "pollingInterval": settings.polling_s,
@@ -235,7 +240,7 @@ def scaled_object(pipeline: Pipeline, spec: StageSpec, name: str, settings: K8sS
         "minReplicaCount": scaling.min_replicas,
         "maxReplicaCount": scaling.max_replicas,
     }
-    if pipeline.partitions > 1:
+    if len(triggers) > 1:
         body["advanced"] = {"scalingModifiers": {
             "formula": " + ".join(t["name"] for t in triggers), "target": str(scaling.target),
             "activationTarget": str(scaling.activation), "metricType": "AverageValue"}}
