@@ -56,6 +56,13 @@ class RecordBatches(Record):
         return xs
 
 
+class Window(RecordBatches):
+    """A batched ``Record`` whose batches wait their whole window (``deadline``: for 8 items, up to 3 s)."""
+
+    batch_policy = "deadline"
+    batch_wait_s = 3.0
+
+
 ordered = (Pipeline("t-prio", priority_levels=2, fair_after=1000)
            .add(Record, pipeline="t-prio", stage=0).add(Record1, pipeline="t-prio", stage=1))
 fair = Pipeline("t-prio-fair", priority_levels=2, fair_after=2).add(Record, pipeline="t-prio-fair", stage=0)
@@ -63,3 +70,4 @@ three = Pipeline("t-prio-three", priority_levels=3).add(Record, pipeline="t-prio
 filled = (Pipeline("t-prio-fill", priority_levels=2)
           .add(RecordBatches, pipeline="t-prio-fill", stage=0).add(Record1, pipeline="t-prio-fill", stage=1))
 plain = Pipeline("t-prio-none").add(Record, pipeline="t-prio-none", stage=0, delay_s=0.0)
+windowed = Pipeline("t-prio-window", priority_levels=2).add(Window, pipeline="t-prio-window", stage=0)

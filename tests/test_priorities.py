@@ -184,6 +184,27 @@ def test_a_higher_levels_batch_is_filled_from_the_levels_below(server: str, clie
     assert ran_next == [*high, "gate0", *low]
 
 
+def test_a_lone_higher_level_request_on_an_idle_worker_does_not_wait_the_window(server: str) -> None:
+    """``batch_policy="deadline"``, a window of 3 s for 8 items: a lone priority-1 request reaching the idle
+    worker (its blocking read on every level) runs at once, as a batch holding a higher level's entries does
+    on the non-blocking reads; it used to wait the whole window, as a default-level one does."""
+    pipeline = "t-prio-window"
+    with running_workers(server, f"{APP}:windowed", ["Window"]) as group:
+        group.wait_ready(pipeline, T)
+
+        async def lone() -> list[float]:
+            async with Gateway(server, pipeline, GatewaySettings(timeout_s=T)) as gw:
+                took = []
+                for i in range(3):
+                    started = time.perf_counter()
+                    assert await asyncio.wait_for(gw.predict(f"p{i}", priority=1), T) == f"p{i}"
+                    took.append(time.perf_counter() - started)
+                return took
+
+        took = asyncio.run(lone())
+    assert max(took) < 1.0, took  # the window is 3 s
+
+
 def test_a_foreign_producer_adds_to_a_level_stream(ordered: Workers, client: redis.Redis) -> None:
     rid, reply = uuid.uuid4().hex, f"conveyor:{{t-prio}}:reply:{uuid.uuid4().hex}"
     client.xadd("conveyor:{t-prio}:stream:0:p1", {"id": rid, "data": msgpack.packb("foreign"), "reply": reply,

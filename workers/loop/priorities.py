@@ -11,7 +11,8 @@ for the next batch (its carry), which it leads. Only when every level of every p
 block, on every lane at once (the worker's ordinary read, lanes highest level first), and run
 whatever came.
 
-A batch read from a level above the lowest runs at once: waiting for more of its level (the
+A batch read from a level above the lowest runs at once, whether read here or by the worker's
+blocking read on an idle worker (``Worker._read``): waiting for more of its level (the
 stage's wait policy, ``batch_wait_s``) would hold the lower levels' backlog behind a few requests
 that want their answer soonest; the lowest level's batch is filled as any stage's. The room a
 higher level leaves in a batch is filled from the levels below it, in the same read (``fill``, on

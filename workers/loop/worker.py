@@ -301,6 +301,8 @@ class Worker:
         for lane, outcome in zip(lanes, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 self._lane_error(lane, outcome)
+            elif outcome and lane.keys.level:  # a level above the lowest runs at once, as in LevelTurns' reads
+                self._on_lane(lane, functools.partial(self._process, entries=outcome, deliveries=None))
             elif outcome:
                 self._on_lane(lane, functools.partial(self._batch, entries=outcome, asked=asked,
                                                       idle_s=first_at - sent_at, first_at=first_at))
