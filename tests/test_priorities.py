@@ -265,6 +265,60 @@ def test_http_header_and_oip_parameters(ordered: Workers, client: redis.Redis, t
         stop_all(procs)
 
 
+def test_oip_parameters_priority_wins_over_the_header_and_a_bad_header_is_refused(
+        ordered: Workers, client: redis.Redis, tmp_path: Any) -> None:
+    """``parameters.priority: 0`` with ``X-Conveyor-Priority: 1`` is the default level (the parameter wins,
+    0 included), on infer and generate alike; a malformed header is a 400 whatever the parameter says."""
+    port = free_port()
+    procs: list[Proc] = [start_conveyor(tmp_path, "gateway", "gateway", "t-prio", "--redis", ordered.redis_url,
+                                        "--port", str(port), redis_url=ordered.redis_url)]
+    p = Keys("t-prio")
+    try:
+        wait_for(lambda: status_code(port, "/readyz") == 200, T, "the gateway ready")
+        replies: dict[str, Any] = {}
+
+        def call(name: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+            replies[name] = exchange(port, http_request("POST", path, body, {"content-type": "application/json",
+                                                                            **headers}), "POST", T)
+
+        infer, generate = "/v2/models/t-prio/infer", "/v2/models/t-prio/generate"
+
+        def tensor(value: str, parameters: dict[str, int]) -> bytes:
+            return json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": [value]}],
+                               "parameters": parameters}).encode()
+
+        def text(value: str, parameters: dict[str, int]) -> bytes:
+            return json.dumps({"x": value, "parameters": parameters}).encode()
+
+        for name, path, body in (("infer-bad", infer, tensor("b1", {"priority": 2})),
+                                 ("generate-bad", generate, text("b2", {"priority": 2}))):
+            call(name, path, body, {"x-conveyor-priority": "abc"})
+            assert replies[name].status == 400, (name, replies[name].body)
+            assert b"x-conveyor-priority must be an integer" in replies[name].body.lower()
+        gate = threading.Thread(target=call, args=("gate", "/v1/predict", b'"gate0"', {}), daemon=True)
+        gate.start()
+        hold(client, "t-prio", 0)
+        before = (stream_len(client, p.stream(0)), stream_len(client, p.at_level(1).stream(0)))
+        threads = [threading.Thread(target=call, args=(name, path, body, {"x-conveyor-priority": "1"}), daemon=True)
+                   for name, path, body in (("infer", infer, tensor("i0", {"priority": 0})),
+                                            ("generate", generate, text("g0", {"priority": 0})))]
+        for thread in threads:
+            thread.start()
+
+        def queued() -> int:
+            return stream_len(client, p.stream(0)) + stream_len(client, p.at_level(1).stream(0)) - sum(before)
+
+        wait_for(lambda: queued() >= 2, T, "both requests queued")
+        assert (stream_len(client, p.stream(0)) - before[0], stream_len(client, p.at_level(1).stream(0))) == (2, 0)
+        release(client, "t-prio", 0)
+        for thread in [*threads, gate]:
+            thread.join(T)
+        assert {name: r.status for name, r in replies.items() if not name.endswith("-bad")} == {
+            "gate": 200, "infer": 200, "generate": 200}
+    finally:
+        stop_all(procs)
+
+
 def test_starvation_guard_serves_the_default_level(server: str, client: redis.Redis) -> None:
     """fair_after=2: after two batches of level 1 in a row, one of the default level."""
     with running_workers(server, f"{APP}:fair", ["Record"]) as group:

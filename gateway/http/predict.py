@@ -191,15 +191,18 @@ def timeout_s(headers: dict[bytes, bytes], now_s: float) -> float | None:
     return bound_s
 
 
-def priority_of(headers: dict[bytes, bytes]) -> int:
+def priority_of(headers: dict[bytes, bytes], given: int | None = None) -> int:
     """The request's priority from ``X-Conveyor-Priority`` (0, the default, without it); 400 unless
-    it is a decimal integer >= 0."""
+    it is a decimal integer >= 0. ``given``: the request's own (the Open Inference Protocol's
+    ``parameters.priority``), which wins where present, 0 included; the header is checked all the same."""
     raw = headers.get(PRIORITY_HEADER)
     if raw is None:
-        return 0
+        return 0 if given is None else given
     if not raw.isdigit():
         raise HttpError(400, "BadRequest", f"header {PRIORITY_HEADER.decode()} must be an integer >= 0 (1 the "
                         f"highest level, 0 the default), got {_text(raw)!r}", outcome="bad_request")
+    if given is not None:
+        return given
     return int(raw) if len(raw) <= 18 else 1 << 62  # past every pipeline's levels: the default, however long
 
 

@@ -40,8 +40,9 @@ __all__ = ["GenerateEvents", "generate", "generate_stream"]
 VERSION = "1"
 
 
-def _request(request: Request, io: PipelineIO) -> tuple[Any, int, float | None]:
-    """The item, priority and timeout (s) of a generate request; TensorError (400) if it cannot be read."""
+def _request(request: Request, io: PipelineIO) -> tuple[Any, int | None, float | None]:
+    """The item, priority (None: not given) and timeout (s) of a generate request; TensorError (400) if it
+    cannot be read."""
     try:
         body = orjson.loads(request.body)
     except orjson.JSONDecodeError as exc:
@@ -82,7 +83,7 @@ def _bound(request: Request, timeout_s: float | None) -> float | None:
 def generate(request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
     try:
         x, priority, timeout_s = _request(request, io)
-        priority = priority or priority_of(request.headers)
+        priority = priority_of(request.headers, priority)  # the parameter wins, 0 included
         waiter = backend.submit(x, _bound(request, timeout_s), request.headers.get(PARTITION_KEY_HEADER), direct=True,
                                 request_id=request.request_id or None, priority=priority)
     except Exception as exc:  # a bad body or header; refused at once: Overloaded, PayloadTooLarge, WrongRoute ...
@@ -134,7 +135,7 @@ def generate_stream(request: Request, name: str, backend: Backend, io: PipelineI
         return error_reply(501, "this backend does not stream", "error")
     try:
         x, priority, timeout_s = _request(request, io)
-        bound_s, priority = _bound(request, timeout_s), priority or priority_of(request.headers)
+        bound_s, priority = _bound(request, timeout_s), priority_of(request.headers, priority)
     except (TensorError, HttpError) as exc:
         return _error(exc)
     opening = asyncio.ensure_future(submit(x, bound_s, request.headers.get(PARTITION_KEY_HEADER),

@@ -60,7 +60,7 @@ class Plan:
         self.head = head
         self.wanted: frozenset[str] = frozenset(o["name"] for o in head.outputs) if head.outputs else _NONE_WANTED
         self.parameters = head.parameters
-        self.priority = 0  # the schedule policy extension's (check() reads them)
+        self.priority: int | None = None  # the schedule policy extension's (check() reads them; None: not given)
         self.timeout_s: float | None = None
         if "binary_data_output" in self.parameters:  # the request's flag, not echoed
             self.parameters = {k: v for k, v in self.parameters.items() if k != "binary_data_output"}
@@ -253,17 +253,19 @@ class Inference:
         return self.plan.respond(answers)
 
 
-def schedule_policy(parameters: dict[str, Any]) -> tuple[int, float | None]:
+def schedule_policy(parameters: dict[str, Any]) -> tuple[int | None, float | None]:
     """Triton's schedule policy extension: ``parameters.priority`` (1 the highest level, 0 the default;
-    broker.levels) and ``parameters.timeout`` (microseconds; 0: none, the gateway's default), as a
-    priority and a timeout in seconds. Anything but an integer >= 0 is refused (`TensorError`, 400)."""
+    broker.levels; None where not given: the header's then applies) and ``parameters.timeout``
+    (microseconds; 0: none, the gateway's default), as a priority and a timeout in seconds. Anything but an
+    integer >= 0 is refused (`TensorError`, 400)."""
     values = []
     for name in ("priority", "timeout"):
         value = parameters.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TensorError(f"parameter {name!r} must be an integer >= 0, got {value!r}")
         values.append(value)
-    priority, timeout_us = values
+    timeout_us = values[1]
+    priority = values[0] if "priority" in parameters else None
     if timeout_us > 7 * 24 * 3600 * 1_000_000:
         raise TensorError(f"parameter 'timeout' is more than a week (in microseconds): {timeout_us}")
     return priority, (timeout_us / 1e6 if timeout_us else None)

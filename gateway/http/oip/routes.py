@@ -13,8 +13,8 @@
 A model is a pipeline; its one version is ``1``. How tensors become items is in
 :mod:`gateway.http.oip.items`; the conveyor headers (deadline, partition key, priority) apply as on
 predict. Triton's schedule policy parameters ``priority`` and ``timeout`` (microseconds) are read from
-the request's ``parameters`` (:func:`gateway.http.oip.infer.schedule_policy`): the parameter's priority
-wins over the header's, the earlier deadline wins.
+the request's ``parameters`` (:func:`gateway.http.oip.infer.schedule_policy`): the parameter's priority,
+where given (0 too), wins over the header's, a malformed header being a 400 either way; the earlier deadline wins.
 Errors are the protocol's ``{"error": "..."}``, with the request's id beside it (``"request_id"``, added as
 the answer is written: gateway.http.request_ids).
 """
@@ -188,7 +188,7 @@ class V2:
             bound_s = _bound_s(request_bound_s(headers), plan.timeout_s)
             key = headers.get(PARTITION_KEY_HEADER)
             ids = item_ids(request.request_id, len(items))  # one request: its id; a batch of rows: <id>.<row>
-            priority = plan.priority or priority_of(headers)
+            priority = priority_of(headers, plan.priority)  # the parameter wins, 0 included
             waiters = submit_items(backend, items, ids, bound_s, key, priority)
         except HttpError as exc:
             return error_reply(exc.status, exc.message, exc.outcome)
