@@ -47,6 +47,16 @@ def test_the_deadline_batch_policy_is_described_as_fixed_wait_behaves() -> None:
         assert "after an idle spell" in text, f"{doc} does not say when the deadline policy does not wait"
 
 
+def test_the_starvation_guard_is_described_as_it_serves() -> None:
+    """When due, the guard tries the levels lowest first (workers/loop/priorities.py, tests/test_level_reads.py):
+    the default level, else the lowest level above it with entries, never the highest first."""
+    for doc in ("README.md", "docs/operations.md", "docs/protocol.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert "from the highest that has" not in text, f"{doc} says the guard serves the highest level"
+    text = " ".join((ROOT / "docs/operations.md").read_text().split())
+    assert "the lowest level that has entries" in text and "not only the default" in text
+
+
 def _protocol_example() -> ast.Module:
     """The Python block of docs/protocol.md's "Example" section: what a foreign producer copies."""
     text = (ROOT / "docs" / "protocol.md").read_text()

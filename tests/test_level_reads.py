@@ -153,3 +153,27 @@ def test_a_carry_older_than_its_bound_is_left_pending_for_the_claim(client: redi
         assert pending(client, default) == 8
     finally:
         reader.close()
+
+
+def test_the_starvation_guard_serves_the_lowest_level_with_entries(client: redis.Redis) -> None:
+    """Three levels, ``fair_after`` 2, the default level empty: each guard's turn goes to the middle level (the
+    lowest that has entries), not to the highest, which would starve the middle level under a level-1 load."""
+    keys = Keys("t-lr-guard")
+    lanes = [ReadLane(k, StreamReader(client, k.stream(0), CONSUMER), Committer(client, k, 0, "S", False, Ttls()))
+             for k in keys.levels(3)]  # level 1, level 2, the default level
+    for lane in lanes:
+        client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+        lane.recover = False
+    add(client, lanes[0].stream, 6, "a")
+    add(client, lanes[1].stream, 2, "b")
+    turns = LevelTurns(lanes, 3, 2, lambda names: LevelReader(client, names, CONSUMER, fill=False))
+    try:
+        served = []
+        for _ in range(8):
+            segments, _ = turns.ahead(lanes[0], 1)
+            served += [lanes.index(lane) for lane, entries in segments if entries]
+        assert served == [0, 0, 1, 0, 0, 1, 0, 0]
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()

@@ -24,7 +24,8 @@ level's part of such a batch is acked and forwarded in its own level's streams, 
 Starvation: after ``fair_after`` batches in a row from levels above the lowest (in one
 partition), the next first read tries the levels in the other order, lowest first: while the
 default level has a backlog it gets at least one batch in ``fair_after + 1`` of every worker,
-and a higher level waits at most one batch more.
+and a higher level waits at most one batch more. With the default level empty that turn goes to
+the lowest level above it with entries (not the highest): a middle level is not starved by level 1.
 """
 
 from __future__ import annotations
