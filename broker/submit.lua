@@ -10,7 +10,8 @@
 -- ARGV[3 + 4n] (optional) k: into how many batch entries to split the requests ('', absent, 0, or
 --         k >= n: single entries; a fraction is rounded down)
 -- ARGV[4 + 4n] (optional) h: the last h KEYS are the first stage's streams of the priority levels
---         above KEYS[1]'s, whose entries count in its backlog ('' or absent: none)
+--         above KEYS[1]'s, whose entries count in its backlog ('' or absent: none; else a whole number
+--         from 0 to #KEYS - 2, refused otherwise before anything is written)
 -- ARGV[5 + 4n] (optional) m, then m x (j, trace value): the j-th request (1-based) carries this
 --         'trace' field (docs/protocol.md: a W3C traceparent, maybe timings asked); in a batch entry,
 --         the entry's 'traces' field holds its requests' values in order ('' for none)
@@ -32,12 +33,36 @@ local n = tonumber(ARGV[1])
 if n == nil or n < 0 or n % 1 ~= 0 or #ARGV < 2 + 4 * n then  -- refused before anything is written
   return redis.error_reply('ERR submit.lua: ARGV[1] must be the number n of requests, each 4 arguments after ARGV[2]')
 end
+-- The optional numbers read below (h, then m and its positions), checked before anything is written: a
+-- producer that retries on an error reply must never have had its requests added by the call it retries.
+local above = 0
+local h = ARGV[4 + 4 * n]
+if h ~= nil and h ~= '' then
+  above = tonumber(h)
+  if above == nil or above < 0 or above % 1 ~= 0 or above > #KEYS - 2 then
+    return redis.error_reply('ERR submit.lua: h (the argument after k) must be a whole number from 0 to the ' ..
+                             'number of KEYS after the second, got ' .. h)
+  end
+end
+local n_traced = tonumber(ARGV[5 + 4 * n] or '') or 0
+if n_traced < 0 or n_traced % 1 ~= 0 or (n_traced > 0 and #ARGV < 5 + 4 * n + 2 * n_traced) then
+  return redis.error_reply('ERR submit.lua: m (the argument after h) must be the number of (position, trace) ' ..
+                           'pairs that follow it')
+end
+local traced = {}
+for t = 0, n_traced - 1 do
+  local j = tonumber(ARGV[6 + 4 * n + 2 * t])
+  if j == nil then
+    return redis.error_reply('ERR submit.lua: a trace position must be a number, got ' .. ARGV[6 + 4 * n + 2 * t])
+  end
+  traced[j] = ARGV[7 + 4 * n + 2 * t]
+end
+
 local admit = n
 local limit = redis.call('GET', KEYS[2])
 limit = tonumber(limit or '')
 local own = tonumber(ARGV[2])
 if own ~= nil and (limit == nil or own < limit) then limit = own end
-local above = math.floor(tonumber(ARGV[4 + 4 * n] or '') or 0)
 local backlog = 0
 if limit ~= nil and n > 0 then
   backlog = redis.call('XLEN', KEYS[1])
@@ -47,9 +72,6 @@ end
 
 local a = 3
 local entries = math.floor(tonumber(ARGV[3 + 4 * n] or '') or 0)
-local n_traced = tonumber(ARGV[5 + 4 * n] or '') or 0
-local traced = {}
-for t = 0, n_traced - 1 do traced[tonumber(ARGV[6 + 4 * n + 2 * t])] = ARGV[7 + 4 * n + 2 * t] end
 if limit == nil and entries >= 1 and entries < admit then
   local base, extra = math.floor(admit / entries), admit % entries
   local request = 0

@@ -161,3 +161,28 @@ def test_submit_script_counts(redis_client: redis.Redis, limit: int | None) -> N
     added = redis_client.eval(script, 2, KEYS.stream(0), KEYS.max_backlog, 5, "", *entries)
     assert added == (5 if limit is None else 3)
     assert redis_client.xlen(KEYS.stream(0)) == added
+
+
+@pytest.mark.parametrize("limit", [None, 3])
+@pytest.mark.parametrize("tail", [["", "-3"], ["", "2"], ["", "x"], ["", "0.5"], ["", "1", "2", "1", "t"],
+                                  ["", "1", "1", "abc", "t"], ["", "1", "-1"]],
+                         ids=["h<0", "h>levels", "h-text", "h-fraction", "m>pairs", "m-position", "m<0"])
+def test_bad_optional_arguments_are_refused_before_anything_is_added(redis_client: redis.Redis, limit: int | None,
+                                                                     tail: list[str]) -> None:
+    """docs/protocol.md: an error reply adds nothing, so that a producer retrying on it does not duplicate its
+    request. h (how many of the last KEYS are the streams of the levels above) and the trace pairs are read before
+    the XADDs: one that cannot be right is an error before any entry is written (h < 0 added the entry, then
+    failed on the UNLINK)."""
+    if limit is not None:
+        redis_client.set(KEYS.max_backlog, limit)
+    script = resources.files("broker").joinpath("submit.lua").read_text()
+    above = KEYS.at_level(1).stream(0)
+    with pytest.raises(redis.ResponseError, match=r"submit\.lua"):
+        redis_client.eval(script, 3, KEYS.stream(0), KEYS.max_backlog, above, 1, "", "rid4", b"\x01",
+                          KEYS.reply("x"), 0, *tail)
+    assert redis_client.xlen(KEYS.stream(0)) == 0
+    # The same call with h = 1: added, the level above counted.
+    good = [t if i != 1 else "1" for i, t in enumerate(tail[:2])]
+    assert redis_client.eval(script, 3, KEYS.stream(0), KEYS.max_backlog, above, 1, "", "rid4", b"\x01",
+                             KEYS.reply("x"), 0, *good) == 1
+    assert [fields[b"id"] for _, fields in redis_client.xrange(KEYS.stream(0))] == [b"rid4"]
