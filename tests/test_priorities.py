@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import pytest
@@ -330,6 +330,38 @@ def test_starvation_guard_serves_the_default_level(server: str, client: redis.Re
                       {p.stream(0): 1 + len(low), p.at_level(1).stream(0): len(high)})
         ran = order(client, "t-prio-fair", 0, 11)
     assert ran == ["p0", "p1", "d0", "p2", "p3", "d1", "p4", "p5", "d2", "p6", "p7"]
+
+
+@pytest.mark.parametrize("levels,priority,level", [(2, 1, 1), (3, 2, 2), (2, 2, 0)],
+                         ids=["level-1", "level-2-of-3", "above-the-levels"])
+def test_a_priority_given_before_the_pipeline_is_registered_is_kept(server: str, client: redis.Redis, levels: int,
+                                                                    priority: int, level: int) -> None:
+    """A request made while the gateway does not know the pipeline yet (one level, then) waits for its
+    registration, then goes to its priority's stream as the registered spec says (a priority above the levels:
+    the default level's); it used to go to the default level's whatever its priority."""
+    from tests.priority_stages import Record
+    from workers import Pipeline
+
+    name = f"t-prio-late{levels}{priority}"
+    pipeline = Pipeline(name, priority_levels=levels).add(Record, pipeline=name, stage=0)
+    keys = pipeline.keys
+    streams = [k.stream(0) for k in keys.levels(levels)]
+
+    async def scenario() -> None:
+        async with Gateway(server, name, GatewaySettings(timeout_s=T)) as gw:
+            future = gw.submit("x", priority=priority)
+            assert not gw.registration.registered  # it waits for the registration
+            await asyncio.to_thread(register, client, name, [(k, k.stream(0)) for k in keys.levels(levels)],
+                                    encode_spec(pipeline.describe()), None)
+            await asyncio.to_thread(wait_for, lambda: sum(stream_len(client, s) for s in streams) == 1, T,
+                                    "the request added")
+            cast_future = cast("asyncio.Future[Any]", future)
+            cast_future.cancel()
+            await asyncio.gather(cast_future, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 2 * T))
+    assert {s: stream_len(client, s) for s in streams} == {s: int(s == keys.at_level(level).stream(0))
+                                                           for s in streams}
 
 
 def test_admission_per_level_refuses_the_lowest_first(server: str, client: redis.Redis) -> None:

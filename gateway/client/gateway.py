@@ -241,11 +241,11 @@ class Gateway:
         if len(lanes) > 1 and key is None:  # round robin, which may retry another partition: a task
             return asyncio.ensure_future(self._round_robin(data, timeout, rid, priority))
         lane = lanes[0] if key is None else lanes[partition_of(key, len(lanes))]
-        if priority:
-            lane = self._at_level(lane, priority)
         self._check_served(lane)
         if not self.registration.registered:  # rare: until this pipeline is seen registered once
-            return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid))
+            return asyncio.ensure_future(self._when_registered(lane, data, timeout, rid, priority))
+        if priority:
+            lane = self._at_level(lane, priority)
         return self.hub.enqueue(lane, data, timeout, direct, rid)
 
     async def predict(self, x: Any, timeout_s: float | None = None, key: str | bytes | None = None, *,
@@ -389,14 +389,18 @@ class Gateway:
             raise Overloaded(f"stage {self.unserved!r} of pipeline {self.pipeline!r} has no live or loading worker "
                              f"(none for {UNSERVED_GRACE_S:g}s or more): start its workers")
 
-    async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float, request_id: bytes | None) -> Any:
-        """The request's deadline counts from its arrival: the wait for registration spends it."""
+    async def _when_registered(self, lane: Lane, data: bytes, timeout_s: float, request_id: bytes | None,
+                               priority: int = 0) -> Any:
+        """The request's deadline counts from its arrival: the wait for registration spends it. Its
+        level is chosen only then, from the registered spec's levels (before it, the gateway knows one)."""
         started = time.monotonic()
         await self.registration.wait(timeout_s)
         remaining = timeout_s - (time.monotonic() - started)
         if remaining <= 0:
             raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
                                "only as the request's deadline passed")
+        if priority:
+            lane = self._at_level(lane, priority)
         return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
 
     async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
