@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from binascii import hexlify, unhexlify
@@ -49,6 +50,9 @@ _SAMPLERS = ("always_on", "always_off", "parentbased_always_on", "parentbased_al
 NO_PARENT = b"-"
 _NO_TRACE, _NO_SPAN = bytes(16), bytes(8)
 _HEX, _ODD_HEX = frozenset(b"0123456789abcdefABCDEF"), frozenset(b"13579bdfBDF")
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.S)
+_AFTER_VERSION_00 = (b"", b" ")  # what may follow a version 00 traceparent in a ``trace`` value
+_AFTER_LATER_VERSION = (b"", b" ", b"-")
 # Spans per export unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise: not the SDK's 512, because a
 # post costs the exporter's client about the same CPU whatever its size (docs/benchmarks.md,
 # "Tracing"). An export also stops at EXPORT_BYTES (spans with long error texts are large), well
@@ -112,17 +116,18 @@ def new_span_id() -> bytes:
 def parse_traceparent(raw: bytes | None) -> tuple[bytes, bytes, int] | None:
     """(trace id, parent span id, flags) of a W3C ``traceparent`` (version 00 or later; the ids as
     16 and 8 bytes), None if absent or malformed (then the request starts a trace of its own, as
-    the spec says)."""
-    if raw is None or len(raw) < 55 or raw[2] != 45 or raw[35] != 45 or raw[52] != 45:  # 45: "-"
+    the spec says): lowercase hex fields of their exact sizes, version not ff, nothing after version
+    00's 55 characters and, for a later version, only what follows a ``-``."""
+    match = _TRACEPARENT.fullmatch(raw) if raw is not None else None
+    if match is None:
         return None
-    try:
-        version, trace_id, span_id, flags = int(raw[:2], 16), unhexlify(raw[3:35]), unhexlify(raw[36:52]), \
-            int(raw[53:55], 16)
-    except ValueError:
+    version, trace_hex, span_hex, flags, rest = match.groups()
+    if version == b"ff" or (version == b"00" and rest is not None):
         return None
-    if version == 0xFF or trace_id == _NO_TRACE or span_id == _NO_SPAN or (version == 0 and len(raw) != 55):
+    trace_id, span_id = unhexlify(trace_hex), unhexlify(span_hex)
+    if trace_id == _NO_TRACE or span_id == _NO_SPAN:
         return None
-    return trace_id, span_id, flags
+    return trace_id, span_id, int(flags, 16)
 
 
 def traceparent(trace_id: bytes, span_id: bytes, sampled: bool = True) -> bytes:
@@ -154,14 +159,16 @@ def _sampled_form(value: bytes) -> bool:
     """Whether ``value`` starts with a sampled ``traceparent``'s form (any version but ff, any flags
     with the sampled bit), the ids' hex aside: the rules one by one, for what the common form is not."""
     return len(value) >= 55 and value[54] in _ODD_HEX and value[53] in _HEX and value[2] == 45 and value[35] == 45 \
-        and value[52] == 45 and value[0] in _HEX and value[1] in _HEX and value[:2] not in (b"ff", b"FF")
+        and value[52] == 45 and value[0] in _HEX and value[1] in _HEX and value[:2] not in (b"ff", b"FF") \
+        and value[55:56] in (_AFTER_VERSION_00 if value[:2] == b"00" else _AFTER_LATER_VERSION)
 
 
 def parent_of(value: bytes) -> tuple[bytes, bytes] | None:
     """(trace id, parent span id) of the sampled ``traceparent`` a ``trace`` value starts with, or
     None (none, malformed, or not sampled). :func:`parse_traceparent`'s rules, checked byte by byte:
     a worker asks this of every traced item it runs."""
-    if (value[52:55] != b"-01" or value[:3] != b"00-" or value[35] != 45) and not _sampled_form(value):
+    if (value[52:55] != b"-01" or value[:3] != b"00-" or value[35] != 45 or value[55:56] not in _AFTER_VERSION_00) \
+            and not _sampled_form(value):
         return None
     try:
         trace_id, parent_id = unhexlify(value[3:35]), unhexlify(value[36:52])

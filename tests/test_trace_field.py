@@ -77,8 +77,12 @@ def test_traceparent_parsing() -> None:
     assert tracing.parse_traceparent(TP) == (bytes.fromhex("0af7651916cd43dd8448eb211c80319c"),
                                             bytes.fromhex("b7ad6b7169203331"), 1)
     assert tracing.traceparent(*tracing.parse_traceparent(TP)[:2]) == TP  # type: ignore[misc]
-    for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", TP + b"-x", b"ff" + TP[2:], TP.replace(b"-", b"_")):
-        assert tracing.parse_traceparent(bad) is None
+    for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", TP + b"-x", b"ff" + TP[2:], TP.replace(b"-", b"_"),
+                TP.upper(), b"0A" + TP[2:], b"+0" + TP[2:], TP[:-2] + b" 1", TP[:-2] + b"+1", b"01" + TP[2:] + b"extra",
+                TP[:3] + TP[3:35].upper() + TP[35:], TP + b" "):
+        assert tracing.parse_traceparent(bad) is None, bad
+    later = b"01" + TP[2:]  # a later version: what follows a "-" after the 55 characters is ignored
+    assert tracing.parse_traceparent(later + b"-what-comes") == tracing.parse_traceparent(later) is not None
     value = tracing.with_timing(tracing.field_value(TP, True), 1.5, 2.25)
     assert tracing.timing_asked(value) and tracing.timings(value) == b"1.500,2.250"
     assert tracing.timing_asked(b"- t") and not tracing.timing_asked(TP)
@@ -86,8 +90,27 @@ def test_traceparent_parsing() -> None:
     # A worker's byte-by-byte check agrees with the parser: malformed or unsampled, no parent.
     assert tracing.parent_of(TP) == tracing.parse_traceparent(TP)[:2]  # type: ignore[index]
     for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", b"ff" + TP[2:], TP.replace(b"-", b"_"),
-                TP[:-2] + b"00", TP[:-2] + b"0x", TP[:3] + b"g" + TP[4:], TP[:36] + b"0" * 16 + TP[52:]):
+                TP[:-2] + b"00", TP[:-2] + b"0x", TP[:3] + b"g" + TP[4:], TP[:36] + b"0" * 16 + TP[52:],
+                TP + b"xyz", b"01" + TP[2:] + b"x"):
         assert tracing.parent_of(bad) is None and tracing.parent_of(bad + b" t") is None, bad
+
+
+@pytest.mark.unit
+def test_a_tracestate_longer_than_the_spec_asks_to_keep_is_dropped() -> None:
+    """W3C: at least 512 characters of tracestate are kept; a longer one would be copied onto the
+    request's span whole (30 kB a request, into every export)."""
+    from gateway.http.tracing import RequestTracing
+    from gateway.http.types import Request
+
+    front = RequestTracing(tracing.TraceSettings(True), timing_headers=False)
+    front._sink = tracing.SpanSink(lambda body: None, {}, period_s=60)
+    try:
+        for state, kept in ((b"a=" + b"x" * 510, True), (b"a=" + b"x" * 511, False)):
+            trace = front.begin(Request(b"POST", b"/v1/predict", {b"traceparent": TP, b"tracestate": state}))
+            assert trace is not None and trace.trace_id == bytes.fromhex(TP[3:35].decode())
+            assert trace.tracestate == (state.decode() if kept else None), len(state)
+    finally:
+        front.close()
 
 
 @pytest.mark.unit

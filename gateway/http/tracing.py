@@ -34,6 +34,8 @@ __all__ = ["RequestTracing"]
 
 TRACEPARENT = b"traceparent"
 TRACESTATE = b"tracestate"
+# W3C Trace Context: a vendor propagates at least 512 characters of tracestate and may drop a longer one.
+TRACESTATE_MAX_BYTES = 512
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
 _CHUNKS = otlp.key("conveyor.stream.chunks")
 _CACHED = 256  # encoded tails kept (routes and paths that run a pipeline; outcomes)
@@ -96,6 +98,8 @@ class RequestTracing:
         span_id = tracing.new_span_id()
         own = tracing.traceparent(trace_id, span_id) if sampled else None
         state = headers.get(TRACESTATE) if parent is not None else None  # W3C: not without a traceparent
+        if state is not None and len(state) > TRACESTATE_MAX_BYTES:
+            state = None  # kept on the span, it would weigh on every export
         return RequestTrace(trace_id, span_id, b"" if parent is None else parent[1], sampled,
                             tracing.field_value(own, self.timing_headers), time.time_ns(),
                             state.decode("latin-1") if state else None)
