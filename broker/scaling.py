@@ -1,12 +1,23 @@
 """What an autoscaling supervisor reads and says in Redis (:mod:`workers.process.scaling` decides).
 
-It reads, about once a second and in one round trip per stage: the stage's backlog (``XLEN`` of its
-stream in every partition: the entries not yet delivered and those pending, as ``conveyor status``
-counts them), what its workers finished since the last read (``XRANGE`` of its stats streams: batch
-sizes and predict durations, written by every worker of the stage on any host), and its live workers
-(``ZRANGE`` of its heartbeats, every host). It says what it did in ``P:scale:<i>`` (partition 0), a
-hash with one field per supervisor: a JSON record of its range, its workers and its last change with
-the reason, which ``conveyor status`` and ``/metrics`` read with the stage's other keys (:mod:`broker.status`).
+It reads, about once a second and in one round trip per stage, in every partition and priority level:
+
+- the stage's backlog **in requests**, as items wait for a worker: the entries not yet delivered (the
+  group's ``lag``; ``XLEN`` less ``pending`` on Redis 6.2, where workers delete what they ack, as
+  ``conveyor status`` counts them) and those held by consumers that no longer beat (they wait to be
+  claimed), but not those a live worker holds: those are being computed (``XINFO GROUPS``, ``XLEN``,
+  ``XINFO CONSUMERS``). A batch entry holds many requests (up to the stage's ``batch_size``), and the rate
+  it is weighed against is in requests, so each entry is counted as the requests it holds: ``backlog.lua``
+  counts those of the newest :data:`SAMPLE` entries on the server (the waiting ones are the newest: a
+  group delivers in id order), the rest taken as like them;
+- its live workers (``ZRANGE`` of its heartbeats, every host), and which of them hold nothing (idle);
+- what its workers finished since the last read (``XRANGE`` of its stats streams: batch sizes and predict
+  durations, written by every worker of the stage on any host).
+
+It says what it did in ``P:scale:<i>`` (partition 0), a hash with one field per supervisor: a JSON record of
+its range, its workers and its last change with the reason, which ``conveyor status`` and ``/metrics`` read
+with the stage's other keys (:mod:`broker.status`); a supervisor's field is removed when it stops, and any
+field not renewed for :data:`PRUNE_AFTER_MS` (a supervisor that died) by the next supervisor that prunes.
 """
 
 from __future__ import annotations
@@ -14,52 +25,95 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import redis
 
 from broker.batch_entries import item_time_s
+from broker.connection import is_cluster_client
 from broker.families import HEARTBEATS, SCALE, STATS, STREAMS
-from broker.keys import LIVE_AFTER_MS, Keys
-from broker.operations import WORKER, sends
+from broker.keys import GROUP, LIVE_AFTER_MS, Keys
+from broker.operations import WORKER, Script, sends
 from broker.protocol import as_bytes, now_ms
 
-__all__ = ["ScaleRecord", "StageLoad", "forget_scale", "publish_scale", "read_load", "scale_records"]
+__all__ = ["ScaleRecord", "StageLoad", "forget_scale", "prune_scale", "publish_scale", "read_load",
+           "scale_records"]
 
 STALE_AFTER_MS = 10_000  # a supervisor's record not renewed this long is gone (status leaves it out)
+PRUNE_AFTER_MS = 60_000  # ... and one not renewed this long is removed (its supervisor died without a stop)
+SAMPLE = 64  # entries of each stream whose requests backlog.lua counts (bounded: the entries are copied into Lua)
+
+BACKLOG_LUA = resources.files("broker").joinpath("backlog.lua").read_text()
+BACKLOG_SCRIPT = Script("backlog.lua", (STREAMS,), (("xrevrange", (STREAMS,)),))
 
 
 @dataclass
 class StageLoad:
     """One stage, as read now: its backlog, its live workers and what they finished since the last read."""
 
-    backlog: int = 0
+    backlog: int = 0  # requests waiting for a worker (not those a live worker holds)
     live: int = 0
     items: int = 0
     busy_s: float = 0.0
     cursors: list[bytes] = field(default_factory=list)  # per partition: the last stats entry read
+    idle: int = 0  # live workers that hold no entry: they take what waits at once
 
 
-@sends(WORKER, uses={"xlen": STREAMS, "xrange": STATS, "zrange": HEARTBEATS},
+@dataclass
+class _Stream:
+    """One stream's share of the backlog, as read: its waiting requests and what each consumer holds (in
+    requests)."""
+
+    waiting: float = 0.0
+    held: dict[bytes, float] = field(default_factory=dict)
+
+
+@sends(WORKER, uses={"xinfo|groups": STREAMS, "xinfo|consumers": STREAMS, "xlen": STREAMS, "xrange": STATS,
+                     "zrange": HEARTBEATS}, scripts=(BACKLOG_SCRIPT,),
        why="an autoscaling supervisor: each autoscaled stage's backlog, workers and finished work, about every second")
 def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, cursors: Sequence[bytes],
               levels: int = 1) -> StageLoad:
     """The stage's load in every partition (its backlog at every priority level of ``levels``); ``cursors``:
     the last stats entry read in each (``b"-"`` at first, then :attr:`StageLoad.cursors` of the previous read)."""
-    pipe = client.pipeline(transaction=False)
-    since = now_ms() - LIVE_AFTER_MS
-    for keys, cursor in zip(partitions, cursors, strict=True):
-        for level_keys in keys.levels(levels):
-            pipe.xlen(level_keys.stream(stage))
-        pipe.xrange(keys.stats(stage), min=cursor if cursor == b"-" else b"(" + cursor, count=1000)
-        pipe.zrange(keys.heartbeats(stage), since, "+inf", byscore=True)
-    replies = pipe.execute()
+    script = client.register_script(BACKLOG_LUA)
+    cluster = is_cluster_client(client)  # a Cluster's pipelines refuse EVALSHA: the script is called apart
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        since = now_ms() - LIVE_AFTER_MS
+        streams = []
+        for keys, cursor in zip(partitions, cursors, strict=True):
+            for level_keys in keys.levels(levels):
+                streams.append(stream := level_keys.stream(stage))
+                pipe.xinfo_groups(stream)
+                pipe.xlen(stream)
+                pipe.xinfo_consumers(stream, GROUP)
+                if not cluster:
+                    pipe.evalsha(script.sha, 1, stream, SAMPLE)
+            pipe.xrange(keys.stats(stage), min=cursor if cursor == b"-" else b"(" + cursor, count=1000)
+            pipe.zrange(keys.heartbeats(stage), since, "+inf", byscore=True)
+        replies = pipe.execute(raise_on_error=False)
+        if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+            client.script_load(BACKLOG_LUA)  # a new server, or one flushed: once, then read again
+            continue
+        break
+    if cluster:  # each stream's counts where the pipeline would hold them, the last first
+        for n, stream in reversed(list(enumerate(streams))):
+            part, level = divmod(n, levels)
+            replies.insert(part * (3 * levels + 2) + 3 * level + 3, script(keys=[stream], args=[SAMPLE]))
+    return _load(replies, cursors, levels)
+
+
+def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoad:
     load = StageLoad()
     live: set[bytes] = set()
-    per = levels + 2
+    streams: list[_Stream] = []
+    per = 4 * levels + 2
     for p, cursor in enumerate(cursors):
-        *backlogs, entries, members = replies[per * p:per * p + per]
-        load.backlog += sum(int(b) for b in backlogs)
+        part = replies[per * p:per * p + per]
+        for level in range(levels):
+            streams.append(_stream(*part[4 * level:4 * level + 4]))
+        entries, members = (_reply(r, []) for r in part[-2:])
         live.update(as_bytes(m) for m in members)
         for _, fields in entries:
             per_item_s = item_time_s(fields)  # None for an entry it cannot read
@@ -68,8 +122,43 @@ def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, curso
                 load.items += items
                 load.busy_s += per_item_s * items
         load.cursors.append(as_bytes(entries[-1][0]) if entries else cursor)
+    waiting = sum(s.waiting for s in streams)
+    holding: set[bytes] = set()
+    for s in streams:
+        waiting += sum(n for name, n in s.held.items() if name not in live)  # a dead consumer's: to be claimed
+        holding.update(name for name, n in s.held.items() if n > 0)
+    load.backlog = round(waiting)
     load.live = len(live)
+    load.idle = len(live - holding)
     return load
+
+
+def _stream(groups: Any, length: Any, consumers: Any, counts: Any) -> _Stream:
+    """One stream's replies: ``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``, ``backlog.lua``'s counts."""
+    pending, lag = 0, None
+    for group in _reply(groups, []):
+        if group["name"] in (GROUP, GROUP.encode()):
+            pending, lag = int(group["pending"]), group.get("lag")
+    entries = int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending)
+    counts = [int(n) for n in _reply(counts, [])]
+    newest, older = counts[:entries], counts[entries:]  # the waiting entries, then the pending ones
+    per_waiting = sum(newest) / len(newest) if newest else 1.0
+    per_held = sum(older) / len(older) if older else per_waiting
+    out = _Stream(sum(newest) + (entries - len(newest)) * per_waiting)
+    for consumer in _reply(consumers, []):
+        out.held[as_bytes(consumer["name"])] = int(consumer["pending"]) * per_held
+    return out
+
+
+def _reply(value: Any, empty: Any) -> Any:
+    """A reply, or ``empty`` for a stream or group that does not exist yet; any other error raised (a
+    refusal, explained by the caller)."""
+    if isinstance(value, redis.exceptions.ResponseError):
+        text = str(value)
+        if "no such key" in text or "NOGROUP" in text:
+            return empty
+        raise value
+    return value
 
 
 @dataclass(frozen=True)
@@ -106,6 +195,23 @@ def publish_scale(client: redis.Redis, keys: Keys, stage: int, record: ScaleReco
 @sends(WORKER, uses={"hdel": SCALE}, why="an autoscaling supervisor that stops")
 def forget_scale(client: redis.Redis, keys: Keys, stage: int, supervisor: str) -> None:
     client.hdel(keys.scale(stage), supervisor)
+
+
+@sends(WORKER, uses={"hgetall": SCALE, "hdel": SCALE},
+       why="an autoscaling supervisor, about once a minute: the records of supervisors that died without a stop")
+def prune_scale(client: redis.Redis, keys: Keys, stage: int) -> list[str]:
+    """Remove the records of ``P:scale:<stage>`` not renewed for :data:`PRUNE_AFTER_MS` (or unreadable); their
+    supervisors' names. A live supervisor whose record is removed (frozen that long) writes it again at its
+    next renewal."""
+    gone_before = now_ms() - PRUNE_AFTER_MS
+    stale = []
+    for name, raw in client.hgetall(keys.scale(stage)).items():
+        record = ScaleRecord.decode(as_bytes(name).decode(errors="replace"), as_bytes(raw))
+        if record is None or record.seen_ms < gone_before:
+            stale.append(as_bytes(name))
+    if stale:
+        client.hdel(keys.scale(stage), *stale)
+    return [name.decode(errors="replace") for name in stale]
 
 
 def scale_records(reply: dict[Any, Any]) -> list[ScaleRecord]:
