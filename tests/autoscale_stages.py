@@ -79,6 +79,18 @@ class Hold(Stage):
         return x
 
 
+class Slow(Stage):
+    """A model slower than its target wait per item (0.3 s > 0.1 s): one caller at a time must not scale it."""
+
+    workers = (1, 4)
+    target_wait_s = 0.1
+
+    def predict(self, x: Any) -> Any:
+        time.sleep(0.3)
+        return x
+
+
 burn = Pipeline("t-autoscale").add(Burn)
 fixed = Pipeline("t-fixed").add(Burn, workers=2)
 hold = Pipeline("t-autoscale-hold").add(Hold)
+slow = Pipeline("t-autoscale-slow").add(Slow)

@@ -151,6 +151,24 @@ def test_a_stage_scales_up_under_load_and_back_down_when_it_ends(redis_url: str,
         assert len(ran) == len(answers) and set(ran.values()) == {1}  # each request ran once: none lost, none twice
 
 
+@pytest.mark.system
+def test_one_caller_at_a_time_never_scales_a_slow_stage(redis_url: str) -> None:
+    """Each request of a sequential caller is in a worker's hands, not waiting: 0.3 s an item against a target
+    wait of 0.1 s, the stage stays at one worker (it used to go to four at once, and stay there)."""
+    with running_workers(redis_url, f"{APP}:slow", ["Slow"]) as workers:
+        workers.wait_ready("t-autoscale-slow")
+        supervisor = workers.stage("Slow")
+
+        async def one_at_a_time() -> list[int]:
+            async with Gateway(redis_url, "t-autoscale-slow", GatewaySettings(timeout_s=10.0)) as gw:
+                return [await gw.predict(x) for x in range(20)]  # 6 s: six turns of the autoscaler
+
+        assert asyncio.run(one_at_a_time()) == list(range(20))
+        assert SCALED not in supervisor.log(50_000), supervisor.report()
+        (record,) = asyncio.run(read_pipeline_status(redis_url, "t-autoscale-slow")).stages[0].autoscaling
+        assert record.workers == 1 and record.changed_ms == 0
+
+
 HOLD = "t-autoscale-hold"
 
 

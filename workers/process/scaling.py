@@ -5,8 +5,12 @@ Why the expected wait: a backlog means nothing alone (64 items are 10 ms of work
 and a minute for a model), so it is weighed by what the stage's workers are measured to do: each
 worker's rate while busy (items per second of ``predict`` time, from the stats every worker
 writes) times the live workers gives how long the backlog takes to clear, which is how long a new
-item waits. Above ``target_wait_s`` the supervisor starts workers at once, as many as that wait asks
-for (never past ``max``, nor past the cores this host lets it claim); below half the target, with
+item waits. The backlog is in items too (a batch entry counts as the requests it holds), and only what
+waits counts: not what a live worker holds (it is being computed), nor what an idle live worker takes
+at once (up to a batch each), so one caller at a time never looks like a queue. Above
+``target_wait_s`` the supervisor starts workers at once, as many as that wait asks for (never past
+``max``, nor past the cores this host lets it claim, counting every other stage's workers of this
+supervisor, one core each, nor past the stage's own ``cpus`` when it names them); below half the target, with
 the workers so idle that one fewer would still be at most 80 % busy, for ``scale_down_after_s`` in a
 row, it stops one (as Ray Serve's ``downscale_delay_s``: stopping is cheap, starting a model is not,
 so up is quick and down is slow). Every change is logged with its reason and published for
@@ -32,7 +36,7 @@ from broker.errors import SyncClient
 from broker.keys import Keys
 from broker.protocol import now_ms
 from broker.refusals import log_refusal_once
-from broker.scaling import ScaleRecord, StageLoad, forget_scale, publish_scale, read_load
+from broker.scaling import ScaleRecord, StageLoad, forget_scale, prune_scale, publish_scale, read_load
 from workers.pipeline import StageSpec
 from workers.process.pinning import allowed_cpus
 
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("conveyor.supervisor")
 
+PRUNE_EVERY_S = 60.0  # how often a supervisor removes the records of supervisors that died (broker.scaling)
 RATE_WEIGHT = 0.3  # each period's measured rate, in the running estimate
 LITTLE_TO_DO = 0.8  # scale down only if the workers left would be at most this busy (some room left)
 
@@ -64,25 +69,36 @@ class StageScaler:
         self.rate: float | None = None  # items per second of one busy worker (None: not measured yet)
         self._quiet_since: float | None = None
 
+    def waiting(self, load: StageLoad) -> int:
+        """The items that wait for a worker: the backlog less what the idle live workers take at once."""
+        return max(0, load.backlog - load.idle * self.spec.batch_size)
+
     def expected_wait_s(self, load: StageLoad) -> float:
-        if load.backlog <= 0:
+        waiting = self.waiting(load)
+        if waiting <= 0:
             return 0.0
         if not self.rate:
             return math.inf  # a backlog and no measured rate: nothing tells it will clear
-        return load.backlog / (self.rate * max(1, load.live))
+        return waiting / (self.rate * max(1, load.live))
 
-    def observe(self, load: StageLoad, period_s: float, now: float, starting: bool) -> Change | None:
-        """A new reading, ``period_s`` after the last; ``starting``: a worker this scaler started is
-        not ready yet (no more starts until it is: its load is not in the figures). The change to
-        make, if any."""
+    def observe(self, load: StageLoad, period_s: float | None, now: float, starting: bool,
+                room: int | None = None) -> Change | None:
+        """A new reading, ``period_s`` after the last (None: the first, whose finished work is the stats'
+        history, not a period's: it measures the rate, and never scales down); ``starting``: a worker this
+        scaler started is not ready yet (no more starts until it is: its load is not in the figures);
+        ``room``: the most workers it may add now (the cores the supervisor's other workers leave). The
+        change to make, if any."""
         if load.items and load.busy_s > 0:
             measured = load.items / load.busy_s
             self.rate = measured if self.rate is None else self.rate + RATE_WEIGHT * (measured - self.rate)
         wait_s = self.expected_wait_s(load)
         target = self.spec.target_wait_s
-        if wait_s > target and self.workers < self.high and not starting:
+        high = self.high if room is None else min(self.high, self.workers + max(0, room))
+        if wait_s > target and self.workers < high and not starting:
             self._quiet_since = None
-            return self._up(load, wait_s)
+            return self._up(load, wait_s, high)
+        if period_s is None:
+            return None
         busy = load.busy_s / period_s if period_s > 0 else 0.0  # busy workers, on average
         quiet = wait_s <= target / 2 and self.workers > self.low and busy <= LITTLE_TO_DO * max(0, load.live - 1)
         if not quiet:
@@ -98,17 +114,20 @@ class StageScaler:
         return Change(self.workers, f"down: {busy:.2f} of {load.live} workers busy and an expected wait of "
                                     f"{wait_s:.3f}s for {self.spec.scale_down_after_s:g}s")
 
-    def _up(self, load: StageLoad, wait_s: float) -> Change:
+    def _up(self, load: StageLoad, wait_s: float, high: int) -> Change:
+        waiting = self.waiting(load)
         if math.isinf(wait_s):
             wanted = self.workers + 1
-            why = f"up: a backlog of {load.backlog} and no measured rate yet"
+            why = f"up: a backlog of {waiting} waiting and no measured rate yet"
         else:
             # Live workers that would bring the wait under the target, less those on other hosts.
-            needed = math.ceil(load.backlog / ((self.rate or 1.0) * self.spec.target_wait_s))
+            needed = math.ceil(waiting / ((self.rate or 1.0) * self.spec.target_wait_s))
             wanted = self.workers + max(1, needed - max(load.live, self.workers))
             why = (f"up: expected wait {wait_s:.3f}s > target_wait_s {self.spec.target_wait_s:g}s "
-                   f"(backlog {load.backlog}, {load.live} live workers of {self.rate:.0f} items/s each)")
-        self.workers = min(self.high, wanted)
+                   f"(backlog {waiting} waiting, {load.live} live workers of {self.rate:.0f} items/s each)")
+        if wanted > high and high < self.high:
+            why += f"; {high} at most while this supervisor's other stages hold the other cores"
+        self.workers = min(high, wanted)
         return Change(self.workers, why)
 
 
@@ -121,16 +140,23 @@ class _Scaled:
     levels: int = 1
     reason: str = ""
     changed_ms: int = 0
+    first: bool = True  # not read yet: the first read's stats are their whole history, not a period's
+    pruned_at: float | None = None
 
 
 class Autoscaler:
     """Reads each autoscaled stage's load about once a second, decides with its :class:`StageScaler`,
     and publishes the outcome; the supervisor starts and stops the workers (:meth:`turn`)."""
 
-    def __init__(self, redis_url: str, supervisor: str, period_s: float = 1.0) -> None:
+    def __init__(self, redis_url: str, supervisor: str, period_s: float = 1.0, cores: int | None = None,
+                 fixed: int = 0) -> None:
+        """``cores``: the most workers this supervisor runs in all, ``fixed`` of them its stages that do not
+        autoscale (None: no such bound)."""
         self._settings = RedisSettings(redis_url, socket_timeout_s=2.0, connect_timeout_s=2.0)
         self._supervisor = supervisor
         self._period_s = period_s
+        self._cores = cores
+        self._fixed = fixed
         self._stages: dict[str, _Scaled] = {}  # by unit id
         self._client: SyncClient | None = None
         self._last = 0.0
@@ -163,14 +189,20 @@ class Autoscaler:
                 changes[unit_id] = change
         return changes
 
+    def room(self) -> int | None:
+        """How many more workers the cores leave to this supervisor's autoscaled stages, now."""
+        if self._cores is None:
+            return None
+        return self._cores - self._fixed - sum(s.scaler.workers for s in self._stages.values())
+
     def _turn_stage(self, unit_id: str, scaled: _Scaled, period_s: float, now: float,
                     starting: bool) -> Change | None:
         assert self._client is not None
         spec = scaled.scaler.spec
         load = read_load(self._client, scaled.partitions, spec.index, scaled.cursors, scaled.levels)
-        first = scaled.cursors[0] == b"-"  # the first read takes the stats' whole history: not a period's
         scaled.cursors = load.cursors
-        change = None if first else scaled.scaler.observe(load, period_s, now, starting)
+        first, scaled.first = scaled.first, False
+        change = scaled.scaler.observe(load, None if first else period_s, now, starting, self.room())
         if change is not None:
             scaled.reason, scaled.changed_ms = change.reason, now_ms()
             log.info("autoscaling stage=%s workers=%d range=%s reason=%s", spec.name, change.workers,
@@ -178,7 +210,22 @@ class Autoscaler:
         publish_scale(self._client, scaled.keys, spec.index, ScaleRecord(
             self._supervisor, scaled.scaler.low, scaled.scaler.high, scaled.scaler.workers, scaled.reason,
             scaled.changed_ms, now_ms()))
+        if scaled.pruned_at is None or now - scaled.pruned_at >= PRUNE_EVERY_S:
+            scaled.pruned_at = now
+            self._prune(scaled)
         return change
+
+    def _prune(self, scaled: _Scaled) -> None:
+        """Remove the records of the stage's supervisors that died without a stop (best effort: a refusal
+        is explained once, the change made this turn stands)."""
+        assert self._client is not None
+        try:
+            for gone in prune_scale(self._client, scaled.keys, scaled.scaler.spec.index):
+                log.info("autoscaling stage=%s: removed supervisor %s's record, not renewed for a minute",
+                         scaled.scaler.spec.name, gone)
+        except CONNECTION_OR_REPLY_ERRORS as exc:
+            if not log_refusal_once(exc):
+                log.warning("autoscaling: could not prune stage %s's records: %r", scaled.scaler.spec.name, exc)
 
     def close(self) -> None:
         """Say this supervisor no longer scales its stages (best effort)."""
@@ -201,16 +248,21 @@ class Scaling:
         self._slots = slots
         scaled = {str(i): u for i, u in enumerate(units) if u.max_count > u.count and u.keys is not None}
         self._units = scaled
-        self._auto = Autoscaler(redis_url, supervisor) if scaled else None
         cores = len(allowed_cpus())
+        # Together the stages never run more workers than the cores (each at its minimum at least): the
+        # room left is shared as they scale (Autoscaler.room).
+        fixed = sum(u.count for u in units if u not in scaled.values())
+        self._auto = Autoscaler(redis_url, supervisor, cores=cores, fixed=fixed) if scaled else None
         for unit_id, unit in scaled.items():
             others = sum(u.count for u in units if u is not unit)  # every other stage at its minimum
             assert unit.keys is not None and self._auto is not None
             cap = max(unit.count, cores - others)
+            why = f"{cores} cores to claim, {others} taken by the other stages' minimums"
+            if unit.spec.cpus and len(set(unit.spec.cpus)) < cap:  # one worker per core it names, as pinned
+                cap, why = max(unit.count, len(set(unit.spec.cpus))), f"its cpus name {len(set(unit.spec.cpus))}"
             if cap < unit.max_count:  # said once: the range shown (status, logs) is the capped one
-                log.warning("autoscaling stage=%s: at most %d workers here, not max_workers=%d (%d cores to claim, "
-                            "%d taken by the other stages' minimums)", unit.spec.name, cap, unit.max_count, cores,
-                            others)
+                log.warning("autoscaling stage=%s: at most %d workers here, not max_workers=%d (%s)",
+                            unit.spec.name, cap, unit.max_count, why)
             self._auto.add(unit_id, unit.spec, unit.keys, list(unit.partitions) or [unit.keys], cap=cap,
                            levels=unit.levels)
 
