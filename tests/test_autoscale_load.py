@@ -136,6 +136,20 @@ def test_a_fresh_pipeline_with_a_backlog_starts_one_at_its_first_turn(redis_url:
         auto.close()
 
 
+def test_a_change_stands_when_its_record_cannot_be_written(redis_url: str, redis_client: redis.Redis) -> None:
+    """The record for status is best effort: Redis refusing it (here a key of another type) must not
+    lose the change, which the scaler has already counted: the supervisor would never start the worker."""
+    pipeline = Pipeline("t-load-unwritten").add(Slow)
+    _single(redis_client, pipeline.keys.stream(0), 3)
+    redis_client.set(pipeline.keys.scale(0), "not a hash")  # HSET: WRONGTYPE
+    auto = _autoscaler(redis_url, pipeline.stages[0], pipeline)
+    try:
+        changes = auto.turn(100.0, {})
+        assert "0" in changes and changes["0"].workers == 2
+    finally:
+        auto.close()
+
+
 def test_no_scale_down_from_the_first_reads_history(redis_url: str, redis_client: redis.Redis) -> None:
     """The first read's stats are their whole history: a rate, not how busy the workers were lately."""
     spec = Pipeline("t-load-history").add(Slow).stages[0]

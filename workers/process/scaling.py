@@ -207,25 +207,27 @@ class Autoscaler:
             scaled.reason, scaled.changed_ms = change.reason, now_ms()
             log.info("autoscaling stage=%s workers=%d range=%s reason=%s", spec.name, change.workers,
                      f"{scaled.scaler.low}..{scaled.scaler.high}", change.reason)  # one field: "1..4"
-        publish_scale(self._client, scaled.keys, spec.index, ScaleRecord(
-            self._supervisor, scaled.scaler.low, scaled.scaler.high, scaled.scaler.workers, scaled.reason,
-            scaled.changed_ms, now_ms()))
-        if scaled.pruned_at is None or now - scaled.pruned_at >= PRUNE_EVERY_S:
-            scaled.pruned_at = now
-            self._prune(scaled)
+        self._records(scaled, now)
         return change
 
-    def _prune(self, scaled: _Scaled) -> None:
-        """Remove the records of the stage's supervisors that died without a stop (best effort: a refusal
-        is explained once, the change made this turn stands)."""
+    def _records(self, scaled: _Scaled, now: float) -> None:
+        """This supervisor's record for status, and about once a minute the removal of those of the
+        stage's supervisors that died without a stop. Best effort: a refusal is explained once, and
+        the change made this turn stands (the scaler counts it already: the workers must follow)."""
         assert self._client is not None
+        spec = scaled.scaler.spec
         try:
-            for gone in prune_scale(self._client, scaled.keys, scaled.scaler.spec.index):
-                log.info("autoscaling stage=%s: removed supervisor %s's record, not renewed for a minute",
-                         scaled.scaler.spec.name, gone)
+            publish_scale(self._client, scaled.keys, spec.index, ScaleRecord(
+                self._supervisor, scaled.scaler.low, scaled.scaler.high, scaled.scaler.workers, scaled.reason,
+                scaled.changed_ms, now_ms()))
+            if scaled.pruned_at is None or now - scaled.pruned_at >= PRUNE_EVERY_S:
+                scaled.pruned_at = now
+                for gone in prune_scale(self._client, scaled.keys, spec.index):
+                    log.info("autoscaling stage=%s: removed supervisor %s's record, not renewed for a minute",
+                             spec.name, gone)
         except CONNECTION_OR_REPLY_ERRORS as exc:
             if not log_refusal_once(exc):
-                log.warning("autoscaling: could not prune stage %s's records: %r", scaled.scaler.spec.name, exc)
+                log.warning("autoscaling: could not write stage %s's records: %r", spec.name, exc)
 
     def close(self) -> None:
         """Say this supervisor no longer scales its stages (best effort)."""
