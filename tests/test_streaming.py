@@ -271,6 +271,45 @@ def test_items_that_would_join_a_continuous_generator_that_ended_get_a_new_one(r
     assert _runs(runs).count("generator start") == 2
 
 
+def test_a_traced_request_that_joins_a_continuous_batch_has_its_stage_spans(redis_url: str, tmp_path: Path) -> None:
+    """Items that join a running continuous batch are measured as its first ones are: their wait and
+    predict spans, the predict spans sharing the call's batch id (they had none: only the gateway's)."""
+    import time
+
+    from broker import tracing
+    from gateway.client.trace_context import CURRENT, RequestTrace
+    from tests.otlp_receiver import Receiver
+
+    runs = tmp_path / "runs"
+    with Receiver() as receiver, running_workers(
+            redis_url, f"{APP}:growing", ["Growing"], STREAM_RUNS=str(runs), OTEL_BSP_SCHEDULE_DELAY="100",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint) as workers:
+        workers.wait_ready("t-growing")
+
+        async def traced(gw: Gateway, n: int, trace_id: bytes) -> list[Any]:
+            CURRENT.set(RequestTrace(trace_id, bytes(range(1, 9)), b"", True,
+                                     tracing.traceparent(trace_id, bytes(range(1, 9))), time.time_ns()))
+            return await _collect(gw.stream(n))
+
+        async def scenario() -> list[list[Any]]:
+            async with Gateway(redis_url, "t-growing", GatewaySettings(timeout_s=20)) as gw:
+                first = gw.stream(30)  # 30 steps of 20 ms
+                got = [await anext(first)]
+                joiner = await traced(gw, 3, b"\x0b" * 16)
+                return [got + await _collect(first), joiner]
+
+        streams = asyncio.run(scenario())
+        assert streams == [list(range(30, 0, -1)), [3, 2, 1]]
+        assert _runs(runs).count("generator start") == 1  # it joined the running generator
+        spans = receiver.wait(lambda spans: sum(s.trace_id == "0b" * 16 for s in spans) >= 2, 10,
+                              "the joiner's wait and predict spans")
+    mine = {s.name: s for s in spans if s.trace_id == "0b" * 16}
+    assert set(mine) == {"Growing wait", "Growing predict"}
+    assert all(s.parent_id == "0102030405060708" for s in mine.values())
+    assert mine["Growing wait"].end_ns <= mine["Growing predict"].start_ns + 1_000_000
+    assert mine["Growing predict"].attributes["conveyor.batch.size"] >= 1
+
+
 def test_continuous_needs_a_streaming_batched_stage() -> None:
     class Plain(Stage):
         batch_size = 4

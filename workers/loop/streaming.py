@@ -49,6 +49,9 @@ log = logging.getLogger("conveyor.worker")
 __all__ = ["More", "StreamRunner", "read_more"]
 
 More = Callable[[int], "Work"]  # up to n new items, read and admitted into the batch's commit
+# Items measured together (workers.loop.tracing): the first ones of a batch, or a group that joined it:
+# their traced indices, when they joined (perf_counter), the tracing's state for them.
+_Joined = tuple["Work", list[int], float, tuple[int, float, dict[int, tuple[bytes, bytes, bytes]]]]
 
 
 
@@ -100,20 +103,52 @@ class StreamRunner:
         """Stream every item of ``work``; their result records into ``commit`` (written, not pushed
         again: each was pushed as its stream ended). Returns how many items ran. ``more(n)``: up to
         ``n`` new items, read and admitted into ``commit`` (a continuous stage's joiners)."""
-        traced = self._tracing.before(work, stats, deliveries) if self._tracing is not None else []
+        tracing = self._tracing
+        traced = tracing.before(work, stats, deliveries) if tracing is not None else []
         began = time.perf_counter()
         streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
+        joins: list[_Joined] = []
         if self._spec.continuous:
-            done = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats,
-                                        more or (lambda n: []))
+            more = more or (lambda n: [])
+            if tracing is not None:
+                more = self._measured(more, tracing, stats, joins, bool(traced))
+            done = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats, more)
         else:
             self._run_slices(work, streams, keys, stats)
             done = streams
-        if traced and self._tracing is not None:  # the items read here; a continuous batch's joiners have none
-            outcomes = [(True, None) if s.error is None else (False, s.error) for s in streams]
-            self._tracing.after(work, traced, outcomes, [(0, len(work), began, time.perf_counter(), len(work))],
-                                stats)
+        if tracing is not None:
+            self._measure_ends(tracing, stats, [(work, traced, began, tracing.held()), *joins], done)
         return self._results(done, keys, commit)
+
+    @staticmethod
+    def _measure_ends(tracing: StageTracing, stats: BatchStats, groups: list[_Joined], done: list[_Stream]) -> None:
+        """The predict spans of the batch's items, the first ones' and each group of joiners' (``done``:
+        their streams, in the order they were read), all ending now."""
+        ended, at = time.perf_counter(), 0
+        for group, traced, began, held in groups:
+            streams, at = done[at:at + len(group)], at + len(group)
+            if traced:
+                tracing.resume(held)
+                outcomes = [(True, None) if s.error is None else (False, s.error) for s in streams]
+                tracing.after(group, traced, outcomes, [(0, len(group), began, ended, len(group))], stats)
+
+    @staticmethod
+    def _measured(more: More, tracing: StageTracing, stats: BatchStats, joins: list[_Joined], counted: bool) -> More:
+        """``more``, its items measured as they join the running call: their waits counted, the traced
+        ones' wait spans recorded now, their predict spans at the batch's end (as its first items')."""
+        first = tracing.held()
+        first_counted = [counted]
+
+        def measured(count: int) -> Work:
+            new = more(count)
+            if new:
+                traced = tracing.before(new, stats, None, same_call=first_counted[0])
+                first_counted[0] = first_counted[0] or bool(traced)
+                joins.append((new, traced, time.perf_counter(), tracing.held()))
+                tracing.resume(first)
+            return new
+
+        return measured
 
     def _run_slices(self, work: Work, streams: list[_Stream], keys: Keys, stats: BatchStats) -> None:
         """Each slice of at most ``batch_size`` (one item for a singleton stage) streamed to its end."""

@@ -70,14 +70,24 @@ class StageTracing:
             if settings.enabled else None
         return cls(spec, consumer, sink)
 
+    def held(self) -> tuple[int, float, dict[int, tuple[bytes, bytes, bytes]]]:
+        """The batch measured last by :meth:`before`, for :meth:`resume`: set aside while another group
+        of items is measured (a continuous batch's joiners, :mod:`workers.loop.streaming`)."""
+        return self._start_ns, self._start_perf, self._parents
+
+    def resume(self, held: tuple[int, float, dict[int, tuple[bytes, bytes, bytes]]]) -> None:
+        self._start_ns, self._start_perf, self._parents = held
+
     def close(self) -> None:
         """Export what was recorded (the worker is stopping)."""
         if self._sink is not None:
             self._sink.close()
 
-    def before(self, work: Work, stats: BatchStats, deliveries: dict[bytes, int] | None) -> list[int]:
+    def before(self, work: Work, stats: BatchStats, deliveries: dict[bytes, int] | None,
+               same_call: bool = False) -> list[int]:
         """At ``predict``'s start: every item's wait counted; the traced items' indices returned,
-        their wait spans recorded."""
+        their wait spans recorded. ``same_call``: items that join the call measured before (their
+        predict spans share its batch id)."""
         self._start_ns = now_ns = time.time_ns()
         self._start_perf = time.perf_counter()
         now_ms = now_ns / 1e6
@@ -98,7 +108,7 @@ class StageTracing:
         if count:
             stats.add_wait(bucket_of(_wait_of(last, now_ms)), count)
         self._parents = {}
-        if traced:
+        if traced and not same_call:
             self._batches += 1
             if self._sink is not None:
                 self._waits(work, traced, stats, deliveries or {}, self._sink)
