@@ -293,21 +293,39 @@ def test_a_traced_request_that_joins_a_continuous_batch_has_its_stage_spans(redi
 
         async def scenario() -> list[list[Any]]:
             async with Gateway(redis_url, "t-growing", GatewaySettings(timeout_s=20)) as gw:
-                first = gw.stream(30)  # 30 steps of 20 ms
-                got = [await anext(first)]
-                joiner = await traced(gw, 3, b"\x0b" * 16)
-                return [got + await _collect(first), joiner]
+                async def first_one(n: int) -> list[Any]:  # 30 steps of 20 ms, traced when a trace id is given
+                    if traced_first:
+                        CURRENT.set(RequestTrace(b"\x0a" * 16, bytes(range(1, 9)), b"", True,
+                                                 tracing.traceparent(b"\x0a" * 16, bytes(range(1, 9))), time.time_ns()))
+                    chunks = gw.stream(n)
+                    started.set()
+                    return [await anext(chunks)] + await _collect(chunks)
 
-        streams = asyncio.run(scenario())
-        assert streams == [list(range(30, 0, -1)), [3, 2, 1]]
-        assert _runs(runs).count("generator start") == 1  # it joined the running generator
-        spans = receiver.wait(lambda spans: sum(s.trace_id == "0b" * 16 for s in spans) >= 2, 10,
-                              "the joiner's wait and predict spans")
-    mine = {s.name: s for s in spans if s.trace_id == "0b" * 16}
-    assert set(mine) == {"Growing wait", "Growing predict"}
-    assert all(s.parent_id == "0102030405060708" for s in mine.values())
-    assert mine["Growing wait"].end_ns <= mine["Growing predict"].start_ns + 1_000_000
-    assert mine["Growing predict"].attributes["conveyor.batch.size"] >= 1
+                started = asyncio.Event()
+                first = asyncio.ensure_future(first_one(30))
+                await started.wait()
+                await asyncio.to_thread(wait_for, lambda: "generator start" in _runs(runs), 10, "the first item's run")
+                joiner = await traced(gw, 3, b"\x0b" * 16)
+                return [await first, joiner]
+
+        for traced_first in (False, True):  # its call's first item traced too: its spans and the joiner's
+            runs.unlink(missing_ok=True)
+            streams = asyncio.run(scenario())
+            assert streams == [list(range(30, 0, -1)), [3, 2, 1]]
+            assert _runs(runs).count("generator start") == 1  # it joined the running generator
+            spans = receiver.wait(lambda spans: sum(s.trace_id == "0b" * 16 for s in spans) >= 2, 10,
+                                  "the joiner's wait and predict spans")
+            mine = {s.name: s for s in spans if s.trace_id == "0b" * 16}
+            assert set(mine) == {"Growing wait", "Growing predict"}
+            assert all(s.parent_id == "0102030405060708" for s in mine.values())
+            assert mine["Growing wait"].end_ns <= mine["Growing predict"].start_ns + 1_000_000
+            if traced_first:
+                firsts = receiver.wait(lambda spans: sum(s.trace_id == "0a" * 16 for s in spans) >= 2, 10,
+                                       "the first item's spans")
+                predict = next(s for s in firsts if s.trace_id == "0a" * 16 and s.name == "Growing predict")
+                batch_id = mine["Growing predict"].attributes["conveyor.batch.id"]
+                assert predict.attributes["conveyor.batch.id"] == batch_id  # one call
+            receiver.spans.clear()
 
 
 def test_continuous_needs_a_streaming_batched_stage() -> None:

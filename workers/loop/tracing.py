@@ -108,8 +108,9 @@ class StageTracing:
         if count:
             stats.add_wait(bucket_of(_wait_of(last, now_ms)), count)
         self._parents = {}
-        if traced and not same_call:
-            self._batches += 1
+        if traced:
+            if not same_call:
+                self._batches += 1
             if self._sink is not None:
                 self._waits(work, traced, stats, deliveries or {}, self._sink)
         return traced
