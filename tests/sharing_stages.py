@@ -23,3 +23,4 @@ class BurstRuns(Stage):
 
 bursts = Pipeline("t-share").add(BurstRuns, name="burst", workers=2)
 unshared = Pipeline("t-unshared").add(BurstRuns, name="burst", workers=2, share_bursts=False)
+leveled = Pipeline("t-share-levels", priority_levels=2).add(BurstRuns, name="burst", workers=2)

@@ -186,7 +186,7 @@ def test_a_refused_share_keeps_the_burst_whole(redis_url: str, redis_client: red
         redis_client.acl_deluser(user)
 
 
-def _burst_pids(redis_url: str, name: str, quiet_s: float = 0.0) -> list[list[int]]:
+def _burst_pids(redis_url: str, name: str, quiet_s: float = 0.0, priority: int = 0) -> list[list[int]]:
     """Bursts of 4 requests sent at once (at most 40 bursts or 30 s, until 5 in a row ran on both
     workers); ``quiet_s``: an idle spell before each burst."""
     async def bursts() -> list[list[int]]:
@@ -196,7 +196,8 @@ def _burst_pids(redis_url: str, name: str, quiet_s: float = 0.0) -> list[list[in
             while len(runs) < 40 and time.monotonic() < deadline:
                 if quiet_s:
                     await asyncio.sleep(quiet_s)  # the idle spell is the stimulus, not a wait for state
-                runs.append(list(await asyncio.gather(*(gw.predict(0.02, timeout_s=10) for _ in range(4)))))
+                runs.append(list(await asyncio.gather(*(gw.predict(0.02, timeout_s=10, priority=priority)
+                                                        for _ in range(4)))))
                 if len(runs) >= 5 and all(len(set(run)) == 2 for run in runs[-5:]):
                     break
             return runs
@@ -221,3 +222,12 @@ def test_a_burst_read_whole_by_one_worker_is_shared_with_its_idle_peer(redis_url
         group.wait_ready("t-unshared", workers={"burst": 2})
         runs = _burst_pids(redis_url, "t-unshared")
         assert sum(len(set(run)) == 1 for run in runs) >= len(runs) // 2, f"not shared, yet: {runs}"
+
+
+def test_a_burst_of_a_higher_level_is_shared_too(redis_url: str) -> None:
+    """A higher level's burst read by an idle worker runs at once (no batch window), and is shared with
+    an idle peer as the default level's is: the most urgent requests must not queue on one worker."""
+    with running_workers(redis_url, "tests.sharing_stages:leveled", [("burst", 2)]) as group:
+        group.wait_ready("t-share-levels", workers={"burst": 2})
+        runs = _burst_pids(redis_url, "t-share-levels", quiet_s=4 * WAITED_MIN_S, priority=1)
+        assert all(len(set(run)) == 2 for run in runs[-5:]), f"priority bursts ran on one worker: {runs[-5:]}"

@@ -301,21 +301,25 @@ class Worker:
         for lane, outcome in zip(lanes, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 self._lane_error(lane, outcome)
-            elif outcome and lane.keys.level:  # a level above the lowest runs at once, as in LevelTurns' reads
-                self._on_lane(lane, functools.partial(self._process, entries=outcome, deliveries=None))
-            elif outcome:
+            elif outcome:  # a level above the lowest runs at once, as in LevelTurns' reads (shared all the same)
                 self._on_lane(lane, functools.partial(self._batch, entries=outcome, asked=asked,
-                                                      idle_s=first_at - sent_at, first_at=first_at))
+                                                      idle_s=first_at - sent_at, first_at=first_at,
+                                                      wait=not lane.keys.level))
             elif lane.stats.due(first_at):  # not at every empty read: only when they are due
                 self._on_lane(lane, lambda lane: lane.committer.flush_stats(lane.stats, first_at))
 
-    def _batch(self, lane: ReadLane, entries: list[Entry], asked: int, idle_s: float, first_at: float) -> None:
-        """A batch of new entries: shared with idle peers if a burst, filled while waiting pays, run."""
+    def _batch(self, lane: ReadLane, entries: list[Entry], asked: int, idle_s: float, first_at: float,
+               wait: bool = True) -> None:
+        """A batch of new entries: shared with idle peers if a burst, filled while waiting pays (if
+        ``wait``), run."""
         if self._sharing is not None:
             kept = self._sharing.share(lane.keys, self.spec.index, entries, asked, idle_s)
-            if len(kept) < len(entries):  # a shared batch does not wait: its window would only delay it
+            if len(kept) < len(entries) or not wait:  # a shared batch does not wait: its window would delay it
                 self._process(lane, kept, None)
                 return
+        if not wait:
+            self._process(lane, entries, None)
+            return
         batch = fill(lane.reader, self._policy, entries, asked, idle_s, first_at)
         # Full: a backlog is likely. Not a singleton stage's read of one (its next read would mostly
         # find nothing), nor a partitioned worker's (a late failure must be its own lane's).
