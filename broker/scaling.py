@@ -2,14 +2,13 @@
 
 It reads, about once a second and in one round trip per stage, in every partition and priority level:
 
-- the stage's backlog **in requests**, as items wait for a worker: the entries not yet delivered (the
-  group's ``lag``; ``XLEN`` less ``pending`` on Redis 6.2, where workers delete what they ack, as
-  ``conveyor status`` counts them) and those held by consumers that no longer beat (they wait to be
-  claimed), but not those a live worker holds: those are being computed (``XINFO GROUPS``, ``XLEN``,
-  ``XINFO CONSUMERS``). A batch entry holds many requests (up to the stage's ``batch_size``), and the rate
-  it is weighed against is in requests, so each entry is counted as the requests it holds: ``backlog.lua``
-  counts those of the newest :data:`SAMPLE` entries on the server (the waiting ones are the newest: a
-  group delivers in id order), the rest taken as like them;
+- the stage's backlog, as entries wait for a worker: those not yet delivered (the group's ``lag``;
+  ``XLEN`` less ``pending`` on Redis 6.2, where workers delete what they ack, as ``conveyor status``
+  counts them) and those held by consumers that no longer beat (they wait to be claimed), but not those
+  a live worker holds: those are being computed (``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``). A batch
+  entry holds many requests and the rate it is weighed against is in requests: the group's
+  ``entries-read`` (Redis 7) beside the requests the stats say were finished gives the requests an entry
+  holds (:mod:`workers.process.scaling`). No entry is read: their payloads may be large;
 - its live workers (``ZRANGE`` of its heartbeats, every host), and which of them hold nothing (idle);
 - what its workers finished since the last read (``XRANGE`` of its stats streams: batch sizes and predict
   durations, written by every worker of the stage on any host).
@@ -25,16 +24,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import redis
 
 from broker.batch_entries import item_time_s
-from broker.connection import is_cluster_client
 from broker.families import HEARTBEATS, SCALE, STATS, STREAMS
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
-from broker.operations import WORKER, Script, sends
+from broker.operations import WORKER, sends
 from broker.protocol import as_bytes, now_ms
 
 __all__ = ["ScaleRecord", "StageLoad", "forget_scale", "prune_scale", "publish_scale", "read_load",
@@ -42,77 +39,60 @@ __all__ = ["ScaleRecord", "StageLoad", "forget_scale", "prune_scale", "publish_s
 
 STALE_AFTER_MS = 10_000  # a supervisor's record not renewed this long is gone (status leaves it out)
 PRUNE_AFTER_MS = 60_000  # ... and one not renewed this long is removed (its supervisor died without a stop)
-SAMPLE = 64  # entries of each stream whose requests backlog.lua counts (bounded: the entries are copied into Lua)
-
-BACKLOG_LUA = resources.files("broker").joinpath("backlog.lua").read_text()
-BACKLOG_SCRIPT = Script("backlog.lua", (STREAMS,), (("xrevrange", (STREAMS,)),))
 
 
 @dataclass
 class StageLoad:
     """One stage, as read now: its backlog, its live workers and what they finished since the last read."""
 
-    backlog: int = 0  # requests waiting for a worker (not those a live worker holds)
+    backlog: int = 0  # entries waiting for a worker (not those a live worker holds)
     live: int = 0
     items: int = 0
     busy_s: float = 0.0
     cursors: list[bytes] = field(default_factory=list)  # per partition: the last stats entry read
     idle: int = 0  # live workers that hold no entry: they take what waits at once
+    entries_read: int | None = None  # entries ever delivered to the group (None: Redis 6.2 does not say)
 
 
 @dataclass
 class _Stream:
-    """One stream's share of the backlog, as read: its waiting requests and what each consumer holds (in
-    requests)."""
+    """One stream's share of the backlog, as read: its waiting entries, what each consumer holds, and the
+    entries ever delivered to its group (None: not said)."""
 
-    waiting: float = 0.0
-    held: dict[bytes, float] = field(default_factory=dict)
+    waiting: int = 0
+    held: dict[bytes, int] = field(default_factory=dict)
+    entries_read: int | None = None
 
 
 @sends(WORKER, uses={"xinfo|groups": STREAMS, "xinfo|consumers": STREAMS, "xlen": STREAMS, "xrange": STATS,
-                     "zrange": HEARTBEATS}, scripts=(BACKLOG_SCRIPT,),
+                     "zrange": HEARTBEATS},
        why="an autoscaling supervisor: each autoscaled stage's backlog, workers and finished work, about every second")
 def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, cursors: Sequence[bytes],
               levels: int = 1) -> StageLoad:
     """The stage's load in every partition (its backlog at every priority level of ``levels``); ``cursors``:
     the last stats entry read in each (``b"-"`` at first, then :attr:`StageLoad.cursors` of the previous read)."""
-    script = client.register_script(BACKLOG_LUA)
-    cluster = is_cluster_client(client)  # a Cluster's pipelines refuse EVALSHA: the script is called apart
-    for attempt in (1, 2):
-        pipe = client.pipeline(transaction=False)
-        since = now_ms() - LIVE_AFTER_MS
-        streams = []
-        for keys, cursor in zip(partitions, cursors, strict=True):
-            for level_keys in keys.levels(levels):
-                streams.append(stream := level_keys.stream(stage))
-                pipe.xinfo_groups(stream)
-                pipe.xlen(stream)
-                pipe.xinfo_consumers(stream, GROUP)
-                if not cluster:
-                    pipe.evalsha(script.sha, 1, stream, SAMPLE)
-            pipe.xrange(keys.stats(stage), min=cursor if cursor == b"-" else b"(" + cursor, count=1000)
-            pipe.zrange(keys.heartbeats(stage), since, "+inf", byscore=True)
-        replies = pipe.execute(raise_on_error=False)
-        if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
-            client.script_load(BACKLOG_LUA)  # a new server, or one flushed: once, then read again
-            continue
-        break
-    if cluster:  # each stream's counts where the pipeline would hold them, the last first
-        for n, stream in reversed(list(enumerate(streams))):
-            part, level = divmod(n, levels)
-            replies.insert(part * (3 * levels + 2) + 3 * level + 3, script(keys=[stream], args=[SAMPLE]))
-    return _load(replies, cursors, levels)
+    pipe = client.pipeline(transaction=False)
+    since = now_ms() - LIVE_AFTER_MS
+    for keys, cursor in zip(partitions, cursors, strict=True):
+        for level_keys in keys.levels(levels):
+            stream = level_keys.stream(stage)
+            pipe.xinfo_groups(stream)
+            pipe.xlen(stream)
+            pipe.xinfo_consumers(stream, GROUP)
+        pipe.xrange(keys.stats(stage), min=cursor if cursor == b"-" else b"(" + cursor, count=1000)
+        pipe.zrange(keys.heartbeats(stage), since, "+inf", byscore=True)
+    return _load(pipe.execute(raise_on_error=False), cursors, levels)
 
 
 def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoad:
     load = StageLoad()
     live: set[bytes] = set()
     streams: list[_Stream] = []
-    per = 4 * levels + 2
+    per = 3 * levels + 2
     for p, cursor in enumerate(cursors):
         part = replies[per * p:per * p + per]
         for level in range(levels):
-            streams.append(_stream(*part[4 * level:4 * level + 4]))
+            streams.append(_stream(*part[3 * level:3 * level + 3]))
         entries, members = (_reply(r, []) for r in part[-2:])
         live.update(as_bytes(m) for m in members)
         for _, fields in entries:
@@ -127,26 +107,25 @@ def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoa
     for s in streams:
         waiting += sum(n for name, n in s.held.items() if name not in live)  # a dead consumer's: to be claimed
         holding.update(name for name, n in s.held.items() if n > 0)
-    load.backlog = round(waiting)
+    load.backlog = waiting
     load.live = len(live)
     load.idle = len(live - holding)
+    read = [s.entries_read for s in streams]
+    load.entries_read = None if None in read else sum(n for n in read if n is not None)
     return load
 
 
-def _stream(groups: Any, length: Any, consumers: Any, counts: Any) -> _Stream:
-    """One stream's replies: ``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``, ``backlog.lua``'s counts."""
-    pending, lag = 0, None
+def _stream(groups: Any, length: Any, consumers: Any) -> _Stream:
+    """One stream's replies: ``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``."""
+    pending, lag, read = 0, None, None
+    found = False
     for group in _reply(groups, []):
         if group["name"] in (GROUP, GROUP.encode()):
-            pending, lag = int(group["pending"]), group.get("lag")
-    entries = int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending)
-    counts = [int(n) for n in _reply(counts, [])]
-    newest, older = counts[:entries], counts[entries:]  # the waiting entries, then the pending ones
-    per_waiting = sum(newest) / len(newest) if newest else 1.0
-    per_held = sum(older) / len(older) if older else per_waiting
-    out = _Stream(sum(newest) + (entries - len(newest)) * per_waiting)
+            pending, lag, read, found = int(group["pending"]), group.get("lag"), group.get("entries-read"), True
+    out = _Stream(int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending))
+    out.entries_read = int(read) if read is not None else (0 if not found else None)
     for consumer in _reply(consumers, []):
-        out.held[as_bytes(consumer["name"])] = int(consumer["pending"]) * per_held
+        out.held[as_bytes(consumer["name"])] = int(consumer["pending"])
     return out
 
 

@@ -14,7 +14,7 @@ import redis
 from broker import protocol
 from broker.keys import GROUP, Keys
 from broker.protocol import now_ms
-from broker.scaling import SAMPLE, StageLoad, read_load
+from broker.scaling import StageLoad, read_load
 from workers import Pipeline, Stage
 from workers.process import scaling as scaling_module
 from workers.process.scaling import Autoscaler, Scaling, StageScaler
@@ -54,21 +54,30 @@ def _read(client: redis.Redis, keys: Keys) -> StageLoad:
 
 
 def test_batch_entries_count_as_the_requests_they_hold(redis_client: redis.Redis) -> None:
+    """Entries waiting count as the requests entries hold on average: the requests finished (stats) over
+    the entries the group delivered. No entry is read: a payload may be megabytes."""
     keys = Keys("t-load-batch")
-    _batch_entries(redis_client, keys.stream(0), 10, 64)  # 640 requests in 10 entries
+    stream = keys.stream(0)
+    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    _batch_entries(redis_client, stream, 10, 64)  # read and finished: 640 requests in 10 entries
+    redis_client.xreadgroup(GROUP, "w0", {stream: ">"}, count=10)
+    redis_client.xack(stream, GROUP, *[entry_id for entry_id, _ in redis_client.xrange(stream)])
+    redis_client.xadd(keys.stats(0), {b"n": b"640", b"ms": b"192"})  # 0.3 ms an item: 3,333 items/s
+    _batch_entries(redis_client, stream, 10, 64)  # 640 more requests wait, in 10 entries
     load = _read(redis_client, keys)
-    assert load.backlog == 640
-    # 0.3 ms an item (3,333 items/s): 640 items wait 0.19 s > 0.1 s, where 10 "items" would wait 3 ms.
+    assert (load.backlog, load.entries_read, load.items) == (10, 10, 640)
     scaler = StageScaler(Pipeline("p").add(Cheap).stages[0], cap=2)
-    scaler.rate = 1 / 0.0003
-    change = scaler.observe(load, 1.0, 0.0, starting=False)
+    # 640 items wait 0.19 s > 0.1 s, where 10 "items" would wait 3 ms.
+    change = scaler.observe(load, None, 0.0, starting=False)
+    assert scaler.per_entry == 64 and scaler.waiting(load) == 640
     assert change is not None and change.workers == 2, load
-    redis_client.delete(keys.stream(0))
-    _batch_entries(redis_client, keys.stream(0), SAMPLE + 32, 8)  # more entries than counted: the rest like them
-    _single(redis_client, keys.stream(0), 4)
-    load = _read(redis_client, keys)
-    # The newest SAMPLE entries: 4 single ones and 60 of 8; the 36 not counted are taken as like them.
-    assert load.backlog == round(4 + 60 * 8 + 36 * (4 + 60 * 8) / SAMPLE)
+    # Then the entries delivered since the last reading, against the requests finished meanwhile.
+    redis_client.xreadgroup(GROUP, "w0", {stream: ">"}, count=5)
+    redis_client.xadd(keys.stats(0), {b"n": b"64 64 64 64 64", b"ms": b"19 19 19 19 19"})
+    later = read_load(redis_client, [keys], 0, load.cursors)
+    assert (later.entries_read, later.items) == (15, 320)
+    scaler.observe(later, 1.0, 1.0, starting=False)
+    assert scaler.per_entry == 64
 
 
 def test_what_a_live_worker_holds_is_not_waiting(redis_client: redis.Redis) -> None:
@@ -217,8 +226,7 @@ def test_the_records_of_supervisors_that_died_are_pruned(redis_url: str, redis_c
 
 
 def test_a_clusters_partitions_and_levels_are_read_too(cluster_url: str) -> None:
-    """On a Redis Cluster (whose pipelines refuse EVALSHA: the counts are read apart), every partition and
-    priority level adds its requests."""
+    """On a Redis Cluster, every partition and priority level adds its entries."""
     from broker.connection import RedisSettings
 
     pipeline = Pipeline("t-load-cluster", partitions=2, priority_levels=2).add(Cheap)
@@ -229,6 +237,6 @@ def test_a_clusters_partitions_and_levels_are_read_too(cluster_url: str) -> None
         _single(client, first.at_level(1).stream(0), 3)
         _batch_entries(client, second.at_level(1).stream(0), 1, 7)
         load = read_load(client, pipeline.partition_keys, 0, [b"-", b"-"], levels=2)
-        assert load.backlog == 20 + 3 + 7 and load.cursors == [b"-", b"-"]
+        assert load.backlog == 2 + 3 + 1 and load.cursors == [b"-", b"-"]
     finally:
         client.close()

@@ -5,7 +5,7 @@ Why the expected wait: a backlog means nothing alone (64 items are 10 ms of work
 and a minute for a model), so it is weighed by what the stage's workers are measured to do: each
 worker's rate while busy (items per second of ``predict`` time, from the stats every worker
 writes) times the live workers gives how long the backlog takes to clear, which is how long a new
-item waits. The backlog is in items too (a batch entry counts as the requests it holds), and only what
+item waits. The backlog is in items too (an entry counts as the requests entries hold, measured), and only what
 waits counts: not what a live worker holds (it is being computed), nor what an idle live worker takes
 at once (up to a batch each), so one caller at a time never looks like a queue. Above
 ``target_wait_s`` the supervisor starts workers at once, as many as that wait asks for (never past
@@ -67,11 +67,30 @@ class StageScaler:
         self.high = max(self.low, min(spec.max_workers or spec.workers, cap))
         self.workers = self.low
         self.rate: float | None = None  # items per second of one busy worker (None: not measured yet)
+        self.per_entry = 1.0  # requests a stream entry holds, on average (batch entries hold many)
+        self._entries_read: int | None = None  # the stage's entries delivered so far, at the last reading
         self._quiet_since: float | None = None
 
     def waiting(self, load: StageLoad) -> int:
-        """The items that wait for a worker: the backlog less what the idle live workers take at once."""
-        return max(0, load.backlog - load.idle * self.spec.batch_size)
+        """The items that wait for a worker: the backlog's entries as the requests they hold, less what
+        the idle live workers take at once."""
+        return max(0, round(load.backlog * self.per_entry) - load.idle * self.spec.batch_size)
+
+    def _measure(self, load: StageLoad) -> None:
+        """The rate of a busy worker, and the requests an entry holds: the requests finished against the
+        entries delivered meanwhile (at the first reading, the stats' history against every entry ever
+        delivered)."""
+        if load.items and load.busy_s > 0:
+            measured = load.items / load.busy_s
+            self.rate = measured if self.rate is None else self.rate + RATE_WEIGHT * (measured - self.rate)
+        read, last = load.entries_read, self._entries_read
+        if read is not None and load.items:
+            delivered = read - (last or 0) if last is not None and read >= last else read
+            if delivered > 0:
+                per_entry = max(1.0, load.items / delivered)
+                self.per_entry = per_entry if last is None else self.per_entry + RATE_WEIGHT * (
+                    per_entry - self.per_entry)
+        self._entries_read = read
 
     def expected_wait_s(self, load: StageLoad) -> float:
         waiting = self.waiting(load)
@@ -88,9 +107,7 @@ class StageScaler:
         scaler started is not ready yet (no more starts until it is: its load is not in the figures);
         ``room``: the most workers it may add now (the cores the supervisor's other workers leave). The
         change to make, if any."""
-        if load.items and load.busy_s > 0:
-            measured = load.items / load.busy_s
-            self.rate = measured if self.rate is None else self.rate + RATE_WEIGHT * (measured - self.rate)
+        self._measure(load)
         wait_s = self.expected_wait_s(load)
         target = self.spec.target_wait_s
         high = self.high if room is None else min(self.high, self.workers + max(0, room))
