@@ -9,6 +9,7 @@ in Redis afterwards. (A Redis Cluster master killed while its replica lagged: te
 from __future__ import annotations
 
 import asyncio
+import logging
 import http.client
 import json
 import signal
@@ -241,3 +242,32 @@ def _redis_server_of(pid: int) -> psutil.Process | None:
     servers = [p for p in psutil.Process(pid).children(recursive=True)
                if p.name() == "redis-server" and p.status() != psutil.STATUS_ZOMBIE]
     return servers[0] if servers else None
+
+
+def test_submissions_retry_at_least_every_second_while_redis_is_away(private_redis: EmbeddedRedis,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """While Redis is away the gateway tries its submissions again with a backoff capped at a second, as
+    its reply reader does: what callers sent meanwhile goes out within about a second of Redis being back.
+    Capped at 5 s, it went out up to 5 s later, and callers with a few seconds left timed out for nothing."""
+    url = private_redis.url
+    with running_workers(url, f"{APP}:reconnect", ["Square", "Neg"], CONVEYOR_LOG_LEVEL="WARNING") as workers:
+        workers.wait_ready("c-reconnect", T)
+
+        async def main() -> list[float]:
+            async with Gateway(url, "c-reconnect", GatewaySettings(timeout_s=T)) as gw:
+                assert await gw.predict(3) == -9
+                private_redis.kill()
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="conveyor.gateway"):
+                    waiting = [asyncio.ensure_future(gw.predict(x)) for x in range(3)]
+                    await asyncio.sleep(10.0)  # the span observed: retries back off to their cap in ~5 s
+                    tries = [r.created for r in caplog.records if "unavailable for submissions" in r.getMessage()]
+                    for future in waiting:
+                        future.cancel()
+                    await asyncio.gather(*waiting, return_exceptions=True)
+                await asyncio.to_thread(private_redis.start)
+                return tries
+
+        tries = asyncio.run(asyncio.wait_for(main(), 3 * T))
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert len(tries) >= 8 and max(gaps) < 1.5, gaps

@@ -315,7 +315,7 @@ class Hub:
 
     async def _flusher(self, lanes: Callable[[], list[Lane]], wake: asyncio.Event) -> None:
         """Sends the turns of ``lanes()`` (every lane on one Redis; one lane on a cluster)."""
-        backoff = Backoff()
+        backoff = Backoff(cap_s=1.0)  # as the reader's: what waits goes out within a second of Redis being back
         while not self._closing:
             await wake.wait()
             wake.clear()
