@@ -9,9 +9,9 @@ in Redis afterwards. (A Redis Cluster master killed while its replica lagged: te
 from __future__ import annotations
 
 import asyncio
-import logging
 import http.client
 import json
+import logging
 import signal
 import subprocess
 import sys
