@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import logging
 import signal
@@ -269,5 +270,5 @@ def test_submissions_retry_at_least_every_second_while_redis_is_away(private_red
                 return tries
 
         tries = asyncio.run(asyncio.wait_for(main(), 3 * T))
-    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
     assert len(tries) >= 8 and max(gaps) < 1.5, gaps
