@@ -129,11 +129,20 @@ def event(name: str, at_ns: int, values: Mapping[str, Any] | None = None) -> byt
                   + attributes(values or {}, 0x1A))
 
 
+ERROR_TEXT_MAX = 8192  # characters of an error's message, and of its traceback, that a span keeps
+
+
 def error(kind_name: str, message: str, trace: str, at_ns: int) -> bytes:
-    """An ``exception`` event and status ERROR, for the tail of a span that failed."""
+    """An ``exception`` event and status ERROR, for the tail of a span that failed. Its texts are cut at
+    :data:`ERROR_TEXT_MAX` characters (an error may quote a whole input: a span stays small)."""
+    message, trace = _cut(message), _cut(trace)
     return event("exception", at_ns, {"exception.type": kind_name, "exception.message": message,
                                       "exception.stacktrace": trace}) \
         + _field(0x7A, _field(0x12, f"{kind_name}: {message}".encode()) + b"\x18\x02")
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= ERROR_TEXT_MAX else text[:ERROR_TEXT_MAX] + " [cut]"
 
 
 def export_request(resource: Mapping[str, Any], scope: str, spans: Sequence[bytes]) -> bytes:

@@ -53,6 +53,7 @@ _HEX, _ODD_HEX = frozenset(b"0123456789abcdefABCDEF"), frozenset(b"13579bdfBDF")
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.S)
 _AFTER_VERSION_00 = (b"", b" ")  # what may follow a version 00 traceparent in a ``trace`` value
 _AFTER_LATER_VERSION = (b"", b" ", b"-")
+_LOWER_HEX_AND_DASH = b"0123456789abcdef-"
 # Spans per export unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise: not the SDK's 512, because a
 # post costs the exporter's client about the same CPU whatever its size (docs/benchmarks.md,
 # "Tracing"). An export also stops at EXPORT_BYTES (spans with long error texts are large), well
@@ -167,8 +168,8 @@ def parent_of(value: bytes) -> tuple[bytes, bytes] | None:
     """(trace id, parent span id) of the sampled ``traceparent`` a ``trace`` value starts with, or
     None (none, malformed, or not sampled). :func:`parse_traceparent`'s rules, checked byte by byte:
     a worker asks this of every traced item it runs."""
-    if (value[52:55] != b"-01" or value[:3] != b"00-" or value[35] != 45 or value[55:56] not in _AFTER_VERSION_00) \
-            and not _sampled_form(value):
+    if ((value[52:55] != b"-01" or value[:3] != b"00-" or value[35] != 45 or value[55:56] not in _AFTER_VERSION_00)
+            and not _sampled_form(value)) or value[:55].translate(None, _LOWER_HEX_AND_DASH):
         return None
     try:
         trace_id, parent_id = unhexlify(value[3:35]), unhexlify(value[36:52])
@@ -261,10 +262,15 @@ class SpanSink:
                 log.exception("span export failed")
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what was recorded (bounded), then stop."""
+        """Send what was recorded (bounded), then stop. A thread still sending after ``timeout_s`` (a
+        collector that does not answer) is left to it, alone: two drains would take spans from each other."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("spans still being sent after %gs: %d left to the exporter's thread", timeout_s,
+                        len(self._spans))
+            return
         self._drain()
 
 

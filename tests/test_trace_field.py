@@ -91,7 +91,7 @@ def test_traceparent_parsing() -> None:
     assert tracing.parent_of(TP) == tracing.parse_traceparent(TP)[:2]  # type: ignore[index]
     for bad in (b"", b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", b"ff" + TP[2:], TP.replace(b"-", b"_"),
                 TP[:-2] + b"00", TP[:-2] + b"0x", TP[:3] + b"g" + TP[4:], TP[:36] + b"0" * 16 + TP[52:],
-                TP + b"xyz", b"01" + TP[2:] + b"x"):
+                TP + b"xyz", b"01" + TP[2:] + b"x", TP.upper(), b"0A" + TP[2:], TP[:-2] + b"0B"):
         assert tracing.parent_of(bad) is None and tracing.parent_of(bad + b" t") is None, bad
 
 
@@ -199,6 +199,40 @@ def test_span_sink_bounds_its_exports_and_its_queue_by_bytes() -> None:
     release.set()
     bounded.close()
     assert [len(names) for names in sent] == [1] * (1 + bounded.QUEUED_BATCHES)
+
+
+@pytest.mark.unit
+def test_closing_a_sink_whose_export_hangs_leaves_it_to_its_thread() -> None:
+    """A collector that does not answer holds the sink's thread in an export: closing waits its
+    timeout, then returns; it does not send beside that thread (both would take the same spans)."""
+    import time
+
+    calls: list[str] = []
+    taken, release = threading.Event(), threading.Event()
+
+    def stuck(body: bytes) -> None:
+        calls.append(threading.current_thread().name)
+        taken.set()
+        release.wait(10)
+
+    span = otlp.span(bytes(range(16)), bytes(range(8)), b"", 1, 2, otlp.head("s"))
+    sink = tracing.SpanSink(stuck, {}, period_s=60, batch=1)
+    sink.record(span)
+    assert taken.wait(10)
+    sink.record(span)  # behind the stuck export
+    began = time.monotonic()
+    sink.close(timeout_s=0.2)
+    took = time.monotonic() - began
+    release.set()
+    assert took < 5 and calls == ["conveyor-spans"], (took, calls)
+
+
+@pytest.mark.unit
+def test_a_spans_error_texts_are_cut() -> None:
+    """An error may quote a whole input: its span keeps 8,192 characters of the message and of the
+    traceback, so that one span stays far under an export's bound."""
+    tail = otlp.error("ValueError", "x" * 3_000_000, "y" * 3_000_000, 5)
+    assert len(tail) < 3 * otlp.ERROR_TEXT_MAX + 1000
 
 
 @pytest.mark.unit
