@@ -44,10 +44,12 @@ if h ~= nil and h ~= '' then
                              'number of KEYS after the second, got ' .. h)
   end
 end
-local n_traced = tonumber(ARGV[5 + 4 * n] or '') or 0
-if n_traced < 0 or n_traced % 1 ~= 0 or (n_traced > 0 and #ARGV < 5 + 4 * n + 2 * n_traced) then
+local m = ARGV[5 + 4 * n]
+local n_traced = 0
+if m ~= nil and m ~= '' then n_traced = tonumber(m) end
+if n_traced == nil or n_traced < 0 or n_traced % 1 ~= 0 or (n_traced > 0 and #ARGV < 5 + 4 * n + 2 * n_traced) then
   return redis.error_reply('ERR submit.lua: m (the argument after h) must be the number of (position, trace) ' ..
-                           'pairs that follow it')
+                           'pairs that follow it, got ' .. tostring(m))
 end
 local traced = {}
 for t = 0, n_traced - 1 do

@@ -165,8 +165,8 @@ def test_submit_script_counts(redis_client: redis.Redis, limit: int | None) -> N
 
 @pytest.mark.parametrize("limit", [None, 3])
 @pytest.mark.parametrize("tail", [["", "-3"], ["", "2"], ["", "x"], ["", "0.5"], ["", "1", "2", "1", "t"],
-                                  ["", "1", "1", "abc", "t"], ["", "1", "-1"]],
-                         ids=["h<0", "h>levels", "h-text", "h-fraction", "m>pairs", "m-position", "m<0"])
+                                  ["", "1", "1", "abc", "t"], ["", "1", "-1"], ["", "1", "abc"]],
+                         ids=["h<0", "h>levels", "h-text", "h-fraction", "m>pairs", "m-position", "m<0", "m-text"])
 def test_bad_optional_arguments_are_refused_before_anything_is_added(redis_client: redis.Redis, limit: int | None,
                                                                      tail: list[str]) -> None:
     """docs/protocol.md: an error reply adds nothing, so that a producer retrying on it does not duplicate its
