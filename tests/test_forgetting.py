@@ -272,3 +272,37 @@ def test_submissions_retry_at_least_every_second_while_redis_is_away(private_red
         tries = asyncio.run(asyncio.wait_for(main(), 3 * T))
     gaps = [b - a for a, b in itertools.pairwise(tries)]
     assert len(tries) >= 8 and max(gaps) < 1.5, gaps
+
+
+def test_the_audit_leaves_the_turn_on_its_way(redis_url: str) -> None:
+    """A turn the flusher took is in no stream until its call runs, which after a pause or a lost
+    connection's retry may be after the audit's own call: the audit leaves it (it sent it again as lost,
+    said Redis lost it, and it ran twice). Once the call's reply came, the request is audited as any other."""
+    import redis.asyncio as aredis
+
+    from broker.codec import encode
+    from broker.submit import Submitter
+    from gateway.client.lane import InFlight, Lane
+    from gateway.client.recall import Recall
+
+    async def main() -> tuple[list[InFlight], list[InFlight], InFlight]:
+        keys = Keys("t-audit-sending")
+        submitter = Submitter(keys, keys.reply("g").encode())
+        lane = Lane(keys, submitter, keys.reply("g").encode(), b"g-", asyncio.Event(), lambda: 1)
+        record = InFlight(None, lane, submitter.entry(b"g-1", encode(1), b""), 0.0, T)  # type: ignore[arg-type]
+        sent: list[InFlight] = []
+        recall = Recall({b"g-1": record}, lambda lane, records: sent.extend(records), audit_after_s=1.0)
+        lane.outbox.append(record)
+        lane.take_turn()  # on its way: its call not answered yet
+        client = aredis.Redis.from_url(redis_url)
+        try:
+            await recall.audit(client, 10.0)
+            on_its_way = list(sent)
+            lane.sending = []  # the call's reply came (the flusher clears it): in Redis, or lost by it since
+            await recall.audit(client, 20.0)
+        finally:
+            await client.aclose()
+        return on_its_way, sent, record
+
+    on_its_way, sent, record = asyncio.run(main())
+    assert on_its_way == [] and sent == [record]

@@ -14,8 +14,7 @@ after a reconnect the reader re-reads the keys of every request still in flight.
 Each request in flight is one :class:`InFlight` record in one table (``Hub.requests``, by request
 id, in age order): its lane's outbox, the deadline timer (gateway.client.deadlines) and the resends
 of what Redis forgot (gateway.client.recall) read it; a request leaves the table once answered,
-expired or refused, and whatever else still names it skips it then.
-"""
+expired or refused, and whatever else still names it skips it then."""
 
 from __future__ import annotations
 
@@ -324,9 +323,8 @@ class Hub:
                 if not failed:
                     backoff.reset()
                     continue
-                requests = self.requests
                 for lane, batch, unlink, _ in failed:
-                    live = [r for r in batch if requests.get(r.submission[0]) is r]  # expired ones are dropped
+                    live = [r for r in batch if self.requests.get(r.submission[0]) is r]  # expired ones: dropped
                     self._resend(lane, live)  # the failed call may have run
                     lane.unlink[:0] = unlink
                 await asyncio.sleep(backoff.next_delay_s())
@@ -343,6 +341,8 @@ class Hub:
         outcomes = await self._submissions.send([
             (lane.submitter, [r.submission for r in batch], unlink, lane.sizing.entries(len(batch)), traces)
             for lane, batch, unlink, traces in turns])
+        for lane, *_ in turns:
+            lane.sending = []
         failed = []
         for turn, outcome in zip(turns, outcomes, strict=True):
             if isinstance(outcome, Lost):

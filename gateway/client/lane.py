@@ -59,6 +59,7 @@ class Lane:
         self.reply_key = reply_key
         self.id_prefix = id_prefix  # every request id of this lane starts with it
         self.outbox: list[InFlight] = []  # requests to submit in the next turn, in order
+        self.sending: list[InFlight] = []  # the turn taken, until its call's reply (the audit leaves it)
         self.unlink: list[bytes] = []
         self.counter = 0
         self.traced = False  # the outbox holds a request with a trace: the turn carries its value
@@ -73,6 +74,7 @@ class Lane:
     def take_turn(self) -> tuple[list[InFlight], list[bytes]]:
         """This turn's requests, and the consumed result keys that ride on them (or go alone)."""
         batch, self.outbox = self.outbox, []
+        self.sending = batch
         self.traced = False
         unlink: list[bytes] = []
         if len(self.unlink) >= (UNLINK_BATCH if batch else UNLINK_ALONE):

@@ -94,7 +94,9 @@ class Recall:
             requests[rid] = requests.pop(rid)  # to the end: age order kept
         for lane, ids in by_lane.values():
             stages = lane.stages()
-            queued = {r.submission[0] for r in lane.outbox}
+            # Not those waiting in the outbox, nor the turn on its way (its call may reach Redis after this
+            # audit's: after a pause, a lost connection's retries).
+            queued = {r.submission[0] for r in (*lane.outbox, *lane.sending)}
             ids = [i for i in ids if i not in queued]
             if stages < 1 or not ids:
                 continue  # the pipeline's spec not seen yet: nothing to compare with
