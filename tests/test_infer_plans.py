@@ -228,3 +228,36 @@ def test_an_id_that_is_no_string_is_refused_and_a_number_echoed() -> None:
             parse_request(head(bad), None)
     assert parse_request(head(7), None).head.id == "7"
     assert parse_request(head("r-1"), None).head.id == "r-1"
+
+
+def test_an_undeclared_models_bytes_that_mix_text_and_not_come_back_as_they_are() -> None:
+    """BYTES elements reach the stage as str where UTF-8, bytes elsewhere: echoed back mixed, they were
+    a 500 (numpy cannot make one array of both); now a BYTES tensor, each element as it came."""
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}],
+                         "parameters": {"binary_data_output": True}})
+    reply = Inference("m", PipelineIO(), body, None).respond([["abc", b"\xff\xfe"]])
+    assert reply.status == 200, reply.body
+    assert reply.body.endswith(b"\x03\x00\x00\x00abc\x02\x00\x00\x00\xff\xfe")
+
+
+def test_bytes_that_are_not_utf8_asked_as_json_are_a_500_that_says_to_ask_binary() -> None:
+    """They were replaced by U+FFFD, with a 200: silently other bytes than the model's."""
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}]})
+    reply = Inference("m", PipelineIO(), body, None).respond([[b"ok", b"\xff\xfe"]])
+    assert reply.status == 500 and b"not UTF-8" in reply.body and b"binary" in reply.body
+
+
+@pytest.mark.parametrize("doc", [{"parameters": {"binary_data_output": "no"}},
+                                 {"outputs": [{"name": "y", "parameters": {"binary_data": "false"}}]},
+                                 {"parameters": {"p": "300 lists deep"}}])
+def test_binary_flags_that_are_not_booleans_and_parameters_too_deep_to_answer_are_a_400(doc: dict[str, Any]) -> None:
+    """"false" as a string was true (a JSON client got binary); parameters nested past what JSON can
+    write back ran the pipeline, then failed as a 500 in the /v1 error's shape."""
+    if doc.get("parameters", {}).get("p"):
+        deep: Any = 0
+        for _ in range(300):
+            deep = [deep]
+        doc = {"parameters": {"p": deep}}
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}], **doc}).encode()
+    with pytest.raises(TensorError):
+        parse_request(body, None)

@@ -163,7 +163,7 @@ class Plan:
             outputs = [t for t in outputs if t.name in self.wanted]
         try:
             body, length = encode_response(self.model, self.head, outputs, self.parameters)
-        except NonFiniteOutput as exc:
+        except (NonFiniteOutput, TypeError) as exc:  # TypeError: orjson's, what the model answered cannot be JSON
             return error_reply(500, str(exc), "error")
         if length is None:
             return Reply(200, body, JSON_TYPE)
@@ -187,7 +187,10 @@ class Plan:
 
     def _outputs(self, answers: Sequence[Any]) -> list[Tensor]:
         if not self.io.declared:
-            array = np.asarray(answers[0])
+            try:
+                array = np.asarray(answers[0])
+            except UnicodeDecodeError:  # BYTES elements, some UTF-8 (str) and some not (bytes): kept as they are
+                array = np.array(answers[0], dtype=object)
             if array.dtype.kind in "SU":  # text: kept as it came (numpy's bytes dtype drops trailing NULs)
                 array = np.array(answers[0], dtype=object)
             name = self.head.outputs[0]["name"] if len(self.head.outputs) == 1 else "output"

@@ -50,7 +50,7 @@ class TensorError(ValueError):
 
 
 class NonFiniteOutput(ValueError):
-    """An output tensor asked for as JSON that holds NaN or Infinity (JSON carries finite numbers only)."""
+    """An output tensor asked for as JSON that JSON cannot carry: NaN or Infinity, or bytes that are not UTF-8."""
 
 
 @dataclass
@@ -167,6 +167,14 @@ def parse_head(head: bytes) -> RequestHead:
     parameters = doc.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise TensorError("'parameters' must be an object")
+    flags = [parameters.get("binary_data_output"), *((o.get("parameters") or {}).get("binary_data") for o in outputs)]
+    if any(flag is not None and not isinstance(flag, bool) for flag in flags):
+        raise TensorError("'binary_data' and 'binary_data_output' must be true or false")
+    if parameters:  # echoed in the answer: one JSON cannot write (nested past its 255 levels) is refused now
+        try:
+            orjson.dumps(parameters)
+        except orjson.JSONEncodeError as exc:
+            raise TensorError(f"'parameters' cannot be answered: {exc}") from None
     return RequestHead(None if request_id is None else str(request_id), parameters, inputs, tuple(outputs),
                        None in [i.binary_size for i in inputs])
 
@@ -283,7 +291,11 @@ def to_binary(tensor: Tensor) -> bytes:
 def _to_json(tensor: Tensor) -> list[Any]:
     flat = tensor.data.reshape(-1)
     if tensor.datatype == "BYTES":
-        return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in flat]
+        try:
+            return [v.decode() if isinstance(v, bytes) else str(v) for v in flat]
+        except UnicodeDecodeError:
+            raise NonFiniteOutput(f"output {tensor.name!r} holds bytes that are not UTF-8, which JSON cannot carry: "
+                                  "ask for it as binary data (binary_data_output)") from None
     if flat.dtype.kind == "f" and not bool(np.isfinite(flat).all()):
         raise NonFiniteOutput(f"output {tensor.name!r} holds NaN or Infinity, which JSON cannot carry: ask for it "
                               "as binary data (binary_data_output)")
