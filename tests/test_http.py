@@ -562,6 +562,14 @@ async def test_connection_close_and_http10_are_honoured(server: HttpServer, back
     assert (await client.response()).status == 200
     assert await client.closed()
     await client.close()
+    # HTTP/1.0 with keep-alive (ab -k): the connection stays open, and the answer says so, or the client
+    # takes it for closed and leaves it to the idle timeout while it opens another.
+    client = await Client.open(server.port)
+    for _ in range(2):
+        await client.send(b"GET /healthz HTTP/1.0\r\nconnection: keep-alive\r\n\r\n")
+        resp = await client.response()
+        assert resp.status == 200 and resp.headers.get("connection") == "keep-alive", resp.headers
+    await client.close()
 
 
 @http_test()

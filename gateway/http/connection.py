@@ -332,7 +332,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         its access-log line."""
         if reply.status >= 400:
             reply = with_request_id(reply, request.request_id, label)
-        data = frame(reply, head_only, close, request.answer_id)
+        data = frame(reply, head_only, close, request.answer_id, http10=not request.chunked_reply)
         self._write(data)
         if self.access_log:
             self._log_access(request, reply.status, len(data))

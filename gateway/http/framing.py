@@ -9,6 +9,7 @@ Content-Length value is built once per (status, content type) and a response is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from http import HTTPStatus
 
 from gateway.http.types import Reply
@@ -17,6 +18,7 @@ __all__ = ["CONTINUE", "frame"]
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CLOSE = b"connection: close\r\n"
+_KEEP_ALIVE = (b"connection", b"keep-alive")  # an HTTP/1.0 answer whose connection stays open says so
 _MAX_HEADS = 64  # content types are ours (codecs, metrics): this bounds the cache all the same
 
 
@@ -41,11 +43,15 @@ def _head(status: int, content_type: bytes) -> bytes:
     return head
 
 
-def frame(reply: Reply, head_only: bool = False, close: bool = False, request_id: bytes = b"") -> bytes:
+def frame(reply: Reply, head_only: bool = False, close: bool = False, request_id: bytes = b"",
+          http10: bool = False) -> bytes:
     """A whole response as one bytes object: status line, headers, body (one write, one syscall).
-    ``request_id``: the ``X-Request-Id`` header's value (gateway.http.request_ids; empty: none)."""
+    ``request_id``: the ``X-Request-Id`` header's value (gateway.http.request_ids; empty: none).
+    ``http10``: the request is HTTP/1.0, whose connection lasts only if the answer says it does."""
     head = _head(reply.status, reply.content_type)
     body = reply.body
+    if http10 and not close:
+        reply = replace(reply, headers=(*reply.headers, _KEEP_ALIVE))
     if not reply.headers and not close:  # nearly every answer: one format
         if request_id:
             return b"%b%d\r\nx-request-id: %b\r\n\r\n%b" % (head, len(body), request_id,
