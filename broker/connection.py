@@ -265,6 +265,11 @@ def is_transient_reply(exc: BaseException) -> bool:
     return isinstance(exc, redis.ResponseError) and is_transient(exc)
 
 
+def is_absent(exc: BaseException) -> bool:
+    """The error reply of a command on a stream or consumer group that is not there (yet, or any more)."""
+    return isinstance(exc, redis.ResponseError) and ("NOGROUP" in str(exc) or "no such key" in str(exc))
+
+
 def is_nogroup(exc: BaseException) -> bool:
     """The error reply of a command on a consumer group that is not there (Redis restarted empty)."""
     return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)

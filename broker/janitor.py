@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from broker.connection import is_absent
 from broker.families import HEARTBEATS, STREAMS
 from broker.keys import GROUP, Keys
 from broker.operations import WORKER, Script, sends
@@ -63,7 +64,7 @@ def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_
     try:
         consumers, beats = pipe.execute()
     except redis.ResponseError as exc:
-        if "NOGROUP" in str(exc) or "no such key" in str(exc):
+        if is_absent(exc):
             return []
         log_refusal_once(exc, None, stream)
         raise
@@ -75,7 +76,7 @@ def reap_dead_consumers(client: redis.Redis, keys: Keys, stage: int, dead_after_
         try:
             done = script(keys=[stream, hb_key], args=[GROUP, candidate, cutoff, dead_after_ms])
         except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+            if is_absent(exc):
                 break
             log_refusal_once(exc, "janitor.lua", stream)
             raise

@@ -29,6 +29,7 @@ from typing import Any
 import redis
 
 from broker.batch_entries import item_time_s
+from broker.connection import is_absent
 from broker.families import HEARTBEATS, SCALE, STATS, STREAMS
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
@@ -117,13 +118,12 @@ def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoa
 
 def _stream(groups: Any, length: Any, consumers: Any) -> _Stream:
     """One stream's replies: ``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``."""
-    pending, lag, read = 0, None, None
-    found = False
+    pending, lag, read = 0, None, 0  # no group yet: nothing delivered
     for group in _reply(groups, []):
         if group["name"] in (GROUP, GROUP.encode()):
-            pending, lag, read, found = int(group["pending"]), group.get("lag"), group.get("entries-read"), True
+            pending, lag, read = int(group["pending"]), group.get("lag"), group.get("entries-read")  # 6.2: None
     out = _Stream(int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending))
-    out.entries_read = int(read) if read is not None else (0 if not found else None)
+    out.entries_read = None if read is None else int(read)
     for consumer in _reply(consumers, []):
         out.held[as_bytes(consumer["name"])] = int(consumer["pending"])
     return out
@@ -133,8 +133,7 @@ def _reply(value: Any, empty: Any) -> Any:
     """A reply, or ``empty`` for a stream or group that does not exist yet; any other error raised (a
     refusal, explained by the caller)."""
     if isinstance(value, redis.exceptions.ResponseError):
-        text = str(value)
-        if "no such key" in text or "NOGROUP" in text:
+        if is_absent(value):
             return empty
         raise value
     return value

@@ -137,13 +137,13 @@ class StreamRunner:
         """``more``, its items measured as they join the running call: their waits counted, the traced
         ones' wait spans recorded now, their predict spans at the batch's end (as its first items')."""
         first = tracing.held()
-        first_counted = [counted]
 
         def measured(count: int) -> Work:
+            nonlocal counted  # the call's batch id is drawn once, by its first traced items
             new = more(count)
             if new:
-                traced = tracing.before(new, stats, None, same_call=first_counted[0])
-                first_counted[0] = first_counted[0] or bool(traced)
+                traced = tracing.before(new, stats, None, same_call=counted)
+                counted = counted or bool(traced)
                 joins.append((new, traced, time.perf_counter(), tracing.held()))
                 tracing.resume(first)
             return new

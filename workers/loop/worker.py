@@ -314,9 +314,8 @@ class Worker:
         ``wait``), run."""
         if self._sharing is not None:
             kept = self._sharing.share(lane.keys, self.spec.index, entries, asked, idle_s)
-            if len(kept) < len(entries) or not wait:  # a shared batch does not wait: its window would delay it
-                self._process(lane, kept, None)
-                return
+            wait = wait and len(kept) == len(entries)  # a shared batch does not wait: its window would delay it
+            entries = kept
         if not wait:
             self._process(lane, entries, None)
             return

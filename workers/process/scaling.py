@@ -85,7 +85,7 @@ class StageScaler:
             self.rate = measured if self.rate is None else self.rate + RATE_WEIGHT * (measured - self.rate)
         read, last = load.entries_read, self._entries_read
         if read is not None and load.items:
-            delivered = read - (last or 0) if last is not None and read >= last else read
+            delivered = read - last if last is not None and read >= last else read  # less: Redis began again
             if delivered > 0:
                 per_entry = max(1.0, load.items / delivered)
                 self.per_entry = per_entry if last is None else self.per_entry + RATE_WEIGHT * (
