@@ -152,12 +152,17 @@ class StreamReply:
         self._opening.add_done_callback(self._opened)
 
     def abandon(self) -> None:
-        """The client left: the request is cancelled (its generator closed before its next step)."""
+        """The client left: the request is cancelled (its generator closed before its next step). It
+        may have been submitted already, its sink not yet handed over (the opening's callback still to
+        run in this turn of the loop): that sink is cancelled too, else its stage would run on."""
         self.ended = True
-        if self._sink is not None and not self._sink.done():
-            self._cancel(self._sink)
-        elif self._sink is None:
-            self._opening.cancel()
+        sink, opening = self._sink, self._opening
+        if sink is None and opening.done() and not opening.cancelled() and opening.exception() is None:
+            sink = opening.result()
+        if sink is None:
+            opening.cancel()
+        elif not sink.done():
+            self._cancel(sink)
 
     def set_paused(self, paused: bool) -> None:
         """The connection cannot write (True) or can again: chunks are taken only when it can, so a
