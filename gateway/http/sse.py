@@ -13,7 +13,7 @@
             data: {"chunks": n, "result": <the generator's return value>}
         or, once events have been sent, the error in-band (the stream then ends):
             event: error
-            data: {"error": {"type", "message", "stage", "request_id"}}
+            data: {"error": {"type", "message", "stage", "request_id"}}   (stage: null if not a stage's)
 
 An error before the first chunk is an ordinary answer with its status (400, 404, 413, 422, 503, 504:
 the predict route's). A client that disconnects cancels the request (the stage's generator is closed
