@@ -314,3 +314,29 @@ def test_items_of_a_part_partly_given_back_get_their_calls_spans() -> None:
             attributes = {a.key: a.value for a in s.attributes}
             assert attributes["conveyor.batch.size"].int_value == 2
             assert attributes["conveyor.request.id"].string_value in ("r0", "r3")
+
+
+@pytest.mark.unit
+def test_a_singleton_stages_calls_of_one_read_have_a_batch_id_each() -> None:
+    """A singleton stage runs a read of several entries as one call per item: their predict spans say
+    batch size 1 and must not share a batch id (docs/operations.md: shared by the items of one call)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from workers import Pipeline, Stage
+    from workers.loop.tracing import StageTracing
+
+    class One(Stage):
+        def predict(self, x: int) -> int:
+            return x
+
+    spec = Pipeline("p").add(One).stages[0]
+    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, b"", None, None, TP), i) for i in range(3)]
+    sink = _Sink()
+    tracing_ = StageTracing(spec, "w1", sink)  # type: ignore[arg-type]
+    stats = BatchStats()
+    traced = tracing_.before(work, stats, None)
+    tracing_.after(work, traced, [(True, i) for i in range(3)], [(0, 3, 1.0, 1.003, 1)], stats)
+    request = ExportTraceServiceRequest.FromString(otlp.export_request({}, "conveyor", sink.spans))
+    spans = [s for r in request.resource_spans for scope in r.scope_spans for s in scope.spans if "predict" in s.name]
+    ids = {s.attributes[[a.key for a in s.attributes].index("conveyor.batch.id")].value.string_value for s in spans}
+    assert len(spans) == 3 and len(ids) == 3, ids

@@ -164,8 +164,9 @@ class StageTracing:
                 if parent is None or outcomes[i] is EXPIRED:  # never run (its deadline passed): no predict span
                     continue
                 if not tail:
-                    tail = self._predict_tail(size)
                     stats.add_exemplar(b"p", (ended_ns - began_ns) / 1e9 / size, parent[0])
+                if not tail or not batched:  # a singleton stage's read is several calls: an id each
+                    tail = self._predict_tail(size, b"" if batched else b".%d" % (i - start))
                 ok, result = outcomes[i]
                 spans.append(otlp.span(parent[0], tracing.new_span_id(), parent[1], began_ns, ended_ns, tail + parent[2]
                                        + (b"" if ok else otlp.error(result.type, result.message, result.traceback,
@@ -173,10 +174,11 @@ class StageTracing:
         if spans and self._sink is not None:
             self._sink.record_all(spans)
 
-    def _predict_tail(self, size: int) -> bytes:
-        """What the predict spans of one call share: name, batch size, the batch's id."""
+    def _predict_tail(self, size: int, call: bytes = b"") -> bytes:
+        """What the predict spans of one call share: name, batch size, the batch's id (``call``: which
+        of a singleton stage's calls, ``.<i>``)."""
         return self._predict_head + otlp.int_attribute(_BATCH_SIZE, size) + otlp.string_attribute(
-            _BATCH_ID, b"%b/%d" % (self._consumer, self._batches))
+            _BATCH_ID, b"%b/%d%b" % (self._consumer, self._batches, call))
 
 
 def _delivery(deliveries: dict[bytes, int], entry_id: bytes) -> bytes:
