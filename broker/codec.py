@@ -252,8 +252,12 @@ def encode(obj: object) -> bytes:
             data = spliced if spliced is not None else msgpack.packb(obj, default=_default, use_bin_type=True,
                                                                      strict_types=True)
         return data
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise CodecError(_explain(obj, "$", 0) or f"cannot encode value: {exc}") from exc
+    except Exception as exc:  # whatever a value's own code raises (a buffer, a mapping's iteration)
+        try:
+            where = _explain(obj, "$", 0)
+        except Exception:  # the value that failed the packer fails its explanation too
+            where = None
+        raise CodecError(where or f"cannot encode value: {type(exc).__name__}: {exc}") from exc
 
 
 def _dtype(name: object) -> np.dtype[Any]:

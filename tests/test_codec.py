@@ -407,3 +407,20 @@ def test_an_array_head_of_other_than_four_fields_is_said_once(head: list[Any]) -
     with pytest.raises(CodecError) as caught:
         decode(msgpack.packb(msgpack.ExtType(1, msgpack.packb(head))))
     assert str(caught.value).count("malformed array payload") == 1 and f"{len(head)} fields" in str(caught.value)
+
+
+class _BrokenMapping(dict):  # type: ignore[type-arg]
+    def keys(self) -> Any:
+        raise RuntimeError("a mapping whose iteration raises")
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("a mapping whose iteration raises")
+
+
+@pytest.mark.parametrize("value", [memoryview(np.arange(10)[::2]), _BrokenMapping(a=1), [1, _BrokenMapping(a=1)]],
+                         ids=["strided memoryview", "mapping raising", "nested"])
+def test_a_value_whose_own_code_raises_is_a_codec_error(value: object) -> None:
+    """Not only TypeError/ValueError: a worker encoding such a result answered nothing and exited, its
+    batch redelivered to the next worker until dead-lettered; a CodecError is answered UnencodableResult."""
+    with pytest.raises(CodecError, match=r"cannot encode|not"):
+        encode(value)
