@@ -213,6 +213,46 @@ def test_a_batch_failing_whole_is_not_bisected_past_its_items_deadlines() -> Non
         stage.calls, kinds)
 
 
+class Pairs(Stage):
+    """Batches of two, 60 ms a call; with ``batch_key``, a group per input."""
+
+    batch_size = 2
+
+    def setup(self) -> None:
+        self.ran: list[int] = []
+
+    def predict(self, xs: list[int]) -> list[int]:
+        self.ran += xs
+        time.sleep(0.06)
+        return [x * 10 for x in xs]
+
+
+class GroupedPairs(Pairs):
+    batch_size = 8
+    group_size = 2
+
+    def batch_key(self, x: int) -> int:
+        return x // 2
+
+
+@pytest.mark.parametrize("stage_class", [Pairs, GroupedPairs], ids=["slices", "groups"])
+def test_a_batched_reads_later_calls_leave_out_what_expired_behind_the_first(stage_class: type[Stage]) -> None:
+    """A read of more items than a call takes (batch entries: slices; ``batch_key``: groups) ran its later
+    calls on items whose deadline passed meanwhile, and answered them ok, long after their callers left."""
+    spec = Pipeline("t-unit").add(stage_class).stages[0]
+    stage = spec.cls()
+    stage.setup()
+    soon = protocol.now_ms() + 30  # passed while the first call (60 ms) runs
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, None if i < 2 else soon), i) for i in range(4)]
+    stats = BatchStats()
+    outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, stats)
+    assert stage.ran == [0, 1]  # type: ignore[attr-defined]
+    assert outcomes[:2] == [(True, 0), (True, 10)]
+    for ok, failure in outcomes[2:]:
+        assert not ok and failure.type == "DeadlineExceeded"
+    assert stats.sizes == [b"2"]  # one call counted
+
+
 @pytest.mark.parametrize("kind", list(WRONG_KINDS))
 def test_a_batch_answered_with_the_wrong_kind_fails_every_item(kind: str) -> None:
     answer, what = WRONG_KINDS[kind]

@@ -34,6 +34,7 @@ from workers.loop.runner import (
     failure,
     passed,
     run_batch,
+    run_live_batch,
     run_single,
 )
 from workers.loop.tracebacks import Tracebacks
@@ -114,6 +115,7 @@ class Predictor:
         # The last run's predict calls: (first item, end, start, end in perf_counter seconds, items it
         # ran), for the spans and timings of its traced items (workers.loop.tracing).
         self.slices: list[Slice] = []
+        self._called = False  # a batched call of this run was made: the next ones look at deadlines again
 
     def run(self, work: Work, stats: BatchStats, handoff: bool = True) -> list[Outcome | None]:
         """The outcome of each item of ``work``, in order (None: given to another worker, not run).
@@ -121,6 +123,7 @@ class Predictor:
         spec = self._spec
         outcomes: list[Outcome | None] = []
         self.slices = []
+        self._called = False
         giver = self._handoff if handoff else None
         if giver is not None:
             giver.track(outcomes)
@@ -154,8 +157,9 @@ class Predictor:
         took_s = ended - began
         if self._handoff is not None:
             self._handoff.took(1, took_s)
-        ran = len(part) if self._spec.batched else len(part) - outcomes.count(EXPIRED)  # not run: no call
-        self._record(stats, ran, took_s * 1000)
+        ran = len(part) - outcomes.count(EXPIRED)  # expired ones were never run
+        if ran:
+            self._record(stats, ran, took_s * 1000)
         return outcomes
 
     def _run_kept(self, work: Work, kept: list[int], start: int, size: int, stats: BatchStats) -> list[Outcome | None]:
@@ -202,6 +206,9 @@ class Predictor:
 
     def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any],
                    deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+        if self._called:  # the calls before it took time: what expired meanwhile is not run
+            return run_live_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms)
+        self._called = True  # the read checked every deadline just before the first call
         return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms)
 
     def _record(self, stats: BatchStats, size: int, duration_ms: float) -> None:

@@ -141,14 +141,18 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
         if len(inputs) == 1:
             return [(False, failure(exc, tracebacks))]
     mid = len(inputs) // 2
-    first = detach(_live_part(predict, inputs[:mid], wrong_length, tracebacks, deadlines_ms[:mid]))
-    return first + _live_part(predict, inputs[mid:], wrong_length, tracebacks, deadlines_ms[mid:])
+    first = detach(run_live_batch(predict, inputs[:mid], wrong_length, tracebacks, deadlines_ms[:mid]))
+    return first + run_live_batch(predict, inputs[mid:], wrong_length, tracebacks, deadlines_ms[mid:])
 
 
-def _live_part(predict: Callable[[list[Any]], Any], inputs: list[Any], wrong_length: Callable[[int, int], None] | None,
-               tracebacks: Tracebacks | None, deadlines_ms: Sequence[int | None]) -> list[Outcome]:
-    """:func:`run_batch` on the items of ``inputs`` still within their deadlines; the others :data:`EXPIRED`."""
-    live = [i for i, deadline in enumerate(deadlines_ms) if not passed(deadline)] if deadlines_ms else None
+def run_live_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
+                   wrong_length: Callable[[int, int], None] | None, tracebacks: Tracebacks | None,
+                   deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+    """:func:`run_batch` on the items of ``inputs`` still within their deadlines; the others :data:`EXPIRED`
+    (a call that follows others of the same read, which took time)."""
+    now_ms = protocol.now_ms()
+    live = [i for i, deadline in enumerate(deadlines_ms) if deadline is None or deadline > now_ms] \
+        if deadlines_ms else None
     if live is None or len(live) == len(inputs):
         return run_batch(predict, inputs, wrong_length, tracebacks, deadlines_ms)
     ran = iter(run_batch(predict, [inputs[i] for i in live], wrong_length, tracebacks, [deadlines_ms[i] for i in live]))
