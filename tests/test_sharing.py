@@ -89,6 +89,17 @@ def test_share_gives_entries_back_whole_and_once(redis_client: redis.Redis, stre
     assert Sharer(redis_client, "hot").give_back(stream, []) == set()
 
 
+def test_an_entry_of_more_fields_than_lua_can_pass_stays_with_its_reader(redis_client: redis.Redis,
+                                                                          stream: str) -> None:
+    """A foreign entry of 5,000 fields (10,000 values, past Lua's unpack limit) failed the whole script,
+    and the worker that read the burst exited; it is now left with its reader, the others given."""
+    wide = redis_client.xadd(stream, {"id": "wide", "data": "d", **{f"x{i}": "1" for i in range(5000)}})
+    plain = redis_client.xadd(stream, {"id": "r1", "data": "d1"})
+    redis_client.xreadgroup(GROUP, "hot", {stream: ">"}, count=2)
+    assert Sharer(redis_client, "hot").give_back(stream, [[wide, plain]]) == {plain}
+    assert [e["message_id"] for e in redis_client.xpending_range(stream, GROUP, "-", "+", 10)] == [wide]
+
+
 def test_two_idle_peers_each_get_their_part(redis_client: redis.Redis, stream: str) -> None:
     """A blocked read takes all it can, so one call per idle peer: each gets its part."""
     ids = [redis_client.xadd(stream, {"data": f"{i}"}) for i in range(6)]
