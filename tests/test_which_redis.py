@@ -4,9 +4,12 @@ on this machine (its socket in /tmp/conveyor-<pipeline>), else the default; each
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -14,7 +17,7 @@ import redis
 from broker.keys import Keys
 from broker.local_runs import choose_redis, run_dir
 from broker.spec import StageInfo, encode_spec
-from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env
+from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env, wait_for
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.redis
@@ -74,3 +77,35 @@ def test_acl_apply_without_a_url_loads_into_the_conveyor_run_of_its_pipeline(
     assert done.returncode == 0, done.stderr
     assert "the Redis of `conveyor run`" in done.stderr and "loaded 1 user(s) (conveyor-monitor)" in done.stderr
     assert any(line.split()[1] == b"conveyor-monitor" for line in client.execute_command("ACL", "LIST"))
+
+
+@pytest.mark.system
+def test_a_run_of_a_modules_pipelines_is_found_by_each_pipelines_name(tmp_path: Path) -> None:
+    """`conveyor run MODULE` puts its Redis in /tmp/conveyor-<module>: `conveyor status <a pipeline of it>`
+    looked only in /tmp/conveyor-<pipeline>, fell back to 127.0.0.1:6379 and read another Redis (or none).
+    The run lists its pipelines in its directory (removed at its end), and commands find it by them."""
+    redis_dir = run_dir(f"which-module-{secrets.token_hex(3)}")
+    log = (tmp_path / "run.log").open("wb")
+    run = subprocess.Popen(conveyor_argv("run", "tests.two_pipelines", "--port", "0", "--redis-dir", str(redis_dir)),
+                           cwd=REPO_ROOT, env=conveyor_env(), stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    sock = redis_dir / "redis.sock"
+    try:
+        wait_for(lambda: run.poll() is not None or (sock.exists() and b"negate" in _listing(redis_dir)), T,
+                 "the run's Redis and its listing", lambda: (tmp_path / "run.log").read_text())
+        assert choose_redis(None, ["two-negate"]).url == f"unix://{sock}"
+        done = subprocess.run(conveyor_argv("status", "two-negate"), cwd=REPO_ROOT, env=conveyor_env(),
+                              capture_output=True, text=True, timeout=T)
+        assert f"Redis at unix://{sock} (the Redis of `conveyor run` of 'two-negate'" in done.stderr, done.stderr
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(T)
+        log.close()
+    assert not redis_dir.exists()  # the listing went with the rest: nothing left to find
+
+
+def _listing(directory: Path) -> bytes:
+    try:
+        return (directory / "pipelines").read_bytes()
+    except OSError:
+        return b""

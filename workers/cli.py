@@ -33,7 +33,7 @@ from broker.connection import (
     safe_url,
     unreachable,
 )
-from broker.local_runs import CHOICE_HELP, choose_redis
+from broker.local_runs import CHOICE_HELP, choose_redis, list_pipelines, unlist_pipelines
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from broker.numbers import expire_problem, pin_ttl_problem, ttl_ms
 from workers.app import AppError, load_pipeline, load_pipelines
@@ -218,7 +218,7 @@ def worker(app: str, stage: str, workers: int | None, redis_url: str | None, pre
               help="Use this Redis instead of starting an embedded one.")
 @click.option("--redis-dir", type=click.Path(file_okay=False, path_type=Path), envvar="CONVEYOR_REDIS_DIR",
               show_envvar=True, default=None,
-              help="Directory of the embedded Redis's socket  [default: /tmp/conveyor-<pipeline>]")
+              help="Directory of the embedded Redis's socket  [default: /tmp/conveyor-<pipeline>, or -<module>]")
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="CONVEYOR_HOST", show_envvar=True)
 @click.option("--port", type=Count(0, 65535), default=8000, show_default=True, envvar="CONVEYOR_PORT",
               show_envvar=True, help="The gateway's port; 0: one the system chooses, said at start.")
@@ -256,6 +256,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     early.install()
     try:
         url = _start_redis(embedded) if embedded is not None else str(redis_url)
+        if embedded is not None:  # how `conveyor worker`, `gateway` and `status` find it without --redis
+            list_pipelines(embedded.directory, names)
         click.echo(f"conveyor: {_plural(names)}, Redis at {safe_url(url)}")
         if embedded is not None:
             click.echo(f"conveyor: from another shell:  export CONVEYOR_REDIS_URL={url}")
@@ -285,6 +287,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     finally:
         if gateway is not None and gateway.proc is not None:
             _stop_process(gateway.proc)  # already stopped by the supervisor, unless start-up failed
+        if embedded is not None and embedded.started:
+            unlist_pipelines(embedded.directory)
         if embedded is not None and embedded.running:
             log.info("stopping: the embedded Redis")
             embedded.stop()

@@ -143,6 +143,11 @@ class EmbeddedRedis:
         """Whether the server process is alive (it may not be answering yet)."""
         return self.pid is not None
 
+    @property
+    def started(self) -> bool:
+        """Whether its directory exists (from :meth:`start` to :meth:`stop`, the process dead or not)."""
+        return self._dir is not None
+
     def exit_status(self) -> str:
         """How the last server process ended, for a log line ("running" if it has not)."""
         if self._proc is None:
