@@ -328,6 +328,16 @@ def test_arrays_orjson_refuses_are_written_as_their_numbers() -> None:
         json_encode({"be": np.array([np.nan], dtype=">f8")})
 
 
+def test_a_result_nested_deeper_than_json_answers_can_be_says_so_and_what_to_do() -> None:
+    """A request JSON reads (1024 levels) can make a result JSON cannot write (254): the answer said
+    only "Recursion limit reached"."""
+    deep: list[object] = []
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(ValueError, match=r"nested deeper than a JSON answer can be .*msgpack"):
+        json_encode({"result": deep})
+
+
 @pytest.mark.parametrize(("debug", "with_trace"), [(False, False), (True, True)])
 def test_stage_error_is_422_with_traceback_only_in_debug(debug: bool, with_trace: bool) -> None:
     async def main() -> None:

@@ -109,6 +109,9 @@ def _encode_slowly(obj: Any) -> bytes:
         if "Dict key" in str(exc):
             raise TypeError("the result holds a map key JSON cannot carry (keys must be text, numbers, booleans "
                             f"or None); {_AS_MSGPACK}") from None
+        if "Recursion limit" in str(exc):  # orjson writes 254 levels at most (it reads 1024)
+            raise ValueError(f"the result is nested deeper than a JSON answer can be (254 levels); {_AS_MSGPACK}") \
+                from None
         raise
     if _keys_collide(obj):
         raise KeyCollision("the result holds a map with keys that are one in JSON (such as 1 and '1'): one of "
