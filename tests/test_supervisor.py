@@ -21,6 +21,7 @@ import psutil
 import pytest
 import redis
 
+from broker.codec import encode
 from broker.keys import GROUP, Keys
 from gateway import Gateway
 from tests import stages
@@ -128,6 +129,31 @@ def test_sigterm_stops_conveyor_worker_cleanly_mid_traffic(redis_url: str, redis
                     return await asyncio.wait_for(asyncio.gather(*tasks), T)
 
         assert asyncio.run(main()) == [x + 1 for x in range(300)]
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+
+
+def test_another_stop_request_while_workers_finish_their_batch_kills_them(redis_url: str, redis_client: redis.Redis,
+                                                                         tmp_path: Path) -> None:
+    """A second SIGTERM (a third Ctrl-C under `conveyor run`) while a worker finishes a long batch was
+    ignored: the supervisor waited out the batch, up to grace_s. It now kills the worker at once; what it
+    held stays pending, to be delivered again."""
+    stream = Keys("t-sleepy").stream(0)
+    proc = start_worker(redis_url, "tests.stages:sleepy", "Sleepy", workers=1, log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-sleepy", T, workers={"Sleepy": 1}, diagnostics=proc.report)
+
+        redis_client.xadd(stream, {"id": "long-1", "data": encode(-60), "v": "1"})  # a foreign producer's
+        wait_for(lambda: redis_client.xpending(stream, GROUP)["pending"] == 1, T, "the worker holding it", proc.report)
+        proc.popen.send_signal(signal.SIGTERM)
+        wait_for(lambda: "finish their batch" in proc.log_path.read_text(), T, "the workers' stop", proc.report)
+        asked = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        proc.popen.wait(T)
+        assert time.monotonic() - asked < 5, proc.report()
+        assert "another stop request: killing it" in proc.log_path.read_text(), proc.report()
+        assert redis_client.xpending(stream, GROUP)["pending"] == 1  # not lost: delivered again to the next
     finally:
         if proc.popen.poll() is None:
             kill_group(proc.popen)

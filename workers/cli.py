@@ -238,8 +238,8 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
 
     SIGTERM, Ctrl-C or a closed terminal (SIGHUP) stops it in order: the gateway stops accepting and
     answers every request it admitted, then the workers finish their batch, then the embedded Redis
-    stops and its directory is removed. A second Ctrl-C cuts the gateway's wait short. A worker, the embedded
-    Redis or the gateway that dies is started again.
+    stops and its directory is removed. A second Ctrl-C cuts the gateway's wait short, a third kills
+    the workers. A worker, the embedded Redis or the gateway that dies is started again.
     """
     _check_url(redis_url)
     child = _child_settings(redis_url or "", prefix, opts)

@@ -115,12 +115,15 @@ class Supervisor:
         self.cpu_offset = cpu_offset
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
+        self.stop_requests = 0  # one more while the workers finish their batch: they are killed
         self.slots: list[WorkerSlot] = []
 
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
-        """Signal handler: the first call starts the ordered stop, a second one hurries it."""
+        """Signal handler: the first call starts the ordered stop, a second one hurries it (the
+        gateway's drain cut short; the workers killed if they are finishing their batch already)."""
         self.hurry = self.stopping
         self.stopping = True
+        self.stop_requests += 1
 
     def _make_slots(self) -> None:
         allowed = allowed_cpus()
@@ -371,15 +374,15 @@ class Supervisor:
             if slot.proc is not None and slot.proc.poll() is None:
                 slot.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.grace_s
+        requests = self.stop_requests
         for slot in live:
             assert slot.proc is not None
             if self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
                 # Its batch is past every deadline: nobody waits for it, and it may be stuck.
                 self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
-            try:
-                slot.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.error("worker pid=%d did not stop within grace_s: killing it", slot.proc.pid)
+            if not self._exited(slot.proc, deadline, requests):
+                why = "another stop request" if self.stop_requests != requests else "did not stop within grace_s"
+                log.error("worker pid=%d %s: killing it (what it read is delivered again)", slot.proc.pid, why)
                 slot.proc.kill()
                 slot.proc.wait()
             if slot.pipe is not None:
@@ -389,6 +392,20 @@ class Supervisor:
             slot.proc = None
         if live:
             log.info("stopping: workers stopped after %.1fs", time.monotonic() - started)
+
+
+    def _exited(self, proc: subprocess.Popen[bytes], deadline: float, requests: int) -> bool:
+        """Whether ``proc`` exits by ``deadline``; False at once on a stop request past ``requests``
+        (looked at every quarter second: an impatient operator's Ctrl-C is obeyed, not queued)."""
+        while self.stop_requests == requests:
+            left = deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(0.0, min(left, 0.25)))
+                return True
+            except subprocess.TimeoutExpired:
+                if left <= 0.25:
+                    return False
+        return proc.poll() is not None
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
