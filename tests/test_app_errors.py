@@ -40,6 +40,17 @@ def test_a_path_in_a_folder_says_where_to_run_from(apps: Path) -> None:
 
 
 @pytest.mark.unit
+def test_a_path_in_a_package_gets_its_dotted_module_name(apps: Path) -> None:
+    """``examples/scale_shift.py`` said to run from 'examples' and write 'scale_shift:pipeline', which
+    fails there (its imports are the package's): from here, 'examples.scale_shift:pipeline' works."""
+    (apps / "pkg_e" / "inner").mkdir(parents=True)
+    (apps / "pkg_e" / "__init__.py").write_text("")
+    (apps / "pkg_e" / "inner" / "__init__.py").write_text("")
+    with pytest.raises(AppError, match=r"not a file path: write 'pkg_e.inner.my_app_e:pipeline'"):
+        load_pipeline("pkg_e/inner/my_app_e.py")
+
+
+@pytest.mark.unit
 def test_an_import_error_inside_the_module_shows_its_own_traceback(apps: Path) -> None:
     with pytest.raises(AppError) as caught:
         load_pipeline("typo_app_e:pipeline")

@@ -76,8 +76,17 @@ def _refuse_path(module_name: str) -> None:
     stem = path.stem if path.suffix == ".py" else path.name
     where = str(path.parent)
     go = f"run from {where!r} and " if where not in (".", "") else ""
+    if go and not path.is_absolute() and ".." not in path.parts and _in_packages(path.parent):
+        stem, go = ".".join((*path.parent.parts, stem)), ""  # examples/app.py, examples a package: examples.app
     raise AppError(f"APP is a module name, not a file path: {go}write '{stem}:pipeline' (module:attribute, "
                    f"the attribute that holds your Pipeline), or '{stem}' for conveyor run")
+
+
+def _in_packages(directory: PurePath) -> bool:
+    """Whether every directory from here down to ``directory`` is a package (has an ``__init__.py``)."""
+    parts = [p for p in directory.parts if p != "."]
+    return bool(parts) and all(os.path.isfile(os.path.join(*parts[:i], "__init__.py"))
+                               for i in range(1, len(parts) + 1))
 
 
 def _is_the_module_itself(exc: ImportError, module_name: str) -> bool:
