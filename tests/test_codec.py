@@ -424,3 +424,11 @@ def test_a_value_whose_own_code_raises_is_a_codec_error(value: object) -> None:
     batch redelivered to the next worker until dead-lettered; a CodecError is answered UnencodableResult."""
     with pytest.raises(CodecError, match=r"cannot encode|not"):
         encode(value)
+
+
+def test_the_gateways_codec_error_is_importable_where_its_other_errors_are() -> None:
+    """README: `Gateway.predict` raises CodecError for an input that cannot travel; a user catches it
+    with `from gateway import CodecError`, as its other errors."""
+    import gateway
+
+    assert gateway.CodecError is CodecError and "CodecError" in gateway.__all__
