@@ -329,8 +329,25 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def _key(key: Any) -> Any:
-    """A map key msgpack made a list (it was a tuple), as the tuple again: hashable."""
-    return tuple(_key(k) for k in key) if isinstance(key, list) else key
+    """A map key msgpack made a list (it was a tuple), as the tuple again: hashable. A loop, not a
+    recursion: a key nested as deep as `encode` takes (hundreds of levels) must not pass Python's
+    recursion limit, which made a worker exit on such an input and the gateway drop a reply."""
+    if type(key) is not list:
+        return key
+    stack: list[tuple[list[Any], list[Any]]] = [(key, [])]  # (a list, its items made keys so far)
+    while True:
+        source, done = stack[-1]
+        if len(done) < len(source):
+            item = source[len(done)]
+            if type(item) is list:
+                stack.append((item, []))
+            else:
+                done.append(item)
+            continue
+        stack.pop()
+        if not stack:
+            return tuple(done)
+        stack[-1][1].append(tuple(done))
 
 
 def _keyed_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -349,7 +366,7 @@ def decode(data: bytes) -> Any:
                                    object_pairs_hook=_keyed_map)
     except CodecError:
         raise
-    except (ValueError, TypeError, OverflowError, MemoryError) as exc:  # msgpack's errors are ValueErrors
+    except (ValueError, TypeError, OverflowError, MemoryError, RecursionError) as exc:  # msgpack's: ValueErrors
         raise CodecError(f"cannot decode payload: {type(exc).__name__}: {exc}") from exc
 
 

@@ -432,3 +432,19 @@ def test_the_gateways_codec_error_is_importable_where_its_other_errors_are() -> 
     import gateway
 
     assert gateway.CodecError is CodecError and "CodecError" in gateway.__all__
+
+
+@pytest.mark.parametrize("depth", [1, 3, 300, 600])
+def test_a_map_keyed_by_a_deeply_nested_tuple_comes_back_or_is_refused_when_sent(depth: int) -> None:
+    """Past ~500 levels such a key encoded but its decoding raised RecursionError, not CodecError: a
+    worker reading it exited (each delivery), and the gateway dropped the reply holding it (and the
+    answers beside it). What `encode` takes, `decode` gives back."""
+    key: Any = ("leaf", 1)
+    for _ in range(depth):
+        key = (key, 2)
+    value = {key: 1, "other": [1, 2]}
+    try:
+        data = encode(value)
+    except CodecError:
+        return  # refused where it is sent: fine
+    assert decode(data) == value
