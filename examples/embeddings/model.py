@@ -98,7 +98,7 @@ class Tokenizer:
                 raise TypeError(f"embeddings take a string, got {type(text).__name__}")
         limit = self.max_tokens * CHARS_PER_TOKEN_READ
         long = {i: _WHITESPACE_RUN.sub(" ", text) for i, text in enumerate(texts) if len(text) > limit}
-        encodings = self._backend.encode_batch([long.get(i, text)[:limit] for i, text in enumerate(texts)])
+        encodings = self._backend.encode_batch([_prefix(long.get(i, text), limit) for i, text in enumerate(texts)])
         cut = [False] * len(texts)
         for i, text in long.items():
             if len(text) > limit and not encodings[i].overflowing:  # its start held fewer tokens than the model takes
@@ -110,12 +110,22 @@ class Tokenizer:
         other spaces): read four times as far, until its tokens overflow or the text ends, or up to
         READ_AT_MOST characters (then said cut: a tokenizer takes ~0.5 ms a kB of such text)."""
         while True:
-            encoding = self._backend.encode(text[:window])
+            encoding = self._backend.encode(_prefix(text, window))
             if encoding.overflowing or window >= len(text):
                 return encoding, False
             if window >= READ_AT_MOST:
                 return encoding, True
             window *= 4
+
+
+def _prefix(text: str, chars: int) -> str:
+    """The text's first ``chars`` characters, cut at a space where there is one: a word cut in two is
+    read as other word pieces than the whole word (a long word is one [UNK], its cut end is several),
+    which could take the last places of the model's tokens where the whole text gives others."""
+    if len(text) <= chars:
+        return text
+    space = max(text.rfind(blank, 0, chars + 1) for blank in " \t\n\r")
+    return text[:space] if space > 0 else text[:chars]
 
 
 def native_bf16(torch: Any) -> bool:
