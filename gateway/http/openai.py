@@ -126,9 +126,10 @@ class Query:
             vector, count = (answer.get("embedding"), answer.get("tokens", 0)) if isinstance(answer, dict) \
                 else (answer, 0)
             if not self.truncate and isinstance(answer, dict) and answer.get("truncated"):
-                raise OpenAIError(400, f"input {index} is longer than the model {self.model!r} takes ({count} "
-                                       "tokens): shorten it, or send \"truncate\": true to embed its first "
-                                       f"{count} tokens", param="input", code="context_length_exceeded")
+                raise OpenAIError(400, f"input {index} is longer than the model {self.model!r} takes (it was read "
+                                       f"as far as its first {count} tokens): shorten it, or send \"truncate\": "
+                                       f"true to embed those {count} tokens", param="input",
+                                       code="context_length_exceeded")
             array = np.asarray(vector, dtype=np.float32).reshape(-1)
             if not bool(np.isfinite(array).all()) and self.encoding == "float":
                 raise OpenAIError(500, f"input {index}: the embedding holds NaN or Infinity, which JSON cannot "
