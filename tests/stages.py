@@ -219,6 +219,53 @@ class Sleepy(Stage):
 sleepy = Pipeline("t-sleepy").add(Sleepy)
 
 
+class Patient(Sleepy):
+    """Sleepy with stuck detection off: a call past its items' deadlines is meant, never killed for it."""
+
+    workers = 1
+    stuck_grace_s = None
+
+
+patient = Pipeline("t-patient").add(Patient)
+
+
+class Forking(Stage):
+    """Forks a helper process in setup() (as a model server or a pool would); -1 makes the worker die."""
+
+    helper_key = "t:t-forking:helper"
+
+    def setup(self) -> None:
+        pid = os.fork()
+        if pid == 0:  # the helper: holds every descriptor the worker had, its status pipe too
+            time.sleep(600)
+            os._exit(0)
+        _redis().rpush(self.helper_key, pid)
+
+    def predict(self, x: Any) -> Any:
+        if x == -1:
+            os._exit(9)
+        return x + 1
+
+
+forking = Pipeline("t-forking").add(Forking)
+
+
+class SlowSetup(Stage):
+    """A model that takes a minute to load; says when its load began."""
+
+    began_key = "t:t-slow-setup:began"
+
+    def setup(self) -> None:
+        _redis().rpush(self.began_key, os.getpid())
+        time.sleep(60)
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
+slow_setup = Pipeline("t-slow-setup").add(SlowSetup)
+
+
 # -- foreign producers ---------------------------------------------------------------------
 
 # f(x) = 2 (x + 1); x = GUARD_REFUSES - 1 fails in Guard.

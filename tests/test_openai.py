@@ -84,7 +84,8 @@ def test_a_text_over_the_models_length_is_refused_unless_truncate_is_asked() -> 
     long = "w " * 10
     status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long]})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert "input 1 is longer than the model 'emb' takes (it was read as far as its first 6 tokens)" in body["error"]["message"]
+    assert "input 1 is longer than the model 'emb' takes (it was read as far as its first 6 tokens)" \
+        in body["error"]["message"]
     status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long], "truncate": True})
     assert status == 200 and body["usage"]["prompt_tokens"] == 3 + 6, body
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -154,6 +155,75 @@ def test_another_stop_request_while_workers_finish_their_batch_kills_them(redis_
         assert time.monotonic() - asked < 5, proc.report()
         assert "another stop request: killing it" in proc.log_path.read_text(), proc.report()
         assert redis_client.xpending(stream, GROUP)["pending"] == 1  # not lost: delivered again to the next
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+
+
+def test_a_stop_with_stuck_detection_off_waits_for_a_batch_past_its_deadlines(redis_url: str,
+                                                                             redis_client: redis.Redis,
+                                                                             tmp_path: Path) -> None:
+    """stuck_grace_s=None (calls this long are meant): a SIGTERM while a batch ran past its items' deadlines
+    crashed the supervisor (TypeError formatting None), leaving the worker running and exiting 1."""
+    stream = Keys("t-patient").stream(0)
+    proc = start_worker(redis_url, "tests.stages:patient", "Patient", log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-patient", T, workers={"Patient": 1}, diagnostics=proc.report)
+        deadline_ms = int(time.time() * 1000) + 300
+        redis_client.xadd(stream, {"id": "late-1", "data": encode(-3), "deadline_ms": str(deadline_ms), "v": "1"})
+        wait_for(lambda: redis_client.xpending(stream, GROUP)["pending"] == 1, T, "the worker holding it", proc.report)
+        wait_for(lambda: time.time() * 1000 > deadline_ms + 300, T, "its deadline passed")
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(T) == 0, proc.report()
+        assert "Traceback" not in proc.log() and "killing" not in proc.log(), proc.report()
+        assert redis_client.xpending(stream, GROUP)["pending"] == 0  # its batch finished and committed
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+
+
+def test_a_worker_dead_while_a_process_it_forked_lives_is_restarted_and_its_helper_killed(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """The supervisor heard of a death only from its status pipe closing; a helper forked by setup() holds
+    the pipe, so a dead worker was never restarted (its stage one worker short until a restart by hand)."""
+    proc = start_worker(redis_url, "tests.stages:forking", "Forking", workers=1, log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-forking", T, workers={"Forking": 1}, diagnostics=proc.report)
+        helper = int(redis_client.lindex(stages.Forking.helper_key, 0) or 0)
+        assert psutil.pid_exists(helper)
+
+        async def main() -> int:
+            async with Gateway(redis_url, "t-forking") as gw:
+                with contextlib.suppress(Exception):  # its worker dies: dead-lettered or timed out
+                    await gw.predict(-1, timeout_s=3)
+                return int(await gw.predict(1, timeout_s=T))  # served by the worker started again
+
+        assert asyncio.run(main()) == 2, proc.report()
+        assert "worker exited" in proc.log(), proc.report()
+        wait_for(lambda: not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE,
+                 T, "the dead worker's helper killed", proc.report)
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+        for pid in redis_client.lrange(stages.Forking.helper_key, 0, -1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        redis_client.delete(stages.Forking.helper_key)
+
+
+def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(redis_url: str, redis_client: redis.Redis,
+                                                                 tmp_path: Path) -> None:
+    """A worker in setup() has read nothing: SIGTERM waited for its minute of loading (then grace_s, then
+    SIGKILL), three Ctrl-Cs in a row included."""
+    redis_client.delete(stages.SlowSetup.began_key)
+    proc = start_worker(redis_url, "tests.stages:slow_setup", "SlowSetup", log_dir=tmp_path)
+    try:
+        wait_for(lambda: redis_client.llen(stages.SlowSetup.began_key) == 1, T, "the model's load begun", proc.report)
+        asked = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(T) == 0, proc.report()
+        assert time.monotonic() - asked < 5, proc.report()
+        assert "stopped while its stage's setup() ran" in proc.log(), proc.report()
     finally:
         if proc.popen.poll() is None:
             kill_group(proc.popen)

@@ -85,6 +85,7 @@ class Worker:
         self.claim_cpu = claim_cpu
         self._busy = busy
         self.ready = False
+        self.loading = False  # in the stage's setup(): nothing read yet, a stop need not wait for it
         self.stopping = False  # set by a signal handler: a plain flag, never a lock
         self._wake = Wake()  # the heartbeat's: a stop ends its wait, to interrupt the worker's read
         self._told_idle = self._drained_told = False  # one 'I' after the first batch: not a crash loop
@@ -170,9 +171,13 @@ class Worker:
 
     def _setup_and_loop(self) -> None:
         stage = self.spec.cls(**self.spec.kwargs)
-        with LoadingBeacon(self.redis_settings, self.pipeline.keys, self.spec.index, self.consumer,
-                           self.settings.heartbeat_s):
-            stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
+        self.loading = True
+        try:
+            with LoadingBeacon(self.redis_settings, self.pipeline.keys, self.spec.index, self.consumer,
+                               self.settings.heartbeat_s):
+                stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
+        finally:
+            self.loading = False
         self._predictor = Predictor(stage, self.spec, self._busy, self._problems.wrong_length, self._handoff)
         self._level_batch = LevelBatch(self._router, self._cancels, self._heartbeat.lease, self._forward_sizing,
                                        self._ahead, functools.partial(self._predict, deliveries=None, handoff=False),

@@ -65,6 +65,11 @@ def read_settings(stream: IO[bytes]) -> ChildSettings:
     return ChildSettings.from_json(stream.readline())
 
 
+class StopWhileLoading(BaseException):
+    """Raised by the stop signal's handler inside the stage's ``setup()`` (not an Exception: a setup
+    that catches those still stops), which may take minutes for a model that nobody waits for."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.process.child")
     parser.add_argument("--app", required=True)
@@ -105,14 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(pipeline, spec, RedisSettings(settings.redis_url), args.consumer, settings.worker,
                     StatusPipe(args.status_fd), previous_exit=args.previous_exit, claim_cpu=claim_cpu, busy=busy,
                     traces=TraceSettings.from_env(os.environ))  # OTEL_*: the worker's environment, read now
+    return _run(worker, spec.name)
 
+
+def _run(worker: Worker, stage: str) -> int:
+    """The worker's life, stopped by SIGTERM or SIGINT; its exit code for the supervisor."""
     def on_signal(signum: int, frame: FrameType | None) -> None:
         worker.request_stop()
+        if worker.loading:  # the model still loading, nothing read: no batch to finish, no need to wait
+            raise StopWhileLoading
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         worker.run()
+    except StopWhileLoading:
+        logging.getLogger("conveyor.worker").info("stopped while its stage's setup() ran stage=%s", stage)
+        return 0
     except (PipelineMismatch, UnsupportedServer) as exc:  # in one line: the supervisor stops after a few
         logging.getLogger("conveyor.worker").error("%s", exc)
         return EXIT_SETUP_FAILED

@@ -217,6 +217,9 @@ class Supervisor:
                 _drain(key.fd)
             else:
                 self._on_pipe(key.data)
+        for slot in self.slots:  # dead, its status pipe still open: a process it forked holds the pipe
+            if slot.proc is not None and slot.pipe is not None and slot.proc.poll() is not None:
+                self._on_exit(slot)
 
     def _drain_companions(self) -> None:
         """Stop the companions first, while the workers still run to answer what they admitted.
@@ -332,6 +335,7 @@ class Supervisor:
             log.error("worker pid=%d closed its status pipe: killing it", slot.proc.pid)
             slot.proc.kill()
             returncode = slot.proc.wait()
+        _kill_group(slot.proc.pid)  # what it forked (a stage's helper) dies with it, not with the next one
         slot.history.append(returncode)
         now = time.monotonic()
         if slot.parked:  # stopped by autoscaling: not to be restarted
@@ -377,14 +381,15 @@ class Supervisor:
         requests = self.stop_requests
         for slot in live:
             assert slot.proc is not None
-            if self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
-                # Its batch is past every deadline: nobody waits for it, and it may be stuck.
-                self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
+            if slot.spec.stuck_grace_s is not None and self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
+                # Its batch is past every deadline: nobody waits for it (stuck_grace_s=None: calls this long are meant).
+                log.warning("stopping: worker pid=%d runs a batch past every deadline of its items: not waited for, "
+                            "killed (what it read is delivered again, and answered as expired)", slot.proc.pid)
+                _kill(slot.proc)
             if not self._exited(slot.proc, deadline, requests):
                 why = "another stop request" if self.stop_requests != requests else "did not stop within grace_s"
                 log.error("worker pid=%d %s: killing it (what it read is delivered again)", slot.proc.pid, why)
-                slot.proc.kill()
-                slot.proc.wait()
+                _kill(slot.proc)
             if slot.pipe is not None:
                 self._selector.unregister(slot.pipe)
                 os.close(slot.pipe)
@@ -406,6 +411,19 @@ class Supervisor:
                 if left <= 0.25:
                     return False
         return proc.poll() is not None
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a worker and what it forked (its session's group), and reap it."""
+    proc.kill()
+    proc.wait()
+    _kill_group(proc.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a worker's process group (each worker leads its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
