@@ -137,6 +137,18 @@ def test_kill_keeps_dir_then_start_again(private_redis: EmbeddedRedis) -> None:
     assert ping(url)
 
 
+def test_a_keeper_brings_redis_back_when_its_directory_was_removed_meanwhile(private_redis: EmbeddedRedis) -> None:
+    """A /tmp cleaner removed the directory, then the server died: starting it again opened redis.out in
+    a directory that was gone, and the FileNotFoundError ended `conveyor run` (the gateway not drained)."""
+    from workers.embedded.keeper import RedisKeeper
+
+    url = private_redis.url
+    private_redis.kill()
+    shutil.rmtree(private_redis.directory)
+    RedisKeeper(private_redis).keep()
+    assert private_redis.url == url and ping(url)
+
+
 def test_early_exit_reports_log_and_cleans_up(tmp_tempdir: Path) -> None:
     server = EmbeddedRedis(extra_args=["--no-such-option", "1"])
     with pytest.raises(EmbeddedRedisError, match="no-such-option") as info:

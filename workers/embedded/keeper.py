@@ -32,7 +32,7 @@ class RedisKeeper:
                   "again the requests it lost", self.server.exit_status())
         try:
             self.server.start()
-        except EmbeddedRedisError as exc:
+        except (EmbeddedRedisError, OSError) as exc:  # OSError: its directory or binary gone, no room...
             delay_s = self._backoff.next_delay_s()
             self._next_try_s = time.monotonic() + delay_s
             log.error("embedded Redis did not start again (retrying in %.1fs): %s", delay_s, exc)

@@ -179,6 +179,8 @@ class EmbeddedRedis:
         created = self._dir is None
         if self._dir is None:
             self._dir = _make_dir() if self._chosen_dir is None else claim_dir(self._chosen_dir)
+        elif not self._dir.is_dir():  # removed while the server was down (a /tmp cleaner): made again, same path
+            self._dir = claim_dir(self._dir)
         try:
             self._spawn(self._binary)
             self._wait_ready()
