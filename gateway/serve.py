@@ -129,8 +129,7 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
     try:
         while not stop.is_set():
             try:
-                await backend.start()
-                return True
+                return await _unless_stopped(backend.start(), stop)  # False: stopped while a start waited
             except CONNECTION_ERRORS as exc:
                 attempts += 1
                 if throttle.allow("unreachable") is not None:
@@ -141,6 +140,23 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+async def _unless_stopped(start: Any, stop: asyncio.Event) -> bool:
+    """Whether ``start`` ended before ``stop`` was set (then cancelled): a Redis that accepts connections
+    but does not answer holds a start for its socket timeout, which a SIGTERM must not wait out."""
+    started, stopped = asyncio.ensure_future(start), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not started.done():
+        started.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *CONNECTION_ERRORS):
+            await started
+        return False
+    started.result()  # its error, if it failed
+    return True
 
 
 def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:

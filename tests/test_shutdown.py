@@ -9,6 +9,7 @@ embedded Redis's directory must be gone.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -254,3 +255,34 @@ def test_a_detached_redis_is_out_of_ctrl_c_reach_yet_dies_with_its_owner(tmp_pat
     with EmbeddedRedis(directory=redis_dir, detach=True) as again:
         assert again.url == f"unix://{redis_dir}/redis.sock"
     assert not redis_dir.exists()
+
+
+def test_a_gateway_whose_redis_never_answers_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    """A Redis that accepts connections but never answers (a hung server, a black-holing proxy) held the
+    gateway's start for its socket timeout: a SIGTERM then waited ~10 s. The start now races the stop."""
+    accepted: list[socket.socket] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(T)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while len(accepted) < 8:
+                    accepted.append(listener.accept()[0])  # held open, never answered
+
+        threading.Thread(target=accept, daemon=True).start()
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        with (tmp_path / "gateway.log").open("wb") as log:
+            gateway = subprocess.Popen(conveyor_argv("gateway", "blackholed", "--redis", url, "--port", "0"),
+                                       cwd=REPO_ROOT, env=conveyor_env(), stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        try:
+            wait_for(lambda: accepted, T, "the gateway's connection to the silent Redis")
+            asked = time.monotonic()
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(T)
+            assert time.monotonic() - asked < 3, (tmp_path / "gateway.log").read_text()
+        finally:
+            if gateway.poll() is None:
+                kill_group(gateway)
+            for conn in accepted:
+                conn.close()
