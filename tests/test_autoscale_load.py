@@ -192,6 +192,16 @@ def test_the_stages_of_one_supervisor_share_the_cores(redis_url: str, redis_clie
         scaling.close()
 
 
+def test_a_containers_cpu_limit_caps_the_workers_as_its_cores_do(redis_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod limited to 2 CPUs on a 64-core node (no exclusive cpuset): 2 workers at most, not 64."""
+    monkeypatch.setattr(scaling_module, "allowed_cpus", lambda: list(range(64)))
+    monkeypatch.setattr(scaling_module, "usable_cores", lambda affinity: min(affinity, 2))
+    pipeline = Pipeline("t-load-quota").add(Slow, workers=(1, 8))
+    scaling = Scaling(_units(pipeline), [], redis_url, "sup-test")
+    assert scaling._auto is not None and [s.scaler.high for s in scaling._auto._stages.values()] == [2]
+
+
 def test_a_stage_with_explicit_cpus_runs_one_worker_per_named_core(redis_url: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scaling_module, "allowed_cpus", lambda: [0, 1, 2, 3])

@@ -38,6 +38,7 @@ from broker.protocol import now_ms
 from broker.refusals import log_refusal_once
 from broker.scaling import ScaleRecord, StageLoad, forget_scale, prune_scale, publish_scale, read_load
 from workers.pipeline import StageSpec
+from workers.process.cgroups import usable_cores
 from workers.process.pinning import allowed_cpus
 
 if TYPE_CHECKING:
@@ -267,7 +268,9 @@ class Scaling:
         self._slots = slots
         scaled = {str(i): u for i, u in enumerate(units) if u.max_count > u.count and u.keys is not None}
         self._units = scaled
-        cores = len(allowed_cpus())
+        affinity = len(allowed_cpus())
+        cores = usable_cores(affinity)  # a container's CPU limit counts, not only its cpuset
+        limited = f" (a CPU limit of the container: {affinity} cores seen)" if cores < affinity else ""
         # Together the stages never run more workers than the cores (each at its minimum at least): the
         # room left is shared as they scale (Autoscaler.room).
         fixed = sum(u.count for u in units if u not in scaled.values())
@@ -276,7 +279,7 @@ class Scaling:
             others = sum(u.count for u in units if u is not unit)  # every other stage at its minimum
             assert unit.keys is not None and self._auto is not None
             cap = max(unit.count, cores - others)
-            why = f"{cores} cores to claim, {others} taken by the other stages' minimums"
+            why = f"{cores} cores to claim{limited}, {others} taken by the other stages' minimums"
             if unit.spec.cpus and len(set(unit.spec.cpus)) < cap:  # one worker per core it names, as pinned
                 cap, why = max(unit.count, len(set(unit.spec.cpus))), f"its cpus name {len(set(unit.spec.cpus))}"
             if cap < unit.max_count:  # said once: the range shown (status, logs) is the capped one
