@@ -286,3 +286,34 @@ def test_a_gateway_whose_redis_never_answers_stops_at_once_on_sigterm(tmp_path: 
                 kill_group(gateway)
             for conn in accepted:
                 conn.close()
+
+
+
+SCRIPT_ORPHANED_BEFORE_PRCTL = """
+import os, sys, time
+from workers.process.procs import detached_preexec
+preexec = detached_preexec()  # made in the parent, as the supervisor makes it
+me, marks = os.getpid(), sys.argv[1]
+child = os.fork()
+if child == 0:
+    while os.getppid() == me:  # the parent gone before the child's prctl: the race, made certain
+        time.sleep(0.01)
+    preexec()
+    open(marks, "a").write(" survived")  # an orphan that no one would ever stop
+    os._exit(0)
+open(marks, "a").write(str(child))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_whose_supervisor_died_before_its_prctl_stops_itself(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG only covers a parent that dies after the call: a supervisor killed between the
+    fork and the call left its worker orphaned and unsupervised for good (the gateway already checked)."""
+    marks = tmp_path / "marks"
+    script = subprocess.run([sys.executable, "-c", SCRIPT_ORPHANED_BEFORE_PRCTL, str(marks)], cwd=REPO_ROOT,
+                            env=conveyor_env(), timeout=T)
+    assert script.returncode == 0
+    child = int(marks.read_text().split()[0])
+    wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, T,
+             "the orphan's end")
+    assert "survived" not in marks.read_text()

@@ -15,6 +15,7 @@ them; on Linux each child asks the kernel for SIGTERM when its parent dies
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -38,7 +39,11 @@ def detached_preexec() -> Callable[[], None] | None:
     except (OSError, AttributeError):
         return None
 
+    parent = os.getpid()
+
     def preexec() -> None:
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between the fork and the call: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
