@@ -88,6 +88,8 @@ def test_a_text_over_the_models_length_is_refused_unless_truncate_is_asked() -> 
         in body["error"]["message"]
     status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long], "truncate": True})
     assert status == 200 and body["usage"]["prompt_tokens"] == 3 + 6, body
+    status, body = _call(served, "POST", "/v1/embeddings", {"model": "emb", "input": ["a", long], "truncate": None})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body  # null: false (TEI)
 
 
 def test_base64_is_the_float32_bytes() -> None:

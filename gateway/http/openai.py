@@ -104,7 +104,9 @@ class Query:
             raise OpenAIError(400, f"encoding_format must be 'float' or 'base64', got {self.encoding!r}",
                               param="encoding_format")
         self.dimensions = doc.get("dimensions")
-        self.truncate = doc.get("truncate", False)
+        self.truncate = doc.get("truncate")
+        if self.truncate is None:  # absent or null, as encoding_format and dimensions (and TEI) take it: false
+            self.truncate = False
         if not isinstance(self.truncate, bool):
             raise OpenAIError(400, f"truncate must be true or false, got {self.truncate!r}", param="truncate")
 
