@@ -156,7 +156,7 @@ async def _unless_stopped(start: Any, stop: asyncio.Event) -> bool:
             await started
         return False
     started.result()  # its error, if it failed
-    return True
+    return not stop.is_set()  # both in one turn: the stop is not lost
 
 
 def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:

@@ -145,8 +145,9 @@ def test_a_keeper_brings_redis_back_when_its_directory_was_removed_meanwhile(pri
     url = private_redis.url
     private_redis.kill()
     shutil.rmtree(private_redis.directory)
-    RedisKeeper(private_redis).keep()
+    RedisKeeper(private_redis, ["p1", "p2"]).keep()
     assert private_redis.url == url and ping(url)
+    assert (private_redis.directory / "pipelines").read_text().split() == ["p1", "p2"]  # found by them again
 
 
 def test_early_exit_reports_log_and_cleans_up(tmp_tempdir: Path) -> None:

@@ -290,8 +290,9 @@ def test_a_gateway_whose_redis_never_answers_stops_at_once_on_sigterm(tmp_path: 
 
 
 SCRIPT_ORPHANED_BEFORE_PRCTL = """
-import os, sys, time
+import os, signal, sys, time
 from workers.process.procs import detached_preexec
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the supervisor's handler only sets a flag
 preexec = detached_preexec()  # made in the parent, as the supervisor makes it
 me, marks = os.getpid(), sys.argv[1]
 child = os.fork()
@@ -308,7 +309,8 @@ open(marks, "a").write(str(child))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_whose_supervisor_died_before_its_prctl_stops_itself(tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG only covers a parent that dies after the call: a supervisor killed between the
-    fork and the call left its worker orphaned and unsupervised for good (the gateway already checked)."""
+    fork and the call left its worker orphaned and unsupervised for good (the gateway already checked). Not
+    by a SIGTERM to itself: before exec the child still has the parent's Python handler, which catches it."""
     marks = tmp_path / "marks"
     script = subprocess.run([sys.executable, "-c", SCRIPT_ORPHANED_BEFORE_PRCTL, str(marks)], cwd=REPO_ROOT,
                             env=conveyor_env(), timeout=T)

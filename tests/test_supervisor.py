@@ -40,6 +40,7 @@ from tests.helpers import (
     wait_for,
     wait_ready,
 )
+from workers.process.supervisor import REPEAT_WITHIN_S
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
@@ -148,7 +149,10 @@ def test_another_stop_request_while_workers_finish_their_batch_kills_them(redis_
         redis_client.xadd(stream, {"id": "long-1", "data": encode(-60), "v": "1"})  # a foreign producer's
         wait_for(lambda: redis_client.xpending(stream, GROUP)["pending"] == 1, T, "the worker holding it", proc.report)
         proc.popen.send_signal(signal.SIGTERM)
+        first = time.monotonic()
         wait_for(lambda: "finish their batch" in proc.log_path.read_text(), T, "the workers' stop", proc.report)
+        # Not within REPEAT_WITHIN_S of the first: that would be the same stop said twice.
+        wait_for(lambda: time.monotonic() - first > REPEAT_WITHIN_S + 0.1, T, "a distinct second request")
         asked = time.monotonic()
         proc.popen.send_signal(signal.SIGTERM)
         proc.popen.wait(T)
@@ -158,6 +162,50 @@ def test_another_stop_request_while_workers_finish_their_batch_kills_them(redis_
     finally:
         if proc.popen.poll() is None:
             kill_group(proc.popen)
+
+
+def test_a_stop_said_twice_at_once_still_lets_the_workers_finish_their_batch(redis_url: str, redis_client: redis.Redis,
+                                                                             tmp_path: Path) -> None:
+    """A closed terminal sends SIGHUP twice, milliseconds apart: taken as two requests, the second killed the
+    workers mid-batch. One stop said twice is one stop: the batch is finished and committed."""
+    stream = Keys("t-sleepy").stream(0)
+    proc = start_worker(redis_url, "tests.stages:sleepy", "Sleepy", workers=1, log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-sleepy", T, workers={"Sleepy": 1}, diagnostics=proc.report)
+        redis_client.xadd(stream, {"id": "twice-1", "data": encode(-2), "v": "1"})
+        wait_for(lambda: redis_client.xpending(stream, GROUP)["pending"] == 1, T, "the worker holding it", proc.report)
+        proc.popen.send_signal(signal.SIGHUP)
+        first = time.monotonic()
+        wait_for(lambda: "finish their batch" in proc.log_path.read_text(), T, "the workers' stop", proc.report)
+        if time.monotonic() - first > 0.4:  # REPEAT_WITHIN_S (0.5 s) with a margin
+            pytest.skip("the stop phase began too late to repeat the stop within REPEAT_WITHIN_S of the first")
+        proc.popen.send_signal(signal.SIGHUP)  # the same stop again, the workers already told to stop
+        assert proc.popen.wait(T) == 0, proc.report()
+        assert "killing" not in proc.log(), proc.report()
+        assert redis_client.xpending(stream, GROUP)["pending"] == 0  # finished and committed
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+
+
+def test_what_a_worker_forked_does_not_outlive_a_clean_stop(redis_url: str, redis_client: redis.Redis,
+                                                             tmp_path: Path) -> None:
+    redis_client.delete(stages.Forking.helper_key)
+    proc = start_worker(redis_url, "tests.stages:forking", "Forking", workers=1, log_dir=tmp_path)
+    try:
+        wait_ready(redis_url, "t-forking", T, workers={"Forking": 1}, diagnostics=proc.report)
+        helper = int(redis_client.lindex(stages.Forking.helper_key, 0) or 0)
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(T) == 0, proc.report()
+        wait_for(lambda: not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE,
+                 T, "the worker's helper gone with it", proc.report)
+    finally:
+        if proc.popen.poll() is None:
+            kill_group(proc.popen)
+        for pid in redis_client.lrange(stages.Forking.helper_key, 0, -1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        redis_client.delete(stages.Forking.helper_key)
 
 
 def test_a_stop_with_stuck_detection_off_waits_for_a_batch_past_its_deadlines(redis_url: str,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import FrameType
@@ -44,7 +46,7 @@ from workers.numbers import Count, Seconds
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.pinning import PIN_MODES, PinningError
-from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
+from workers.process.supervisor import REPEAT_WITHIN_S, Supervisor, SupervisorSettings, Unit
 
 COMMAND_GROUP = "conveyor.commands"
 log = logging.getLogger("conveyor.run")
@@ -150,9 +152,13 @@ class _EarlyStop:
 
     def __init__(self) -> None:
         self.count = 0
+        self._last_s = -math.inf
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
+        now = time.monotonic()
+        if now - self._last_s >= REPEAT_WITHIN_S:  # as the supervisor counts them
+            self.count += 1
+            self._last_s = now
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -167,8 +173,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, supervisor.request_stop)
-    for _ in range(early.count if early is not None else 0):
-        supervisor.request_stop()
+    supervisor.replay_stops(early.count if early is not None else 0)
     try:
         return supervisor.run()
     except PinningError as exc:
@@ -282,7 +287,7 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
-        keepers = [RedisKeeper(embedded)] if embedded is not None else []  # brought back if it dies
+        keepers = [RedisKeeper(embedded, names)] if embedded is not None else []  # brought back if it dies
         code = _supervise(Supervisor(units, child, settings, companions=[gateway], keepers=keepers), early)
     finally:
         if gateway is not None and gateway.proc is not None:

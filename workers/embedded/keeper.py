@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from broker.connection import Backoff
+from broker.local_runs import list_pipelines
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError
 
 log = logging.getLogger("conveyor.run")
 
 
 class RedisKeeper:
-    def __init__(self, server: EmbeddedRedis) -> None:
+    def __init__(self, server: EmbeddedRedis, listed: Sequence[str] = ()) -> None:
+        """``listed``: the pipelines the run serves, listed again in the server's directory after a
+        restart (the directory may have been made again: commands find the run by that list)."""
         self.server = server
+        self.listed = list(listed)
         self.restarts = 0
         self._backoff = Backoff(base_s=0.5, cap_s=10.0)
         self._next_try_s = 0.0
@@ -37,6 +42,8 @@ class RedisKeeper:
             self._next_try_s = time.monotonic() + delay_s
             log.error("embedded Redis did not start again (retrying in %.1fs): %s", delay_s, exc)
             return
+        if self.listed:
+            list_pipelines(self.server.directory, self.listed)
         self.restarts += 1
         self._backoff.reset()
         log.warning("embedded Redis is back (restart %d)", self.restarts)

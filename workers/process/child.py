@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(worker: Worker, stage: str) -> int:
     """The worker's life, stopped by SIGTERM or SIGINT; its exit code for the supervisor."""
+    own = os.getpid()
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != own:  # a process the stage forked, which inherited this handler: as if it had none
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         worker.request_stop()
         if worker.loading:  # the model still loading, nothing read: no batch to finish, no need to wait
             raise StopWhileLoading

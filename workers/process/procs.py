@@ -44,6 +44,6 @@ def detached_preexec() -> Callable[[], None] | None:
     def preexec() -> None:
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died between the fork and the call: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(1)  # not a SIGTERM: before exec, the parent's Python handlers would catch it
 
     return preexec

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import selectors
@@ -46,6 +47,8 @@ from workers.process.scaling import Scaling
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
+# Stop requests closer than this are one (a closed terminal sends SIGHUP twice, milliseconds apart).
+REPEAT_WITHIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,25 @@ class Supervisor:
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
         self.stop_requests = 0  # one more while the workers finish their batch: they are killed
+        self._last_request_s = -math.inf
         self.slots: list[WorkerSlot] = []
 
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
         """Signal handler: the first call starts the ordered stop, a second one hurries it (the
         gateway's drain cut short; the workers killed if they are finishing their batch already)."""
+        now = time.monotonic()
+        if now - self._last_request_s < REPEAT_WITHIN_S:
+            return  # the same stop said twice (a closed terminal sends SIGHUP twice): not an escalation
+        self._last_request_s = now
         self.hurry = self.stopping
         self.stopping = True
         self.stop_requests += 1
+
+    def replay_stops(self, count: int) -> None:
+        """``count`` stop requests made before the supervisor ran (``conveyor run``'s start), each one."""
+        for _ in range(count):
+            self._last_request_s = -math.inf
+            self.request_stop()
 
     def _make_slots(self) -> None:
         allowed = allowed_cpus()
@@ -369,6 +383,7 @@ class Supervisor:
             self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, frozen)
 
     def _stop_all(self) -> None:
+        requests = self.stop_requests  # before anything is said or sent: a request after it escalates
         live = [s for s in self.slots if s.proc is not None]
         if live:
             log.info("stopping: the %d workers finish their batch, commit and exit (up to %gs)",
@@ -378,7 +393,6 @@ class Supervisor:
             if slot.proc is not None and slot.proc.poll() is None:
                 slot.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.grace_s
-        requests = self.stop_requests
         for slot in live:
             assert slot.proc is not None
             if slot.spec.stuck_grace_s is not None and self._stuck.unwanted(slot.index) and slot.proc.poll() is None:
@@ -390,6 +404,7 @@ class Supervisor:
                 why = "another stop request" if self.stop_requests != requests else "did not stop within grace_s"
                 log.error("worker pid=%d %s: killing it (what it read is delivered again)", slot.proc.pid, why)
                 _kill(slot.proc)
+            _kill_group(slot.proc.pid)  # what it forked does not outlive it, stopped cleanly or not
             if slot.pipe is not None:
                 self._selector.unregister(slot.pipe)
                 os.close(slot.pipe)
