@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from broker.keys import GROUP
 from tests.test_k8s_manifests import PASSWORD, by_kind, pipelines, settings_for, worker_deployments
+from workers import Pipeline, Stage
 from workers.cli import main
 from workers.k8s.manifests import STOP_MARGIN_S, dns_name, manifests
 from workers.k8s.settings import K8sError, RedisTarget, batch_bound_s
@@ -222,6 +223,42 @@ def test_names_are_dns_labels_and_stay_apart() -> None:
     assert dns_name("7up", "A_b") == "c-7up-a-b"
     long_a, long_b = dns_name("p" * 80, "a"), dns_name("p" * 80, "b")
     assert long_a != long_b and len(long_a) <= 53 and len(long_b) <= 53
+
+
+def test_pipelines_and_stages_whose_names_lose_characters_keep_apart_selectors_and_names() -> None:
+    """Labels were cut at 63 characters with no hash, and non-ASCII names all became "x": two pipelines'
+    Services selected each other's gateways (callers got the other model's answers), and 模型's objects
+    replaced 型号's."""
+    def gateway_of(name: str, *stages: str) -> tuple[dict[str, str], set[str]]:
+        pipeline = Pipeline(name)
+        for stage in stages:
+            pipeline.add(_Echo, name=stage)
+        docs = manifests(pipeline, settings_for())
+        [service] = by_kind(docs, "Service")
+        return service["spec"]["selector"], {d["metadata"]["name"] for d in docs}
+
+    for a, b in (("a" * 70 + "-one", "a" * 70 + "-two"), ("模型", "型号")):
+        (selector_a, names_a), (selector_b, names_b) = gateway_of(a, "S"), gateway_of(b, "S")
+        assert selector_a != selector_b and not names_a & names_b, (selector_a, names_a, names_b)
+    long = "s" * 70
+    docs = manifests(Pipeline("two-long").add(_Echo, name=long + "1").add(_Echo, name=long + "2"), settings_for())
+    selectors = [json.dumps(d["spec"]["selector"]["matchLabels"], sort_keys=True) for d in worker_deployments(docs)]
+    assert len(set(selectors)) == 2
+
+
+def test_the_gateway_serves_the_prefix_the_pipeline_is_written_with() -> None:
+    """A prefix given in the pipeline's code reached the workers (they load the code) and KEDA, not the
+    gateway, which looked under the default prefix: never ready, every request UnknownPipeline."""
+    docs = manifests(Pipeline("pref", prefix="tenant1").add(_Echo, name="S"), settings_for())
+    [gateway] = [d for d in by_kind(docs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"]
+                 == "gateway"]
+    command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--prefix") + 1] == "tenant1"
+
+
+class _Echo(Stage):
+    def predict(self, x: Any) -> Any:
+        return x
 
 
 # -- the YAML writer ----------------------------------------------------------------------------------

@@ -56,15 +56,23 @@ def dns_name(*parts: str) -> str:
     name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-") or "x"
     if not name[0].isalpha():  # a Service name (DNS-1035) starts with a letter
         name = f"c-{name}"
-    if len(name) <= MAX_NAME - 10:  # room for the ReplicaSet's and the pod's suffixes in the pod's name
+    if len(name) <= MAX_NAME - 10 and not _LOSSY.search(raw):  # room for the ReplicaSet's and pod's suffixes
         return name
     digest = hashlib.sha1(raw.encode()).hexdigest()[:8]
     return f"{name[:MAX_NAME - 19].rstrip('-')}-{digest}"
 
 
+# Characters a name or label loses for good (non-ASCII, blanks, slashes...): with them, a hash keeps two names
+# apart (模型 and 型号 were both "x"). Case, "_" and "." are kept readable.
+_LOSSY = re.compile(r"[^A-Za-z0-9_.-]")
+
+
 def _label(value: str) -> str:
-    """A label value: at most 63 of ``[A-Za-z0-9_.-]``, alphanumeric at both ends."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "-", value)[:63]
+    """A label value: at most 63 of ``[A-Za-z0-9_.-]``, alphanumeric at both ends; with a hash of the value
+    where it had to be cut or changed, so that two pipelines' (or stages') selectors never match each other's pods."""
+    cleaned = _LOSSY.sub("-", value)
+    if len(cleaned) > 63 or cleaned != value:
+        cleaned = f"{cleaned[:54]}-{hashlib.sha1(value.encode()).hexdigest()[:8]}"
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned) or "x"
 
 
@@ -148,7 +156,8 @@ def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_
     Liveness (``/healthz``) starts only once the startup probe has seen the port answer: a gateway that
     starts while Redis is away has no port yet, and restarting it would only add CrashLoopBackOff's delay."""
     labels = _labels(pipeline, "gateway")
-    command = ["conveyor", "gateway", pipeline.name, "--host", "0.0.0.0", "--port", str(settings.port),
+    command = ["conveyor", "gateway", pipeline.name, "--prefix", pipeline.prefix, "--host", "0.0.0.0",
+               "--port", str(settings.port),
                "--timeout-s", f"{settings.timeout_s:g}", "--drain-timeout-s", f"{settings.drain_s:g}"]
     if to_zero:
         command.append("--no-fail-fast")
