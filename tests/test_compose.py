@@ -246,7 +246,7 @@ def test_compose_file_follows_the_deployment_rules() -> None:
 
     redis = services["redis"]
     assert redis["image"] == "redis:7"
-    assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
+    assert redis["healthcheck"]["test"] == "redis-cli ping | grep -Eq 'PONG|NOAUTH'"  # LOADING exits 0 too
     assert any(v.startswith("./compose/redis.conf:") for v in redis["volumes"])
     assert "/usr/local/etc/redis/redis.conf" in command(redis)
     assert "ports" not in redis, "Redis must not be published on the host by default"
@@ -291,7 +291,7 @@ def test_podman_override_uses_host_network_and_loopback() -> None:
     port = redis_cmd[redis_cmd.index("--port") + 1]
     assert port != "6379", "must not clash with the Redis already on 127.0.0.1:6379"
     assert redis_cmd[redis_cmd.index("--bind") + 1] == "127.0.0.1"
-    assert port in services["redis"]["healthcheck"]["test"]
+    assert f"-p {port} ping" in services["redis"]["healthcheck"]["test"]
     for name in ("gateway", *STAGES):
         assert environment(services[name])["CONVEYOR_REDIS_URL"] == f"redis://127.0.0.1:{port}/0", name
     gateway_cmd = command(services["gateway"])
@@ -591,3 +591,27 @@ def test_services_run_as_local_processes_end_to_end(local_stack: LocalCompose) -
         time.sleep(0.05)
     leftovers = [p.name for p in stack.procs if process_group_alive(p.popen.pid)]
     assert not leftovers, f"processes left behind by {leftovers}\n{stack.report()}"
+
+
+def _enabled(service: dict[str, Any]) -> bool:
+    return not service.get("profiles")
+
+
+@pytest.mark.parametrize("extra", ["embeddings.yml", "external-redis.yml", None],
+                         ids=["embeddings", "external-redis", "alone"])
+def test_no_started_service_requires_a_disabled_one_and_the_gateway_stops_first(extra: str | None) -> None:
+    """Docker Compose v2 refuses `up` when a started service depends (required) on one a profile disables:
+    the embeddings override kept the gateway's dependency on Scale and Shift, moved to a profile, so its
+    documented `up` failed; the external-Redis override reset every dependency, and compose then stopped the
+    gateway with the workers rather than before them (it stops in reverse dependency order)."""
+    env = {"CONVEYOR_REDIS_URL": "redis://elsewhere:6379/0"}
+    files = (COMPOSE_FILE,) if extra is None else (COMPOSE_FILE, ROOT / "compose" / extra)
+    services = compose_config(*files, env=env)["services"]
+    for name, service in services.items():
+        if not _enabled(service):
+            continue
+        for needed, how in (service.get("depends_on") or {}).items():
+            if how.get("required", True):
+                assert needed in services and _enabled(services[needed]), (name, needed)
+    workers = {name for name, s in services.items() if _enabled(s) and "worker" in command(s)[:2]}
+    assert workers and workers <= set(services["gateway"].get("depends_on") or {}), (workers, services["gateway"])
