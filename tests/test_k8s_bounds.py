@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 
 from workers import Pipeline, Stage
 from workers.cli import main
-from workers.k8s.manifests import GATEWAY_MARGIN_S, manifests
+from workers.k8s.manifests import GATEWAY_MARGIN_S, GATEWAY_PRESTOP_S, manifests
 from workers.k8s.settings import INT32_MAX, INT64_MAX, K8sError, K8sSettings
 
 pytestmark = pytest.mark.unit
@@ -46,7 +46,7 @@ def test_a_drain_timeout_the_gateway_would_refuse_is_refused(value: str) -> None
 def test_a_weeks_drain_is_written_within_int64() -> None:
     result = k8s("--drain-timeout-s", "604800")
     assert result.exit_code == 0, result.output
-    assert max(grace_periods(result.output)) == 604800 + GATEWAY_MARGIN_S
+    assert max(grace_periods(result.output)) == 604800 + GATEWAY_PRESTOP_S + GATEWAY_MARGIN_S
 
 
 @pytest.mark.parametrize("option, value", [("--gateway-replicas", INT32_MAX + 1), ("--polling-interval", INT32_MAX + 1),

@@ -34,6 +34,9 @@ Manifest = dict[str, Any]
 
 STOP_MARGIN_S = 10  # beyond a worker's grace: the supervisor's own stop and the last commit's round trip
 GATEWAY_MARGIN_S = 10  # beyond the gateway's drain
+# A gateway told to stop closes its port at once, while Kubernetes takes it out of its Service's endpoints
+# asynchronously: callers would meet refused connections at every rollout. It waits this long first.
+GATEWAY_PRESTOP_S = 5
 # An exec probe starts a Python that imports redis-py: ~0.4 s of CPU, taken from the pod's one core; every
 # 15 s that is ~3 %, and a new pod is found ready within 15 s of its model load.
 PROBE_PERIOD_S = 15
@@ -175,12 +178,13 @@ def gateway_deployment(pipeline: Pipeline, name: str, settings: K8sSettings, to_
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
         "securityContext": {"allowPrivilegeEscalation": False},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(GATEWAY_PRESTOP_S)]}}},
     }
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, settings, labels), "spec": {
         "replicas": settings.gateway_replicas,
         "selector": {"matchLabels": labels},
         "template": {"metadata": {"labels": labels}, "spec": {
-            "terminationGracePeriodSeconds": grace_seconds(settings.drain_s, GATEWAY_MARGIN_S,
+            "terminationGracePeriodSeconds": grace_seconds(settings.drain_s, GATEWAY_PRESTOP_S + GATEWAY_MARGIN_S,
                                                            "the gateway's terminationGracePeriodSeconds"),
             "securityContext": dict(POD_SECURITY),
             "containers": [container],
