@@ -24,4 +24,4 @@ class Shift(Stage):
 
 
 pipeline = Pipeline("scale-shift", inputs=[Tensor("x", "FP64", (-1,))], outputs=[Tensor("y", "FP64", (-1,))],
-                    batched=True).add(Scale, workers=2, cpus=[0, 1]).add(Shift)
+                    batched=True).add(Scale, workers=2).add(Shift)

@@ -40,3 +40,7 @@ class Gate(Stage):
 
 pipeline = Pipeline("t-k8s-figures").add(Gate, batch_size=4, batch_wait_s=0.0, handoff_after_s=None,
                                          share_bursts=False, stuck_grace_s=None, claim_idle_s=1.0)
+
+
+# A stage pinned to host cores by number (conveyor k8s says why pods should not).
+pinned = Pipeline("t-pinned").add(Gate, cpus=[0, 1])

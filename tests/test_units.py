@@ -460,3 +460,15 @@ def test_keys_names() -> None:
 def test_keys_validation(pipeline: str, prefix: str) -> None:
     with pytest.raises(ValueError):
         Keys(pipeline, prefix)
+
+
+@pytest.mark.parametrize("app", ["examples.scale_shift:pipeline", "examples.streaming:pipeline"])
+def test_the_examples_start_on_a_one_core_machine(app: str) -> None:
+    """The README's first command pinned Scale to cores [0, 1]: on a 1-vCPU machine, or a container whose
+    cpuset lacks core 1, `conveyor run` stopped at once with "cpu 1 is not among the cores"."""
+    from workers.app import load_pipeline
+    from workers.process.pinning import assign_cpus
+
+    for spec in load_pipeline(app).stages:
+        for slot in range(max(spec.workers, spec.max_workers or 0)):
+            assign_cpus(slot, spec.cpus, [0])
