@@ -47,8 +47,7 @@ from workers.process.scaling import Scaling
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
-# Stop requests closer than this are one (a closed terminal sends SIGHUP twice, milliseconds apart).
-REPEAT_WITHIN_S = 0.5
+REPEAT_WITHIN_S = 0.2  # stop requests this close are one: a closed terminal sends SIGHUP twice, ms apart
 
 
 @dataclass(frozen=True)
