@@ -280,7 +280,7 @@ def test_a_gateway_whose_redis_never_answers_stops_at_once_on_sigterm(tmp_path: 
             asked = time.monotonic()
             gateway.send_signal(signal.SIGTERM)
             gateway.wait(T)
-            assert time.monotonic() - asked < 3, (tmp_path / "gateway.log").read_text()
+            assert time.monotonic() - asked < 5, (tmp_path / "gateway.log").read_text()  # was its ~10 s timeout
         finally:
             if gateway.poll() is None:
                 kill_group(gateway)
