@@ -1,8 +1,8 @@
 """Three copies of the scale-shift example under their own names, for bench.oip_gateways (issue 19, goal 2).
 
 Same stages, same declared tensors as ``examples.scale_shift:pipeline``, but one worker per stage
-(the example pins two Scale workers to cores 0 and 1; three copies of that would put six Scale
-workers on two cores). Workers load them as ``bench.oip_apps:ss_a`` and so on.
+(the example runs two Scale workers; three copies of that would put six Scale workers on two cores).
+Workers load them as ``bench.oip_apps:ss_a`` and so on.
 """
 
 from examples.scale_shift import Scale, Shift

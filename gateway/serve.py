@@ -129,7 +129,13 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
     try:
         while not stop.is_set():
             try:
-                return await _unless_stopped(backend.start(), stop)  # False: stopped while a start waited
+                if not await _unless_stopped(backend.start(), stop):
+                    return False  # stopped while a start waited
+                await asyncio.sleep(0)  # a signal that came with the start's end: its callback runs now
+                if stop.is_set():
+                    await backend.close()
+                    return False
+                return True
             except CONNECTION_ERRORS as exc:
                 attempts += 1
                 if throttle.allow("unreachable") is not None:
@@ -156,7 +162,7 @@ async def _unless_stopped(start: Any, stop: asyncio.Event) -> bool:
             await started
         return False
     started.result()  # its error, if it failed
-    return not stop.is_set()  # both in one turn: the stop is not lost
+    return True
 
 
 def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:

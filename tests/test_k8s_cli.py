@@ -19,7 +19,7 @@ from broker.keys import GROUP
 from tests.test_k8s_manifests import PASSWORD, by_kind, pipelines, settings_for, worker_deployments
 from workers import Pipeline, Stage
 from workers.cli import main
-from workers.k8s.manifests import STOP_MARGIN_S, dns_name, manifests
+from workers.k8s.manifests import STOP_MARGIN_S, _label, dns_name, manifests
 from workers.k8s.settings import K8sError, RedisTarget, batch_bound_s
 from workers.k8s.yamlout import dump_all
 
@@ -241,6 +241,7 @@ def test_pipelines_and_stages_whose_names_lose_characters_keep_apart_selectors_a
     for a, b in (("a" * 70 + "-one", "a" * 70 + "-two"), ("模型", "型号")):
         (selector_a, names_a), (selector_b, names_b) = gateway_of(a, "S"), gateway_of(b, "S")
         assert selector_a != selector_b and not names_a & names_b, (selector_a, names_a, names_b)
+    assert len({_label("_x"), _label("x"), _label("x_")}) == 3 and _label("scale-shift") == "scale-shift"
     long = "s" * 70
     docs = manifests(Pipeline("two-long").add(_Echo, name=long + "1").add(_Echo, name=long + "2"), settings_for())
     selectors = [json.dumps(d["spec"]["selector"]["matchLabels"], sort_keys=True) for d in worker_deployments(docs)]

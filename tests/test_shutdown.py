@@ -306,6 +306,40 @@ open(marks, "a").write(str(child))
 """
 
 
+SCRIPT_ORPHANED_BEFORE_EXEC = """
+import os, signal, sys, time
+from workers.process.procs import detached_preexec
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the supervisor's handler only sets a flag
+preexec = detached_preexec()
+marks = sys.argv[1]
+ready_r, ready_w = os.pipe()
+child = os.fork()
+if child == 0:
+    preexec()  # the parent still alive: the signal is armed
+    os.write(ready_w, b"x")
+    for _ in range(500):  # the parent dies now, before this child's exec: PDEATHSIG's SIGTERM comes here
+        time.sleep(0.01)
+    open(marks, "a").write(" survived")
+    os._exit(0)
+os.read(ready_r, 1)
+open(marks, "a").write(str(child))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_whose_supervisor_died_before_its_exec_stops_itself(tmp_path: Path) -> None:
+    """Between fork and exec the child has the parent's Python SIGTERM handler: PDEATHSIG's SIGTERM was caught
+    by it (a flag set in a copy nobody reads), and the worker execed on as an orphan."""
+    marks = tmp_path / "marks"
+    script = subprocess.run([sys.executable, "-c", SCRIPT_ORPHANED_BEFORE_EXEC, str(marks)], cwd=REPO_ROOT,
+                            env=conveyor_env(), timeout=T)
+    assert script.returncode == 0
+    child = int(marks.read_text().split()[0])
+    wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, T,
+             "the orphan's end")
+    assert "survived" not in marks.read_text()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_whose_supervisor_died_before_its_prctl_stops_itself(tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG only covers a parent that dies after the call: a supervisor killed between the

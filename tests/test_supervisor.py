@@ -148,13 +148,10 @@ def test_another_stop_request_while_workers_finish_their_batch_kills_them(redis_
 
         redis_client.xadd(stream, {"id": "long-1", "data": encode(-60), "v": "1"})  # a foreign producer's
         wait_for(lambda: redis_client.xpending(stream, GROUP)["pending"] == 1, T, "the worker holding it", proc.report)
-        proc.popen.send_signal(signal.SIGTERM)
-        first = time.monotonic()
+        proc.popen.send_signal(signal.SIGINT)  # Ctrl-C, then again at once: both count (only SIGHUP pairs are one)
         wait_for(lambda: "finish their batch" in proc.log_path.read_text(), T, "the workers' stop", proc.report)
-        # Not within REPEAT_WITHIN_S of the first: that would be the same stop said twice.
-        wait_for(lambda: time.monotonic() - first > REPEAT_WITHIN_S + 0.1, T, "a distinct second request")
         asked = time.monotonic()
-        proc.popen.send_signal(signal.SIGTERM)
+        proc.popen.send_signal(signal.SIGINT)
         proc.popen.wait(T)
         assert time.monotonic() - asked < 5, proc.report()
         assert "another stop request: killing it" in proc.log_path.read_text(), proc.report()

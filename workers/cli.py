@@ -156,8 +156,9 @@ class _EarlyStop:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if now - self._last_s >= REPEAT_WITHIN_S:  # as the supervisor counts them
+        if signum != signal.SIGHUP or now - self._last_s >= REPEAT_WITHIN_S:  # as the supervisor counts them
             self.count += 1
+        if signum == signal.SIGHUP:
             self._last_s = now
 
     def install(self) -> None:

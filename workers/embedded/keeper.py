@@ -43,7 +43,10 @@ class RedisKeeper:
             log.error("embedded Redis did not start again (retrying in %.1fs): %s", delay_s, exc)
             return
         if self.listed:
-            list_pipelines(self.server.directory, self.listed)
+            try:
+                list_pipelines(self.server.directory, self.listed)
+            except OSError as exc:  # the run goes on; commands without --redis may not find it
+                log.error("could not list the run's pipelines in %s: %s", self.server.directory, exc)
         self.restarts += 1
         self._backoff.reset()
         log.warning("embedded Redis is back (restart %d)", self.restarts)

@@ -73,10 +73,10 @@ _LOSSY = re.compile(r"[^A-Za-z0-9_.-]")
 def _label(value: str) -> str:
     """A label value: at most 63 of ``[A-Za-z0-9_.-]``, alphanumeric at both ends; with a hash of the value
     where it had to be cut or changed, so that two pipelines' (or stages') selectors never match each other's pods."""
-    cleaned = _LOSSY.sub("-", value)
+    cleaned = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", _LOSSY.sub("-", value))
     if len(cleaned) > 63 or cleaned != value:
-        cleaned = f"{cleaned[:54]}-{hashlib.sha1(value.encode()).hexdigest()[:8]}"
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned) or "x"
+        cleaned = f"{cleaned[:54]}-{hashlib.sha1(value.encode()).hexdigest()[:8]}".lstrip("-")
+    return cleaned
 
 
 def _meta(name: str, settings: K8sSettings, labels: dict[str, str]) -> dict[str, Any]:

@@ -28,8 +28,7 @@ _PR_SET_PDEATHSIG = 1
 def detached_preexec() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux), or None.
 
-    libc is loaded here, in the parent, so that the function run between fork and exec only
-    makes one system call.
+    libc is loaded here, in the parent, so that the function run between fork and exec does little.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -42,6 +41,8 @@ def detached_preexec() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:
+        # Until exec, the child has the parent's Python handlers, which would catch PDEATHSIG's SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died between the fork and the call: no signal will come
             os._exit(1)  # not a SIGTERM: before exec, the parent's Python handlers would catch it

@@ -47,7 +47,7 @@ from workers.process.scaling import Scaling
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
-REPEAT_WITHIN_S = 0.2  # stop requests this close are one: a closed terminal sends SIGHUP twice, ms apart
+REPEAT_WITHIN_S = 0.2  # SIGHUPs this close are one stop (a Ctrl-C always counts)
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,11 @@ class Supervisor:
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
         """Signal handler: the first call starts the ordered stop, a second one hurries it (the
         gateway's drain cut short; the workers killed if they are finishing their batch already)."""
-        now = time.monotonic()
-        if now - self._last_request_s < REPEAT_WITHIN_S:
-            return  # the same stop said twice (a closed terminal sends SIGHUP twice): not an escalation
-        self._last_request_s = now
+        if signum == signal.SIGHUP:  # a closed terminal sends it twice, ms apart: the same stop, not a second
+            now = time.monotonic()
+            if now - self._last_request_s < REPEAT_WITHIN_S:
+                return
+            self._last_request_s = now
         self.hurry = self.stopping
         self.stopping = True
         self.stop_requests += 1
@@ -135,7 +136,6 @@ class Supervisor:
     def replay_stops(self, count: int) -> None:
         """``count`` stop requests made before the supervisor ran (``conveyor run``'s start), each one."""
         for _ in range(count):
-            self._last_request_s = -math.inf
             self.request_stop()
 
     def _make_slots(self) -> None:
