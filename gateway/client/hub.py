@@ -1,20 +1,18 @@
 """One gateway process's side of Redis, shared by every pipeline it serves: submissions out, answers in.
 
-Thousands of concurrent requests share a handful of connections' worth of round trips. Each
-pipeline partition a process submits to is a :class:`Lane` with its own outbox; one flusher task
-writes every lane's turn of submissions in one round trip (one ``EVALSHA submit.lua`` per lane that
-has requests: :class:`broker.submit.Submissions`). Workers push the answers of a whole batch as one
-element onto the process's reply list, which one reader task pops (:class:`broker.replies.ReplyList`)
-and fans out to the waiting requests (as saq's multiplexer does). On one Redis a process has **one
-reply list, whatever the number of pipelines** (``<prefix>:reply:<gateway id>``); on a Redis Cluster
-a script may touch keys of one slot only, so there it has one per lane (``P:reply:<gateway id>``, in
-the partition's slot), each with its reader. The per-request result key stays the durable record:
-after a reconnect the reader re-reads the keys of every request still in flight.
+Thousands of concurrent requests share a handful of connections' worth of round trips. Each pipeline
+partition a process submits to is a :class:`Lane` with its own outbox; one flusher task writes every lane's
+turn of submissions in one round trip (one ``EVALSHA submit.lua`` per lane that has requests:
+:class:`broker.submit.Submissions`). Workers push the answers of a whole batch as one element onto the
+process's reply list, which one reader task pops (:class:`broker.replies.ReplyList`) and fans out to the
+waiting requests (as saq's multiplexer does). On one Redis a process has **one reply list, whatever the
+number of pipelines** (``<prefix>:reply:<gateway id>``); on a Redis Cluster a script may touch keys of one
+slot only, so there it has one per lane (``P:reply:<gateway id>``, in the partition's slot), each with its
+reader. The result key stays the durable record: after a reconnect the reader re-reads those in flight.
 
-Each request in flight is one :class:`InFlight` record in one table (``Hub.requests``, by request
-id, in age order): its lane's outbox, the deadline timer (gateway.client.deadlines) and the resends
-of what Redis forgot (gateway.client.recall) read it; a request leaves the table once answered,
-expired or refused, and whatever else still names it skips it then."""
+Each request in flight is one :class:`InFlight` record in one table (``Hub.requests``, by id, in age order):
+its lane's outbox, the deadline timer (gateway.client.deadlines) and the resends of what Redis forgot
+(gateway.client.recall) read it; it leaves the table once answered, expired or refused."""
 
 from __future__ import annotations
 
@@ -123,8 +121,7 @@ class Hub:
         return len(self.requests)
 
     def lane(self, keys: Keys, stages: Callable[[], int] = lambda: 0) -> Lane:
-        """The lane of one pipeline partition (made at its first use); ``stages``: the pipeline's
-        stage count once known (for the audit of old requests)."""
+        """A pipeline partition's lane (made at first use); ``stages``: its stage count once known (the audit)."""
         for lane in self._lanes.values():
             if lane.keys == keys:
                 return lane
@@ -173,16 +170,14 @@ class Hub:
         if len(requests) >= self.settings.max_in_flight or (request_id is not None and request_id in requests):
             request_id = self._admit(lane, request_id)  # raises
         elif request_id is None:
-            lane.counter += 1
-            request_id = b"%b%d" % (lane.id_prefix, lane.counter)
+            request_id = self._new_id(lane)
         waiter: Answer | Slot = Slot(self.loop) if direct else new_answer(self.loop, self.cancel)
         self._add(lane, request_id, data, timeout_s, waiter)
         return waiter
 
     def enqueue_stream(self, lane: Lane, data: bytes, timeout_s: float, max_buffered: int,
                        request_id: bytes | None = None) -> StreamSink:
-        """:meth:`enqueue` for a streamed answer: its chunks arrive in a `StreamSink` that holds at most
-        ``max_buffered`` of them not yet taken (else the stream is cancelled: StreamLagged)."""
+        """:meth:`enqueue` for a streamed answer: its chunks go to a `StreamSink` of at most ``max_buffered``."""
         request_id = self._admit(lane, request_id)
         sink = StreamSink(self.loop, max_buffered)
         sink.on_abandon = self.cancel
@@ -196,11 +191,17 @@ class Hub:
             raise Overloaded(f"gateway has {len(requests)} requests in flight "
                              f"(max_in_flight={self.settings.max_in_flight})")
         if request_id is None:
-            lane.counter += 1
-            return b"%b%d" % (lane.id_prefix, lane.counter)
+            return self._new_id(lane)
         if request_id in requests:
             raise ValueError(f"request id {request_id.decode()!r} is already in flight: ids must be unique")
         return request_id
+
+    def _new_id(self, lane: Lane) -> bytes:
+        """The lane's next id not in flight (a caller may have given its own in the lane's form)."""
+        while True:
+            lane.counter += 1
+            if (request_id := b"%b%d" % (lane.id_prefix, lane.counter)) not in self.requests:
+                return request_id
 
     def _add(self, lane: Lane, request_id: bytes, data: bytes, timeout_s: float, waiter: Answer | Slot) -> None:
         loop = self.loop  # not asyncio.get_running_loop(): on 3.11 that is a getpid syscall per call
@@ -336,8 +337,7 @@ class Hub:
         return lane, batch, unlink, lane.traces(batch) if traced else ()
 
     async def _send(self, turns: list[Turn]) -> list[Turn]:
-        """Each lane's ``submit.lua`` call, all in one round trip; returns the turns whose call may or
-        may not have run (the connection was lost)."""
+        """Each lane's ``submit.lua`` call, in one round trip; the turns that may not have run (connection lost)."""
         outcomes = await self._submissions.send([
             (lane.submitter, [r.submission for r in batch], unlink, lane.sizing.entries(len(batch)), traces)
             for lane, batch, unlink, traces in turns])
