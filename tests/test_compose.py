@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -618,16 +617,3 @@ def test_no_started_service_requires_a_disabled_one_and_the_gateway_stops_first(
     workers = {name for name, s in services.items() if _enabled(s) and "worker" in command(s)[:2]}
     assert workers and workers <= set(services["gateway"].get("depends_on") or {}), (workers, services["gateway"])
 
-
-@pytest.mark.parametrize("extra", ["embeddings.yml", "external-redis.yml"])
-def test_podman_compose_reads_every_documented_combination(extra: str) -> None:
-    """podman-compose cannot read an `!override` tag holding a map: a fix for Docker Compose written that way
-    broke `-f compose/embeddings.yml` under podman, which the test loader above (our own) did not see."""
-    tool = shutil.which("podman-compose")
-    if tool is None:
-        pytest.skip("podman-compose not installed")
-    for files in ((COMPOSE_FILE, ROOT / "compose" / extra), (COMPOSE_FILE, ROOT / "compose" / extra, PODMAN_OVERRIDE)):
-        argv = [tool, *(arg for path in files for arg in ("-f", str(path))), "config"]
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "CONVEYOR_REDIS_URL": "redis://elsewhere:6379/0"})
-        assert done.returncode == 0, done.stderr[-2000:]

@@ -319,3 +319,17 @@ def test_compose_up_scale_serve_down_under_podman(project: Project) -> None:
     codes = {c["Names"][0]: c.get("ExitCode") for c in project.containers()}
     assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{project.logs()}"
     project.timed("down", "down", "-v", "-t", "10")
+
+
+@pytest.mark.usefixtures("podman")
+@pytest.mark.parametrize("extra", ["embeddings.yml", "external-redis.yml"])
+def test_podman_compose_reads_every_documented_combination(extra: str) -> None:
+    """podman-compose cannot read an `!override` tag holding a map: a fix for Docker Compose written that way
+    broke `-f compose/embeddings.yml` under podman, which tests/test_compose.py's own loader did not see."""
+    tool = shutil.which("podman-compose")
+    assert tool is not None
+    compose = ROOT / "docker-compose.yml"
+    for files in ((compose, ROOT / "compose" / extra), (compose, ROOT / "compose" / extra, ROOT / OVERRIDE)):
+        argv = [tool, *(arg for path in files for arg in ("-f", str(path))), "config"]
+        done = _run(argv, timeout=60, cwd=ROOT, env={**os.environ, "CONVEYOR_REDIS_URL": "redis://elsewhere:6379/0"})
+        assert done.returncode == 0, done.stderr[-2000:]
