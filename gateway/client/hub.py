@@ -307,9 +307,11 @@ class Hub:
     def _fail(self, records: list[InFlight], error: Callable[[], Exception]) -> None:
         """Fail these requests at once, each with an exception of its own."""
         requests = self.requests
-        for record in records:
-            if requests.pop(record.submission[0], None) is not None and not record.waiter.done():
-                record.waiter.set_exception(error())
+        for record in records:  # the record itself: its id may be in flight again, another request's now
+            if requests.get(record.submission[0]) is record:
+                del requests[record.submission[0]]
+                if not record.waiter.done():
+                    record.waiter.set_exception(error())
 
     # -- the flushers: every lane's turn in one round trip -----------------------------------
 
@@ -428,11 +430,9 @@ class Hub:
         return [lane for lane in self._lanes.values() if lane.reply_key == reply_key]
 
     async def _recover(self, replies: ReplyList, reread: bool) -> None:
-        """After a reconnect: send again what the server forgot if it is another run; ``reread`` (not at
-        the start, when nothing popped can have been lost) the durable result keys of the unary requests
-        in flight whose answers come to ``replies`` (a popped element may have been lost with the
-        connection). Not a stream's: its end record read there would come before its chunks still in
-        the list (a false StreamInterrupted)."""
+        """After a reconnect: send again what the server forgot if it is another run; ``reread`` (not at the
+        start) the result keys of the unary requests in flight answered on ``replies`` (a popped element may
+        have been lost). Not a stream's: its end record would come before its chunks (StreamInterrupted)."""
         lanes = self._lanes_of(replies.key)
         await self.recall.check_run(replies.client, replies.key, lanes)
         for lane in lanes if reread else ():
