@@ -330,14 +330,7 @@ open(marks, "a").write(str(child))
 def test_a_worker_whose_supervisor_died_before_its_exec_stops_itself(tmp_path: Path) -> None:
     """Between fork and exec the child has the parent's Python SIGTERM handler: PDEATHSIG's SIGTERM was caught
     by it (a flag set in a copy nobody reads), and the worker execed on as an orphan."""
-    marks = tmp_path / "marks"
-    script = subprocess.run([sys.executable, "-c", SCRIPT_ORPHANED_BEFORE_EXEC, str(marks)], cwd=REPO_ROOT,
-                            env=conveyor_env(), timeout=T)
-    assert script.returncode == 0
-    child = int(marks.read_text().split()[0])
-    wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, T,
-             "the orphan's end")
-    assert "survived" not in marks.read_text()
+    assert "survived" not in _orphan_fate(SCRIPT_ORPHANED_BEFORE_EXEC, tmp_path / "marks")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -345,11 +338,15 @@ def test_a_worker_whose_supervisor_died_before_its_prctl_stops_itself(tmp_path: 
     """PR_SET_PDEATHSIG only covers a parent that dies after the call: a supervisor killed between the
     fork and the call left its worker orphaned and unsupervised for good (the gateway already checked). Not
     by a SIGTERM to itself: before exec the child still has the parent's Python handler, which catches it."""
-    marks = tmp_path / "marks"
-    script = subprocess.run([sys.executable, "-c", SCRIPT_ORPHANED_BEFORE_PRCTL, str(marks)], cwd=REPO_ROOT,
-                            env=conveyor_env(), timeout=T)
-    assert script.returncode == 0
+    assert "survived" not in _orphan_fate(SCRIPT_ORPHANED_BEFORE_PRCTL, tmp_path / "marks")
+
+
+def _orphan_fate(script: str, marks: Path) -> str:
+    """Run ``script`` (it writes its child's pid to ``marks``, the child " survived" if it outlives its
+    parent by 5 s), wait for the child's end, and return what ``marks`` holds then."""
+    done = subprocess.run([sys.executable, "-c", script, str(marks)], cwd=REPO_ROOT, env=conveyor_env(), timeout=T)
+    assert done.returncode == 0
     child = int(marks.read_text().split()[0])
     wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, T,
              "the orphan's end")
-    assert "survived" not in marks.read_text()
+    return marks.read_text()

@@ -28,6 +28,7 @@ from gateway import Gateway
 from tests import stages
 from tests.helpers import (
     REPO_ROOT,
+    WorkerProc,
     alive,
     conveyor_argv,
     conveyor_env,
@@ -197,12 +198,17 @@ def test_what_a_worker_forked_does_not_outlive_a_clean_stop(redis_url: str, redi
         wait_for(lambda: not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE,
                  T, "the worker's helper gone with it", proc.report)
     finally:
-        if proc.popen.poll() is None:
-            kill_group(proc.popen)
-        for pid in redis_client.lrange(stages.Forking.helper_key, 0, -1):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        redis_client.delete(stages.Forking.helper_key)
+        _end_forking(proc, redis_client)
+
+
+def _end_forking(proc: WorkerProc, redis_client: redis.Redis) -> None:
+    """The Forking stage's supervisor and every helper its workers forked, gone whatever the test did."""
+    if proc.popen.poll() is None:
+        kill_group(proc.popen)
+    for pid in redis_client.lrange(stages.Forking.helper_key, 0, -1):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    redis_client.delete(stages.Forking.helper_key)
 
 
 def test_a_stop_with_stuck_detection_off_waits_for_a_batch_past_its_deadlines(redis_url: str,
@@ -248,12 +254,7 @@ def test_a_worker_dead_while_a_process_it_forked_lives_is_restarted_and_its_help
         wait_for(lambda: not psutil.pid_exists(helper) or psutil.Process(helper).status() == psutil.STATUS_ZOMBIE,
                  T, "the dead worker's helper killed", proc.report)
     finally:
-        if proc.popen.poll() is None:
-            kill_group(proc.popen)
-        for pid in redis_client.lrange(stages.Forking.helper_key, 0, -1):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        redis_client.delete(stages.Forking.helper_key)
+        _end_forking(proc, redis_client)
 
 
 def test_a_stop_while_the_model_loads_does_not_wait_for_the_load(redis_url: str, redis_client: redis.Redis,
