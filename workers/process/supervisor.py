@@ -412,7 +412,6 @@ class Supervisor:
         if live:
             log.info("stopping: workers stopped after %.1fs", time.monotonic() - started)
 
-
     def _exited(self, proc: subprocess.Popen[bytes], deadline: float, requests: int) -> bool:
         """Whether ``proc`` exits by ``deadline``; False at once on a stop request past ``requests``
         (looked at every quarter second: an impatient operator's Ctrl-C is obeyed, not queued)."""
@@ -428,10 +427,9 @@ class Supervisor:
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a worker and what it forked (its session's group), and reap it."""
+    """SIGKILL a worker and reap it (what it forked: :func:`_kill_group`, after)."""
     proc.kill()
     proc.wait()
-    _kill_group(proc.pid)
 
 
 def _kill_group(pgid: int) -> None:
