@@ -331,7 +331,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 def _key(key: Any) -> Any:
     """A map key msgpack made a list (it was a tuple), as the tuple again: hashable. A loop, not a
     recursion: a key nested as deep as `encode` takes (hundreds of levels) must not pass Python's
-    recursion limit, which made a worker exit on such an input and the gateway drop a reply."""
+    recursion limit, and what `encode` takes, `decode` must give back."""
     if type(key) is not list:
         return key
     stack: list[tuple[list[Any], list[Any]]] = [(key, [])]  # (a list, its items made keys so far)

@@ -22,7 +22,7 @@ from pathlib import Path
 from broker.connection import DEFAULT_REDIS_URL, check_redis_url
 from broker.probe import answers
 
-__all__ = ["CHOICE_HELP", "Chosen", "choose_redis", "list_pipelines", "run_dir", "unlist_pipelines"]
+__all__ = ["CHOICE_HELP", "LISTING", "Chosen", "choose_redis", "list_pipelines", "run_dir"]
 
 LISTING = "pipelines"  # in a run's directory: the pipelines it serves, one per line
 CHOICE_HELP = ("Default: a `conveyor run` of the pipeline on this machine (its /tmp/conveyor-<pipeline>/redis.sock), "
@@ -64,11 +64,6 @@ def choose_redis(given: str | None, pipelines: Sequence[str]) -> Chosen:
 def list_pipelines(directory: Path, pipelines: Sequence[str]) -> None:
     """Write a run's ``pipelines`` file, by which :func:`choose_redis` finds the run of a module's pipelines."""
     (directory / LISTING).write_text("".join(f"{name}\n" for name in pipelines))
-
-
-def unlist_pipelines(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        (directory / LISTING).unlink()
 
 
 def _sockets_of(name: str) -> Iterator[Path]:

@@ -137,17 +137,22 @@ def test_kill_keeps_dir_then_start_again(private_redis: EmbeddedRedis) -> None:
     assert ping(url)
 
 
-def test_a_keeper_brings_redis_back_when_its_directory_was_removed_meanwhile(private_redis: EmbeddedRedis) -> None:
+def test_a_keeper_brings_redis_back_when_its_directory_was_removed_meanwhile(tmp_tempdir: Path) -> None:
     """A /tmp cleaner removed the directory, then the server died: starting it again opened redis.out in
     a directory that was gone, and the FileNotFoundError ended `conveyor run` (the gateway not drained)."""
     from workers.embedded.keeper import RedisKeeper
 
-    url = private_redis.url
-    private_redis.kill()
-    shutil.rmtree(private_redis.directory)
-    RedisKeeper(private_redis, ["p1", "p2"]).keep()
-    assert private_redis.url == url and ping(url)
-    assert (private_redis.directory / "pipelines").read_text().split() == ["p1", "p2"]  # found by them again
+    server = EmbeddedRedis(listed=["p1", "p2"])
+    server.start()
+    try:
+        url = server.url
+        server.kill()
+        shutil.rmtree(server.directory)
+        RedisKeeper(server).keep()
+        assert server.url == url and ping(url)
+        assert (server.directory / "pipelines").read_text().split() == ["p1", "p2"]  # found by them again
+    finally:
+        server.stop()
 
 
 def test_early_exit_reports_log_and_cleans_up(tmp_tempdir: Path) -> None:

@@ -41,7 +41,7 @@ from tests.helpers import (
     wait_for,
     wait_ready,
 )
-from workers.process.supervisor import REPEAT_WITHIN_S
+from workers.process.procs import REPEAT_WITHIN_S
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import FrameType
@@ -35,7 +33,7 @@ from broker.connection import (
     safe_url,
     unreachable,
 )
-from broker.local_runs import CHOICE_HELP, choose_redis, list_pipelines, unlist_pipelines
+from broker.local_runs import CHOICE_HELP, choose_redis
 from broker.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure_logging
 from broker.numbers import expire_problem, pin_ttl_problem, ttl_ms
 from workers.app import AppError, load_pipeline, load_pipelines
@@ -46,7 +44,8 @@ from workers.numbers import Count, Seconds
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.pinning import PIN_MODES, PinningError
-from workers.process.supervisor import REPEAT_WITHIN_S, Supervisor, SupervisorSettings, Unit
+from workers.process.procs import HangupRepeats
+from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
 
 COMMAND_GROUP = "conveyor.commands"
 log = logging.getLogger("conveyor.run")
@@ -152,14 +151,11 @@ class _EarlyStop:
 
     def __init__(self) -> None:
         self.count = 0
-        self._last_s = -math.inf
+        self._repeats = HangupRepeats()  # counted as the supervisor counts them
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
-        if signum != signal.SIGHUP or now - self._last_s >= REPEAT_WITHIN_S:  # as the supervisor counts them
+        if not self._repeats(signum):
             self.count += 1
-        if signum == signal.SIGHUP:
-            self._last_s = now
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -174,7 +170,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def _supervise(supervisor: Supervisor, early: _EarlyStop | None = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, supervisor.request_stop)
-    supervisor.replay_stops(early.count if early is not None else 0)
+    for _ in range(early.count if early is not None else 0):
+        supervisor.request_stop()
     try:
         return supervisor.run()
     except PinningError as exc:
@@ -255,15 +252,13 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
     embedded = None
     if redis_url is None:
         home = names[0] if len(names) == 1 else app.replace(".", "-")
-        embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(home), detach=True)
+        embedded = EmbeddedRedis(directory=redis_dir or default_redis_dir(home), detach=True, listed=names)
     gateway: Companion | None = None
     code = 1
     early = _EarlyStop()
     early.install()
     try:
         url = _start_redis(embedded) if embedded is not None else str(redis_url)
-        if embedded is not None:  # how `conveyor worker`, `gateway` and `status` find it without --redis
-            list_pipelines(embedded.directory, names)
         click.echo(f"conveyor: {_plural(names)}, Redis at {safe_url(url)}")
         if embedded is not None:
             click.echo(f"conveyor: from another shell:  export CONVEYOR_REDIS_URL={url}")
@@ -288,13 +283,11 @@ def run(app: str, redis_url: str | None, redis_dir: Path | None, host: str, port
         child = ChildSettings(url, child.prefix, child.worker, child.log_format, child.log_level)
         # The gateway's own drain ends at grace_s: the supervisor's cut-off comes after it, not with it.
         settings = SupervisorSettings(grace_s=grace_s, drain_s=grace_s + 2.0)
-        keepers = [RedisKeeper(embedded, names)] if embedded is not None else []  # brought back if it dies
+        keepers = [RedisKeeper(embedded)] if embedded is not None else []  # brought back if it dies
         code = _supervise(Supervisor(units, child, settings, companions=[gateway], keepers=keepers), early)
     finally:
         if gateway is not None and gateway.proc is not None:
             _stop_process(gateway.proc)  # already stopped by the supervisor, unless start-up failed
-        if embedded is not None and embedded.started:
-            unlist_pipelines(embedded.directory)
         if embedded is not None and embedded.running:
             log.info("stopping: the embedded Redis")
             embedded.stop()

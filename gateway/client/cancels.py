@@ -42,8 +42,7 @@ class Canceller:
         now_s = time.monotonic()
         held = self._held
         # Held in the order they expire (one hold time; an id held again moves to the end): the expired are
-        # at the front. Pruning them there is O(1) a hold; rebuilding the dict past 4,096 live ones was
-        # O(n) a hold, and 16,000 timeouts at once held the event loop 4.7 s.
+        # at the front, pruned there at O(1) a hold, so that thousands of timeouts at once cost no more.
         while held:
             first = next(iter(held))
             if held[first] > now_s:

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 from broker.connection import Backoff
-from broker.local_runs import list_pipelines
 from workers.embedded.server import EmbeddedRedis, EmbeddedRedisError
 
 log = logging.getLogger("conveyor.run")
 
 
 class RedisKeeper:
-    def __init__(self, server: EmbeddedRedis, listed: Sequence[str] = ()) -> None:
-        """``listed``: the pipelines the run serves, listed again in the server's directory after a
-        restart (the directory may have been made again: commands find the run by that list)."""
+    def __init__(self, server: EmbeddedRedis) -> None:
         self.server = server
-        self.listed = list(listed)
         self.restarts = 0
         self._backoff = Backoff(base_s=0.5, cap_s=10.0)
         self._next_try_s = 0.0
@@ -42,11 +37,6 @@ class RedisKeeper:
             self._next_try_s = time.monotonic() + delay_s
             log.error("embedded Redis did not start again (retrying in %.1fs): %s", delay_s, exc)
             return
-        if self.listed:
-            try:
-                list_pipelines(self.server.directory, self.listed)
-            except OSError as exc:  # the run goes on; commands without --redis may not find it
-                log.error("could not list the run's pipelines in %s: %s", self.server.directory, exc)
         self.restarts += 1
         self._backoff.reset()
         log.warning("embedded Redis is back (restart %d)", self.restarts)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from broker.local_runs import LISTING, list_pipelines
 from broker.probe import probe
 from workers.embedded.binary import BINARY_ENV, find_redis_server
 from workers.embedded.directory import MAX_SOCKET_PATH, EmbeddedRedisError, RedisDirError, claim_dir, default_redis_dir
@@ -39,7 +40,7 @@ _LOG_TAIL_BYTES = 4000
 
 # Files the server and this module create in a chosen directory (removed on stop, then the
 # directory itself if nothing else is left in it).
-_OWN_FILES = ("redis.sock", "redis.log", "redis.out")
+_OWN_FILES = ("redis.sock", "redis.log", "redis.out", LISTING)
 
 
 def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
@@ -86,6 +87,7 @@ class EmbeddedRedis:
         stop_timeout_s: float = _STOP_TIMEOUT_S,
         directory: Path | None = None,
         detach: bool = False,
+        listed: Sequence[str] = (),
     ) -> None:
         """Store settings. ``binary`` defaults to :func:`find_redis_server` at start time.
 
@@ -96,7 +98,9 @@ class EmbeddedRedis:
         removed, then the directory if it is empty) instead of a fresh temporary directory,
         so that the URL is known in advance. ``detach``: run the server in a session of its
         own, so a Ctrl-C in the terminal does not reach it and the owner stops it last (see
-        :mod:`workers.process.procs`); it still dies with its owner on Linux.
+        :mod:`workers.process.procs`); it still dies with its owner on Linux. ``listed``: the
+        pipelines a ``conveyor run`` serves, written in the directory at every start (it may have been
+        made again), by which commands without ``--redis`` find the run (:mod:`broker.local_runs`).
         """
         self._binary = binary
         self._extra_args = tuple(extra_args)
@@ -104,6 +108,7 @@ class EmbeddedRedis:
         self._stop_timeout_s = stop_timeout_s
         self._chosen_dir = directory
         self._detach = detach
+        self._listed = list(listed)
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -143,11 +148,6 @@ class EmbeddedRedis:
         """Whether the server process is alive (it may not be answering yet)."""
         return self.pid is not None
 
-    @property
-    def started(self) -> bool:
-        """Whether its directory exists (from :meth:`start` to :meth:`stop`, the process dead or not)."""
-        return self._dir is not None
-
     def exit_status(self) -> str:
         """How the last server process ended, for a log line ("running" if it has not)."""
         if self._proc is None:
@@ -182,6 +182,8 @@ class EmbeddedRedis:
         elif not self._dir.is_dir():  # removed while the server was down (a /tmp cleaner): made again, same path
             self._dir = claim_dir(self._dir)
         try:
+            if self._listed:
+                list_pipelines(self._dir, self._listed)
             self._spawn(self._binary)
             self._wait_ready()
         except BaseException:

@@ -66,7 +66,7 @@ def dns_name(*parts: str) -> str:
 
 
 # Characters a name or label loses for good (non-ASCII, blanks, slashes...): with them, a hash keeps two names
-# apart (模型 and 型号 were both "x"). Case, "_" and "." are kept readable.
+# apart (模型 and 型号 would both be "x"). Case, "_" and "." are kept readable.
 _LOSSY = re.compile(r"[^A-Za-z0-9_.-]")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import secrets
 import selectors
@@ -42,12 +41,11 @@ from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
-from workers.process.procs import detached_preexec
+from workers.process.procs import HangupRepeats, detached_preexec
 from workers.process.scaling import Scaling
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
-REPEAT_WITHIN_S = 0.2  # SIGHUPs this close are one stop (a Ctrl-C always counts)
 
 
 @dataclass(frozen=True)
@@ -118,25 +116,17 @@ class Supervisor:
         self.stopping = False
         self.hurry = False  # a second stop request: cut the companions' drain short
         self.stop_requests = 0  # one more while the workers finish their batch: they are killed
-        self._last_request_s = -math.inf
+        self._repeats = HangupRepeats()
         self.slots: list[WorkerSlot] = []
 
     def request_stop(self, signum: int = 0, frame: FrameType | None = None) -> None:
         """Signal handler: the first call starts the ordered stop, a second one hurries it (the
         gateway's drain cut short; the workers killed if they are finishing their batch already)."""
-        if signum == signal.SIGHUP:  # a closed terminal sends it twice, ms apart: the same stop, not a second
-            now = time.monotonic()
-            if now - self._last_request_s < REPEAT_WITHIN_S:
-                return
-            self._last_request_s = now
+        if self._repeats(signum):
+            return
         self.hurry = self.stopping
         self.stopping = True
         self.stop_requests += 1
-
-    def replay_stops(self, count: int) -> None:
-        """``count`` stop requests made before the supervisor ran (``conveyor run``'s start), each one."""
-        for _ in range(count):
-            self.request_stop()
 
     def _make_slots(self) -> None:
         allowed = allowed_cpus()
