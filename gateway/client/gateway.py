@@ -307,12 +307,7 @@ class Gateway:
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
         self._check_loop()
         if not self.registration.registered:
-            started = time.monotonic()
-            await self.registration.wait(timeout)
-            timeout -= time.monotonic() - started
-            if timeout <= 0:
-                raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
-                                   "only as the request's deadline passed")
+            timeout = await self._registered_within(timeout)
         if not self.registration.streams:
             raise WrongRoute(f"pipeline {self.pipeline!r} does not stream its answers (its last stage's predict "
                              "returns): use Gateway.predict (HTTP: POST .../predict)")
@@ -393,29 +388,37 @@ class Gateway:
                                priority: int = 0) -> Any:
         """The request's deadline counts from its arrival: the wait for registration spends it. Its
         level is chosen only then, from the registered spec's levels (before it, the gateway knows one)."""
+        remaining = await self._registered_within(timeout_s)
+        if priority:
+            lane = self._at_level(lane, priority)
+        return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
+
+    async def _registered_within(self, timeout_s: float) -> float:
+        """Wait for the pipeline's registration; what is left of ``timeout_s`` then (a request's
+        deadline counts from its arrival: the wait spends it)."""
         started = time.monotonic()
         await self.registration.wait(timeout_s)
         remaining = timeout_s - (time.monotonic() - started)
         if remaining <= 0:
             raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.pipeline!r} was registered "
                                "only as the request's deadline passed")
-        if priority:
-            lane = self._at_level(lane, priority)
-        return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
+        return remaining
 
     async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
         if not self.registration.registered:
-            await self.registration.wait(timeout_s)
+            timeout_s = await self._registered_within(timeout_s)
         down = self.view.down if self.view is not None else frozenset()
         lanes = [lane for lane in self.lanes if lane.keys.partition not in down] or self.lanes
-        n = len(lanes)
+        n, deadline = len(lanes), time.monotonic() + timeout_s
         for attempt in range(n):
             lane = lanes[self._next % n]
             lane = self._at_level(lane, priority) if priority else lane
             self._next = (self._next + 1) % n
             try:
-                # A refused partition forgot the request: the next one may take it under the same id.
-                return await self._submitted(self.hub.enqueue(lane, data, timeout_s, request_id=request_id))
+                # A refused partition forgot the request: the next one may take it under the same id, in what
+                # is left of its time.
+                remaining = timeout_s if attempt == 0 else max(0.001, deadline - time.monotonic())
+                return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
             except Overloaded:
                 if attempt == n - 1:  # every partition is over its max_backlog
                     raise
