@@ -176,8 +176,15 @@ class StreamSink(Slot):
                 self._wakeup = None
 
     def _wake(self) -> None:
+        """Tell the consumer. Its listener runs in the waker's stack (the reply reader's delivery, the deadline
+        timer's walk, a refused turn's failures): as a Slot's done-callback (`Slot._run`), its error is
+        reported, not raised into them, where it would leave the timer unarmed and an element's other answers
+        (or the turn's other failures) undelivered."""
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
         if self._listener is not None:
-            self._listener()
+            try:
+                self._listener()
+            except Exception as exc:
+                self._loop.call_exception_handler({"message": "exception in a StreamSink's listener", "exception": exc})
