@@ -9,6 +9,7 @@ in Redis afterwards. (A Redis Cluster master killed while its replica lagged: te
 from __future__ import annotations
 
 import asyncio
+import collections
 import http.client
 import itertools
 import json
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -306,3 +307,76 @@ def test_the_audit_leaves_the_turn_on_its_way(redis_url: str) -> None:
 
     on_its_way, sent, record = asyncio.run(main())
     assert on_its_way == [] and sent == [record]
+
+
+
+@pytest.mark.parametrize("before", [4, 0], ids=["call-lost", "call-reaches-new-run"])
+def test_another_run_leaves_the_turn_on_its_way(private_redis: EmbeddedRedis, before: int) -> None:
+    """Redis SIGKILLed and started again empty while a turn of submissions is on its way (taken, its call
+    not answered): the reader's reconnect sees another run and sends again what was in flight, but not
+    that turn, whose call reaches the new run or, lost (its connection was to the old run), is queued
+    again by the flusher. Queued by both, each of its requests was added twice to the first stage's
+    stream, and ran twice. What the old run held (``before`` requests) is sent again, once."""
+    from broker.codec import encode
+    from broker.protocol import expand
+    from gateway.client.hub import Hub
+
+    during = 8
+    stream = Keys("t-run-sending").stream(0)
+
+    async def main() -> tuple[collections.Counter[bytes], int]:
+        hub = Hub(private_redis.url, GatewaySettings(timeout_s=T))
+        await hub.start()  # its tasks not run yet: the hooks below see the reader's first check
+        admin = redis.asyncio.Redis.from_url(private_redis.url)
+        waiters: list[Any] = []
+        try:
+            lane = hub.lane(Keys("t-run-sending"))
+            send, check_run = hub._submissions.send, hub.recall.check_run
+            restarted, sends = False, 0
+            checked, on_its_way, another_run = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+            async def held_send(calls: Any) -> Any:
+                nonlocal sends
+                sends += 1
+                try:
+                    if restarted:  # the turn is on its way while the reader reconnects to the new run
+                        on_its_way.set()
+                        await asyncio.wait_for(another_run.wait(), T)
+                    return await send(calls)
+                finally:
+                    sends -= 1
+
+            async def held_check_run(client: Any, reply_key: bytes, lanes: Any) -> None:
+                if restarted:
+                    await asyncio.wait_for(on_its_way.wait(), T)
+                await check_run(client, reply_key, lanes)
+                (another_run if restarted else checked).set()
+
+            hub._submissions.send = held_send  # type: ignore[method-assign]
+            hub.recall.check_run = held_check_run  # type: ignore[method-assign]
+            await asyncio.wait_for(checked.wait(), T)  # the first run recorded
+            waiters += [hub.enqueue(lane, encode(x), T) for x in range(before)]  # lost with the old run
+            await _until(lambda: _requests(admin, stream), before)
+            private_redis.kill()
+            restarted = True
+            waiters += [hub.enqueue(lane, encode(x), T) for x in range(before, before + during)]
+            await asyncio.wait_for(on_its_way.wait(), T)  # their turn taken, held until the new run is seen
+            await asyncio.to_thread(private_redis.start)  # same socket, empty
+            await asyncio.wait_for(another_run.wait(), T)
+
+            async def idle() -> int:
+                return int(not (lane.outbox or lane.sending or sends))
+
+            await _until(idle, 1)
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await admin.xrange(stream))
+            added = collections.Counter(fields[b"id"] for entry_id, entry in entries
+                                        for _, fields in expand(entry_id, entry) if fields is not None)
+            return added, hub.recall.resubmitted
+        finally:
+            await admin.aclose()
+            await hub.close()  # no worker: what is in flight fails ("gateway closed")
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+    added, resubmitted = asyncio.run(asyncio.wait_for(main(), 3 * T))
+    assert sorted(added.values()) == [1] * (before + during), added
+    assert resubmitted == before

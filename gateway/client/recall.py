@@ -69,7 +69,8 @@ class Recall:
         ids = [rid for rid, record in self._requests.items() if record.lane in lanes]
         again = self._send_again(ids)
         log.warning("redis is another run than before (restarted, or failed over) run_id=%s: the %d requests in "
-                    "flight there are sent again (%d queued again, the others not sent yet)", run[:12], len(ids), again)
+                    "flight there are sent again (%d queued again, the others not sent yet or on their way)",
+                    run[:12], len(ids), again)
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -116,7 +117,10 @@ class Recall:
     # -- sending again ---------------------------------------------------------------------------
 
     def _send_again(self, request_ids: Iterable[bytes]) -> int:
-        """Queue these requests again (those not waiting in their lane's outbox already); how many."""
+        """Queue these requests again, but not those waiting in their lane's outbox already, nor the turn on its
+        way (``Lane.sending``): its call reaches the new run (after a failover, maybe the old master: the audit
+        finds it then, as any call sent just after this check), or fails and the flusher queues it again;
+        queued here too, each of its requests was added twice to the stream, and ran twice. How many queued."""
         requests = self._requests
         now_s = time.monotonic()
         by_lane: dict[int, tuple[Lane, list[InFlight]]] = {}
@@ -129,7 +133,7 @@ class Recall:
             requests[rid] = record
             by_lane.setdefault(id(record.lane), (record.lane, []))[1].append(record)
         for lane, records in by_lane.values():
-            queued = {id(r) for r in lane.outbox}
+            queued = {id(r) for r in (*lane.outbox, *lane.sending)}
             again = [r for r in records if id(r) not in queued]
             self.resubmitted += len(again)
             count += len(again)
