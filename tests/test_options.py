@@ -112,6 +112,19 @@ def test_stuck_grace_defaults_on_and_turns_off_with_none() -> None:
         Pipeline("p").add(Shift, share_bursts="no")
 
 
+def test_setup_timeout_is_off_by_default_and_checked() -> None:
+    assert Pipeline("p").add(Shift).stages[0].setup_timeout_s is None
+    assert Pipeline("p").add(Shift, setup_timeout_s=600).stages[0].setup_timeout_s == 600
+
+    class Bounded(Shift):
+        setup_timeout_s = 90.0
+
+    assert Pipeline("p").add(Bounded).stages[0].setup_timeout_s == 90.0
+    for wrong in (0, -1, float("inf"), "600", True):
+        with pytest.raises(PipelineError, match="stage Shift: setup_timeout_s must be a finite number > 0"):
+            Pipeline("p").add(Shift, setup_timeout_s=wrong)
+
+
 def test_conveyor_says_its_version() -> None:
     from importlib.metadata import version
 

@@ -28,8 +28,8 @@ class PipelineError(ValueError):
 STAGE_KNOBS = (
     "name", "workers", "target_wait_s", "scale_down_after_s", "cpus", "threads", "batch_size", "batch_wait_s",
     "batch_policy",
-    "max_run_s", "stuck_grace_s", "handoff_after_s", "max_backlog", "max_deliveries", "claim_idle_s", "share_bursts",
-    "deterministic", "continuous",
+    "max_run_s", "stuck_grace_s", "setup_timeout_s", "handoff_after_s", "max_backlog", "max_deliveries", "claim_idle_s",
+    "share_bursts", "deterministic", "continuous",
 )
 _NOT_OPTIONS = frozenset({"setup", "predict"})
 # What a Stage subclass's body may set: the settings and the other attributes Stage declares

@@ -59,6 +59,9 @@ class StageSpec:
     # A predict still running this long after every item of its batch passed its deadline is
     # stuck: reported with its stack and replaced (workers.process.supervisor). None: never.
     stuck_grace_s: float | None = DEFAULT_STUCK_GRACE_S
+    # A setup() still running this long is stuck: reported with its stack and its worker replaced, as a worker
+    # that died before it was ready (workers.process.supervisor). None (the default): never, only warned of.
+    setup_timeout_s: float | None = None
     # Entries read but not started behind a call running this long (and 4x the longest call of late) are
     # given to the stage's other workers (workers.loop.handoff). None: never.
     handoff_after_s: float | None = DEFAULT_HANDOFF_AFTER_S
@@ -102,7 +105,7 @@ class StageSpec:
         for knob, allow_zero, optional in (("batch_wait_s", True, False), ("claim_idle_s", False, False),
                                            ("target_wait_s", False, False), ("scale_down_after_s", False, False),
                                            ("max_run_s", False, True), ("stuck_grace_s", True, True),
-                                           ("handoff_after_s", False, True)):
+                                           ("setup_timeout_s", False, True), ("handoff_after_s", False, True)):
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_number(name, knob, value, allow_zero=allow_zero)

@@ -105,6 +105,9 @@ class Stage:
     # A predict still running this long past every deadline of its batch is reported with its stack
     # and its worker replaced (default 10 s; Pipeline.add(cls, stuck_grace_s=None) turns it off).
     stuck_grace_s: ClassVar[float | None] = None
+    # A setup() still running this long (a deadlock, a stalled file system) is reported with its stack and its
+    # worker replaced, counted as a failed start (default None: never; a slow load is warned of every minute).
+    setup_timeout_s: ClassVar[float | None] = None
     # Entries read behind a predict call that has run this long (and 4x the longest call of late) go to
     # the stage's other workers (default 1 s; Pipeline.add(cls, handoff_after_s=None) turns it off).
     handoff_after_s: ClassVar[float | None] = None

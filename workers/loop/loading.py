@@ -6,6 +6,10 @@ recently as loading workers, so a stage that is still loading is told apart from
 worker at all (the worker registers the spec before setup, so ``status`` knows the stages).
 Best effort: without Redis the worker loads anyway, and readiness never depends on this (it is
 the heartbeat, written only after setup). The marks are :mod:`broker.liveness`'s.
+
+It also tells the worker's supervisor, in the worker's cell of their shared board
+(:class:`workers.process.watch.BusyCell`), when setup began and when it becomes stuck
+(``setup_timeout_s``): the supervisor warns of a long load and replaces a stuck one.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from types import TracebackType
 from broker.connection import RedisSettings
 from broker.keys import Keys
 from broker.liveness import mark_loading, unmark_loading
+from workers.process.watch import BusyCell
 
 
 class LoadingBeacon:
-    def __init__(self, settings: RedisSettings, keys: Keys, stage: int, consumer: str, interval_s: float) -> None:
+    def __init__(self, settings: RedisSettings, keys: Keys, stage: int, consumer: str, interval_s: float,
+                 busy: BusyCell | None = None, timeout_s: float | None = None) -> None:
+        self._busy = busy
+        self._timeout_s = timeout_s
         self._settings = settings
         self._keys = keys
         self._stage = stage
@@ -29,11 +37,15 @@ class LoadingBeacon:
         self._thread = threading.Thread(target=self._beat, name="loading", daemon=True)
 
     def __enter__(self) -> LoadingBeacon:
+        if self._busy is not None:
+            self._busy.setup(self._timeout_s)
         self._thread.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._busy is not None:
+            self._busy.idle()
         self._done.set()
         self._thread.join(timeout=self._interval_s + 5)
 

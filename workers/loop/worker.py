@@ -170,11 +170,11 @@ class Worker:
         return claim
 
     def _setup_and_loop(self) -> None:
-        stage = self.spec.cls(**self.spec.kwargs)
         self.loading = True
         try:
             with LoadingBeacon(self.redis_settings, self.pipeline.keys, self.spec.index, self.consumer,
-                               self.settings.heartbeat_s):
+                               self.settings.heartbeat_s, self._busy, self.spec.setup_timeout_s):
+                stage = self.spec.cls(**self.spec.kwargs)
                 stage.setup()  # seconds for a model: `conveyor status` shows this worker as loading
         finally:
             self.loading = False

@@ -5,7 +5,9 @@ Each child holds the write end of a pipe and reports 'R' (ready), 'B' (busy) and
 reports or dies (EOF), never polling. A child that dies before it is ready, several times
 in a row, means the stage cannot start here (bad setup, missing model): the supervisor
 stops everything and exits non-zero so compose or Kubernetes replaces the container rather
-than leaving a zombie that looks alive. A child killed after it was ready is replaced.
+than leaving a zombie that looks alive. A child killed after it was ready is replaced. One whose
+``setup()`` runs past its stage's ``setup_timeout_s`` is killed, as one that died before it was ready
+(:mod:`workers.process.watch`); one slow to be ready is warned of every minute (:mod:`workers.process.starts`).
 
 Stopping (SIGTERM, or SIGINT: Ctrl-C) goes in an order, so that no admitted request is lost:
 first the companions (``conveyor run``'s gateway) get SIGTERM and drain, answering every
@@ -43,6 +45,7 @@ from workers.process.companion import Companion
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.process.procs import HangupRepeats, detached_preexec
 from workers.process.scaling import Scaling
+from workers.process.starts import SlowStarts
 from workers.process.watch import StuckWatch
 
 log = logging.getLogger("conveyor.supervisor")
@@ -58,6 +61,7 @@ class SupervisorSettings:
     drain_s: float = 30.0  # on stop, how long companions (the gateway) may take to drain, first
     hurry_s: float = 5.0  # after a companion's drain was cut short, how long before SIGKILL
     frozen_after_s: float = 10.0  # a ready worker with no sign of life this long between batches is replaced
+    loading_warn_every_s: float = 60.0  # a worker not ready this long after it started is warned of, and again
 
 
 class Keeper(Protocol):
@@ -171,6 +175,7 @@ class Supervisor:
         self._make_slots()
         self._scaling = Scaling(self.units, self.slots, self.child.redis_url, self._host)
         self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url))
+        self._starts = SlowStarts(self.settings.loading_warn_every_s)
         self._selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -321,6 +326,7 @@ class Supervisor:
             if code == ord("R"):
                 slot.ready_at = now
                 slot.start_failures = 0
+                self._starts.ready(slot.index, slot.spec, slot.number)
             elif code == ord("D"):  # drained what its predecessor held
                 slot.killed_for_timeout = False
             elif code == ord("I"):
@@ -361,14 +367,19 @@ class Supervisor:
 
     def _check_runtime(self, slot: WorkerSlot) -> None:
         """A worker whose batch is stuck (past ``max_run_s``, or past its deadlines plus
-        ``stuck_grace_s``: workers.process.watch), or that is frozen between batches (no sign of life for
-        ``frozen_after_s``), is reported with its stack and replaced."""
+        ``stuck_grace_s``: workers.process.watch), whose ``setup()`` is (past ``setup_timeout_s``), or that is
+        frozen between batches (no sign of life for ``frozen_after_s``), is reported with its stack and replaced;
+        one still loading is warned of (workers.process.starts)."""
         if slot.proc is None:
             return
+        loading = slot.ready_at is None
         if self._stuck.stuck(slot.index):
-            self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys)
-            slot.killed_for_timeout = bool(slot.spec.max_run_s)
-        elif slot.ready_at is not None and (frozen := self._stuck.frozen_s(slot.index)) > self.settings.frozen_after_s:
+            self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, loading=loading)
+            # One stuck in setup() read nothing: its predecessor's timeout (if any) still stands for the next.
+            slot.killed_for_timeout = slot.killed_for_timeout if loading else bool(slot.spec.max_run_s)
+        elif loading:
+            self._starts.check(slot.index, slot.proc.pid, self._stuck.began_s(slot.index), slot.spec, slot.number)
+        elif (frozen := self._stuck.frozen_s(slot.index)) > self.settings.frozen_after_s:
             self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, frozen)
 
     def _stop_all(self) -> None:

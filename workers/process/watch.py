@@ -8,7 +8,10 @@ a message through the status pipe would wake the supervisor twice per batch. The
 the cells at each of its turns (at least every second) and, for a worker past its stuck time,
 dumps the stuck call's stack (``faulthandler``, on SIGUSR1, into a file it reads back), logs it,
 marks the worker stuck in Redis (``P:stuck:<i>``, for ``status`` and ``/readyz``) and replaces it.
-A batch whose items carry no deadline is watched only by ``max_run_s``.
+A batch whose items carry no deadline is watched only by ``max_run_s``. The stage's ``setup()`` is
+watched the same way, as a batch with no deadline: stuck ``setup_timeout_s`` after it began (if the
+stage sets one), its worker then replaced as one that died before it was ready (no mark in Redis: it
+read nothing, and never beat).
 
 The stack is one record's block (:func:`broker.logs.block`): the record's line says what happened,
 the stack's lines follow it, once. (It used to be a ``stack=%s`` inside the message's prose, which
@@ -134,6 +137,11 @@ class BusyCell:
             stuck = unwanted + int(spec.stuck_grace_s * 1000)
         self.busy(stuck, unwanted)
 
+    def setup(self, timeout_s: float | None) -> None:
+        """The stage's ``setup()`` begins (its start is what the supervisor's warnings count from): it becomes
+        stuck ``timeout_s`` from now (None: never). :meth:`idle` when it ends."""
+        self.busy(now_ms() + int(timeout_s * 1000) if timeout_s else 0, 0)
+
     def idle(self) -> None:
         _BATCH.pack_into(self._map, self._offset, 0, 0, 0)
 
@@ -187,6 +195,12 @@ class StuckWatch:
         busy = self._board.read(index)
         return bool(busy.stuck_at_ms) and now_ms() >= busy.stuck_at_ms
 
+    def began_s(self, index: int) -> float | None:
+        """Seconds since this slot's worker began its batch or, before it is ready, its ``setup()`` (None: idle,
+        or not there yet)."""
+        began_ms = self._board.read(index).began_ms
+        return None if not began_ms else max(0.0, (now_ms() - began_ms) / 1000)
+
     def frozen_s(self, index: int) -> float:
         """Seconds since this slot's worker last stamped its cell, while it is between batches (0: in a
         batch, which the deadlines watch, or not stamping yet). Read twice: a torn read must not count."""
@@ -199,10 +213,14 @@ class StuckWatch:
         return min(ages)
 
     def replace(self, index: int, proc: subprocess.Popen[bytes], stage: StageSpec, consumer: str,
-                keys: Keys | None, frozen_s: float = 0.0) -> None:
-        """Log the stuck call (or, ``frozen_s``, the frozen process) with its stack, mark the worker stuck
-        in Redis (in its pipeline's ``keys``), kill it (the supervisor starts another)."""
-        if frozen_s:
+                keys: Keys | None, frozen_s: float = 0.0, loading: bool = False) -> None:
+        """Log the stuck call (``loading``: its ``setup()``; or, ``frozen_s``, the frozen process) with its stack,
+        mark the worker stuck in Redis (in its pipeline's ``keys``; not a loading one, which never beat: ``status``
+        counts it loading), kill it (the supervisor starts another)."""
+        if loading:
+            why = (f"worker stuck in setup(): still loading after setup_timeout_s={stage.setup_timeout_s:g}s; "
+                   "replacing it (counted as a failed start)")
+        elif frozen_s:
             why = (f"worker frozen: no sign of life for {frozen_s:.1f}s between batches (stopped, or a call holding "
                    "the GIL); replacing it")
         else:
@@ -210,7 +228,7 @@ class StuckWatch:
                    f"still running {stage.stuck_grace_s:g}s after every deadline of its batch passed")
                    + "; replacing it (set stuck_grace_s=None to turn this off, or max_run_s)")
         stack = self._dump_stack(index, proc)
-        if keys is not None:  # marked before it is said: whoever reads the log finds the mark in Redis
+        if keys is not None and not loading:  # marked before it is said: whoever reads the log finds the mark
             self._mark(keys, stage.index, consumer)
         log.error("%s; its stack follows stage=%s consumer=%s pid=%d", why, stage.name, consumer, proc.pid,
                   extra=block("stack", stack))

@@ -1,0 +1,182 @@
+"""A stage's ``setup()`` that never returns (a deadlocked thread pool, a stalled file system), for real.
+
+It was shown "loading" by ``conveyor status`` for ever, nothing in the log, the stage a worker short and
+its requests waiting their whole deadline. Now a worker slow to be ready is warned of every
+``loading_warn_every_s`` (a minute), and past its stage's ``setup_timeout_s`` it is logged with its stack,
+killed with what it forked and replaced, counted as a failed start (so a stage whose setup always hangs
+ends ``conveyor worker`` as a crash loop does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from gateway import Gateway, GatewaySettings
+from tests.helpers import alive, descendants, kill_group, running_workers, start_worker, wait_for
+from workers import Pipeline, Stage
+from workers.process.child import ChildSettings
+from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
+
+pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
+
+T = 30.0
+STARTS_KEY = "t:t-setup-hangs:starts"  # a worker's pid, as its setup() begins
+HELPERS_KEY = "t:t-setup-hangs:helpers"  # the pid of a process its setup() forked
+GO_KEY = "t:t-setup-slow:go"
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
+
+
+class HangsFirst(Stage):
+    """Its first worker's setup() forks a helper and then hangs for ever; the next ones load at once."""
+
+    always = False
+
+    def setup(self) -> None:
+        client = _redis()
+        try:
+            first = client.rpush(STARTS_KEY, os.getpid()) == 1
+            if first or self.always:
+                helper = subprocess.Popen(["sleep", "300"])  # in the worker's process group
+                client.rpush(HELPERS_KEY, helper.pid)
+        finally:
+            client.close()
+        if first or self.always:
+            threading.Event().wait()
+
+    def predict(self, x: int) -> int:
+        return x + 1
+
+
+class AlwaysHangs(HangsFirst):
+    always = True
+
+
+class SlowSetup(Stage):
+    """Loads once the test says so (BLPOP), bounded."""
+
+    def setup(self) -> None:
+        client = _redis()
+        try:
+            client.blpop([GO_KEY], timeout=T)
+        finally:
+            client.close()
+
+    def predict(self, x: int) -> int:
+        return x
+
+
+hangs_first = Pipeline("t-setup-hangs").add(HangsFirst, name="hangs", setup_timeout_s=1)
+always_hangs = Pipeline("t-setup-hangs").add(AlwaysHangs, name="hangs", setup_timeout_s=1)
+slow = Pipeline("t-setup-slow").add(SlowSetup, name="load")
+
+
+def _pids(client: redis.Redis, key: str) -> list[int]:
+    return [int(p) for p in client.lrange(key, 0, -1)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return not alive([psutil.Process(pid)])
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_setup_that_hangs_is_reported_and_replaced_and_the_stage_serves(redis_url: str,
+                                                                        redis_client: redis.Redis) -> None:
+    with running_workers(redis_url, "tests.test_setup_timeout:hangs_first", ["hangs"]) as workers:
+        supervisor = workers.stage("hangs")
+        workers.wait_ready("t-setup-hangs", T)
+        first, second = _pids(redis_client, STARTS_KEY)
+        log = supervisor.log(50_000)
+        line = next(row for row in log.splitlines() if "worker stuck in setup()" in row)
+        assert "setup_timeout_s=1s" in line and f"pid={first}" in line and "stage=hangs" in line, log
+        assert "test_setup_timeout.py" in log and "in setup" in log, log  # its stack, where it hangs
+        assert f"pid={first} code=-9 ready=false restart_in=" in log, log  # a failed start, restarted
+        # What its setup() forked died with it (its process group), and it never beat: no stuck mark.
+        [helper] = _pids(redis_client, HELPERS_KEY)
+        wait_for(lambda: _gone(helper), T, "the hung worker's helper killed", supervisor.report)
+        assert _gone(first) and not _gone(second)
+        assert redis_client.zcard("conveyor:{t-setup-hangs}:stuck:0") == 0
+
+        async def serve() -> object:
+            async with Gateway(redis_url, "t-setup-hangs", GatewaySettings(timeout_s=10)) as gw:
+                return await gw.predict(41)
+
+        assert asyncio.run(serve()) == 42
+
+
+def test_a_setup_that_always_hangs_ends_conveyor_worker_as_a_crash_loop(redis_url: str, redis_client: redis.Redis,
+                                                                        tmp_path: Path) -> None:
+    proc = start_worker(redis_url, "tests.test_setup_timeout:always_hangs", "hangs", log_dir=tmp_path)
+    try:
+        code = proc.popen.wait(timeout=T)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.popen)
+        pytest.fail(f"conveyor worker still running {T:g}s into its hung setups\n{proc.report()}")
+    log = proc.log(50_000)
+    assert code == 1, log
+    assert log.count("worker stuck in setup()") == 3 and "failed to start 3 times in a row: giving up" in log, log
+    assert len(_pids(redis_client, STARTS_KEY)) == 3
+    assert descendants(proc.pid) == [] and all(_gone(p) for p in _pids(redis_client, HELPERS_KEY)), log
+
+
+def _supervise(supervisor: Supervisor, watch: Callable[[], None]) -> int:
+    """Run ``supervisor`` here (its loop wants the main thread) while ``watch`` runs in a thread; stopped when
+    ``watch`` ends, whatever it did; its failure raised here."""
+    failures: list[BaseException] = []
+
+    def run_watch() -> None:
+        try:
+            watch()
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            supervisor.request_stop()
+
+    thread = threading.Thread(target=run_watch, daemon=True)
+    thread.start()
+    code = supervisor.run()
+    thread.join(T)
+    if failures:
+        raise failures[0]
+    return code
+
+
+def test_a_worker_slow_to_load_is_warned_of_until_it_is_ready(redis_url: str, redis_client: redis.Redis,
+                                                               caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", redis_url)  # the stage's own client, in the worker
+    caplog.set_level(logging.INFO, logger="conveyor.supervisor")
+    unit = Unit("tests.test_setup_timeout:slow", slow.stage("load"), 1, slow.keys)
+    supervisor = Supervisor([unit], ChildSettings(redis_url=redis_url), SupervisorSettings(loading_warn_every_s=0.5))
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(text)]
+
+    def watch() -> None:
+        wait_for(lambda: len(said("worker still loading")) >= 2, T, "two warnings")
+        warnings = said("worker still loading")
+        [worker] = [p for p in psutil.Process().children() if "workers.process.child" in " ".join(p.cmdline())]
+        for n, text in enumerate(warnings[:2], 1):
+            assert f"stage=load slot=0 pid={worker.pid} loading_s=" in text, text
+            assert "in setup(); never replaced for it (the stage sets no setup_timeout_s)" in text, text
+            assert float(text.split("loading_s=")[1].split()[0]) >= 0.5 * n, text
+        redis_client.rpush(GO_KEY, b"go")
+        wait_for(lambda: said("worker ready after a slow start"), T, "the worker ready")
+        assert len(said("worker still loading")) <= len(warnings) + 1  # no warning once it is ready
+
+    assert _supervise(supervisor, watch) == 0
+    assert not said("worker stuck in setup()") and supervisor.slots[0].history == []  # never restarted
