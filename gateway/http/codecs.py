@@ -31,7 +31,7 @@ __all__ = ["JSON", "MSGPACK", "Codec", "KeyCollision", "NonFiniteNumber", "Unsup
 _NON_FINITE_HINT = ("JSON carries finite numbers only (no NaN, Infinity or numbers beyond 1.8e308): "
                     "send finite numbers, or msgpack (Content-Type: application/msgpack)")
 # An answer comes in its request's encoding (an Accept header is not read): what to do about a result JSON cannot carry.
-_AS_MSGPACK = "send the request as msgpack (Content-Type: application/msgpack): its answer comes as msgpack too"
+AS_MSGPACK = "send the request as msgpack (Content-Type: application/msgpack): its answer comes as msgpack too"
 
 
 class NonFiniteNumber(ValueError):
@@ -49,7 +49,7 @@ def _json_default(obj: object) -> Any:
         return _as_json_numbers(obj).tolist()
     if isinstance(obj, np.generic):
         return _as_json_numbers(np.asarray(obj)).item()
-    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable; {_AS_MSGPACK}")
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable; {AS_MSGPACK}")
 
 
 def _as_json_numbers(array: np.ndarray) -> np.ndarray:
@@ -94,7 +94,7 @@ def json_encode(obj: Any) -> bytes:
     except orjson.JSONEncodeError:  # a map key that is not text, or an array orjson refuses: the slow path
         out = _encode_slowly(obj)
     if b"null" in out and _holds_non_finite(obj):  # a real None writes null too: only then look closer
-        raise NonFiniteNumber(f"the result holds NaN or Infinity, which JSON cannot carry; {_AS_MSGPACK}")
+        raise NonFiniteNumber(f"the result holds NaN or Infinity, which JSON cannot carry; {AS_MSGPACK}")
     return out
 
 
@@ -108,14 +108,14 @@ def _encode_slowly(obj: Any) -> bytes:
     except orjson.JSONEncodeError as exc:
         if "Dict key" in str(exc):
             raise TypeError("the result holds a map key JSON cannot carry (keys must be text, numbers, booleans "
-                            f"or None); {_AS_MSGPACK}") from None
+                            f"or None); {AS_MSGPACK}") from None
         if "Recursion limit" in str(exc):  # orjson writes 254 levels at most (it reads 1024)
-            raise ValueError(f"the result is nested deeper than a JSON answer can be (254 levels); {_AS_MSGPACK}") \
+            raise ValueError(f"the result is nested deeper than a JSON answer can be (254 levels); {AS_MSGPACK}") \
                 from None
         raise
     if _keys_collide(obj):
         raise KeyCollision("the result holds a map with keys that are one in JSON (such as 1 and '1'): one of "
-                           f"their values would be lost; {_AS_MSGPACK}")
+                           f"their values would be lost; {AS_MSGPACK}")
     return out
 
 

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from gateway.client.trace_context import CURRENT, RequestTrace
 from gateway.http.framing import CONTINUE, frame
-from gateway.http.pacing import MAX_QUEUED, Pacing
+from gateway.http.pacing import Pacing
 from gateway.http.parsing import RequestReader
 from gateway.http.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.http.request_ids import with_request_id
@@ -115,7 +115,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         if error is not None:
             self._fail(error)
             return
-        if len(self.queue) >= MAX_QUEUED:
+        if self._queue_full():
             self._pause_reading()
         self._advance()
 
@@ -417,9 +417,9 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             self._abort()
             return
         if self.current is not None:
-            item, label, pending = self.current
-            self.current = None
-            cast(Pending, pending).future.cancel()  # a fake backend's task sees CancelledError; Gateway ignores it
+            (item, label, pending), self.current = self.current, None
+            abandon(pending)  # told to retry, the client must not find it run (or running) as well
+            cast(Pending, pending).future.cancel()  # (a fake backend's task sees CancelledError)
             reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
             self.metrics.observe_request(label, reply.outcome)
             self._send(item, label, reply, close=True, head_only=item.method == b"HEAD")

@@ -4,7 +4,9 @@
 One timer per connection, re-armed lazily, checks the current deadline: the read side's (head,
 body, keep-alive idle, linger) and the write side's (a response stuck in our buffer: the client
 stopped reading, no byte of our answers taken for ``send_timeout_s``: the connection is dropped).
-Reading pauses while too many pipelined requests wait or while the client does not read our answers.
+Reading pauses while too many pipelined requests wait (in number, or in body bytes behind the one being
+answered: ``max_body_bytes`` of them, else a client could have a connection hold dozens of the largest
+bodies) or while the client does not read our answers.
 And how it ends: closed, aborted, or (lingering) after the client's last bytes are discarded.
 """
 
@@ -18,6 +20,7 @@ import math
 import struct
 import termios
 from collections import deque
+from itertools import islice
 from typing import Any
 
 log = logging.getLogger("gateway.http.server")
@@ -43,6 +46,7 @@ class Pacing:
     timer_at: float
     discarded: int
     server: Any  # gateway.http.state.ServerState: the slot a connection holds
+    settings: Any  # gateway.http.settings.HttpSettings
 
     def _read_timed_out(self) -> None:
         raise NotImplementedError
@@ -101,8 +105,18 @@ class Pacing:
             with contextlib.suppress(RuntimeError):
                 self.transport.pause_reading()
 
+    def _queue_full(self) -> bool:
+        """Too many requests wait to be answered: reading pauses (see the module docstring)."""
+        return len(self.queue) >= MAX_QUEUED or self._queued_bytes() >= self.settings.max_body_bytes
+
+    def _queued_bytes(self) -> int:
+        """The body bytes of the requests waiting behind the one being answered (the first)."""
+        queue = self.queue
+        return sum(len(getattr(item, "body", b"")) for item in islice(queue, 1, None)) if len(queue) > 1 else 0
+
     def _maybe_resume_reading(self) -> None:
-        if self.reading_paused and not self.write_paused and len(self.queue) < MAX_QUEUED // 2:
+        if (self.reading_paused and not self.write_paused and len(self.queue) < MAX_QUEUED // 2
+                and self._queued_bytes() < self.settings.max_body_bytes // 2):
             self._resume_reading()
 
     def _resume_reading(self) -> None:

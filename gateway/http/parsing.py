@@ -39,6 +39,7 @@ class RequestReader:
         self.max_header_bytes = settings.max_header_bytes
         self.max_body_bytes = settings.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
+        self.read_other = 0  # bytes of the read being parsed that were URL or body (see check_partial_head)
         self._reset()
         self.held: Request | None = None  # an upgrade request (see the module docstring), its body still to come
         self.held_size = 0  # how many bytes of body it declared
@@ -50,8 +51,10 @@ class RequestReader:
         self.headers: dict[bytes, bytes] = {}
         self.body: list[bytes | bytearray] = []  # at most one: see on_body
         self.body_size = 0
-        self.head_size = 0
-        self.head_tail = 0
+        self.head_size = 0  # the head's bytes as its callbacks report them (URL, complete header lines)
+        self.head_fed = 0  # the bytes of the reads that came while its head went on (see check_partial_head)
+        self.in_head = False
+        self.trailing = False  # past the head: header fields now are a chunked body's trailer
 
     def feed(self, data: bytes) -> HttpError | None:
         """Parse ``data``; the error to answer (then close) if the bytes are refused, else None."""
@@ -59,6 +62,9 @@ class RequestReader:
             data = self._held_body(data)
             if not data:
                 return None
+        if self.in_head:  # a head under way before this read: every byte of it is the head's, until it ends
+            self.head_fed += len(data)
+        self.read_other = 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:  # the head of a request that asked for one: go on in HTTP/1.1
@@ -88,11 +94,17 @@ class RequestReader:
         return data[need:]
 
     def check_partial_head(self, data: bytes) -> HttpError | None:
-        """Bound a head still incomplete after this chunk: httptools reports a header only once
-        it is complete, so the bytes after the last newline are counted here."""
+        """Bound a head still incomplete after the read ``data``: httptools reports a header line only once
+        the next one begins, so a line that never ends is seen here. Two counts, each at most the head's
+        size, so that a good head is never refused: the bytes of the reads that came while it went on
+        (``head_fed``: from the read after the one it began in, where it is not known where it began),
+        and the reported lines plus the read's unfinished one, less what of the read was URL or body (a
+        pipelined request's body before the head, a URL already counted)."""
+        if not self.in_head:
+            return None
         nl = data.rfind(b"\n")
-        self.head_tail = len(data) - nl - 1 if nl >= 0 else self.head_tail + len(data)
-        if self.head_size + self.head_tail > self.max_header_bytes:
+        unfinished = max(0, (len(data) - nl - 1 if nl >= 0 else len(data)) - self.read_other)
+        if max(self.head_size + unfinished, self.head_fed) > self.max_header_bytes:
             return bad_request("request head too large", 431)
         return None
 
@@ -112,21 +124,31 @@ class RequestReader:
 
     def on_message_begin(self) -> None:
         self._reset()
+        self.in_head = True
         self.connection.head_started()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
         self.head_size += len(url)
+        self.read_other += len(url)
+        if self.head_size > self.max_header_bytes:
+            raise bad_request("request head too large", 431)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        """A header line; a chunked body's trailer fields are counted, never taken as headers (a trailer
+        ``Authorization`` or ``Content-Type`` arrives after the request was judged by its head). Trailing
+        blanks are not the value's (llhttp leaves them; RFC 9110 5.5)."""
         self.head_size += len(name) + len(value) + 4
         if self.head_size > self.max_header_bytes:
             raise bad_request("request head too large", 431)
+        if self.trailing:
+            return
         name = name.lower()
         if name not in self.headers:
-            self.headers[name] = value
+            self.headers[name] = value.rstrip(b" \t")
 
     def on_headers_complete(self) -> None:
+        self.in_head, self.trailing = False, True
         headers = self.headers
         if b"host" not in headers and self.parser.get_http_version() == "1.1":
             raise bad_request("HTTP/1.1 request without a Host header")
@@ -143,11 +165,13 @@ class RequestReader:
                 raise bad_request("protocol upgrades are not supported: send this request without 'Upgrade' "
                                   "(its chunked body cannot be read after one)")
             self.held_size = int(length or 0)
-        expect = headers.get(b"expect")
-        self.connection.head_complete(expect is not None and expect.lower() == b"100-continue")
+        expect = headers.get(b"expect")  # HTTP/1.0 has no 100 (RFC 9110 10.1.1): its client would take it as the answer
+        self.connection.head_complete(expect is not None and expect.lower() == b"100-continue"
+                                      and self.parser.get_http_version() == "1.1")
 
     def on_body(self, body: bytes) -> None:
         self.body_size += len(body)
+        self.read_other += len(body)
         if self.body_size > self.max_body_bytes:
             raise too_large(self.max_body_bytes)
         parts = self.body

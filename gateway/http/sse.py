@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from gateway.backends import Backend
 from gateway.client.streams import StreamSink
-from gateway.http.codecs import JSON
+from gateway.http.codecs import AS_MSGPACK, JSON
 from gateway.http.predict import PARTITION_KEY_HEADER, Pending, backend_error, read_request
 from gateway.http.types import HttpError, Reply, Request
 
@@ -114,8 +114,13 @@ def _http_error(exc: BaseException, debug: bool) -> HttpError:
     return HttpError(500, type(exc).__name__, str(exc), outcome="error")
 
 
+# Events are JSON whatever the request's encoding: the codec's advice (msgpack) does not hold here.
+_STREAM_ADVICE = "a stream's events are JSON: yield what JSON can carry, or answer through the predict route in msgpack"
+
+
 def _unencodable(what: str, exc: Exception) -> HttpError:
-    return HttpError(500, "UnencodableResult", f"{what} cannot be sent as JSON: {exc}", outcome="error")
+    message = str(exc).replace(AS_MSGPACK, _STREAM_ADVICE)
+    return HttpError(500, "UnencodableResult", f"{what} cannot be sent as JSON: {message}", outcome="error")
 
 
 class StreamReply:

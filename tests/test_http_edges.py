@@ -1,0 +1,216 @@
+"""Edges of the HTTP front found by review: the head's limit against pipelined bodies and split URLs,
+a chunked body's trailer (never headers), blanks after a header value, HTTP/1.0 and 100-continue, the
+bytes of pipelined bodies held, a stream's error advice, and a request answered "retry" at the drain's
+end (cancelled, not left to run). The real `HttpServer` on loopback over tests/test_http.py's fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+
+from gateway.client.slot import Slot
+from gateway.client.streams import StreamSink
+from gateway.http.server import HttpServer, HttpSettings
+from tests.test_http import Client, FakeBackend, http_request, http_test, one, predict_json, run, serving
+
+pytestmark = pytest.mark.unit
+
+
+def msgpack_request(path: str, x: Any) -> bytes:
+    from broker.codec import encode
+
+    return http_request("POST", path, encode(x), {"content-type": "application/msgpack"})
+
+
+@http_test()
+async def test_a_pipelined_request_after_a_large_body_is_not_refused_431(
+        server: HttpServer, backend: FakeBackend) -> None:
+    """`RequestReader.check_partial_head` counts every byte of the read after its last newline as head:
+    when a read holds the end of a large body (a JSON body has no newline) and the first bytes of the next
+    pipelined head, that body is counted against ``max_header_bytes``. The second request, a few bytes
+    long, is answered 431 "request head too large" and the connection closed."""
+    client = await Client.open(server.port)
+    second = predict_json({"n": 2})
+    await client.send(predict_json({"text": "x" * 70_000}) + second[:10])
+    await asyncio.sleep(0.05)  # the rest of the second head comes in a later read
+    await client.send(second[10:])
+    assert (await client.response()).status == 200
+    resp = await client.response()
+    assert resp.status == 200 and resp.json() == {"result": {"n": 2}}, (resp.status, resp.body[:100])
+    await client.close()
+
+
+@http_test()
+async def test_a_long_url_split_across_reads_is_not_refused_431(server: HttpServer, backend: FakeBackend) -> None:
+    """httptools hands the URL over piece by piece (``on_url``, counted in ``head_size``) and
+    `check_partial_head` counts the same bytes again as the unfinished line: a 40 KB URL (below the 64 KiB
+    limit) is answered 431 or 200 depending on where TCP splits it."""
+    client = await Client.open(server.port)
+    head = b"GET /healthz?q=" + b"a" * 40_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    await client.send(head[:35_000])
+    await asyncio.sleep(0.05)
+    await client.send(head[35_000:])
+    resp = await client.response()
+    assert resp.status == 200, (resp.status, resp.body[:100])
+    await client.close()
+
+
+@http_test(api_keys=("sekrit",))
+async def test_a_trailer_is_not_taken_as_the_authorization_header(server: HttpServer, backend: FakeBackend) -> None:
+    """`RequestReader.on_header` is called by llhttp for the trailer fields of a chunked body too, and puts
+    them in ``Request.headers`` (RFC 9110 6.5.1: they must not be merged). An ``Authorization`` sent as a
+    trailer passes the API-key check (a proxy that strips or checks the header lets it through), a trailer
+    ``Content-Type`` switches the body's codec, a trailer ``X-Request-Id`` names the request."""
+    resp = await one(server.port, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"1\r\n7\r\n0\r\nAuthorization: Bearer sekrit\r\n\r\n")
+    assert resp.status == 401, (resp.status, resp.body)
+    assert backend.calls == []
+
+
+@http_test()
+async def test_a_trailer_does_not_change_how_the_body_is_read(server: HttpServer, backend: FakeBackend) -> None:
+    """The same: a ``Content-Type: application/msgpack`` trailer after a chunked body of JSON-less bytes
+    makes the gateway read the body as msgpack and answer in msgpack."""
+    resp = await one(server.port, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                  b"1\r\n7\r\n0\r\nContent-Type: application/msgpack\r\n\r\n")
+    assert resp.headers["content-type"] == "application/json", resp.headers
+    assert resp.json() == {"result": 7}
+
+
+def test_pipelined_bodies_held_are_bounded_in_bytes() -> None:
+    """The pipelining bound counts requests, not bytes: behind one slow request, 31 more with bodies up to
+    ``max_body_bytes`` (16 MiB by default) are read and held: 512 MiB per connection, from a client that
+    needs no key (the key is checked only once a request's turn comes). Here, 1 MiB bodies: ~31 MiB held
+    by one connection."""
+    async def body() -> int:
+        backend = FakeBackend()
+        async with serving(backend, max_body_bytes=2 * 1024 * 1024) as server:
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                big = http_request("POST", "/v1/predict", b"1" * (1024 * 1024))
+                writer.write(predict_json({"op": "block"}) + big * 40)
+                await asyncio.wait_for(backend.entered.wait(), 5)
+                for _ in range(100):  # bounded: until the server stops reading
+                    await asyncio.sleep(0.02)
+                    conn: Any = next(iter(server.state.connections))
+                    if conn.reading_paused:
+                        break
+                held = sum(len(r.body) for r in conn.queue if hasattr(r, "body"))
+                backend.release.set()
+                return held
+            finally:
+                writer.transport.abort()
+
+    held = run(body())
+    assert held <= 4 * 1024 * 1024, f"{held / 2**20:.0f} MiB of pipelined bodies held by one connection"
+
+
+@http_test()
+async def test_an_http10_request_with_expect_gets_no_100_continue(server: HttpServer, backend: FakeBackend) -> None:
+    """RFC 9110 10.1.1: a server MUST ignore a 100-continue expectation in an HTTP/1.0 request; an HTTP/1.0
+    client does not know 1xx answers and reads ``HTTP/1.1 100 Continue`` as the (empty) final answer."""
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
+    await client.send(b"7")
+    resp = await client.response()
+    assert resp.status == 200 and resp.json() == {"result": 7}, resp.status
+    await client.close()
+
+
+class _StreamingBackend(FakeBackend):
+    """The fake backend, with streams whose chunks a test hands over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sinks: list[StreamSink] = []
+        self.opened = asyncio.Event()
+
+    async def submit_stream(self, x: Any, timeout_s: float | None = None, key: Any = None, *,
+                            request_id: bytes | None = None, priority: int = 0) -> StreamSink:
+        sink = StreamSink(asyncio.get_running_loop(), 8)
+        self.sinks.append(sink)
+        self.opened.set()
+        return sink
+
+
+def test_a_stream_chunk_json_cannot_carry_gives_advice_that_works() -> None:
+    """A streamed chunk holding NaN ends the stream with ``UnencodableResult`` whose message says "send the
+    request as msgpack: its answer comes as msgpack too"; but a stream's events are JSON whatever the
+    request's encoding (`ConveyorEvents`): a client that follows the advice gets the same error again."""
+    async def body() -> bytes:
+        backend = _StreamingBackend()
+        async with serving(backend) as server:
+            client = await Client.open(server.port)
+            await client.send(msgpack_request("/v1/stream", 1))
+            await asyncio.wait_for(backend.opened.wait(), 5)
+            backend.sinks[0].chunk({"seq": 0, "run": 1, "chunk": float("nan")})
+            resp = await client.response()
+            await client.close()
+            return resp.body
+
+    events = run(body())
+    assert b"UnencodableResult" in events
+    assert b"its answer comes as msgpack too" not in events, events
+    assert b"a stream's events are JSON" in events, events
+
+
+@http_test(api_keys=("sekrit",))
+async def test_header_values_lose_their_trailing_whitespace(server: HttpServer, backend: FakeBackend) -> None:
+    """RFC 9112 5.1: a field value excludes its leading and trailing whitespace. llhttp strips the leading
+    whitespace only, and `RequestReader.on_header` keeps the value as given: ``Authorization: Bearer KEY ``
+    is answered 401, ``X-Conveyor-Priority: 1 `` 400, ``X-Request-Id: abc `` is not echoed, and a client
+    sending ``Expect: 100-continue `` gets no 100 (it waits, then the body timeout's 408)."""
+    resp = await one(server.port, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit \r\n"
+                                  b"X-Conveyor-Priority: 1 \r\nContent-Length: 1\r\n\r\n7")
+    assert resp.status == 200, (resp.status, resp.body[:120])
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\n"
+                      b"Expect: 100-continue \r\nContent-Length: 1\r\n\r\n")
+    try:
+        resp = await asyncio.wait_for(client.response(), 1.0)
+    finally:
+        await client.close()
+    assert resp.status == 100
+
+
+class _SlotBackend(FakeBackend):
+    """The fake backend answering through `Slot`s, as `Gateway.submit(direct=True)` does, and recording
+    the requests it is told to cancel (`Gateway.cancel`: workers then drop them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told_to_cancel: list[Any] = []
+
+    def submit(self, x: Any, timeout_s: float | None = None, key: Any = None, *, direct: bool = False,
+               request_id: bytes | None = None, priority: int = 0) -> Any:
+        self.entered.set()
+        return Slot(asyncio.get_running_loop())
+
+    def cancel(self, waiter: Any) -> bool:
+        self.told_to_cancel.append(waiter)
+        return True
+
+
+def test_a_request_answered_503_retry_at_the_drain_timeout_is_cancelled() -> None:
+    """At the drain timeout (or a second SIGTERM) `HttpProtocol.cancel` answers a waiting request 503
+    "the gateway stopped before the answer came: retry" (Retry-After: 1), but only marks its `Slot`
+    cancelled (``future.cancel()``): the gateway is never told (`Gateway.cancel`, which `abandon` calls when
+    a client leaves), so the request is not marked cancelled in Redis and workers still run it later. The
+    client, told to retry, runs it a second time elsewhere."""
+    async def body() -> tuple[int, list[Any]]:
+        backend = _SlotBackend()
+        server = HttpServer(cast(Any, backend), HttpSettings(port=0, drain_timeout_s=0.2))
+        await server.start()
+        client = await Client.open(server.port)
+        await client.send(predict_json(1))
+        await asyncio.wait_for(backend.entered.wait(), 5)
+        await server.close()
+        resp = await client.response()
+        await client.close()
+        return resp.status, backend.told_to_cancel
+
+    status, told = run(body())
+    assert status == 503
+    assert len(told) == 1, "the request answered 'retry' was left running"
