@@ -22,10 +22,14 @@ pytestmark = pytest.mark.unit
 KEYS = ("old-key-1", "new-key-2")
 
 
+def _router(keys: tuple[str, ...] = KEYS) -> Router:
+    served = Several(Named("a"))
+    return Router(served, HttpSettings(api_keys=keys), Metrics(served), lambda: False)
+
+
 def _call(path: str, method: str = "GET", body: bytes = b"", key: str | None = None,
           keys: tuple[str, ...] = KEYS) -> tuple[int, Any, Reply]:
-    served = Several(Named("a"))
-    router = Router(served, HttpSettings(api_keys=keys), Metrics(served), lambda: False)
+    router = _router(keys)
     headers = {b"authorization": f"Bearer {key}".encode()} if key is not None else {}
     _, reply = call_route(router, method, path, body, headers)
     return reply.status, json.loads(reply.body) if reply.body else None, reply
@@ -62,3 +66,19 @@ def test_keys_are_read_from_the_environment_and_a_file_and_never_shown(tmp_path:
     assert read_keys("k-env, k-env2  k-env3", path) == ("k-env", "k-env2", "k-env3", "k-file-1", "k-file-2")
     assert read_keys(None, None) == ()
     assert "k-env" not in repr(HttpSettings(api_keys=("k-env",)))
+
+
+def test_a_client_without_a_key_cannot_fill_the_route_tables_memory() -> None:
+    """The route table remembered every patterned path it matched, whatever its length and before the key
+    was checked: requests refused 401 on ``/v1/pipelines/<60 KB name>/predict`` each left ~120 KB behind,
+    and 4096 of them (a few seconds on one connection, no key needed) pinned ~500 MB of the gateway.
+    A long path is still routed, only not remembered; a short one still is."""
+    router = _router()
+    for i in range(20):
+        path = f"/v1/pipelines/{i:06d}{'n' * 60_000}/predict"
+        label, reply = call_route(router, "POST", path, b"3")
+        assert (label, reply.status) == ("predict", 401)
+    assert not router.table._matched, f"{len(router.table._matched)} long paths remembered"
+    headers = {b"authorization": b"Bearer old-key-1"}
+    assert call_route(router, "POST", "/v1/pipelines/a/predict", b"3", headers)[1].status == 200
+    assert list(router.table._matched) == [b"/v1/pipelines/a/predict"]

@@ -62,9 +62,15 @@ class Route:
 class RouteTable:
     """Exact paths in a dict (the hot ones: one lookup), patterned ones (``{name}`` segments) after;
     a patterned path once matched is remembered (a gateway sees a handful of pipeline names), so
-    that ``/v2/models/NAME/infer`` costs a lookup too, not a split and a scan per request."""
+    that ``/v2/models/NAME/infer`` costs a lookup too, not a split and a scan per request.
+
+    Only short paths are remembered: matching comes before the API key is checked, so any client can
+    have any path matched, and remembering long ones would let it pin memory up to the head limit per
+    entry. A bound on the length keeps the lookup a plain dict get (no check per hit) and needs no
+    knowledge of the names served; a longer path still routes, only matched each time."""
 
     MATCHED_MAX = 4096  # remembered patterned paths; past this the memory is cleared (odd clients)
+    MATCHED_PATH_MAX = 256  # longest path remembered, in bytes: room for any name a person would choose
 
     def __init__(self) -> None:
         self.exact: dict[bytes, Route] = {}
@@ -90,9 +96,10 @@ class RouteTable:
             if len(pattern) == len(parts) and all(p is None or p == q for p, q in zip(pattern, parts, strict=True)):
                 found = candidate, tuple(unquote(q.decode("latin-1")) for p, q in zip(pattern, parts, strict=True)
                                          if p is None)
-                if len(self._matched) >= self.MATCHED_MAX:
-                    self._matched.clear()
-                self._matched[path] = found
+                if len(path) <= self.MATCHED_PATH_MAX:
+                    if len(self._matched) >= self.MATCHED_MAX:
+                        self._matched.clear()
+                    self._matched[path] = found
                 return found
         return None
 
