@@ -60,6 +60,18 @@ def test_the_probes_stay_open_and_no_key_means_an_open_front() -> None:
     assert _call("/v1/predict", "POST", b"3", keys=())[0] == 200
 
 
+def test_the_per_model_ready_routes_need_a_key_and_do_not_list_the_pipelines() -> None:
+    """Routes are opened by label, and ``/v2/models/NAME[/versions/V]/ready`` shared the label of the open
+    probe ``/v2/health/ready``: without a key it answered, and for a name not served its 404 listed every
+    pipeline of the gateway ("this gateway serves: a, b"), which /v1/pipelines keeps behind the key."""
+    for path in ("/v2/models/guess/ready", "/v2/models/a/ready", "/v2/models/a/versions/1/ready"):
+        status, body, reply = _call(path)
+        assert status == 401 and isinstance(body["error"], str), (path, status, body)  # the OIP's shape
+        assert b"serves" not in reply.body and b'"a"' not in reply.body
+    assert _call("/v2/models/a/ready", key="old-key-1")[:2] == (200, {"name": "a", "ready": True})
+    assert _call("/v2/health/ready")[0] == 200
+
+
 def test_keys_are_read_from_the_environment_and_a_file_and_never_shown(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("# rotated on 1 December\nk-file-1\n\nk-file-2\nk-env\n")

@@ -2,7 +2,8 @@
 send it. Off unless keys are given (``--api-key-file`` or ``CONVEYOR_API_KEYS``); several keys are
 accepted at once, so that one can be rotated without a gap. Keys are compared in constant time and never
 logged. The liveness and readiness probes stay open (a Kubernetes probe carries no secret, and they say
-nothing about requests); ``/metrics`` and every other route need a key.
+nothing about requests); ``/metrics`` and every other route need a key, the per-model ready routes too
+(they take any name, and their 404 lists the pipelines served).
 
 A refused request gets 401 with ``WWW-Authenticate: Bearer``, in the error shape of its protocol.
 """
@@ -19,9 +20,10 @@ from gateway.http.types import HttpError, Reply
 
 __all__ = ["OPEN_ROUTES", "ApiKeys", "NoKeyGiven", "read_keys"]
 
-OPEN_ROUTES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})  # route labels answered without a key
+# Route labels answered without a key: a label opens every route that carries it (routes.Router's table).
+OPEN_ROUTES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})
 _OPENAI_ROUTES = frozenset({"embeddings", "models", "model"})
-_OIP_ROUTES = frozenset({"infer", "v2_metadata"})
+_OIP_ROUTES = frozenset({"infer", "v2_metadata", "v2_model_ready"})
 _CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 

@@ -49,7 +49,7 @@ HEADER = b"x-request-id"
 MAX_CLIENT_ID = 64
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9_.:\-]{1,%d}" % MAX_CLIENT_ID)  # fullmatch: no trailing newline
 # Routes whose 503 is not a request's error (a probe saying "not ready"): that body is left as it is.
-_PROBES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})
+_PROBES = frozenset({"healthz", "readyz", "v2_live", "v2_ready", "v2_model_ready"})
 
 
 class RequestIds:

@@ -149,7 +149,7 @@ class Router:
         table.add("/v2/health/ready", GET, "v2_ready", v2.ready)
         for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             table.add(model, GET, "v2_metadata", v2.metadata)
-            table.add(model + "/ready", GET, "v2_ready", v2.model_ready)
+            table.add(model + "/ready", GET, "v2_model_ready", v2.model_ready)  # not a probe: needs a key
             table.add(model + "/infer", POST, "infer", v2.infer)
             table.add(model + "/generate", POST, "infer", v2.generate)
             table.add(model + "/generate_stream", POST, "stream", v2.generate_stream)
