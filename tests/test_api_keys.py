@@ -54,6 +54,19 @@ def test_every_key_given_is_accepted_for_rotation(key: str) -> None:
     assert status == 200 and body == {"result": ["a", 3]}
 
 
+@pytest.mark.parametrize(("value", "status"), [
+    ("bearer old-key-1", 200), ("BEARER new-key-2", 200), ("Bearer   old-key-1", 200), (" Bearer old-key-1\t", 200),
+    ("Bearer\told-key-1", 401), ("Bearerold-key-1", 401), ("Basic old-key-1", 401), ("old-key-1", 401),
+    ("Bearer old-key-1 x", 401), ("Bearer", 401)])
+def test_the_bearer_scheme_is_matched_ignoring_case(value: str, status: int) -> None:
+    """RFC 9110 11.1: the authentication scheme is case-insensitive, and one or more spaces may follow it; the
+    whole header was compared with ``Bearer <key>``, so a client or proxy sending ``bearer <key>`` with a valid
+    key was answered 401 "a valid API key is required". Any other scheme, or no space, is still refused."""
+    headers = {b"authorization": value.encode()}
+    _, reply = call_route(_router(), "POST", "/v1/predict", b"3", headers)
+    assert reply.status == status, (value, reply.status)
+
+
 def test_the_probes_stay_open_and_no_key_means_an_open_front() -> None:
     for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
         assert _call(path)[0] == 200, path

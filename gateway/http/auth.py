@@ -48,9 +48,20 @@ def read_keys(text: str | None, file: Path | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(from_text + from_file))
 
 
+def _bearer_token(value: bytes) -> bytes | None:
+    """The token of an ``Authorization`` value in the ``Bearer`` scheme, else None. RFC 9110 11.1, 11.4: the
+    scheme is case-insensitive (``bearer KEY`` is as valid), one or more spaces follow it, and the field's
+    own leading and trailing whitespace is no part of it; a token holds no whitespace."""
+    scheme, space, token = value.strip(b" \t").partition(b" ")
+    token = token.lstrip(b" ")
+    if not space or not token or scheme.lower() != b"bearer" or b" " in token or b"\t" in token:
+        return None
+    return token
+
+
 class ApiKeys:
     def __init__(self, keys: Iterable[str]) -> None:
-        self._expected = [b"Bearer " + key.encode() for key in keys]
+        self._expected = [key.encode() for key in keys]
 
     def __repr__(self) -> str:
         return f"ApiKeys({len(self._expected)} keys)"  # never the keys themselves
@@ -58,7 +69,9 @@ class ApiKeys:
     def allows(self, label: str, headers: dict[bytes, bytes]) -> bool:
         if label in OPEN_ROUTES:
             return True
-        given = headers.get(b"authorization", b"")
+        given = _bearer_token(headers.get(b"authorization", b""))
+        if given is None:  # no key sent (the scheme is no secret: compared plainly)
+            return False
         found = False
         for expected in self._expected:  # every key compared, in constant time each
             found |= hmac.compare_digest(given, expected)
