@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from types import SimpleNamespace
 from typing import Any
 
@@ -143,3 +144,31 @@ def test_one_row_is_answered_as_a_batch_of_one() -> None:
     for rows, index in (([-1.0], 0), ([1.0, -1.0], 1)):
         reply = infer(rows)
         assert reply.status == 400 and json.loads(reply.body)["error"].startswith(f"item {index}: ")
+
+
+class Echo(Named):
+    """A fake pipeline, declaring nothing, that answers its input."""
+
+    async def _predict(self, x: Any) -> Any:
+        return x
+
+
+def test_an_empty_tensor_of_a_million_rows_is_a_400_that_reaches_no_pipeline() -> None:
+    """``{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [N, 0], "data": []}]}`` was answered after
+    the gateway built N empty lists on its event loop, holding every other connection meanwhile (and, N
+    large enough, running out of memory): the shape is refused before the pipeline, with what is allowed."""
+    backend = Echo("m")
+    router = _router(Several(backend))
+    body = b'{"inputs":[{"name":"x","datatype":"BYTES","shape":[1000000,0],"data":[]}]}'
+    tracemalloc.start()
+    try:
+        label, reply = _call(router, "POST", "/v2/models/m/infer", body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert label == "infer" and reply.status == 400, reply.body
+    error = json.loads(reply.body)["error"]
+    assert error.startswith("input 'x': shape [1000000, 0] has no element") and "at most 1024 rows" in error
+    assert backend.calls == [] and peak < 2_000_000, peak
+    sane = _call(router, "POST", "/v2/models/m/infer", body.replace(b"1000000", b"4"))[1]
+    assert sane.status == 200 and json.loads(sane.body)["outputs"][0]["shape"] == [4, 0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from broker.spec import PipelineIO, TensorSpec
 from gateway.errors import Overloaded, StageError
 from gateway.http.oip.infer import Inference
 from gateway.http.oip.items import Gather, ItemFailed, failure_reply, model_metadata
-from gateway.http.oip.tensors import DATATYPES, TensorError, encode_response, parse_request
+from gateway.http.oip.tensors import DATATYPES, EMPTY_ROWS_MIN, TensorError, encode_response, parse_request
 
 pytestmark = pytest.mark.unit
 
@@ -135,6 +136,87 @@ def test_an_undeclared_pipeline_gets_the_whole_tensor_and_answers_one() -> None:
     out = orjson.loads(inference.respond([item * 2]).body)["outputs"][0]
     assert out == {"name": "output", "datatype": "INT64", "shape": [2, 2], "data": [2, 4, 6, 8]}
     assert model_metadata("m", PipelineIO())["inputs"][0]["parameters"] == {"any_datatype": True}
+
+
+# Pipelines a tensor without elements reaches: undeclared, declared whole, batched over rows of any length.
+EMPTY_PATHS = {
+    "undeclared": PipelineIO(),
+    "declared": PipelineIO((TensorSpec("x", "BYTES", (-1, -1)),), (TensorSpec("y", "FP32", (-1,)),)),
+    "batched": PipelineIO((TensorSpec("x", "BYTES", (-1, -1)),), (TensorSpec("y", "FP32", (-1,)),), batched=True),
+}
+
+
+def _nothing(shape: list[int], datatype: str, binary: bool, pad: int = 0) -> tuple[bytes, int | None]:
+    """A request of one tensor without elements, in JSON or the binary extension (no raw bytes)."""
+    tensor: dict[str, Any] = {"name": "x", "datatype": datatype, "shape": shape}
+    if binary:
+        tensor["parameters"] = {"binary_data_size": 0}
+    else:
+        tensor["data"] = []
+    doc = {"inputs": [tensor], "parameters": {"pad": "p" * pad}} if pad else {"inputs": [tensor]}
+    head = json.dumps(doc).encode()
+    return head, (len(head) if binary else None)
+
+
+def _items(path: str, datatype: str, body: bytes, head: int | None) -> list[Any]:
+    io = EMPTY_PATHS[path]
+    if io.declared and datatype != "BYTES":
+        io = PipelineIO((TensorSpec("x", datatype, (-1, -1)),), io.outputs, batched=io.batched)
+    return Inference("m", io, body, None if head is None else str(head).encode()).items()
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("datatype", ["BYTES", "FP32"])
+@pytest.mark.parametrize("path", list(EMPTY_PATHS))
+def test_a_tensor_without_elements_cannot_declare_more_rows_than_its_request_carries(
+        path: str, datatype: str, binary: bool) -> None:
+    """A tensor of shape ``[N, 0]`` holds nothing, but its items were built row by row: N empty lists
+    for BYTES, N row arrays and N items for a batched pipeline, on the gateway's event loop. A request of
+    a few dozen bytes, without a key on an open gateway, stalled every connection, and with a large enough
+    N exhausted the gateway's memory. Such a shape is now a 400 naming the input and the limit, refused
+    from its head before anything is allocated per row."""
+    body, head = _nothing([1_000_000, 0], datatype, binary)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TensorError) as caught:
+            _items(path, datatype, body, head)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(caught.value) == (
+        f"input 'x': shape [1000000, 0] has no element but more than {EMPTY_ROWS_MIN} rows (its dimensions before "
+        f"the 0, multiplied): a tensor without elements may have at most {EMPTY_ROWS_MIN} rows, or one per byte "
+        "of the request's JSON if that is more")
+    assert peak < 1_000_000, peak
+    body, head = _nothing([10**18, 10**18, 0], datatype, binary)  # not multiplied out, nor handed to numpy
+    with pytest.raises(TensorError, match="has no element but more than"):
+        _items(path, datatype, body, head)
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_empty_tensors_of_sane_shapes_still_travel(binary: bool) -> None:
+    """What a client sends for "nothing" (``[0]``, ``[1, 0]``, ``[4, 0]``, an empty batch of vectors
+    ``[0, 384]``) travels as before; a tensor without elements may have up to `EMPTY_ROWS_MIN` rows, and
+    more in a request whose JSON is longer, one row per byte of it."""
+    def items(path: str, datatype: str, shape: list[int], pad: int = 0) -> list[Any]:
+        body, head = _nothing(shape, datatype, binary, pad)
+        return _items(path, datatype, body, head)
+
+    for shape in ([0], [1, 0], [4, 0], [0, 384], [2, 0, 3]):
+        nested = np.zeros(shape).tolist()
+        assert items("undeclared", "BYTES", shape) == [nested]
+        (array,) = items("undeclared", "FP32", shape)
+        assert array.dtype == np.float32 and array.shape == tuple(shape)
+    assert items("declared", "BYTES", [4, 0]) == [[[], [], [], []]]
+    assert items("batched", "BYTES", [4, 0]) == [[], [], [], []]
+    assert [row.shape for row in items("batched", "FP32", [4, 0])] == [(0,)] * 4
+    assert len(items("batched", "BYTES", [EMPTY_ROWS_MIN, 0])) == EMPTY_ROWS_MIN
+    with pytest.raises(TensorError, match="has no element but more than"):
+        items("batched", "BYTES", [EMPTY_ROWS_MIN + 1, 0])
+    rows = 3 * EMPTY_ROWS_MIN  # a request whose JSON has that many bytes may have that many rows
+    assert len(items("batched", "BYTES", [rows, 0], pad=rows)) == rows
+    with pytest.raises(TensorError, match="has no element but more than"):
+        items("batched", "BYTES", [2 * rows, 0], pad=rows)
 
 
 def test_an_answer_that_breaks_the_declaration_is_a_500_not_a_wrong_tensor() -> None:

@@ -5,6 +5,12 @@ bytes of JSON followed by the raw bytes of the inputs that say ``"parameters": {
 in order (what ``tritonclient`` sends for numpy inputs). Raw bytes are little-endian, row-major; a
 ``BYTES`` element is a 4-byte little-endian length and its bytes. JSON ``data`` may be flat or
 nested; ``BYTES`` elements are strings there. Every datatype numpy has round-trips exactly.
+
+A tensor's cost to the gateway follows the bytes that carry it: each element takes at least one, and
+a tensor's rows (the Python lists of a ``BYTES`` tensor, a batched pipeline's items) are no more than
+its elements. A tensor without elements (a 0 in its shape) is the exception, its rows declared, not
+sent: it may have at most `EMPTY_ROWS_MIN` of them, or one per byte of its request's JSON head when
+that is more, so that a few bytes never make the gateway build millions of empty rows.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import orjson
 
 __all__ = [
     "DATATYPES",
+    "EMPTY_ROWS_MIN",
     "InferRequest",
     "InputHead",
     "RequestHead",
@@ -43,6 +50,7 @@ DATATYPES: dict[str, np.dtype[Any]] = {
 _BY_KIND = {dtype.str.lstrip("<>|="): name for name, dtype in DATATYPES.items() if name != "BYTES"}
 # The wire's byte order, made once (``newbyteorder`` builds a new dtype at every call).
 _LITTLE = {name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"}
+EMPTY_ROWS_MIN = 1024  # rows a tensor without elements may have whatever its head's length (module docstring)
 
 
 class TensorError(ValueError):
@@ -107,8 +115,11 @@ class RequestHead:
                     raise TensorError(f"input {spec.name!r}: binary_data_size {spec.binary_size} does not fit the body")
                 data = _from_binary(spec.name, spec.datatype, rest[offset:offset + spec.binary_size], count)
                 offset += spec.binary_size
-            tensors.append(Tensor(spec.name, spec.datatype, list(spec.shape), data.reshape(spec.shape),
-                                  spec.parameters))
+            try:
+                data = data.reshape(spec.shape)
+            except ValueError as exc:  # dimensions numpy cannot hold: past 2**63, or more than 64 of them
+                raise TensorError(f"input {spec.name!r}: shape {list(spec.shape)}: {exc}") from None
+            tensors.append(Tensor(spec.name, spec.datatype, list(spec.shape), data, spec.parameters))
         if offset != len(rest):
             raise TensorError(f"the body holds {len(rest) - offset} bytes that no input's binary_data_size claims")
         return tensors
@@ -156,7 +167,8 @@ def parse_head(head: bytes) -> RequestHead:
         raise TensorError(f"the request's JSON does not parse: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise TensorError("an inference request is a JSON object with a non-empty 'inputs' list")
-    inputs = tuple(_input(raw) for raw in doc["inputs"])
+    max_rows = max(EMPTY_ROWS_MIN, len(head))
+    inputs = tuple(_input(raw, max_rows) for raw in doc["inputs"])
     outputs = doc.get("outputs") or []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 and isinstance(o.get("parameters") or {}, dict) for o in outputs):
@@ -179,7 +191,7 @@ def parse_head(head: bytes) -> RequestHead:
                        None in [i.binary_size for i in inputs])
 
 
-def _input(raw: Any) -> InputHead:
+def _input(raw: Any, max_rows: int) -> InputHead:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise TensorError("each input is an object with a 'name', a 'datatype' and a 'shape'")
     name = raw["name"]
@@ -188,6 +200,10 @@ def _input(raw: Any) -> InputHead:
         raise TensorError(f"input {name!r}: unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise TensorError(f"input {name!r}: 'shape' must be a list of integers >= 0, got {shape!r}")
+    if _empty_rows(shape, max_rows) > max_rows:
+        raise TensorError(f"input {name!r}: shape {shape} has no element but more than {max_rows} rows (its "
+                          f"dimensions before the 0, multiplied): a tensor without elements may have at most "
+                          f"{EMPTY_ROWS_MIN} rows, or one per byte of the request's JSON if that is more")
     parameters = raw.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
@@ -197,6 +213,20 @@ def _input(raw: Any) -> InputHead:
     if "data" not in raw:
         raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
     return InputHead(name, datatype, tuple(shape), parameters, None, raw["data"])
+
+
+def _empty_rows(shape: list[int], past: int) -> int:
+    """The rows of a tensor without elements: its dimensions before its first 0, multiplied (0 for a
+    tensor with elements, whose rows its data bounds). Stops once over ``past``: a shape of many huge
+    dimensions is not multiplied out."""
+    if 0 not in shape:
+        return 0
+    rows = 1
+    for dim in shape[:shape.index(0)]:
+        rows *= dim
+        if rows > past:
+            break
+    return rows
 
 
 def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[Any]:
