@@ -120,9 +120,12 @@ def worker_deployment(pipeline: Pipeline, spec: StageSpec, name: str, settings: 
     bound = batch_bound_s(spec, settings.timeout_s)
     command = ["conveyor", "worker", settings.app, "--stage", spec.name, "--workers", "1", "--grace-s", f"{bound:g}"]
     # The pod is ready once its worker has a live heartbeat in Redis: past setup() (the model load),
-    # reading. Rolling updates wait for it before stopping an old pod (maxUnavailable 0).
+    # reading. Rolling updates wait for it before stopping an old pod (maxUnavailable 0). A worker beats in
+    # every partition: the probe reads them all, so that one partition's master away makes no pod unready.
     probe = ["python", "-m", "workers.k8s.ready", "--pipeline", pipeline.name, "--prefix", pipeline.prefix,
              "--stage-index", str(spec.index), "--stage", spec.name]
+    if pipeline.partitions > 1:
+        probe += ["--partitions", str(pipeline.partitions)]
     resources: dict[str, Any] = {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}
     if settings.memory:
         resources["requests"]["memory"] = settings.memory
