@@ -132,12 +132,35 @@ def test_a_stage_scales_on_every_priority_levels_stream(name: str, metric: str) 
     ("redis://redis:6379/3", "redis:6379", {"databaseIndex": "3"}),
     ("redis://redis", "redis:6379", {}),
     ("rediss://[fd00::1]:6380/0", "[fd00::1]:6380", {"enableTLS": "true"}),
+    # What the pods' client (redis-py) reads in the URL's options, KEDA is told too:
+    ("redis://redis:6379/0?db=3", "redis:6379", {"databaseIndex": "3"}),  # ?db= wins over the path
+    ("rediss://redis:6380/0?ssl_cert_reqs=none", "redis:6380", {"enableTLS": "true", "unsafeSsl": "true"}),
+    ("rediss://redis:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem", "redis:6380", {"enableTLS": "true"}),
 ])
 def test_the_url_gives_keda_its_address(url: str, address: str, extra: dict[str, str]) -> None:
     docs = manifests(pipelines()["scale-shift"], settings_for(url))
     meta = by_kind(docs, "ScaledObject")[0]["spec"]["triggers"][0]["metadata"]
     assert meta["address"] == address
-    assert {k: meta[k] for k in ("databaseIndex", "enableTLS") if k in meta} == extra
+    assert {k: meta[k] for k in ("databaseIndex", "enableTLS", "unsafeSsl") if k in meta} == extra
+
+
+def test_a_private_ca_and_a_client_certificate_reach_keda_from_the_secret() -> None:
+    """KEDA verifies Redis's certificate against the system's CAs (unless unsafeSsl) and takes a CA, a client
+    certificate and its key as PEM text in TriggerAuthentication parameters, never as the pods' file paths: with
+    only enableTLS, a Redis whose certificate a private CA signed never answered KEDA, and nothing scaled."""
+    url = ("rediss://u:pw@redis:6380/0?ssl_ca_certs=/etc/conveyor/ca.pem&ssl_certfile=/etc/conveyor/client.pem"
+           "&ssl_keyfile=/etc/conveyor/client.key")
+    (auth,) = by_kind(manifests(pipelines()["scale-shift"], settings_for(url)), "TriggerAuthentication")
+    assert auth["spec"]["secretTargetRef"] == [{"parameter": p, "name": "conveyor-redis", "key": p}
+                                               for p in ("password", "username", "ca", "cert", "key")]
+    result = run("examples.scale_shift:pipeline", "--image", IMAGE, "--redis", url)
+    assert result.exit_code == 0, result.output
+    assert "keys 'ca', 'cert', 'key'" in result.stderr
+    unverified = by_kind(manifests(pipelines()["scale-shift"], settings_for(url + "&ssl_cert_reqs=none")),
+                         "TriggerAuthentication")[0]["spec"]["secretTargetRef"]
+    assert [r["parameter"] for r in unverified] == ["password", "username", "cert", "key"]  # no CA to verify with
+    unchecked = run("examples.scale_shift:pipeline", "--image", IMAGE, "--redis", url + "&ssl_check_hostname=false")
+    assert unchecked.exit_code == 0 and "ssl_check_hostname=false: KEDA checks the server's name" in unchecked.stderr
 
 
 @pytest.mark.parametrize("url", ["unix:///tmp/redis.sock", "http://redis:6379", "redis://a:1,b:2",

@@ -132,7 +132,9 @@ MIN_LE_MAX = ("!has(self.minReplicaCount) || self.minReplicaCount <= (has(self.m
 
 
 @pytest.mark.parametrize("name", sorted(pipelines()))
-@pytest.mark.parametrize("url", ["redis://:pw@redis:6379/0", "redis+cluster://u:pw@10.0.0.5:7000,10.0.0.6:7000"])
+@pytest.mark.parametrize("url", ["redis://:pw@redis:6379/0", "redis+cluster://u:pw@10.0.0.5:7000,10.0.0.6:7000",
+                                 "rediss://u:pw@redis:6380/0?ssl_cert_reqs=none&ssl_certfile=/c.pem&ssl_keyfile=/k.pem",
+                                 "rediss+cluster://u:pw@10.0.0.5:7000?ssl_ca_certs=/etc/conveyor/ca.pem"])
 @pytest.mark.parametrize("metric", ["length", "lag", "pending"])
 def test_keda_objects_pass_kedas_crd_schemas(name: str, url: str, metric: str) -> None:
     docs = manifests(pipelines()[name], settings_for(url, metric=metric, version=(7, 2, 0)))
@@ -196,17 +198,18 @@ OWN_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("name", sorted(pipelines()))
-def test_keda_objects_pass_our_structural_schema(name: str) -> None:
-    docs = manifests(pipelines()[name], settings_for())
+@pytest.mark.parametrize("url", ["redis://:pw@redis:6379/0", "rediss://:pw@redis:6380/0?ssl_cert_reqs=none"])
+def test_keda_objects_pass_our_structural_schema(name: str, url: str) -> None:
+    docs = manifests(pipelines()[name], settings_for(url))
     for kind, schema in OWN_SCHEMAS.items():
         assert by_kind(docs, kind)
         for doc in by_kind(docs, kind):
             jsonschema.validate(doc, schema)
             if kind == "ScaledObject":
                 for trigger in doc["spec"]["triggers"]:
-                    assert set(trigger["metadata"]) <= {"address", "addresses", "databaseIndex", "enableTLS", "stream",
-                                                        "consumerGroup", "streamLength", "lagCount",
-                                                        "pendingEntriesCount", "activationLagCount"}
+                    assert set(trigger["metadata"]) <= {"address", "addresses", "databaseIndex", "enableTLS",
+                                                        "unsafeSsl", "stream", "consumerGroup", "streamLength",
+                                                        "lagCount", "pendingEntriesCount", "activationLagCount"}
 
 
 # -- probes -------------------------------------------------------------------------------------------

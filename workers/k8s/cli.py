@@ -80,6 +80,10 @@ def warnings_for(pipeline: Pipeline, settings: K8sSettings) -> list[str]:
                        "workers claim distinct cores per node")
     if not settings.keda:
         return out
+    if settings.redis is not None and settings.redis.verify and not settings.redis.check_hostname:  # rediss:// only
+        out.append("ssl_check_hostname=false: KEDA checks the server's name against its certificate whenever it "
+                   "verifies it, and cannot skip that alone; reach Redis by a name its certificate holds (or, "
+                   "verifying nothing, ssl_cert_reqs=none, which KEDA is told as unsafeSsl)")
     if settings.metric == "lag":
         out.append("--metric lag: Redis cannot tell the lag once a worker deleted an entry past the group's last "
                    "read while an earlier one is still pending (workers finishing out of order); KEDA then reads -1, "
@@ -171,9 +175,11 @@ def k8s(app: str, image: str, namespace: str | None, redis_url: str | None, secr
         raise click.UsageError(str(exc)) from exc
     for warning in warnings:
         click.echo(f"conveyor k8s: warning: {warning}", err=True)
-    if redis_url and keda:
+    if redis_url and keda and settings.redis is not None:
+        pems = "".join(f", {p!r}" for p in settings.redis.tls_params)
         click.echo(f"conveyor k8s: KEDA reads {safe_url(redis_url)} (address only; the password comes from Secret "
-                   f"{secret!r}, key 'password')", err=True)
+                   f"{secret!r}, key 'password'{pems and f'; the PEM of the files the URL names, keys {pems[2:]}'})",
+                   err=True)
     click.echo(_render(documents, output), nl=False)
 
 

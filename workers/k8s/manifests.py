@@ -206,10 +206,12 @@ def gateway_service(pipeline: Pipeline, name: str, settings: K8sSettings) -> Man
 
 def trigger_authentication(pipeline: Pipeline, name: str, settings: K8sSettings, redis: RedisTarget) -> Manifest:
     """KEDA's credentials, by reference to the Secret the pods read: ``password`` (and ``username`` when the
-    URL names a user), never their values."""
+    URL names a user), and the PEM of the CA and client certificate files a rediss:// URL names (keys ``ca``,
+    ``cert``, ``key``, ``keyPassword``: KEDA takes them as text, not paths), never their values."""
     refs = [{"parameter": "password", "name": settings.secret, "key": "password"}]
     if redis.username:
         refs.append({"parameter": "username", "name": settings.secret, "key": "username"})
+    refs += [{"parameter": param, "name": settings.secret, "key": param} for param in redis.tls_params]
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
             "metadata": _meta(name, settings, _labels(pipeline, "autoscaling")), "spec": {"secretTargetRef": refs}}
 
@@ -228,6 +230,8 @@ def _trigger(pipeline: Pipeline, spec: StageSpec, partition: int, level: int, se
             metadata["databaseIndex"] = str(redis.database)
     if redis.tls:
         metadata["enableTLS"] = "true"
+        if not redis.verify:  # ssl_cert_reqs=none: the pods do not verify, and KEDA (verifying) would never connect
+            metadata["unsafeSsl"] = "true"
     metadata["stream"] = keys.stream(spec.index)
     if settings.metric != "length":  # the scaler reads XLEN only when no consumerGroup is given
         metadata["consumerGroup"] = GROUP

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from broker.connection import CLUSTER_SCHEMES, RedisURLError, check_redis_url
 from broker.numbers import MAX_TIMEOUT_S, count_problem, number_problem, written_problem
@@ -43,12 +43,24 @@ class K8sError(ValueError):
     """A setting the manifests cannot be made from: said in one line, with what to do."""
 
 
+# What a rediss:// URL's options (redis-py's, read by every pod) ask that KEDA must be told as well: its Redis scalers
+# verify the server's certificate against the system's CAs unless the trigger says ``unsafeSsl``, and take a private
+# CA, or a client certificate and key, only as TriggerAuthentication parameters (PEM text from a Secret), not paths.
+TLS_AUTH_PARAMS = {"ssl_ca_certs": ("ca",), "ssl_ca_path": ("ca",), "ssl_ca_data": ("ca",),
+                   "ssl_certfile": ("cert", "key"), "ssl_keyfile": ("cert", "key"), "ssl_password": ("keyPassword",)}
+_FALSE = ("0", "F", "FALSE", "N", "NO")  # what redis-py's URL parser reads as false (redis.connection.to_bool)
+
+
 @dataclass(frozen=True)
 class RedisTarget:
     """Where KEDA reaches Redis, read from the URL the pods use; its password is never kept.
 
     ``version`` decides whether ``lagCount`` can be read at all (Redis >= 7); ``cluster`` picks the
-    ``redis-cluster-streams`` scaler, whose client follows the slots as conveyor's does."""
+    ``redis-cluster-streams`` scaler, whose client follows the slots as conveyor's does. With TLS, what the
+    URL's options ask of the pods' client, for KEDA's: ``verify`` False for ``ssl_cert_reqs=none``
+    (``unsafeSsl``), ``tls_params`` the TriggerAuthentication parameters that carry the URL's CA and client
+    certificate files (``ca``, ``cert``, ``key``, ``keyPassword``), ``check_hostname`` False for
+    ``ssl_check_hostname=false``, which KEDA cannot do (it checks the name whenever it verifies)."""
 
     cluster: bool
     addresses: tuple[str, ...]
@@ -56,6 +68,9 @@ class RedisTarget:
     database: int = 0
     username: str | None = None
     version: tuple[int, int, int] | None = None
+    verify: bool = True
+    tls_params: tuple[str, ...] = ()
+    check_hostname: bool = True
 
     @classmethod
     def from_url(cls, url: str, version: tuple[int, int, int] | None = None) -> RedisTarget:
@@ -85,7 +100,18 @@ class RedisTarget:
             raise K8sError(f"--redis: the database must be a number, got {path!r}")
         if cluster and path not in ("", "0"):
             raise K8sError("a Redis Cluster has one database: no /N path in a redis+cluster:// URL")
-        return cls(cluster, addresses, plain == "rediss", int(path or 0), user or None, version)
+        options: dict[str, str] = {}
+        for name, value in parse_qsl(parts.query):  # redis-py takes the first of a repeated option
+            options.setdefault(name, value)
+        database = int(options.get("db") or path or 0)  # redis-py: ?db=N wins over the path
+        if plain != "rediss":
+            return cls(cluster, addresses, False, database, user or None, version)
+        verify = options.get("ssl_cert_reqs") != "none"
+        params = [p for option, names in TLS_AUTH_PARAMS.items() if options.get(option) for p in names
+                  if verify or p != "ca"]
+        check_hostname = options.get("ssl_check_hostname", "true").upper() not in _FALSE
+        return cls(cluster, addresses, True, database, user or None, version, verify, tuple(dict.fromkeys(params)),
+                   check_hostname)
 
     @property
     def has_lag(self) -> bool | None:
