@@ -112,6 +112,14 @@ class WorkerProc:
     def report(self) -> str:
         return f"--- worker {self.stage} (pid {self.pid}, exit {self.popen.poll()}):\n{self.log()}"
 
+    def exit_code(self, timeout_s: float, what: str) -> int:
+        """Its exit code, once it exits on its own within ``timeout_s``; else it is killed and the test fails."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(self.popen)
+            raise AssertionError(f"conveyor worker still running {timeout_s:g}s into {what}\n{self.report()}") from None
+
 
 def start_worker(redis_url: str, app: str, stage: str, workers: int | None = None,
                  log_dir: Path | None = None, **env: str) -> WorkerProc:

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from gateway import Gateway, GatewaySettings
-from tests.helpers import alive, descendants, kill_group, running_workers, start_worker, wait_for
+from tests.helpers import alive, descendants, running_workers, start_worker, wait_for
 from workers import Pipeline, Stage
 from workers.process.child import ChildSettings
 from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
@@ -121,11 +121,7 @@ def test_a_setup_that_hangs_is_reported_and_replaced_and_the_stage_serves(redis_
 def test_a_setup_that_always_hangs_ends_conveyor_worker_as_a_crash_loop(redis_url: str, redis_client: redis.Redis,
                                                                         tmp_path: Path) -> None:
     proc = start_worker(redis_url, "tests.test_setup_timeout:always_hangs", "hangs", log_dir=tmp_path)
-    try:
-        code = proc.popen.wait(timeout=T)
-    except subprocess.TimeoutExpired:
-        kill_group(proc.popen)
-        pytest.fail(f"conveyor worker still running {T:g}s into its hung setups\n{proc.report()}")
+    code = proc.exit_code(T, "its hung setups")
     log = proc.log(50_000)
     assert code == 1, log
     assert log.count("worker stuck in setup()") == 3 and "failed to start 3 times in a row: giving up" in log, log

@@ -50,11 +50,7 @@ T = 30.0
 
 def test_a_stage_whose_setup_keeps_failing_makes_conveyor_worker_exit_non_zero(redis_url: str, tmp_path: Path) -> None:
     proc = start_worker(redis_url, "tests.stages:crash", "BrokenSetup", log_dir=tmp_path)
-    try:
-        code = proc.popen.wait(timeout=T)
-    except subprocess.TimeoutExpired:
-        kill_group(proc.popen)
-        pytest.fail(f"conveyor worker still running {T:g}s into a crash loop\n{proc.report()}")
+    code = proc.exit_code(T, "a crash loop")
     log = proc.log()
     assert code != 0, log
     assert "model file is missing" in log
