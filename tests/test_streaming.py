@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 
@@ -380,3 +381,34 @@ def test_a_gateway_closes_while_its_cancels_are_on_their_way(redis_url: str) -> 
                 await asyncio.wait_for(cycle(), 5)
 
         asyncio.run(cycles())
+
+
+def test_a_continuous_stage_told_to_stop_under_load_stops(redis_url: str) -> None:
+    """A continuous stage (new items join the running batch between steps) under a steady load of short
+    streams, its worker told to stop (SIGTERM, as a scale-down or any stop sends it). Its batch kept admitting
+    joiners after the stop was asked, so under load it never ended: a scale-down never took effect (the
+    supervisor counted one worker fewer, the process ran on), and a supervisor's stop SIGKILLed it after
+    ``grace_s``, its streams run again. Once stopping, no item joins: the batch ends and the worker exits."""
+    with running_workers(redis_url, f"{APP}:growing", [("Growing", 1)]) as workers:
+        workers.wait_ready("t-growing")
+        supervisor = workers.stage("Growing")
+
+        async def scenario() -> bool:
+            async with Gateway(redis_url, "t-growing", GatewaySettings(timeout_s=20)) as gw:
+                end = asyncio.get_running_loop().time() + 7.0
+                started = asyncio.Event()
+
+                async def caller() -> None:
+                    while asyncio.get_running_loop().time() < end:
+                        assert [chunk async for chunk in gw.stream(5)] == [5, 4, 3, 2, 1]
+                        started.set()
+
+                load = asyncio.gather(*(caller() for _ in range(12)))  # more callers than its 8 slots
+                await asyncio.wait_for(started.wait(), 30.0)
+                (child,) = supervisor.children()
+                child.terminate()
+                gone = await asyncio.to_thread(lambda: psutil.wait_procs([child], timeout=4.0)[1] == [])
+                await asyncio.wait_for(load, 30.0)  # every stream still answered, whole
+                return gone
+
+        assert asyncio.run(scenario()), "the worker still ran 4 s after its SIGTERM, under load"

@@ -436,9 +436,12 @@ def _close(generator: Any) -> None:
 
 
 def read_more(lane: ReadLane, router: EntryRouter, cancels: CancelWatch, lease: Lease, commit: Commit,
-              count: int) -> Work:
+              stopping: Callable[[], bool], count: int) -> Work:
     """A continuous batch's joiners: up to ``count`` new entries of ``lane`` (a read that does not block),
-    admitted into the running batch's ``commit`` (acked with it) and held by its lease."""
+    admitted into the running batch's ``commit`` (acked with it) and held by its lease. None once the worker
+    is ``stopping`` (a stop, a scale-down): the batch ends with what it holds, else under load it never would."""
+    if stopping():
+        return []
     entries = lane.reader.read(count)
     if not entries:
         return []

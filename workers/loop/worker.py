@@ -405,8 +405,8 @@ class Worker:
         meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
         Returns how many items ran."""
         if self._streaming is not None:  # a continuous stage reads joiners while it runs
-            more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit)
-                    if self.spec.continuous else None)
+            more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit,
+                                      lambda: self.stopping) if self.spec.continuous else None)
             return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more)
         handoff = self._handoff
         if handoff is not None:
