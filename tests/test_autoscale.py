@@ -84,6 +84,41 @@ def test_down_one_only_after_the_delay_with_little_to_do() -> None:
 
 
 @pytest.mark.unit
+def test_an_item_slower_than_the_target_gets_one_worker_not_its_share_of_the_target() -> None:
+    """Two callers of a stage slower per item than its target (0.3 s against 0.1 s): one item in a worker's
+    hands, one waiting. The waiting item was sized as divisible work (0.3 s of work to clear within 0.1 s:
+    three more workers), so two callers got four workers, then three for good (two stay busy, over 80 % of
+    two); a worker per waiting item serves it at once, and more do not shorten its wait."""
+    scaler = StageScaler(Pipeline("p").add(Work, scale_down_after_s=2.0).stages[0], cap=4)
+    change = scaler.observe(StageLoad(backlog=1, live=1, idle=0, items=3, busy_s=0.9), 1.0, 0.0, False)
+    assert change is not None and change.workers == 2, change
+    for t in range(1, 30):  # then two callers keep both workers busy, nothing waits
+        scaler.observe(StageLoad(backlog=0, live=2, idle=0, items=6, busy_s=1.8), 1.0, float(t), False)
+        assert scaler.workers == 2
+
+
+@pytest.mark.unit
+def test_a_steady_bursty_load_does_not_flap() -> None:
+    """A steady bursty load (items of 10 ms, target 0.05 s) whose readings find 5 items waiting with two
+    workers and 6 with one. The down rule judged the wait with the workers there against half the target:
+    with two, that is the whole target with one, the wait that scales up again. So the stage went down to
+    one after ``scale_down_after_s``, up at the next reading, down again, under an unchanged load (a stop and
+    a model load every ``scale_down_after_s``)."""
+    scaler = StageScaler(Pipeline("p").add(Work, target_wait_s=0.05, scale_down_after_s=10.0).stages[0], cap=2)
+    changes = []
+    for t in range(60):
+        waiting = 5 if scaler.workers == 2 else 6  # each worker holds one item of the burst
+        load = StageLoad(backlog=waiting, live=scaler.workers, idle=0, items=50, busy_s=0.5)
+        change = scaler.observe(load, 1.0, float(t), False)
+        if change is not None:
+            changes.append(change.reason.split(":")[0])
+    assert changes == ["up"], changes
+    lighter = StageLoad(backlog=1, live=2, idle=1, items=20, busy_s=0.2)  # one worker is enough now
+    changes = [scaler.observe(lighter, 1.0, float(t), False) for t in range(60, 72)]
+    assert [c.workers for c in changes if c is not None] == [1], changes
+
+
+@pytest.mark.unit
 def test_the_range_is_checked_where_it_is_written() -> None:
     from workers.options import PipelineError
     with pytest.raises(PipelineError, match="workers' maximum"):

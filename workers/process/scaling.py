@@ -10,10 +10,11 @@ waits counts: not what a live worker holds (it is being computed), nor what an i
 at once (up to a batch each), so one caller at a time never looks like a queue. Above
 ``target_wait_s`` the supervisor starts workers at once, as many as that wait asks for (never past
 ``max``, nor past the cores this host lets it claim, counting every other stage's workers of this
-supervisor, one core each, nor past the stage's own ``cpus`` when it names them); below half the target, with
-the workers so idle that one fewer would still be at most 80 % busy, for ``scale_down_after_s`` in a
-row, it stops one (as Ray Serve's ``downscale_delay_s``: stopping is cheap, starting a model is not,
-so up is quick and down is slow). Every change is logged with its reason and published for
+supervisor, one core each, nor past the stage's own ``cpus`` when it names them), nor past one waiting
+batch per worker (an item is not divisible: more workers than items do not shorten its wait). When one
+worker fewer would still keep the backlog's expected wait under half the target and be at most 80 % busy,
+for ``scale_down_after_s`` in a row, it stops one (as Ray Serve's ``downscale_delay_s``: stopping is cheap,
+starting a model is not, so up is quick and down is slow). Every change is logged with its reason and published for
 ``conveyor status`` and ``/metrics`` (:mod:`broker.scaling`).
 
 A worker that is stopped finishes the batch in hand, commits it and exits (SIGTERM, as at any
@@ -118,7 +119,11 @@ class StageScaler:
         if period_s is None:
             return None
         busy = load.busy_s / period_s if period_s > 0 else 0.0  # busy workers, on average
-        quiet = wait_s <= target / 2 and self.workers > self.low and busy <= LITTLE_TO_DO * max(0, load.live - 1)
+        # The wait one worker fewer would give, not the wait now: half the target with two workers is the
+        # whole target with one, the very wait that scales up again (no margin: a bursty load flaps).
+        fewer_wait_s = self._fewer_wait_s(load)
+        quiet = (fewer_wait_s <= target / 2 and self.workers > self.low
+                 and busy <= LITTLE_TO_DO * max(0, load.live - 1))
         if not quiet:
             self._quiet_since = None
             return None
@@ -130,7 +135,17 @@ class StageScaler:
         self._quiet_since = now  # the next one down only after another whole delay
         self.workers -= 1
         return Change(self.workers, f"down: {busy:.2f} of {load.live} workers busy and an expected wait of "
-                                    f"{wait_s:.3f}s for {self.spec.scale_down_after_s:g}s")
+                                    f"{fewer_wait_s:.3f}s with one fewer for {self.spec.scale_down_after_s:g}s")
+
+    def _fewer_wait_s(self, load: StageLoad) -> float:
+        """The expected wait with one live worker fewer (:meth:`waiting`, one idle worker fewer to take
+        items at once, over what the others clear)."""
+        backlog = max(0, round(load.backlog * self.per_entry) - max(0, load.idle - 1) * self.spec.batch_size)
+        if backlog <= 0:
+            return 0.0
+        if not self.rate:
+            return math.inf
+        return backlog / (self.rate * max(1, load.live - 1))
 
     def _up(self, load: StageLoad, wait_s: float, high: int) -> Change:
         waiting = self.waiting(load)
@@ -140,6 +155,9 @@ class StageScaler:
         else:
             # Live workers that would bring the wait under the target, less those on other hosts.
             needed = math.ceil(waiting / ((self.rate or 1.0) * self.spec.target_wait_s))
+            # An item is not divisible: once every waiting item has a worker of its own (a batch each), more
+            # workers do not shorten the wait (an item slower than the target would ask for several).
+            needed = min(needed, max(load.live, self.workers) + math.ceil(waiting / self.spec.batch_size))
             wanted = self.workers + max(1, needed - max(load.live, self.workers))
             why = (f"up: expected wait {wait_s:.3f}s > target_wait_s {self.spec.target_wait_s:g}s "
                    f"(backlog {waiting} waiting, {load.live} live workers of {self.rate:.0f} items/s each)")
