@@ -51,6 +51,17 @@ def pending(client: redis.Redis, stream: str) -> int:
     return int(client.xpending(stream, GROUP)["pending"])
 
 
+def level_lanes(client: redis.Redis, keys: Keys, levels: int, partitions: int = 1) -> list[ReadLane]:
+    """A worker's lanes on the first stage, each partition's levels together, highest first, each with its
+    group (and no recovery to run first)."""
+    lanes = [ReadLane(k, StreamReader(client, k.stream(0), CONSUMER), Committer(client, k, 0, "S", False, Ttls()))
+             for part in keys.partitions(partitions) for k in part.levels(levels)]
+    for lane in lanes:
+        client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
+        lane.recover = False
+    return lanes
+
+
 def test_the_room_left_is_filled_and_the_rest_leads_the_next_read(client: redis.Redis) -> None:
     urgent, default = streams(client, Keys("t-lr-fill"))
     u = add(client, urgent, 3, "u")
@@ -158,12 +169,7 @@ def test_a_carry_older_than_its_bound_is_left_pending_for_the_claim(client: redi
 def test_the_starvation_guard_serves_the_lowest_level_with_entries(client: redis.Redis) -> None:
     """Three levels, ``fair_after`` 2, the default level empty: each guard's turn goes to the middle level (the
     lowest that has entries), not to the highest, which would starve the middle level under a level-1 load."""
-    keys = Keys("t-lr-guard")
-    lanes = [ReadLane(k, StreamReader(client, k.stream(0), CONSUMER), Committer(client, k, 0, "S", False, Ttls()))
-             for k in keys.levels(3)]  # level 1, level 2, the default level
-    for lane in lanes:
-        client.xgroup_create(lane.stream, GROUP, id="0", mkstream=True)
-        lane.recover = False
+    lanes = level_lanes(client, Keys("t-lr-guard"), 3)  # level 1, level 2, the default level
     add(client, lanes[0].stream, 6, "a")
     add(client, lanes[1].stream, 2, "b")
     turns = LevelTurns(lanes, 3, 2, lambda names: LevelReader(client, names, CONSUMER, fill=False))
@@ -177,3 +183,27 @@ def test_the_starvation_guard_serves_the_lowest_level_with_entries(client: redis
         turns.close()
         for lane in lanes:
             lane.close()
+
+
+def test_the_guard_takes_turns_among_the_levels_below_the_highest(client: redis.Redis) -> None:
+    """Three levels, ``fair_after`` 2, a level-1 load and a backlog at level 2 and at the default level. The
+    guard's turn used to try the levels lowest first, so it always went to the default level: level 2 was
+    never served for as long as level 1 and the default level had entries, and users saw priority-2 requests
+    time out while less urgent ones were answered. Its turns now go to the level served longest ago; a
+    middle level served by the ordinary turns (level 1 empty) leaves every guard's turn to the default level."""
+    lanes = level_lanes(client, Keys("t-lr-rotate"), 3)  # level 1, level 2, the default level
+    for lane, count, tag in zip(lanes, (8, 12, 12), "abc", strict=True):
+        add(client, lane.stream, count, tag)
+    turns = LevelTurns(lanes, 3, 2, lambda names: LevelReader(client, names, CONSUMER, fill=False))
+    try:
+        served = []
+        for _ in range(18):
+            segments, _ = turns.ahead(lanes[0], 1)
+            served += [lanes.index(lane) for lane, entries in segments if entries]
+        assert served == [0, 0, 2, 0, 0, 1, 0, 0, 2, 0, 0, 1,  # level 1's 8 served: level 2 leads the turns
+                          1, 1, 2, 1, 1, 2]
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
+

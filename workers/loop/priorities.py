@@ -22,10 +22,12 @@ level's part of such a batch is acked and forwarded in its own level's streams, 
 (:func:`one_commit`), so it still moves on at its own level.
 
 Starvation: after ``fair_after`` batches in a row from levels above the lowest (in one
-partition), the next first read tries the levels in the other order, lowest first: while the
-default level has a backlog it gets at least one batch in ``fair_after + 1`` of every worker,
-and a higher level waits at most one batch more. With the default level empty that turn goes to
-the lowest level above it with entries (not the highest): a middle level is not starved by level 1.
+partition), the next first read (the guard's turn) tries the levels below the highest, the one
+served longest ago first (the lowest first at the start), then the highest: level 1 waits at most
+one batch more, and each level below it that has a backlog is served within its share of the guard's
+turns. With two levels, or with the default level the only one starved (a middle level served by the
+ordinary turns, or empty), that is one batch in ``fair_after + 1``; the guard's turns taken by the
+default level alone would starve a middle level under a level-1 load, while less urgent requests ran.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from broker.commit import BatchStats, Commit
@@ -68,11 +70,21 @@ class _Partition:
     lanes: list[ReadLane]
     streak: int = 0  # first reads in a row served from a level above the lowest
     losses: int = 0  # the lanes' losses the reader's carry knows of (one more: recovery reads it again)
+    waited: list[int] = field(init=False)  # the levels below the highest, served longest ago first
+
+    def __post_init__(self) -> None:
+        self.waited = list(range(len(self.lanes) - 1, 0, -1))  # none served yet: the lowest first
 
     def order(self, fair_after: int) -> list[int]:
-        """The levels to try, as indexes of ``lanes``: highest first, or lowest first when due."""
-        ahead = list(range(len(self.lanes)))
-        return ahead[::-1] if self.streak >= fair_after else ahead
+        """The levels to try, as indexes of ``lanes``: highest first, or when the guard is due the levels
+        below it served longest ago first (so the default level's backlog does not starve a middle one)."""
+        return [*self.waited, 0] if self.streak >= fair_after else list(range(len(self.lanes)))
+
+    def served(self, levels: list[int]) -> None:
+        """``levels`` had a part in the batch: they go to the end of the guard's order, lowest first."""
+        if len(self.waited) > 1:  # with two levels the guard's order is always the same
+            self.waited = [i for i in self.waited if i not in levels] + sorted(
+                (i for i in levels if i), reverse=True)
 
 
 class LevelTurns:
@@ -115,6 +127,7 @@ class LevelTurns:
         lowest = len(part.lanes) - 1
         levels_read = [i for i, _ in picked]
         part.streak = 0 if lowest in levels_read or order[0] != 0 else part.streak + 1
+        part.served(levels_read)
         segments = [(part.lanes[i], part.lanes[i].reader.parse_reply(reply)) for i, reply in picked]
         return segments, levels_read == [lowest]
 
