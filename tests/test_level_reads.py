@@ -207,3 +207,46 @@ def test_the_guard_takes_turns_among_the_levels_below_the_highest(client: redis.
         for lane in lanes:
             lane.close()
 
+
+def two_partitions(client: redis.Redis, name: str, max_carry_s: float) -> tuple[list[ReadLane], LevelTurns]:
+    """Two partitions of two levels: partition 0's default level has 8 entries, partition 1's level 1 one
+    (added first)."""
+    lanes = level_lanes(client, Keys(name), 2, partitions=2)  # p0 level 1, p0 default, p1 level 1, p1 default
+    add(client, lanes[2].stream, 1, "P")
+    add(client, lanes[1].stream, 8, "d")
+    return lanes, LevelTurns(lanes, 2, 8, lambda names: LevelReader(client, names, CONSUMER,
+                                                                    max_carry_s=max_carry_s))
+
+
+def test_a_turn_runs_the_partitions_batches_highest_level_first(client: redis.Redis) -> None:
+    """A worker reading two partitions used to run each partition's batch in partition order: a priority-1
+    request of partition 1 waited at every stage for a default-level batch of partition 0, even one queued
+    after it (and for its batch window). The turn now reads every partition, then runs the highest level's
+    batch first."""
+    lanes, turns = two_partitions(client, "t-lr-parts", 30.0)
+    ran: list[list[int]] = []
+    try:
+        turns.turn(lanes, 8, lambda segments, *_: ran.append([lanes.index(lane) for lane, _ in segments]),
+                   lambda lane, exc: pytest.fail(repr(exc)), lambda up: pytest.fail("blocked"))
+        assert ran == [[2], [1]]  # partition 1's level 1, then partition 0's default level
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
+
+
+def test_a_batch_whose_turn_comes_too_late_is_left_to_its_lanes_recovery(client: redis.Redis) -> None:
+    """A batch read while the turn's first ran longer than ``max_carry_s`` (half the stage's ``claim_idle_s``)
+    may have been claimed by a peer meanwhile: it is not run, its lanes recover this consumer's entries."""
+    lanes, turns = two_partitions(client, "t-lr-late", 0.0)  # any batch run after another is late
+    ran: list[list[int]] = []
+    try:
+        turns.turn(lanes, 8, lambda segments, *_: ran.append([lanes.index(lane) for lane, _ in segments]),
+                   lambda lane, exc: pytest.fail(repr(exc)), lambda up: pytest.fail("blocked"))
+        assert ran == [[2]]
+        assert [lane.recover for lane in lanes] == [True, True, False, False]
+        assert pending(client, lanes[1].stream) == 8  # this consumer's: its recovery reads them again
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
