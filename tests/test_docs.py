@@ -48,13 +48,13 @@ def test_the_deadline_batch_policy_is_described_as_fixed_wait_behaves() -> None:
 
 
 def test_the_starvation_guard_is_described_as_it_serves() -> None:
-    """When due, the guard tries the levels lowest first (workers/loop/priorities.py, tests/test_level_reads.py):
-    the default level, else the lowest level above it with entries, never the highest first."""
+    """When due, the guard serves the levels below the highest that have entries, the one served longest ago
+    first (workers/loop/priorities.py, tests/test_level_reads.py), never the highest first."""
     for doc in ("README.md", "docs/operations.md", "docs/protocol.md"):
         text = " ".join((ROOT / doc).read_text().split())
         assert "from the highest that has" not in text, f"{doc} says the guard serves the highest level"
     text = " ".join((ROOT / "docs/operations.md").read_text().split())
-    assert "the lowest level that has entries" in text and "not only the default" in text
+    assert "the one served longest ago first" in text and "a middle level and the default level take turns" in text
 
 
 def _protocol_example() -> ast.Module:
