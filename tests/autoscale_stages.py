@@ -1,8 +1,9 @@
-"""Stages for tests/test_autoscale.py and bench/autoscale.py: an item that costs ~2 ms of CPU, and one that
-can be held in ``predict`` for as long as a test wants."""
+"""Stages for tests/test_autoscale.py and bench/autoscale.py: an item that costs ~2 ms of CPU, one that
+can be held in ``predict`` for as long as a test wants, and a model of which a host holds one copy only."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ RUNS = os.environ.get("AUTOSCALE_RUNS", "")  # a file each worker appends the in
 RELEASE = os.environ.get("AUTOSCALE_RELEASE", "")  # Hold: a held input waits in predict until this file exists
 HOLD_MAX_S = 30.0  # ... or this long at most
 SCALE_DOWN_AFTER_S = float(os.environ.get("AUTOSCALE_SCALE_DOWN_AFTER_S", "2.0"))
+REPLICA_LOCK = os.environ.get("AUTOSCALE_REPLICA_LOCK", "")  # OneReplica: the file its one copy locks
 
 
 def _burn(seconds: float) -> None:
@@ -90,7 +92,27 @@ class Slow(Stage):
         return x
 
 
+class OneReplica(Stage):
+    """A model of which the host holds one copy only (a GPU's memory): while one worker holds the lock file
+    AUTOSCALE_REPLICA_LOCK, another's ``setup()`` fails as a CUDA out-of-memory does."""
+
+    workers = (1, 2)
+    target_wait_s = 0.05
+
+    def setup(self) -> None:
+        self._copy = open(REPLICA_LOCK, "a")  # noqa: SIM115 (held for the worker's life: its copy of the model)
+        try:
+            fcntl.flock(self._copy, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MemoryError("CUDA out of memory: no room for another copy of the model") from None
+
+    def predict(self, x: Any) -> Any:
+        time.sleep(0.02)
+        return x
+
+
 burn = Pipeline("t-autoscale").add(Burn)
 fixed = Pipeline("t-fixed").add(Burn, workers=2)
 hold = Pipeline("t-autoscale-hold").add(Hold)
 slow = Pipeline("t-autoscale-slow").add(Slow)
+one_replica = Pipeline("t-autoscale-one-replica").add(OneReplica)

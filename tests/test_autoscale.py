@@ -204,6 +204,48 @@ def test_one_caller_at_a_time_never_scales_a_slow_stage(redis_url: str) -> None:
         assert record.workers == 1 and record.changed_ms == 0
 
 
+ONE_REPLICA = "t-autoscale-one-replica"
+
+
+@pytest.mark.system
+def test_an_extra_worker_that_cannot_load_lowers_the_maximum_while_the_stage_serves_on(
+        redis_url: str, tmp_path: Path) -> None:
+    """A host with room for one copy of the model (``OneReplica``, ``workers=(1, 2)``: a second ``setup()`` fails as
+    a CUDA out-of-memory does), under load. The supervisor scales up and the new worker fails to start three times
+    in a row. That was taken for a stage that cannot start at all ("failed to start 3 times in a row: giving up"):
+    ``conveyor worker`` exited 1, stopping the worker that served, and users saw the whole stage down (and again at
+    the next peak, once the container restarted) for one worker more. The extra slot is parked instead and the
+    range here lowered to 1..1, logged and in status, while the first worker serves on."""
+    with running_workers(redis_url, f"{APP}:one_replica", ["OneReplica"],
+                         AUTOSCALE_REPLICA_LOCK=str(tmp_path / "replica.lock")) as workers:
+        workers.wait_ready(ONE_REPLICA)
+        supervisor = workers.stage("OneReplica")
+
+        def lowered() -> bool:
+            workers.check_alive()  # it gave up: fail now, with its log
+            return SCALED + "stage=OneReplica workers=1 range=1..1 " in supervisor.log(100_000)
+
+        async def scenario() -> list[int]:
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(_load_for(redis_url, 8, stop, 0, pipeline=ONE_REPLICA))
+            try:
+                await asyncio.to_thread(wait_for, lowered, 15, "the stage's maximum lowered", supervisor.report)
+                await asyncio.sleep(2.0)  # under load still: two more turns of the autoscaler
+            finally:
+                stop.set()
+            return await load
+
+        answers = asyncio.run(scenario())
+        workers.check_alive()
+        assert answers and all(answers)
+        log = supervisor.log(100_000)
+        assert len(re.findall(r'started worker"? stage=OneReplica slot=1 ', log)) == 3, supervisor.report()
+        (record,) = asyncio.run(read_pipeline_status(redis_url, ONE_REPLICA)).stages[0].autoscaling
+        assert (record.min_workers, record.max_workers, record.workers) == (1, 1, 1)
+        assert record.reason.startswith("max lowered to 1: a worker above the minimum (slot 1) failed to start 3 "
+                                        "times in a row (exit codes 3,3,3)"), record.reason
+
+
 HOLD = "t-autoscale-hold"
 
 
@@ -351,3 +393,53 @@ def test_a_worker_killed_while_a_scale_down_stops_it_loses_nothing_and_answers_n
     # SIGTERMs: the scale-down's, to the parked slot's worker in its held call, and the successor's at the end.
     held_by_parked = next(x for x, pids in held_started.items() if pids[0] == parked)
     assert calls["sigterm"] == {held_by_parked: [parked], "-": [successor]}, calls["sigterm"]
+
+
+async def _scale_up_while_the_stopped_worker_finishes(redis_url: str, runs: Path, release: Path,
+                                                      supervisor: WorkerProc) -> tuple[list[object], int]:
+    """Two workers, each held in its predict; the scale-down's SIGTERM reaches slot 1's there, and a backlog then
+    scales the stage up again before that worker returned: its slot is wanted again while it finishes. Released,
+    it exits. Returns every answer and that worker's pid."""
+    answers: list[object] = [*await _scale_up(redis_url, supervisor)]
+    held: list[asyncio.Future[object]] = []
+    try:
+        async with Gateway(redis_url, HOLD, GatewaySettings(timeout_s=30.0)) as gw:
+            await _hold_one_in_each(gw, runs, supervisor, held)
+            await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=1 " in supervisor.log(200_000),
+                                    15, "the supervisor scales down", supervisor.report)
+            stopped = _pid_of_slot(supervisor.log(200_000), 1)
+            await asyncio.to_thread(wait_for, lambda: any(stopped in p for p in _calls(runs)["sigterm"].values()), 5,
+                                    f"slot 1's worker (pid {stopped}) SIGTERMed in its predict", supervisor.report)
+            backlog = [gw.submit(x) for x in range(200)]
+            await asyncio.to_thread(
+                wait_for, lambda: supervisor.log(200_000).count(SCALED + "stage=Hold workers=2 ") == 2, 10,
+                "the supervisor scales up again", supervisor.report)
+            assert stopped in {p.pid for p in supervisor.children()}, "it exited before the scale-up"
+            release.touch()
+            answers += await asyncio.wait_for(asyncio.gather(*held, *backlog), 20)
+            await asyncio.to_thread(wait_for, lambda: _pid_of_slot(supervisor.log(200_000), 1) != stopped, 10,
+                                    "slot 1 started again", supervisor.report)
+    finally:
+        release.touch()
+        for future in held:
+            future.cancel()
+    return answers, stopped
+
+
+@pytest.mark.system
+def test_a_scale_up_while_a_scaled_down_worker_finishes_its_batch_is_no_crash(redis_url: str, tmp_path: Path) -> None:
+    """A scale-down SIGTERMs slot 1's worker in its batch, and a backlog scales the stage up again before that
+    batch ends: the slot is wanted again while its worker finishes. That worker's exit was then taken for a
+    crash: "worker exited ... restart_in" (a warning), a quick death that lengthened the slot's next restart delays
+    (a failed start too, had it been loading). It is the scale-down's: said as such, and the slot started at once."""
+    runs, release = tmp_path / "runs", tmp_path / "release"
+    with running_workers(redis_url, f"{APP}:hold", ["Hold"], AUTOSCALE_RUNS=str(runs), AUTOSCALE_RELEASE=str(release),
+                         AUTOSCALE_SCALE_DOWN_AFTER_S="1.5") as workers:
+        workers.wait_ready(HOLD)
+        supervisor = workers.stage("Hold")
+        answers, stopped = asyncio.run(_scale_up_while_the_stopped_worker_finishes(redis_url, runs, release,
+                                                                                   supervisor))
+        assert answers and all(answers[:-202]) and answers[-202:] == ["hold:a", "hold:b", *range(200)]
+        log = supervisor.log(200_000)
+    assert f"worker stopped stage=Hold slot=1 pid={stopped} code=0 (scaled down)" in log, log
+    assert not re.search(rf'worker exited"? stage=Hold slot=1 pid={stopped} ', log), log

@@ -5,7 +5,8 @@ Each child holds the write end of a pipe and reports 'R' (ready), 'B' (busy) and
 reports or dies (EOF), never polling. A child that dies before it is ready, several times
 in a row, means the stage cannot start here (bad setup, missing model): the supervisor
 stops everything and exits non-zero so compose or Kubernetes replaces the container rather
-than leaving a zombie that looks alive. A child killed after it was ready is replaced. One whose
+than leaving a zombie that looks alive (one that autoscaling added lowers its stage's maximum instead:
+:mod:`workers.process.extras`). A child killed after it was ready is replaced. One whose
 ``setup()`` runs past its stage's ``setup_timeout_s`` is killed, as one that died before it was ready
 (:mod:`workers.process.watch`); one slow to be ready is warned of every minute (:mod:`workers.process.starts`).
 
@@ -42,6 +43,7 @@ from broker.refusals import log_refusal_once
 from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
+from workers.process.extras import Extras
 from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
 from workers.process.procs import HangupRepeats, detached_preexec
 from workers.process.scaling import Scaling
@@ -101,6 +103,7 @@ class WorkerSlot:
     claim: bool = False  # the worker claims a core host-wide, preferring ``cpu`` (workers.process.pinning)
     index: int = 0  # its place among the supervisor's slots (its cell on the busy board)
     parked: bool = False  # not wanted now: autoscaling stopped it, or has not started it yet
+    retiring: bool = False  # its worker was stopped by autoscaling, and finishes its batch (workers.process.extras)
 
 
 class Supervisor:
@@ -174,6 +177,7 @@ class Supervisor:
         """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
         self._make_slots()
         self._scaling = Scaling(self.units, self.slots, self.child.redis_url, self._host)
+        self._extras = Extras(self.slots, self._scaling, self.settings.max_start_failures)
         self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url))
         self._starts = SlowStarts(self.settings.loading_warn_every_s)
         self._selector = selectors.DefaultSelector()
@@ -205,10 +209,7 @@ class Supervisor:
             self._scaling.turn(time.monotonic())
             for keeper in [*self.keepers, *self.companions]:  # at least every second: the selector never
                 keeper.keep()  # sleeps longer, and a child's exit wakes it at once (SIGCHLD)
-            failed = [s for s in self.slots if s.start_failures >= self.settings.max_start_failures]
-            if failed:
-                log.error("stage %s failed to start %d times in a row: giving up",
-                          failed[0].spec.name, failed[0].start_failures)
+            if self._extras.turn():  # a minimum worker failed to start again and again (an extra caps its stage)
                 return 1
         return 0
 
@@ -347,10 +348,11 @@ class Supervisor:
         _kill_group(slot.proc.pid)  # what it forked (a stage's helper) dies with it, not with the next one
         slot.history.append(returncode)
         now = time.monotonic()
-        if slot.parked:  # stopped by autoscaling: not to be restarted
+        if slot.parked or slot.retiring:  # stopped by autoscaling: not a crash, restarted only if wanted again
             log.info("worker stopped stage=%s slot=%d pid=%d code=%s (scaled down)", slot.spec.name, slot.number,
                      slot.proc.pid, returncode)
-            slot.proc, slot.pipe, slot.restart_at, slot.ready_at = None, None, None, None
+            slot.proc, slot.pipe, slot.ready_at, slot.retiring = None, None, None, False
+            slot.restart_at = None if slot.parked else now
             return
         if slot.ready_at is None:
             slot.start_failures += 1
