@@ -186,7 +186,7 @@ def test_the_stages_of_one_supervisor_share_the_cores(redis_url: str, redis_clie
         for t in range(8):
             scaling.turn(100.0 + t)  # each turn: one more where there is room
         assert scaling._auto is not None
-        workers = {s.scaler.spec.name: s.scaler.workers for s in scaling._auto._stages.values()}
+        workers = {s.scaler.spec.name: s.scaler.workers for s in scaling._auto.stages.values()}
         assert sum(workers.values()) == 4 and min(workers.values()) >= 1, workers
     finally:
         scaling.close()
@@ -199,7 +199,7 @@ def test_a_containers_cpu_limit_caps_the_workers_as_its_cores_do(redis_url: str,
     monkeypatch.setattr(scaling_module, "usable_cores", lambda affinity: min(affinity, 2))
     pipeline = Pipeline("t-load-quota").add(Slow, workers=(1, 8))
     scaling = Scaling(_units(pipeline), [], redis_url, "sup-test")
-    assert scaling._auto is not None and [s.scaler.high for s in scaling._auto._stages.values()] == [2]
+    assert scaling._auto is not None and [s.scaler.high for s in scaling._auto.stages.values()] == [2]
 
 
 def test_a_stage_with_explicit_cpus_runs_one_worker_per_named_core(redis_url: str,
@@ -209,11 +209,11 @@ def test_a_stage_with_explicit_cpus_runs_one_worker_per_named_core(redis_url: st
                                                                                 cpus=[1, 2])
     scaling = Scaling(_units(pipeline), [], redis_url, "sup-test")
     assert scaling._auto is not None
-    highs = {s.scaler.spec.name: s.scaler.high for s in scaling._auto._stages.values()}
+    highs = {s.scaler.spec.name: s.scaler.high for s in scaling._auto.stages.values()}
     assert highs == {"Slow": 1, "Two": 2}
     fixed = Pipeline("t-load-cpus2").add(Slow, workers=(2, 4), cpus=[0])  # a minimum of 2 on one core: kept
     scaling = Scaling(_units(fixed), [], redis_url, "sup-test")
-    assert scaling._auto is not None and [s.scaler.high for s in scaling._auto._stages.values()] == [2]
+    assert scaling._auto is not None and [s.scaler.high for s in scaling._auto.stages.values()] == [2]
 
 
 def test_the_records_of_supervisors_that_died_are_pruned(redis_url: str, redis_client: redis.Redis) -> None:

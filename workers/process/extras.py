@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from broker.protocol import now_ms
 
 if TYPE_CHECKING:
-    from workers.process.scaling import Scaling, _Scaled
-    from workers.process.supervisor import Unit, WorkerSlot
+    from workers.process.scaling import ScaledStage, Scaling
+    from workers.process.supervisor import WorkerSlot
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -54,14 +54,14 @@ class Extras:
         for slot in self._slots:
             if slot.start_failures < self._max_start_failures:
                 continue
-            scaled = _scaled(self._scaling, slot.unit) if slot.number >= slot.unit.count else None
+            scaled = self._scaling.stage_of(slot.unit) if slot.number >= slot.unit.count else None
             if scaled is None:
                 log.error("stage %s failed to start %d times in a row: giving up", slot.spec.name, slot.start_failures)
                 return True
             self._cap(slot, scaled)
         return False
 
-    def _cap(self, slot: WorkerSlot, scaled: _Scaled) -> None:
+    def _cap(self, slot: WorkerSlot, scaled: ScaledStage) -> None:
         """Park ``slot`` and lower its stage's maximum here to the workers it runs besides (its minimum at least)."""
         scaler = scaled.scaler
         others = sum(1 for s in self._slots if s.unit is slot.unit and not s.parked and s is not slot)
@@ -76,12 +76,3 @@ class Extras:
         slot.parked, slot.restart_at, slot.start_failures, slot.quick_deaths = True, None, 0, 0
         log.warning("autoscaling stage=%s workers=%d range=%s reason=%s", slot.spec.name, scaler.workers,
                     f"{scaler.low}..{scaler.high}", scaled.reason)
-
-
-def _scaled(scaling: Scaling, unit: Unit) -> _Scaled | None:
-    """Autoscaling's state of ``unit``'s stage (None: it does not autoscale). Its scaler's ``high`` bounds every
-    later change, and the record published each turn shows it with ``reason`` (workers.process.scaling)."""
-    auto = scaling._auto
-    if auto is None:
-        return None
-    return next((auto._stages.get(unit_id) for unit_id, u in scaling._units.items() if u is unit), None)

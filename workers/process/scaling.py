@@ -168,7 +168,10 @@ class StageScaler:
 
 
 @dataclass
-class _Scaled:
+class ScaledStage:
+    """One autoscaled stage's state: its scaler (whose ``low``/``high`` bound every change) and the last
+    change's ``reason``, published each turn (``conveyor status``, ``/metrics``)."""
+
     keys: Keys
     partitions: list[Keys]
     scaler: StageScaler
@@ -193,14 +196,14 @@ class Autoscaler:
         self._period_s = period_s
         self._cores = cores
         self._fixed = fixed
-        self._stages: dict[str, _Scaled] = {}  # by unit id
+        self.stages: dict[str, ScaledStage] = {}  # by unit id
         self._client: SyncClient | None = None
         self._last = 0.0
 
     def add(self, unit_id: str, spec: StageSpec, keys: Keys, partitions: list[Keys], cap: int,
             levels: int = 1) -> StageScaler:
         scaler = StageScaler(spec, cap)
-        self._stages[unit_id] = _Scaled(keys, partitions, scaler, [b"-"] * len(partitions), levels)
+        self.stages[unit_id] = ScaledStage(keys, partitions, scaler, [b"-"] * len(partitions), levels)
         return scaler
 
     def due_in_s(self, now: float) -> float:
@@ -208,13 +211,13 @@ class Autoscaler:
 
     def turn(self, now: float, starting: Mapping[str, bool]) -> dict[str, Change]:
         """The changes due now, by unit id (``starting``: whether a worker it started is not ready yet)."""
-        if not self._stages or now < self._last + self._period_s:
+        if not self.stages or now < self._last + self._period_s:
             return {}
         period_s, self._last = (now - self._last if self._last else self._period_s), now
         if self._client is None:
             self._client = self._settings.sync_client()
         changes: dict[str, Change] = {}
-        for unit_id, scaled in self._stages.items():
+        for unit_id, scaled in self.stages.items():
             try:
                 change = self._turn_stage(unit_id, scaled, period_s, now, starting.get(unit_id, False))
             except CONNECTION_OR_REPLY_ERRORS as exc:
@@ -229,9 +232,9 @@ class Autoscaler:
         """How many more workers the cores leave to this supervisor's autoscaled stages, now."""
         if self._cores is None:
             return None
-        return self._cores - self._fixed - sum(s.scaler.workers for s in self._stages.values())
+        return self._cores - self._fixed - sum(s.scaler.workers for s in self.stages.values())
 
-    def _turn_stage(self, unit_id: str, scaled: _Scaled, period_s: float, now: float,
+    def _turn_stage(self, unit_id: str, scaled: ScaledStage, period_s: float, now: float,
                     starting: bool) -> Change | None:
         assert self._client is not None
         spec = scaled.scaler.spec
@@ -246,7 +249,7 @@ class Autoscaler:
         self._records(scaled, now)
         return change
 
-    def _records(self, scaled: _Scaled, now: float) -> None:
+    def _records(self, scaled: ScaledStage, now: float) -> None:
         """This supervisor's record for status, and about once a minute the removal of those of the
         stage's supervisors that died without a stop. Best effort: a refusal is explained once, and
         the change made this turn stands (the scaler counts it already: the workers must follow)."""
@@ -269,7 +272,7 @@ class Autoscaler:
         """Say this supervisor no longer scales its stages (best effort)."""
         if self._client is None:
             return
-        for scaled in self._stages.values():
+        for scaled in self.stages.values():
             try:
                 forget_scale(self._client, scaled.keys, scaled.scaler.spec.index, self._supervisor)
             except CONNECTION_OR_REPLY_ERRORS:
@@ -308,6 +311,12 @@ class Scaling:
 
     def due_in_s(self, now: float) -> float:
         return 1.0 if self._auto is None else self._auto.due_in_s(now)
+
+    def stage_of(self, unit: Unit) -> ScaledStage | None:
+        """Autoscaling's state of ``unit``'s stage; None if it does not autoscale."""
+        if self._auto is None:
+            return None
+        return next((self._auto.stages.get(unit_id) for unit_id, u in self._units.items() if u is unit), None)
 
     def turn(self, now: float) -> None:
         if self._auto is None:
