@@ -21,11 +21,14 @@ import psutil
 import pytest
 import redis
 
+from broker.connection import RedisSettings
 from gateway import Gateway, GatewaySettings
 from tests.helpers import alive, descendants, running_workers, start_worker, wait_for
 from workers import Pipeline, Stage
 from workers.process.child import ChildSettings
-from workers.process.supervisor import Supervisor, SupervisorSettings, Unit
+from workers.process.starts import SlowStarts
+from workers.process.supervisor import Supervisor, SupervisorSettings, Unit, WorkerSlot
+from workers.process.watch import BusyCell, StuckWatch
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
@@ -176,3 +179,35 @@ def test_a_worker_slow_to_load_is_warned_of_until_it_is_ready(redis_url: str, re
 
     assert _supervise(supervisor, watch) == 0
     assert not said("worker stuck in setup()") and supervisor.slots[0].history == []  # never restarted
+
+
+class Quick(Stage):
+    def predict(self, x: int) -> int:
+        return x
+
+
+quick = Pipeline("t-quick-first").add(Quick, max_run_s=0.05)
+
+
+def test_a_first_batch_stuck_before_its_ready_is_read_is_a_stuck_predict(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that sent 'R' and whose first batch passed ``max_run_s`` before the supervisor read that 'R' (it
+    checks every slot before it reads their pipes) was taken, not being ready, for one stuck in ``setup()``:
+    its message formatted ``setup_timeout_s`` (None) and the TypeError ended `Supervisor.run`, every worker with
+    it. What it is stuck in is the worker's own word (its cell), not whether its 'R' was read."""
+    caplog.set_level(logging.ERROR, "conveyor.supervisor")
+    spec = quick.stage("Quick")
+    supervisor = Supervisor([Unit("tests.test_setup_timeout:quick", spec, 1)],
+                            ChildSettings(redis_url="redis://127.0.0.1:9/0"))
+    watch = StuckWatch(1, RedisSettings("redis://127.0.0.1:9/0"))  # never reached: the unit has no keys
+    supervisor._stuck, supervisor._starts = watch, SlowStarts(60.0)
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        slot = WorkerSlot(supervisor.units[0], spec, 0, None, "quick@h:0", proc=proc, ready_at=None)
+        BusyCell(os.dup(watch.fd), 0).batch(spec, [None])  # its first batch, past max_run_s at the check
+        wait_for(lambda: watch.stuck(0), T, "the batch past max_run_s")
+        supervisor._check_runtime(slot)
+    finally:
+        proc.kill()
+        proc.wait()
+        watch.close()
+    assert "worker stuck: predict ran past max_run_s" in caplog.text, caplog.text

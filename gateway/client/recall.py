@@ -119,8 +119,8 @@ class Recall:
     def _send_again(self, request_ids: Iterable[bytes]) -> int:
         """Queue these requests again, but not those waiting in their lane's outbox already, nor the turn on its
         way (``Lane.sending``): its call reaches the new run (after a failover, maybe the old master: the audit
-        finds it then, as any call sent just after this check), or fails and the flusher queues it again;
-        queued here too, each of its requests was added twice to the stream, and ran twice. How many queued."""
+        finds it then, as any call sent just after this check), or fails and the flusher queues it again:
+        queued here too, each of its requests would be added twice to the stream, and run twice. How many queued."""
         requests = self._requests
         now_s = time.monotonic()
         by_lane: dict[int, tuple[Lane, list[InFlight]]] = {}

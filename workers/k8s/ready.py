@@ -14,7 +14,7 @@ worker past ``setup()`` that serves. Partition 0's alone would not do: on a Redi
 master's, and while that master is away every worker pod of the pipeline would be not ready (rollouts
 stalled) though they serve the other partitions. The sets are read per node and at once, so that a node
 that does not answer holds back only its own partitions, and the answer comes within ``PROBE_TIMEOUT_S``
-whatever the cluster client's retries (a stalled master held it over a minute, past the kubelet's cut).
+whatever the cluster client's retries (a stalled master would hold it past the kubelet's cut).
 
 A pod's workers are the consumers named ``<stage>@<host>:...``, ``<host>`` being the pod's host name
 (:class:`workers.process.supervisor.Supervisor` names them so).

@@ -1,7 +1,7 @@
 """Workers not ready yet, said in the supervisor's log while they load.
 
-A ``setup()`` that never returns (a deadlocked thread pool, a stalled file system) was only "loading" in
-``conveyor status``, for ever, the stage a worker short. Every ``every_s`` (``SupervisorSettings``,
+A ``setup()`` that never returns (a deadlocked thread pool, a stalled file system) shows only as "loading"
+in ``conveyor status``, the stage a worker short, unless someone says so. Every ``every_s`` (``SupervisorSettings``,
 a minute) a worker started and not ready is warned of: its stage, slot and pid, how long since it
 started, how long in ``setup()`` (from its cell of the busy board, :mod:`workers.process.watch`; before
 ``setup()`` it imports APP and reaches Redis), and what comes next: replaced at ``setup_timeout_s``

@@ -374,12 +374,12 @@ class Supervisor:
         one still loading is warned of (workers.process.starts)."""
         if slot.proc is None:
             return
-        loading = slot.ready_at is None
+        loading = self._stuck.in_setup(slot.index)  # not ready_at: its 'R' and first batch may be unread yet
         if self._stuck.stuck(slot.index):
             self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, loading=loading)
             # One stuck in setup() read nothing: its predecessor's timeout (if any) still stands for the next.
             slot.killed_for_timeout = slot.killed_for_timeout if loading else bool(slot.spec.max_run_s)
-        elif loading:
+        elif slot.ready_at is None:
             self._starts.check(slot.index, slot.proc.pid, self._stuck.began_s(slot.index), slot.spec, slot.number)
         elif (frozen := self._stuck.frozen_s(slot.index)) > self.settings.frozen_after_s:
             self._stuck.replace(slot.index, slot.proc, slot.spec, slot.consumer, slot.unit.keys, frozen)

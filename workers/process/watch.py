@@ -67,6 +67,9 @@ _CELL = struct.Struct("<qqqq")
 _BATCH = struct.Struct("<qqq")
 _ALIVE = struct.Struct("<q")
 _ALIVE_AT = _BATCH.size
+# ``unwanted_at_ms`` of a cell whose worker is in ``setup()`` (a batch's is a deadline, or 0): what it is stuck
+# in is told by the worker itself, not by whether the supervisor has read its 'R' yet.
+IN_SETUP = -1
 ALIVE_EVERY_S = 1.0
 
 
@@ -140,7 +143,7 @@ class BusyCell:
     def setup(self, timeout_s: float | None) -> None:
         """The stage's ``setup()`` begins (its start is what the supervisor's warnings count from): it becomes
         stuck ``timeout_s`` from now (None: never). :meth:`idle` when it ends."""
-        self.busy(now_ms() + int(timeout_s * 1000) if timeout_s else 0, 0)
+        self.busy(now_ms() + int(timeout_s * 1000) if timeout_s else 0, IN_SETUP)
 
     def idle(self) -> None:
         _BATCH.pack_into(self._map, self._offset, 0, 0, 0)
@@ -189,11 +192,15 @@ class StuckWatch:
     def unwanted(self, index: int) -> bool:
         """Whether the batch in hand is past every deadline of its items: nobody waits for it."""
         busy = self._board.read(index)
-        return bool(busy.unwanted_at_ms) and now_ms() >= busy.unwanted_at_ms
+        return busy.unwanted_at_ms > 0 and now_ms() >= busy.unwanted_at_ms  # not IN_SETUP: a setup has no deadline
 
     def stuck(self, index: int) -> bool:
         busy = self._board.read(index)
         return bool(busy.stuck_at_ms) and now_ms() >= busy.stuck_at_ms
+
+    def in_setup(self, index: int) -> bool:
+        """Whether this slot's worker is in its stage's ``setup()``."""
+        return self._board.read(index).unwanted_at_ms == IN_SETUP
 
     def began_s(self, index: int) -> float | None:
         """Seconds since this slot's worker began its batch or, before it is ready, its ``setup()`` (None: idle,
