@@ -12,6 +12,7 @@ import pytest
 
 from gateway.client.slot import Slot
 from gateway.client.streams import StreamSink
+from gateway.http.parsing import RequestReader
 from gateway.http.server import HttpServer, HttpSettings
 from tests.test_http import Client, FakeBackend, http_request, http_test, one, predict_json, run, serving
 
@@ -214,3 +215,89 @@ def test_a_request_answered_503_retry_at_the_drain_timeout_is_cancelled() -> Non
     status, told = run(body())
     assert status == 503
     assert len(told) == 1, "the request answered 'retry' was left running"
+
+
+class _Listener:
+    """What a `RequestReader` tells its connection: the requests it completed."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    def head_started(self) -> None:
+        pass
+
+    def head_complete(self, expect_continue: bool) -> None:
+        pass
+
+    def request_complete(self, request: Any) -> None:
+        self.requests.append(request)
+
+
+def _read(chunks: list[bytes], max_header_bytes: int = 64 * 1024) -> tuple[_Listener, int | None]:
+    """Feed ``chunks`` as reads; the requests completed, and the status of the error that refused them."""
+    listener = _Listener()
+    reader = RequestReader(listener, HttpSettings(max_header_bytes=max_header_bytes))
+    for chunk in chunks:
+        error = reader.feed(chunk)
+        if error is not None:
+            return listener, error.status
+    return listener, None
+
+
+@http_test(body_timeout_s=5.0)
+async def test_a_trailer_line_that_never_ends_is_refused(server: HttpServer, backend: FakeBackend) -> None:
+    """An unfinished trailer line was never counted (the partial head's check ran in the head only), and
+    httptools grows the line as it comes: a client without a key could make one connection hold hundreds of
+    MB and the event loop's CPU, until the body's timeout. It is bounded as a head is: 431."""
+    client = await Client.open(server.port)
+    await client.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n7\r\n0\r\nX: ")
+    for _ in range(4):
+        await client.send(b"a" * 64 * 1024)
+    try:
+        resp = await asyncio.wait_for(client.response(), 2.0)
+    finally:
+        await client.close()
+    assert resp.status == 431
+
+
+def test_a_chunked_body_of_many_small_chunks_and_a_trailer_is_read() -> None:
+    """The trailer's bound counts what of a chunked body's reads is neither body nor chunk lines: a body sent
+    as many one-byte chunks, then a short trailer, is read whole."""
+    chunks = b"".join(b"1\r\n7\r\n" for _ in range(20_000))
+    head = b"POST /v1/predict HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+    listener, status = _read([head, chunks[:60_000], chunks[60_000:], b"0\r\nX-Check: 1\r\n\r\n"], 1024)
+    assert status is None and [len(r.body) for r in listener.requests] == [20_000], status
+
+
+@http_test()
+async def test_a_head_after_an_upgrade_requests_body_is_not_refused_431(server: HttpServer,
+                                                                         backend: FakeBackend) -> None:
+    """An ``Upgrade`` request's body (taken apart from the parser) then the next head's first bytes, in one read,
+    were counted as that head: the next request, a few bytes, was answered 431 and the connection closed."""
+    body = b'"' + b"x" * 70_000 + b'"'
+    upgrade = (b"POST /v1/predict HTTP/1.1\r\nHost: h\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    client = await Client.open(server.port)
+    try:
+        await client.send(upgrade + b"GET /healthz")
+        assert (await client.response()).status == 200  # answered: that read was parsed, the rest comes apart
+        await client.send(b" HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert (await client.response()).status == 200
+    finally:
+        await client.close()
+
+
+@http_test(max_body_bytes=1)
+async def test_reading_resumes_with_the_smallest_max_body_bytes(server: HttpServer, backend: FakeBackend) -> None:
+    """Reading resumed once the bodies queued were under half of ``max_body_bytes``: with 1, never (0 < 0), so
+    a connection paused (33 pipelined requests) was never read again, its client hung."""
+    client = await Client.open(server.port)
+    try:
+        await client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 40)
+        for _ in range(40):
+            assert (await client.response()).status == 200
+        await client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await asyncio.wait_for(client.response(), 2.0)
+        assert resp.status == 200
+    finally:
+        await client.close()

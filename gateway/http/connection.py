@@ -110,8 +110,6 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             error = self.reader.feed(data)
         finally:
             self.feeding = False
-        if error is None and self.phase == _HEAD:
-            error = self.reader.check_partial_head(data)
         if error is not None:
             self._fail(error)
             return

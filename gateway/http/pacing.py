@@ -116,7 +116,7 @@ class Pacing:
 
     def _maybe_resume_reading(self) -> None:
         if (self.reading_paused and not self.write_paused and len(self.queue) < MAX_QUEUED // 2
-                and self._queued_bytes() < self.settings.max_body_bytes // 2):
+                and self._queued_bytes() <= self.settings.max_body_bytes // 2):
             self._resume_reading()
 
     def _resume_reading(self) -> None:

@@ -22,6 +22,8 @@ from gateway.http.types import HttpError, Request, bad_request, too_large
 
 __all__ = ["RequestListener", "RequestReader"]
 
+_CHUNK_LINE_BYTES = 32  # a chunk's size line and CRLFs, a few short extensions included
+
 
 class RequestListener(Protocol):
     """What the reader tells its connection (`gateway.http.connection.HttpProtocol`)."""
@@ -40,6 +42,7 @@ class RequestReader:
         self.max_body_bytes = settings.max_body_bytes
         self.parser = httptools.HttpRequestParser(self)
         self.read_other = 0  # bytes of the read being parsed that were URL or body (see check_partial_head)
+        self.messages = 0  # requests begun on this connection
         self._reset()
         self.held: Request | None = None  # an upgrade request (see the module docstring), its body still to come
         self.held_size = 0  # how many bytes of body it declared
@@ -55,6 +58,9 @@ class RequestReader:
         self.head_fed = 0  # the bytes of the reads that came while its head went on (see check_partial_head)
         self.in_head = False
         self.trailing = False  # past the head: header fields now are a chunked body's trailer
+        self.chunked_open = False  # a chunked body under way: its reads are body, chunk lines or trailer
+        self.chunks = 0
+        self.framing = 0  # bytes of those reads that were not body (see check_partial_head)
 
     def feed(self, data: bytes) -> HttpError | None:
         """Parse ``data``; the error to answer (then close) if the bytes are refused, else None."""
@@ -64,6 +70,7 @@ class RequestReader:
                 return None
         if self.in_head:  # a head under way before this read: every byte of it is the head's, until it ends
             self.head_fed += len(data)
+        chunked, messages, body_size = self.chunked_open, self.messages, self.body_size
         self.read_other = 0
         try:
             self.parser.feed_data(data)
@@ -74,7 +81,9 @@ class RequestReader:
         except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
             cause = exc.__context__
             return cause if isinstance(cause, HttpError) else bad_request(str(exc))
-        return None
+        if chunked and self.chunked_open and self.messages == messages:  # the same chunked body went on
+            self.framing += len(data) - (self.body_size - body_size)
+        return self.check_partial_head(data)
 
     def _held_body(self, data: bytes) -> bytes:
         """Body bytes of the held upgrade request from ``data``; once whole, the request goes to the
@@ -99,7 +108,11 @@ class RequestReader:
         size, so that a good head is never refused: the bytes of the reads that came while it went on
         (``head_fed``: from the read after the one it began in, where it is not known where it began),
         and the reported lines plus the read's unfinished one, less what of the read was URL or body (a
-        pipelined request's body before the head, a URL already counted)."""
+        pipelined request's body before the head, a URL already counted). The reads of a chunked body that
+        are neither body nor its chunk lines are a trailer, bounded as a head (httptools grows an unfinished
+        trailer line as it comes)."""
+        if self.chunked_open and self.framing > self.max_header_bytes + _CHUNK_LINE_BYTES * self.chunks:
+            return bad_request("request trailer too large", 431)
         if not self.in_head:
             return None
         nl = data.rfind(b"\n")
@@ -124,6 +137,7 @@ class RequestReader:
 
     def on_message_begin(self) -> None:
         self._reset()
+        self.messages += 1
         self.in_head = True
         self.connection.head_started()
 
@@ -150,6 +164,7 @@ class RequestReader:
     def on_headers_complete(self) -> None:
         self.in_head, self.trailing = False, True
         headers = self.headers
+        self.chunked_open = b"transfer-encoding" in headers
         if b"host" not in headers and self.parser.get_http_version() == "1.1":
             raise bad_request("HTTP/1.1 request without a Host header")
         length = headers.get(b"content-length")
@@ -183,7 +198,11 @@ class RequestReader:
                 first = parts[0] = bytearray(first)
             first += body
 
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
+
     def on_message_complete(self) -> None:
+        self.chunked_open = False
         body = bytes(self.body[0]) if self.body else b""
         url = self.url
         path = url.split(b"?", 1)[0] if b"?" in url else url
