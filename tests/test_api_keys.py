@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http.auth import read_keys
+from gateway.http.auth import NoKeyGiven, read_keys
 from gateway.http.routes import Router
 from gateway.http.settings import HttpSettings
 from gateway.http.types import Reply
@@ -91,6 +91,15 @@ def test_keys_are_read_from_the_environment_and_a_file_and_never_shown(tmp_path:
     assert read_keys("k-env, k-env2  k-env3", path) == ("k-env", "k-env2", "k-env3", "k-file-1", "k-file-2")
     assert read_keys(None, None) == ()
     assert "k-env" not in repr(HttpSettings(api_keys=("k-env",)))
+
+
+def test_a_key_no_client_could_send_is_refused_at_start(tmp_path: Path) -> None:
+    """A key file's line is a key whole, inner blanks included; a Bearer token holds none, so the gateway
+    started with a key that no client could send, and answered every request 401 without a word why."""
+    path = tmp_path / "keys"
+    path.write_text("k-good\nmy team key\n")
+    with pytest.raises(NoKeyGiven, match="key 2 holds whitespace"):
+        read_keys(None, path)
 
 
 def test_a_client_without_a_key_cannot_fill_the_route_tables_memory() -> None:

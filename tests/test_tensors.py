@@ -186,7 +186,7 @@ def test_a_tensor_without_elements_cannot_declare_more_rows_than_its_request_car
     assert str(caught.value) == (
         f"input 'x': shape [1000000, 0] has no element but more than {EMPTY_ROWS_MIN} rows (its dimensions before "
         f"the 0, multiplied): a tensor without elements may have at most {EMPTY_ROWS_MIN} rows, or one per byte "
-        "of the request's JSON if that is more")
+        "of the request's JSON, or another input's rows, if that is more")
     assert peak < 1_000_000, peak
     body, head = _nothing([10**18, 10**18, 0], datatype, binary)  # not multiplied out, nor handed to numpy
     with pytest.raises(TensorError, match="has no element but more than"):
@@ -309,3 +309,20 @@ def test_a_pipeline_declaring_a_task_must_fulfil_its_contract() -> None:
             Pipeline("bad", task="embeddings", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(PipelineError, match="task must be one of 'embeddings'"):
         Pipeline("bad", task="chat")
+
+
+def test_an_empty_companion_has_as_many_rows_as_an_input_whose_data_carries_them() -> None:
+    """A batched pipeline's inputs share their first dimension: 2048 rows of real binary data with an empty
+    ``[2048, 0]`` companion were refused 400, the empty tensors' limit counting only the JSON head (a few hundred
+    bytes with the binary extension). The rows of an input with elements are carried by its data."""
+    rows = 2048
+    head = json.dumps({"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [rows, 4], "parameters": {"binary_data_size": rows * 16}},
+        {"name": "ctx", "datatype": "FP32", "shape": [rows, 0], "data": []}]}).encode()
+    request = parse_request(head + struct.pack(f"<{rows * 4}f", *range(rows * 4)), len(head))
+    assert [t.shape for t in request.inputs] == [[rows, 4], [rows, 0]]
+    lying = json.dumps({"inputs": [  # rows claimed by an input whose data does not carry them: refused
+        {"name": "x", "datatype": "FP32", "shape": [10**9, 1], "parameters": {"binary_data_size": 16}},
+        {"name": "ctx", "datatype": "FP32", "shape": [10**9, 0], "data": []}]}).encode()
+    with pytest.raises(TensorError, match="16 bytes for 1000000000 values"):
+        parse_request(lying + bytes(16), len(lying))

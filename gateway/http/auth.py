@@ -28,8 +28,8 @@ _CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
 class NoKeyGiven(ValueError):
-    """Keys were asked for (a key file, a non-blank ``CONVEYOR_API_KEYS``) and none were found: serving
-    open then would let anyone in who was meant to be kept out."""
+    """Keys were asked for (a key file, a non-blank ``CONVEYOR_API_KEYS``) and none were found, or one that no
+    client could send: serving then would let in anyone meant to be kept out, or keep out everyone."""
 
 
 def read_keys(text: str | None, file: Path | None) -> tuple[str, ...]:
@@ -45,6 +45,10 @@ def read_keys(text: str | None, file: Path | None) -> tuple[str, ...]:
                      not line.lstrip().startswith("#")]
         if not from_file:
             raise NoKeyGiven(f"{file} holds no key (one a line; '#' starts a comment)")
+        spaced = [n for n, key in enumerate(from_file, 1) if len(key.split()) > 1]
+        if spaced:  # a Bearer token holds no whitespace (RFC 6750): such a key could never be sent
+            raise NoKeyGiven(f"{file}: key {spaced[0]} holds whitespace, which no 'Authorization: Bearer' "
+                             "header can carry (one key a line)")
     return tuple(dict.fromkeys(from_text + from_file))
 
 

@@ -9,8 +9,9 @@ nested; ``BYTES`` elements are strings there. Every datatype numpy has round-tri
 A tensor's cost to the gateway follows the bytes that carry it: each element takes at least one, and
 a tensor's rows (the Python lists of a ``BYTES`` tensor, a batched pipeline's items) are no more than
 its elements. A tensor without elements (a 0 in its shape) is the exception, its rows declared, not
-sent: it may have at most `EMPTY_ROWS_MIN` of them, or one per byte of its request's JSON head when
-that is more, so that a few bytes never make the gateway build millions of empty rows.
+sent: it may have at most `EMPTY_ROWS_MIN` of them, or one per byte of its request's JSON head, or as many
+as another input with elements has (its data carries them) when that is more, so that a few bytes never
+make the gateway build millions of empty rows.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def parse_head(head: bytes) -> RequestHead:
         raise TensorError(f"the request's JSON does not parse: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise TensorError("an inference request is a JSON object with a non-empty 'inputs' list")
-    max_rows = max(EMPTY_ROWS_MIN, len(head))
+    max_rows = max(EMPTY_ROWS_MIN, len(head), _rows_sent(doc["inputs"]))
     inputs = tuple(_input(raw, max_rows) for raw in doc["inputs"])
     outputs = doc.get("outputs") or []
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
@@ -203,7 +204,8 @@ def _input(raw: Any, max_rows: int) -> InputHead:
     if _empty_rows(shape, max_rows) > max_rows:
         raise TensorError(f"input {name!r}: shape {shape} has no element but more than {max_rows} rows (its "
                           f"dimensions before the 0, multiplied): a tensor without elements may have at most "
-                          f"{EMPTY_ROWS_MIN} rows, or one per byte of the request's JSON if that is more")
+                          f"{EMPTY_ROWS_MIN} rows, or one per byte of the request's JSON, or another input's rows, "
+                          "if that is more")
     parameters = raw.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
@@ -213,6 +215,14 @@ def _input(raw: Any, max_rows: int) -> InputHead:
     if "data" not in raw:
         raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
     return InputHead(name, datatype, tuple(shape), parameters, None, raw["data"])
+
+
+def _rows_sent(raws: list[Any]) -> int:
+    """The most rows an input with elements declares: its data, checked against its shape before any row is
+    built, carries them (a batched pipeline's empty companion of a binary input has as many)."""
+    rows = [raw["shape"][0] for raw in raws if isinstance(raw, dict) and isinstance(raw.get("shape"), list)
+            and raw["shape"] and all(type(d) is int and d > 0 for d in raw["shape"])]
+    return max(rows, default=0)
 
 
 def _empty_rows(shape: list[int], past: int) -> int:
