@@ -326,3 +326,11 @@ def test_an_empty_companion_has_as_many_rows_as_an_input_whose_data_carries_them
         {"name": "ctx", "datatype": "FP32", "shape": [10**9, 0], "data": []}]}).encode()
     with pytest.raises(TensorError, match="16 bytes for 1000000000 values"):
         parse_request(lying + bytes(16), len(lying))
+
+
+def test_a_shape_numpy_cannot_hold_is_a_tensor_error() -> None:
+    """A dimension past 2**63 (or more than 64 of them) made numpy's reshape raise its own ValueError, whose
+    text named neither the input nor the shape."""
+    head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 2**63], "data": []}]}).encode()
+    with pytest.raises(TensorError, match=r"input 'x': shape \[0, 9223372036854775808\]"):
+        parse_request(head, len(head))
