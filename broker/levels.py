@@ -67,7 +67,7 @@ class LevelReader(UnblockableReader):
         self._fill = fill
         self._carry: list[list[Any]] = [[] for _ in self.streams]  # per level: entries read, not handed out
         self._carried_at = [0.0 for _ in self.streams]  # per level: when its carry's oldest entries were read
-        self.max_carry_s = max_carry_s
+        self._max_carry_s = max_carry_s
         self._read_head = [b"XREADGROUP", b"GROUP", GROUP.encode(), consumer.encode(), b"COUNT"]
         self._held = HeldConnection(client, self.streams[0], on_connect=self._identify, keep=_unblocked)
 
@@ -84,7 +84,7 @@ class LevelReader(UnblockableReader):
         Each level's carry comes first within its part (it was read first)."""
         now = time.monotonic()
         for i in order:  # too old: while the batch before ran (a slow predict), a peer may have claimed it
-            if self._carry[i] and now - self._carried_at[i] > self.max_carry_s:
+            if self._carry[i] and now - self._carried_at[i] > self._max_carry_s:
                 self._carry[i] = []
         asked = [(i, counts[i] - len(self._carry[i])) for i in order]
         asked = [(i, count) for i, count in asked if count > 0]

@@ -110,11 +110,11 @@ class LevelTurns:
         if not self.partitions:
             return [(lane, lane.reader.read(count))], True
         picked = self._pick(self.partitions[0], count)
-        return picked[:2] if picked is not None else ([], True)
+        return picked if picked is not None else ([], True)
 
-    def _pick(self, part: _Partition, count: int) -> tuple[Segments, bool, int] | None:
-        """The first read on one partition: the entries read by lane, whether the batch may wait to
-        fill (the lowest level's alone), and the level that leads it (an index of ``part.lanes``)."""
+    def _pick(self, part: _Partition, count: int) -> tuple[Segments, bool] | None:
+        """The first read on one partition: the entries read by lane, and whether the batch may wait to
+        fill (the lowest level's alone)."""
         losses = sum(lane.losses for lane in part.lanes)
         if losses != part.losses:  # a lane lost since: its recovery runs what the carry held
             part.reader.drop_carry()
@@ -129,16 +129,13 @@ class LevelTurns:
         part.streak = 0 if lowest in levels_read or order[0] != 0 else part.streak + 1
         part.served(levels_read)
         segments = [(part.lanes[i], part.lanes[i].reader.parse_reply(reply)) for i, reply in picked]
-        return segments, levels_read == [lowest], levels_read[0]
+        return segments, levels_read == [lowest]
 
     def turn(self, up: list[ReadLane], count: int, run: RunBatch, failed: Callable[[ReadLane, Exception], None],
              block: Callable[[list[ReadLane]], None]) -> None:
-        """A batch from the highest level with entries of each partition whose lanes are all ``up``, run
-        the highest level first (a request of level 1 does not wait for another partition's default
-        batch); if none had any, ``block(up)``: the worker's blocking read on every lane. A batch whose
-        turn comes later than its reader's ``max_carry_s`` after its read (the batches before ran that
-        long) is not run: a peer may have claimed it meanwhile, so its lanes' recovery reads it again."""
-        picks: list[tuple[int, _Partition, Segments, float, bool]] = []  # (level, ..., when read, may wait)
+        """A batch from the highest level with entries of each partition whose lanes are all ``up``;
+        if none had any, ``block(up)``: the worker's blocking read on every lane."""
+        served = False
         for part in self.partitions:
             if not all(lane in up for lane in part.lanes):
                 continue  # a lane set aside: its node is down, the blocking read skips it
@@ -149,15 +146,9 @@ class LevelTurns:
                     failed(lane, exc)
                 continue
             if picked is not None:
-                picks.append((picked[2], part, picked[0], time.monotonic(), picked[1]))
-        picks.sort(key=lambda pick: pick[0])  # stable: partitions in order within a level
-        for n, (_, part, segments, read_at, wait) in enumerate(picks):
-            if n and time.monotonic() - read_at > part.reader.max_carry_s:
-                for lane in part.lanes:
-                    lane.lost()
-                continue
-            run(segments, count, read_at, wait)
-        if not picks:
+                served = True
+                run(picked[0], count, time.monotonic(), picked[1])
+        if not served:
             block(up)
 
     def read_any(self, lanes: list[ReadLane], count: int, timeout_s: float) -> list[ReadOutcome]:
