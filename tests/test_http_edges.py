@@ -301,3 +301,24 @@ async def test_reading_resumes_with_the_smallest_max_body_bytes(server: HttpServ
         assert resp.status == 200
     finally:
         await client.close()
+
+
+CHUNKED_HEAD = b"POST /v1/predict HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_many_small_chunks_buy_no_room_for_a_trailer_line() -> None:
+    """The trailer's bound once allowed some bytes per chunk line: 2,000 one-byte chunks bought an unfinished
+    trailer line of ~55 times ``max_header_bytes``. It is bounded by ``max_header_bytes`` alone."""
+    tiny = b"".join(b"1\r\n7\r\n" for _ in range(2_000))
+    _, status = _read([CHUNKED_HEAD, tiny, b"0\r\nX-Pad: ", *[b"a" * 10_000] * 5], max_header_bytes=1024)
+    assert status == 431
+
+
+def test_a_chunked_body_with_chunk_extensions_is_read() -> None:
+    """Chunk extensions (RFC 9112 7.1.1) are no trailer: a long body whose chunks carry 75 bytes of them each
+    was refused 431 "request trailer too large"."""
+    ext = b";signature=" + b"0123456789abcdef" * 4
+    chunks = b"".join(b"10" + ext + b"\r\n" + b"x" * 16 + b"\r\n" for _ in range(2_000))
+    reads = [CHUNKED_HEAD, *[chunks[i:i + 65536] for i in range(0, len(chunks), 65536)], b"0\r\n\r\n"]
+    listener, status = _read(reads)
+    assert status is None and [len(r.body) for r in listener.requests] == [32_000], status

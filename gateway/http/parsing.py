@@ -22,8 +22,6 @@ from gateway.http.types import HttpError, Request, bad_request, too_large
 
 __all__ = ["RequestListener", "RequestReader"]
 
-_CHUNK_LINE_BYTES = 32  # a chunk's size line and CRLFs, a few short extensions included
-
 
 class RequestListener(Protocol):
     """What the reader tells its connection (`gateway.http.connection.HttpProtocol`)."""
@@ -58,9 +56,9 @@ class RequestReader:
         self.head_fed = 0  # the bytes of the reads that came while its head went on (see check_partial_head)
         self.in_head = False
         self.trailing = False  # past the head: header fields now are a chunked body's trailer
-        self.chunked_open = False  # a chunked body under way: its reads are body, chunk lines or trailer
-        self.chunks = 0
-        self.framing = 0  # bytes of those reads that were not body (see check_partial_head)
+        self.chunked_open = False  # a chunked body under way
+        self.after_chunk_line = False  # the last thing read of it was a chunk's size line, no data since
+        self.trailer_fed = 0  # bytes of the reads that brought nothing after such a line (see check_partial_head)
 
     def feed(self, data: bytes) -> HttpError | None:
         """Parse ``data``; the error to answer (then close) if the bytes are refused, else None."""
@@ -70,7 +68,7 @@ class RequestReader:
                 return None
         if self.in_head:  # a head under way before this read: every byte of it is the head's, until it ends
             self.head_fed += len(data)
-        chunked, messages, body_size = self.chunked_open, self.messages, self.body_size
+        after_line, messages, body_size = self.chunked_open and self.after_chunk_line, self.messages, self.body_size
         self.read_other = 0
         try:
             self.parser.feed_data(data)
@@ -81,8 +79,11 @@ class RequestReader:
         except httptools.HttpParserError as exc:  # llhttp refused it, or a callback raised (413, 431, 400)
             cause = exc.__context__
             return cause if isinstance(cause, HttpError) else bad_request(str(exc))
-        if chunked and self.chunked_open and self.messages == messages:  # the same chunked body went on
-            self.framing += len(data) - (self.body_size - body_size)
+        # A read after a chunk's size line that brought neither data nor another chunk (nor the message's end):
+        # the last chunk's trailer, whose unfinished line httptools grows as it comes.
+        still = (after_line and self.after_chunk_line and self.chunked_open and self.messages == messages
+                 and self.body_size == body_size)
+        self.trailer_fed = self.trailer_fed + len(data) if still else 0
         return self.check_partial_head(data)
 
     def _held_body(self, data: bytes) -> bytes:
@@ -108,10 +109,9 @@ class RequestReader:
         size, so that a good head is never refused: the bytes of the reads that came while it went on
         (``head_fed``: from the read after the one it began in, where it is not known where it began),
         and the reported lines plus the read's unfinished one, less what of the read was URL or body (a
-        pipelined request's body before the head, a URL already counted). The reads of a chunked body that
-        are neither body nor its chunk lines are a trailer, bounded as a head (httptools grows an unfinished
-        trailer line as it comes)."""
-        if self.chunked_open and self.framing > self.max_header_bytes + _CHUNK_LINE_BYTES * self.chunks:
+        pipelined request's body before the head, a URL already counted). A chunked body's trailer is bounded
+        as a head, by the reads that came after its last chunk's line (``trailer_fed``)."""
+        if self.trailer_fed > self.max_header_bytes:
             return bad_request("request trailer too large", 431)
         if not self.in_head:
             return None
@@ -185,6 +185,7 @@ class RequestReader:
                                       and self.parser.get_http_version() == "1.1")
 
     def on_body(self, body: bytes) -> None:
+        self.after_chunk_line = False
         self.body_size += len(body)
         self.read_other += len(body)
         if self.body_size > self.max_body_bytes:
@@ -199,7 +200,7 @@ class RequestReader:
             first += body
 
     def on_chunk_header(self) -> None:
-        self.chunks += 1
+        self.after_chunk_line, self.trailer_fed = True, 0
 
     def on_message_complete(self) -> None:
         self.chunked_open = False
