@@ -443,3 +443,20 @@ def test_a_scale_up_while_a_scaled_down_worker_finishes_its_batch_is_no_crash(re
         log = supervisor.log(200_000)
     assert f"worker stopped stage=Hold slot=1 pid={stopped} code=0 (scaled down)" in log, log
     assert not re.search(rf'worker exited"? stage=Hold slot=1 pid={stopped} ', log), log
+
+
+def test_slow_items_of_a_batched_stage_get_a_worker_each() -> None:
+    """Three items waiting for a batched stage whose worker clears 0.5 items/s (target 1 s), one worker busy: a
+    cap of one worker per waiting batch started one, which then took all three as one batch (~6 s), and with
+    nothing left waiting no more came. An item is what cannot be divided: one worker each."""
+    class Slow(Stage):
+        workers = (1, 8)
+        batch_size = 8
+        target_wait_s = 1.0
+
+        def predict(self, xs: list[int]) -> list[int]:
+            return xs
+
+    scaler = StageScaler(Pipeline("p").add(Slow).stages[0], cap=8)
+    change = scaler.observe(StageLoad(backlog=3, live=1, idle=0, items=1, busy_s=2.0), 1.0, 0.0, False)
+    assert change is not None and change.workers == 4, change

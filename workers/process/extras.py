@@ -5,7 +5,7 @@ A worker that dies before it is ready ``max_start_failures`` times in a row mean
 supervisor exits non-zero, for compose or Kubernetes to replace the container. That holds for a stage's minimum
 workers. An extra worker that cannot load says something else: the host has no room for one more copy of the model
 (GPU memory, RAM: the next ``setup()`` fails as an out-of-memory) while the workers running serve. Giving up there
-stopped those too, the whole stage down for one worker more, and again at the next peak after the container's
+would stop those too, the whole stage down for one worker more, and again at the next peak after the container's
 restart. Such a slot is parked instead, and the stage's maximum here lowered to the workers it runs besides: logged
 (a warning, ``autoscaling ... range=MIN..MAX``) and published as autoscaling's range and last change
 (``conveyor status``, ``conveyor_stage_autoscale_max_workers``).

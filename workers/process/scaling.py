@@ -10,8 +10,8 @@ waits counts: not what a live worker holds (it is being computed), nor what an i
 at once (up to a batch each), so one caller at a time never looks like a queue. Above
 ``target_wait_s`` the supervisor starts workers at once, as many as that wait asks for (never past
 ``max``, nor past the cores this host lets it claim, counting every other stage's workers of this
-supervisor, one core each, nor past the stage's own ``cpus`` when it names them), nor past one waiting
-batch per worker (an item is not divisible: more workers than items do not shorten its wait). When one
+supervisor, one core each, nor past the stage's own ``cpus`` when it names them), nor past one worker
+per waiting item (an item is not divisible: more workers than items do not shorten its wait). When one
 worker fewer would still keep the backlog's expected wait under half the target and be at most 80 % busy,
 for ``scale_down_after_s`` in a row, it stops one (as Ray Serve's ``downscale_delay_s``: stopping is cheap,
 starting a model is not, so up is quick and down is slow). Every change is logged with its reason and published for
@@ -155,9 +155,9 @@ class StageScaler:
         else:
             # Live workers that would bring the wait under the target, less those on other hosts.
             needed = math.ceil(waiting / ((self.rate or 1.0) * self.spec.target_wait_s))
-            # An item is not divisible: once every waiting item has a worker of its own (a batch each), more
-            # workers do not shorten the wait (an item slower than the target would ask for several).
-            needed = min(needed, max(load.live, self.workers) + math.ceil(waiting / self.spec.batch_size))
+            # An item is not divisible: once every waiting item has a worker of its own, more workers do not
+            # shorten the wait (an item slower than the target would ask for several).
+            needed = min(needed, max(load.live, self.workers) + waiting)
             wanted = self.workers + max(1, needed - max(load.live, self.workers))
             why = (f"up: expected wait {wait_s:.3f}s > target_wait_s {self.spec.target_wait_s:g}s "
                    f"(backlog {waiting} waiting, {load.live} live workers of {self.rate:.0f} items/s each)")
