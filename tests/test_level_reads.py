@@ -172,17 +172,7 @@ def test_the_starvation_guard_serves_the_lowest_level_with_entries(client: redis
     lanes = level_lanes(client, Keys("t-lr-guard"), 3)  # level 1, level 2, the default level
     add(client, lanes[0].stream, 6, "a")
     add(client, lanes[1].stream, 2, "b")
-    turns = LevelTurns(lanes, 3, 2, lambda names: LevelReader(client, names, CONSUMER, fill=False))
-    try:
-        served = []
-        for _ in range(8):
-            segments, _ = turns.ahead(lanes[0], 1)
-            served += [lanes.index(lane) for lane, entries in segments if entries]
-        assert served == [0, 0, 1, 0, 0, 1, 0, 0]
-    finally:
-        turns.close()
-        for lane in lanes:
-            lane.close()
+    assert _served(client, lanes, 8) == [0, 0, 1, 0, 0, 1, 0, 0]
 
 
 def test_the_guard_takes_turns_among_the_levels_below_the_highest(client: redis.Redis) -> None:
@@ -194,14 +184,20 @@ def test_the_guard_takes_turns_among_the_levels_below_the_highest(client: redis.
     lanes = level_lanes(client, Keys("t-lr-rotate"), 3)  # level 1, level 2, the default level
     for lane, count, tag in zip(lanes, (8, 12, 12), "abc", strict=True):
         add(client, lane.stream, count, tag)
+    assert _served(client, lanes, 18) == [0, 0, 2, 0, 0, 1, 0, 0, 2, 0, 0, 1,  # level 1's 8 served: level 2 leads
+                                          1, 1, 2, 1, 1, 2]
+
+
+def _served(client: redis.Redis, lanes: list[ReadLane], turns_taken: int) -> list[int]:
+    """The level (index in ``lanes``) of each batch that ``turns_taken`` turns of three levels (``fair_after`` 2,
+    batches of one) serve; the lanes closed after."""
     turns = LevelTurns(lanes, 3, 2, lambda names: LevelReader(client, names, CONSUMER, fill=False))
     try:
         served = []
-        for _ in range(18):
+        for _ in range(turns_taken):
             segments, _ = turns.ahead(lanes[0], 1)
             served += [lanes.index(lane) for lane, entries in segments if entries]
-        assert served == [0, 0, 2, 0, 0, 1, 0, 0, 2, 0, 0, 1,  # level 1's 8 served: level 2 leads the turns
-                          1, 1, 2, 1, 1, 2]
+        return served
     finally:
         turns.close()
         for lane in lanes:
