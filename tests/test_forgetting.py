@@ -144,7 +144,10 @@ def test_the_audit_finds_what_redis_dropped_without_a_restart(private_redis: Emb
                         if waiting:
                             break
                     entries = await admin.xlen(stream)
-                    assert (entries < len(futures)) if batch_entries else (entries == len(futures)), entries
+                    # With batch entries, fewer entries than requests, unless a loaded machine's items looked too
+                    # costly for them at the turns (the gateway sizes them from the stage's latest stats): the
+                    # audit must find the requests all the same.
+                    assert (entries <= len(futures)) if batch_entries else (entries == len(futures)), entries
                     await admin.flushall()  # the entries, the groups, the spec: gone, Redis still up
                 finally:
                     for proc in _stage_processes(workers, "Square"):
