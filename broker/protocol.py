@@ -95,6 +95,9 @@ class Rejected:
 @dataclass(frozen=True)
 class Limits:
     max_payload_bytes: int = 16 * 1024 * 1024
+    # A reply to a gateway's list shared by its pipelines (one Redis). Not on a Redis Cluster: that key lies in
+    # another hash slot than the pipeline's, which the commit's script cannot write with them.
+    shared_replies: bool = True
 
 
 def now_ms() -> int:
@@ -146,7 +149,8 @@ def parse_entries(entries: Iterable[tuple[bytes, dict[bytes, bytes] | None]], ke
         if fields is not None and F_ITEMS not in fields and fields.get(F_VERSION, _VERSION) == _VERSION:
             raw_id, data, reply = fields.get(F_ID), fields.get(F_DATA), fields.get(F_REPLY)
             if (isinstance(raw_id, bytes) and data is not None and len(data) <= max_bytes and fullmatch(raw_id)
-                    and (reply is None or reply == good_reply or _valid_reply(reply, keys) is not None)):
+                    and (reply is None or reply == good_reply
+                         or _valid_reply(reply, keys, limits.shared_replies) is not None)):
                 good_reply = good_reply if reply is None else reply
                 raw_deadline, trace = fields.get(F_DEADLINE), fields.get(F_TRACE)
                 if trace is not None and (len(trace) > MAX_TRACE_BYTES or not trace.isascii()):
@@ -177,7 +181,7 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
         return Rejected(entry_id, "entry was deleted while pending", None, None, b"")
     raw_id = fields.get(F_ID)
     request_id = raw_id if isinstance(raw_id, bytes) and _ID_RE.fullmatch(raw_id) else None
-    reply = _valid_reply(fields.get(F_REPLY), keys)
+    reply = _valid_reply(fields.get(F_REPLY), keys, limits.shared_replies)
     if F_ITEMS in fields:  # left whole by the reader: not a batch entry this worker can read
         return Rejected(entry_id, _unread_batch(fields), request_id, reply, fields[F_ITEMS][:1024])
     data = fields.get(F_DATA, b"")
@@ -188,7 +192,9 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     if request_id is None:
         return reject("missing or invalid 'id' (1-128 chars of A-Z a-z 0-9 _ . : -)")
     if F_REPLY in fields and reply is None:
-        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply: or {keys.prefix}:reply:")
+        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply: or {keys.prefix}:reply:"
+                      if limits.shared_replies else f"invalid 'reply': must be a key starting with {keys.base}:reply: "
+                      "(on a Redis Cluster, in the pipeline's hash slot)")
     version = fields.get(F_VERSION, _VERSION)
     if version != _VERSION:
         return reject(f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}")
@@ -219,10 +225,10 @@ def _unread_batch(fields: dict[bytes, bytes]) -> str:
     return "malformed batch entry: 'items' must be a msgpack array of 4k strings (id, data, reply, deadline_ms)"
 
 
-def _valid_reply(raw: bytes | None, keys: Keys) -> bytes | None:
+def _valid_reply(raw: bytes | None, keys: Keys, shared: bool = True) -> bytes | None:
     if raw is None or len(raw) > 256:
         return None
-    for prefix in (keys.reply_prefix, keys.shared_reply_prefix):
+    for prefix in (keys.reply_prefix, keys.shared_reply_prefix) if shared else (keys.reply_prefix,):
         if raw.startswith(prefix) and len(raw) > len(prefix):
             return raw
     return None

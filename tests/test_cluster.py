@@ -9,6 +9,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgpack
 import psutil
 import pytest
 import redis
@@ -436,3 +437,24 @@ def test_a_batch_of_two_levels_commits_in_one_call_on_a_cluster(cluster_url: str
         commit_two_levels(client, "t-two-levels")
     finally:
         client.close()
+
+
+def test_a_foreign_reply_key_in_another_slot_is_dead_lettered_not_a_crash_loop(cluster_url: str) -> None:
+    """On a Redis Cluster, a foreign entry whose ``reply`` was under the gateways' shared prefix (valid on one
+    Redis, ``conveyor:reply:<id>``) lies in another hash slot than the pipeline's keys: the last stage's commit
+    named keys of two slots, redis-py raised, the worker exited, and its successor read the entry again, for
+    ever (the request never answered nor dead-lettered, its batch's neighbours held up each time). On a Cluster
+    a worker takes only the pipeline's own reply prefix: such an entry is dead-lettered with the reason."""
+    keys = Keys("t-scale-shift")
+    with running_workers(cluster_url, "tests.stages:scale_shift", ["Scale", "Shift"]) as workers:
+        workers.wait_ready("t-scale-shift", T, workers={"Scale": 2})
+        client = RedisSettings(cluster_url).sync_client()
+        try:
+            client.xadd(keys.stream(0), {"id": "foreign-1", "data": msgpack.packb(1), "reply": "conveyor:reply:x"})
+            wait_for(lambda: client.xlen(keys.dead(0)) == 1, T, "the entry dead-lettered", workers.report)
+            [(_, fields)] = client.xrange(keys.dead(0))
+            log = "".join(p.log_path.read_text(errors="replace") for p in workers.procs)
+        finally:
+            client.close()
+    assert b"in the pipeline's hash slot" in fields[b"reason"], fields
+    assert "all keys must map to the same key slot" not in log

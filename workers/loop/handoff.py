@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broker.commit import Commit, Committer, Ttls
-from broker.connection import CONNECTION_OR_REPLY_ERRORS
+from broker.connection import CONNECTION_OR_REPLY_ERRORS, is_cluster_client
 from broker.errors import SyncClient
 from broker.keys import Keys
 from broker.liveness import Beat
@@ -214,7 +214,7 @@ class EarlyAnswers:
         self._spec = spec
         self._last_stage = last_stage
         self._ttls = ttls
-        self._router = EntryRouter(spec, last_stage, max_payload_bytes)
+        self._router = EntryRouter(spec, last_stage, max_payload_bytes, shared_replies=not is_cluster_client(client))
         self._committers: dict[str, Committer] = {}
 
     def __call__(self, keys: Keys, work: Work, outcomes: list[Outcome]) -> None:

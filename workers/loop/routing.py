@@ -32,12 +32,12 @@ def timing(trace: bytes) -> bytes | None:
 
 class EntryRouter:
     def __init__(self, spec: StageSpec, last_stage: bool, max_payload_bytes: int, previous_exit: str = "",
-                 problems: Problems | None = None) -> None:
+                 problems: Problems | None = None, shared_replies: bool = True) -> None:
         self.spec = spec
         self.problems = problems  # told of every item whose predict raised (logged, counted)
         self.last_stage = last_stage
         self.max_payload_bytes = max_payload_bytes
-        self.limits = protocol.Limits(max_payload_bytes)
+        self.limits = protocol.Limits(max_payload_bytes, shared_replies)  # (not on a Redis Cluster)
         self.previous_exit = previous_exit  # "timeout" when the supervisor killed our predecessor
 
     def admit(self, entries: list[Entry], deliveries: dict[bytes, int] | None, commit: Commit, keys: Keys) -> Work:

@@ -23,10 +23,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from broker.commit import BatchStats, Commit, Committer, Ttls
-from broker.connection import (
-    RedisSettings,
-    is_nogroup,
-)
+from broker.connection import RedisSettings, is_cluster_client, is_nogroup
 from broker.janitor import DEFAULT_DEAD_AFTER_MS, REAP_INTERVAL_S, reap_dead_consumers
 from broker.liveness import unmark_stuck
 from broker.refusals import log_refusal_once
@@ -101,7 +98,7 @@ class Worker:
         self._forward_sizing = ForwardSizing(self.settings.batch_entries, next_stage)
         self._problems = Problems(self.spec.name, self.pipeline.keys.counts(self.spec.index))
         self._router = EntryRouter(self.spec, last_stage, self.settings.max_payload_bytes, self.previous_exit,
-                              self._problems)
+                                   self._problems, not is_cluster_client(self._client))
         self._recovery = Recovery(self._client, self.spec, self.consumer, self._process, lambda: self.stopping)
         self._tracing = StageTracing.start(self.spec, self.pipeline.name, self.consumer, self.traces)
         self._policy = self._wait_policy()
