@@ -8,6 +8,7 @@ streams on several nodes at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tests.stages import Scale, Shift
@@ -30,3 +31,14 @@ class Slow(Stage):
 
 # Two partitions on one Redis: reclaim must happen in whichever partition the killed host held entries.
 hosts = Pipeline("t-hosts", partitions=2).add(Slow, claim_idle_s=1.0).add(Shift)
+
+
+class Words(Stage):
+    """Streams each word of a text (a streaming pipeline over partitions)."""
+
+    def predict(self, text: str) -> Iterator[str]:
+        yield from text.split()
+
+
+# Its partition tags hash to three masters of a 3-master cluster, as t-parts1's (checked by the test).
+words = Pipeline("rv-words11", partitions=3).add(Words)

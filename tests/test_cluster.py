@@ -458,3 +458,39 @@ def test_a_foreign_reply_key_in_another_slot_is_dead_lettered_not_a_crash_loop(c
             client.close()
     assert b"in the pipeline's hash slot" in fields[b"reason"], fields
     assert "all keys must map to the same key slot" not in log
+
+
+def test_streams_without_a_key_skip_a_partition_out_of_reach() -> None:
+    """A streaming pipeline of three partitions, one master killed: predict's round robin skipped the partition
+    the view says is down, but streams (``Gateway.stream``, HTTP ``POST .../stream``) went round all three, and
+    a third of them failed at once with Overloaded while the other partitions served."""
+    try:
+        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+    masters = [cluster.master_of(k.spec) for k in Keys("rv-words11").partitions(3)]
+    assert len(set(masters)) == 3, "the pipeline's partitions should sit on three masters"
+    try:
+        with running_workers(cluster.url, "tests.cluster_stages:words", ["Words"], stop_timeout_s=40) as workers:
+            workers.wait_ready("rv-words11", T, workers={"Words": 1})
+
+            async def main() -> list[Any]:
+                async with Gateway(cluster.url, "rv-words11") as gw:
+                    assert [c async for c in gw.stream("a b")] == ["a", "b"]
+                    cluster.kill(masters[1])
+                    deadline = time.monotonic() + 20
+                    while 1 not in gw.view.down:  # type: ignore[union-attr]
+                        assert time.monotonic() < deadline, "the gateway never saw partition 1 out of reach"
+                        await gw.views.refreshed()
+                    outcomes: list[Any] = []
+                    for i in range(6):
+                        try:
+                            outcomes.append([c async for c in gw.stream(f"x{i} y")])
+                        except Overloaded as exc:
+                            outcomes.append(exc)
+                    return outcomes
+
+            outcomes = asyncio.run(asyncio.wait_for(main(), 60))
+        assert outcomes == [[f"x{i}", "y"] for i in range(6)], outcomes
+    finally:
+        cluster.stop()

@@ -311,10 +311,10 @@ class Gateway:
         if not self.registration.streams:
             raise WrongRoute(f"pipeline {self.pipeline!r} does not stream its answers (its last stage's predict "
                              "returns): use Gateway.predict (HTTP: POST .../predict)")
-        lanes = self.lanes
         if key is not None:
-            lane = lanes[partition_of(key, len(lanes))]
-        else:
+            lane = self.lanes[partition_of(key, len(self.lanes))]
+        else:  # as predict's round robin: not to a partition out of reach while others serve
+            lanes = self._reachable_lanes()
             lane, self._next = lanes[self._next % len(lanes)], (self._next + 1) % len(lanes)
         if priority:
             lane = self._at_level(lane, priority)
@@ -404,19 +404,20 @@ class Gateway:
                                "only as the request's deadline passed")
         return remaining
 
+    def _reachable_lanes(self) -> list[Lane]:
+        """The partitions a request without a key goes round: those whose node is not out of reach (all, if none is)."""
+        down = self.view.down if self.view is not None else frozenset()
+        return [lane for lane in self.lanes if lane.keys.partition not in down] or self.lanes
+
     async def _round_robin(self, data: bytes, timeout_s: float, request_id: bytes | None, priority: int = 0) -> Any:
         if not self.registration.registered:
             timeout_s = await self._registered_within(timeout_s)
-        down = self.view.down if self.view is not None else frozenset()
-        lanes = [lane for lane in self.lanes if lane.keys.partition not in down] or self.lanes
+        lanes = self._reachable_lanes()
         n, deadline = len(lanes), time.monotonic() + timeout_s
         for attempt in range(n):
-            lane = lanes[self._next % n]
+            lane, self._next = lanes[self._next % n], (self._next + 1) % n
             lane = self._at_level(lane, priority) if priority else lane
-            self._next = (self._next + 1) % n
-            try:
-                # A refused partition forgot the request: the next one may take it under the same id, in what
-                # is left of its time.
+            try:  # a refused partition forgot the request: the next may take it (same id) in what is left of its time
                 remaining = timeout_s if attempt == 0 else max(0.001, deadline - time.monotonic())
                 return await self._submitted(self.hub.enqueue(lane, data, remaining, request_id=request_id))
             except Overloaded:
