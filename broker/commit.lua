@@ -36,10 +36,10 @@
 --   the end of ARGV: KEYS index of its in stream, of its out stream, n_ack, n_fwd, n_packed, n_trace,
 --   n_ptrace, then its traces, ptraces, forwards, batch entries and acks as above (its results and dead
 --   letters ride with the batch's: only the streams are a level's own)
--- Returns {number of results written (duplicates are not), then the reply keys whose push failed (a
--- refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error, then,
--- only where a result key held an answer already (so not written), an array of those results' positions
--- (1-based, as KEYS[4 + j])}: a reply of odd length is the one of before, with no such result.
+-- Returns {number of results written (duplicates are not), an array of the reply keys whose push failed
+-- (a refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error, an
+-- array of the positions (1-based, as KEYS[4 + j]) of the results whose key held an answer already (so
+-- not written)}.
 --
 -- Removal of acked entries: a batch of TRIM_FROM entries or more is removed by one XTRIM MINID rather
 -- than one XDEL each (an XDEL seeks its entry through the stream's node and, for the stream's first
@@ -215,5 +215,4 @@ while a <= #ARGV do  -- the other levels' parts of a batch of several
   add_packed(out_key, packed_n)
   ack_and_remove(in_key, acks_n)
 end
-if #kept > 0 then failed[#failed + 1] = kept end
-return {written, unpack(failed)}
+return {written, failed, kept}  -- tables, never unpacked: a batch may hold thousands of failed pushes

@@ -320,11 +320,11 @@ class Committer:
         except redis.ResponseError as exc:
             log_refusal_once(exc, "commit.lua", self._static_keys[0])
             raise
-        if len(reply) % 2 == 0:  # last, the positions of results whose key held an answer (none: odd length)
-            *reply, kept = reply
+        written, failed, kept = reply
+        if kept:  # the positions of results whose key held an answer
             self._kept([self._result_keys[int(j) - 1] for j in kept])
-        for i in range(1, len(reply) - 1, 2):  # reply lists the script could not push to (pcall)
-            key, error = reply[i], reply[i + 1]
+        for i in range(0, len(failed) - 1, 2):  # reply lists the script could not push to (pcall)
+            key, error = failed[i], failed[i + 1]
             if _text(error).startswith("WRONGTYPE"):  # a producer named a key of another type: said once a minute
                 held = self._wrong_type.allow("reply")
                 if held is not None:
@@ -332,7 +332,7 @@ class Committer:
                                 "result keys only; %d more since)", key, _text(error), held)
             elif not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
                 log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
-        return int(reply[0])
+        return int(written)
 
     def _kept(self, result_keys: list[bytes]) -> None:
         """Results not written because their key held an answer: a request run again (a gateway resubmitting

@@ -194,3 +194,28 @@ def test_a_result_whose_key_holds_an_answer_is_kept_counted_and_said(
                                        "result not overwritten stage=Only")
     assert codec.decode(redis_client.get(keys.result_key(b"svc:reused-1")))["value"] == 1  # the first stays
     assert redis_client.llen(reply) == 1  # the second was not pushed
+
+
+def test_a_commit_with_thousands_of_unpushable_reply_keys_reports_them(redis_client: redis.Redis) -> None:
+    """The script returned each failed reply push as two values of its reply (``unpack``): past ~4,000 of them
+    in a batch (reply keys of another type, or refused) Lua's limit made it fail after everything was written
+    and acked, and the worker exited on a commit that had succeeded. The failures are one array now."""
+    keys = Keys("t-commit-unpushable")
+    redis_client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+    n = 4100
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(keys.stream(0), entry_fields(b"r%d" % i, codec.encode(i), None, None))  # type: ignore[arg-type]
+    ids = pipe.execute()
+    redis_client.xreadgroup(GROUP, "a", {keys.stream(0): ">"}, count=n)
+    replies = [keys.reply(f"g{i}").encode() for i in range(n)]
+    redis_client.mset({r: b"not a list" for r in replies})
+    committer = Committer(redis_client, keys, 0, "A", has_next=False, ttls=Ttls())
+    commit = Commit(acks=ids)
+    for i in range(n):
+        commit.publish(keys.result_key(b"r%d" % i), ok_record(b"r%d" % i, i), replies[i])
+    try:
+        assert committer(commit) == n
+    finally:
+        committer.close()
+    assert redis_client.xpending(keys.stream(0), GROUP)["pending"] == 0
