@@ -78,6 +78,16 @@ local n_packed, n_back = tonumber(ARGV[12]), tonumber(ARGV[13])
 local n_trace, n_ptrace = tonumber(ARGV[14]), tonumber(ARGV[15])
 local a = 18
 
+-- The dead letters and the stats come after the forwards, and a script's writes are not undone when a
+-- later one fails: a key of another type there (an operator's, another app's) would leave the forwards
+-- made, the batch pending, to be forwarded again at its next delivery. So their type is checked first.
+for _, at in ipairs({n_dead > 0 and 3 or 0, ARGV[9] ~= '' and 4 or 0}) do
+  local kind = at > 0 and redis.call('TYPE', KEYS[at])['ok'] or 'none'
+  if kind ~= 'stream' and kind ~= 'none' then
+    return redis.error_reply('WRONGTYPE commit.lua: ' .. KEYS[at] .. ' is a ' .. kind .. ', not a stream: nothing written')
+  end
+end
+
 local traced, ptraced, single = {}, {}, 0
 
 -- The trace values of a part's single entries and batch entries (ARGV from a on).

@@ -219,3 +219,24 @@ def test_a_commit_with_thousands_of_unpushable_reply_keys_reports_them(redis_cli
     finally:
         committer.close()
     assert redis_client.xpending(keys.stream(0), GROUP)["pending"] == 0
+
+
+def test_a_commit_that_cannot_write_its_stats_writes_nothing(redis_client: redis.Redis) -> None:
+    """The script forwarded (and wrote results) before it added the stats and dead letters, and Redis undoes
+    nothing: with ``P:stats:0`` a key of another type (an operator's, another app's), the forward was made and the
+    entry stayed pending, so each delivery forwarded it again (copies run in the next stage). Now nothing is
+    written, with the reason."""
+    keys = Keys("t-commit-wrongtype")
+    redis_client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+    entry = redis_client.xadd(keys.stream(0), entry_fields(b"r1", codec.encode(1), None, None))  # type: ignore[arg-type]
+    redis_client.xreadgroup(GROUP, "a", {keys.stream(0): ">"})
+    redis_client.set(keys.stats(0), "not a stream")
+    committer = Committer(redis_client, keys, 0, "A", has_next=True, ttls=Ttls())
+    commit = Commit(acks=[entry], stats=(b"1", b"0.5", b"", b""))
+    commit.forward(b"r1", codec.encode(1), None, None)
+    try:
+        with pytest.raises(redis.ResponseError, match="is a string, not a stream: nothing written"):
+            committer(commit)
+    finally:
+        committer.close()
+    assert redis_client.xpending(keys.stream(0), GROUP)["pending"] == 1 and redis_client.xlen(keys.stream(1)) == 0
