@@ -21,6 +21,7 @@ A lost connection raises (:data:`broker.connection.CONNECTION_ERRORS`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,17 +136,26 @@ async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> lis
     return [_partition(query, replies) for query in queries]
 
 
+# How long a Cluster partition's read may take before its node counts as out of reach: a node that hangs (it
+# accepts connections and never answers, as behind a network dropping packets) would hold it for the client's
+# socket timeout, and a view that waits for it goes stale (its other partitions' readiness with it).
+PARTITION_READ_S = 2.0
+
+
 async def read_partitions_apart(client: Any, queries: Sequence[PartitionQuery]
                                 ) -> list[PartitionReads | BaseException]:
-    """:func:`read_partitions`, a round trip per query: on a Redis Cluster a partition whose node is down
-    gives its error and the others their reads (one pipeline over every node fails whole)."""
-    reads: list[PartitionReads | BaseException] = []
-    for query in queries:
+    """:func:`read_partitions`, a round trip per query, all at once: on a Redis Cluster a partition whose node is
+    down, or does not answer within ``PARTITION_READ_S``, gives its error and the others their reads (one
+    pipeline over every node fails whole)."""
+    async def one(query: PartitionQuery) -> PartitionReads | BaseException:
         try:
-            reads += await read_partitions(client, [query])
+            return (await asyncio.wait_for(read_partitions(client, [query]), PARTITION_READ_S))[0]
+        except asyncio.TimeoutError:
+            return TimeoutError(f"no answer within {PARTITION_READ_S:g}s")
         except CONNECTION_ERRORS as exc:
-            reads.append(exc)
-    return reads
+            return exc
+
+    return list(await asyncio.gather(*(one(query) for query in queries)))
 
 
 async def _execute(pipe: Any) -> list[Any]:

@@ -494,3 +494,40 @@ def test_streams_without_a_key_skip_a_partition_out_of_reach() -> None:
         assert outcomes == [[f"x{i}", "y"] for i in range(6)], outcomes
     finally:
         cluster.stop()
+
+
+def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition() -> None:
+    """A master that hangs (SIGSTOP: it takes connections and never answers, as a host behind a network that
+    drops packets) held the view's refresh for the client's socket timeout, partition after partition, past
+    ``STALE_AFTER_S``: the whole pipeline said "stale ... (no refresh)", unreachable, for most of the outage.
+    Each partition's read is bounded and they go at once: the others read, the hung one named."""
+    try:
+        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+    keys = Keys("t-parts1").partitions(3)
+    hung = cluster.master_of(keys[1].spec)
+    try:
+        with running_workers(cluster.url, "tests.cluster_stages:partitioned", ["Scale", "Shift"],
+                             stop_timeout_s=40) as workers:
+            workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+
+            async def main() -> list[PipelineStatus]:
+                async with Gateway(cluster.url, "t-parts1") as gw:
+                    assert await gw.predict(1) == 5
+                    cluster.pause(hung)
+                    try:
+                        started, statuses = time.monotonic(), []
+                        while time.monotonic() - started < 12:  # sampled as a readiness probe would, over the hang
+                            await asyncio.sleep(0.25)
+                            if time.monotonic() - started > 4:  # the first refreshes may predate the hang
+                                statuses.append(await gw.pipeline_status())
+                        return statuses
+                    finally:
+                        cluster.resume(hung)
+
+            statuses = asyncio.run(asyncio.wait_for(main(), 60))
+        assert statuses and all(s.reachable and "partition 1: redis unreachable" in s.error for s in statuses), \
+            [(s.reachable, s.error[:80]) for s in statuses]
+    finally:
+        cluster.stop()
