@@ -33,7 +33,8 @@ COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
 COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES, SHARED_REPLIES), (
     ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES, SHARED_REPLIES)),
     ("pexpire", (REPLIES, SHARED_REPLIES)),
-    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,))))
+    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,)),
+    ("type", (DEAD, STATS))))
 
 
 @dataclass
