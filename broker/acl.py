@@ -103,7 +103,7 @@ COMMAND_ACCESS: dict[str, str] = {
     "rpush": W, "pexpire": W,
     "zrange": R, "zscore": R, "zadd": W, "zremrangebyscore": W, "zrem": W, "hgetall": R, "hincrby": RW, "hset": W,
     "hdel": W,
-    "sadd": W, "smembers": R, "exists": R, "pttl": R, "type": R,
+    "sadd": W, "smembers": R, "exists": R, "pttl": R,
     "evalsha": RW, "eval": RW,
 }
 # Commands whose access depends on their arguments (SET ... GET reads): kept in a selector of their own,

@@ -39,7 +39,7 @@
 -- Returns {number of results written (duplicates are not), an array of the reply keys whose push failed
 -- (a refusal, or WRONGTYPE: a key of another type; the worker logs it), each followed by its error, an
 -- array of the positions (1-based, as KEYS[4 + j]) of the results whose key held an answer already (so
--- not written)}.
+-- not written), and an array of the dead-letter or stats streams an XADD failed on, each with its error}.
 --
 -- Removal of acked entries: a batch of TRIM_FROM entries or more is removed by one XTRIM MINID rather
 -- than one XDEL each (an XDEL seeks its entry through the stream's node and, for the stream's first
@@ -77,16 +77,6 @@ local n_res, n_dead, n_groups = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(A
 local n_packed, n_back = tonumber(ARGV[12]), tonumber(ARGV[13])
 local n_trace, n_ptrace = tonumber(ARGV[14]), tonumber(ARGV[15])
 local a = 18
-
--- The dead letters and the stats come after the forwards, and a script's writes are not undone when a
--- later one fails: a key of another type there (an operator's, another app's) would leave the forwards
--- made, the batch pending, to be forwarded again at its next delivery. So their type is checked first.
-for _, at in ipairs({n_dead > 0 and 3 or 0, ARGV[9] ~= '' and 4 or 0}) do
-  local kind = at > 0 and redis.call('TYPE', KEYS[at])['ok'] or 'none'
-  if kind ~= 'stream' and kind ~= 'none' then
-    return redis.error_reply('WRONGTYPE commit.lua: ' .. KEYS[at] .. ' is a ' .. kind .. ', not a stream: nothing written')
-  end
-end
 
 local traced, ptraced, single = {}, {}, 0
 
@@ -154,18 +144,30 @@ for _ = 1, n_groups do
   end
 end
 
+-- The dead letters and the stats come after the forwards, and a script's writes are not undone when a
+-- later one fails: a key of another type there (an operator's, another app's) must not fail the batch,
+-- which would leave its forwards made and its entries pending, forwarded again at each delivery. pcall:
+-- what could not be written is returned (the worker says so); the requests were answered all the same.
+local unwritten = {}
+local function add_or_say(key, ...)
+  local added = redis.pcall('XADD', key, ...)
+  if type(added) == 'table' and added['err'] and #unwritten < 8 then
+    unwritten[#unwritten + 1] = key
+    unwritten[#unwritten + 1] = added['err']
+  end
+end
+
 for _ = 1, n_dead do
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', 10000, '*', 'entry', ARGV[a], 'id', ARGV[a + 1],
-             'stage', stage, 'reason', ARGV[a + 2], 'data', ARGV[a + 3])
+  add_or_say(KEYS[3], 'MAXLEN', '~', 10000, '*', 'entry', ARGV[a], 'id', ARGV[a + 1], 'stage', stage,
+             'reason', ARGV[a + 2], 'data', ARGV[a + 3])
   a = a + 4
 end
 
 if ARGV[9] ~= '' then
   if ARGV[16] ~= '' then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10], 'w', ARGV[16],
-               'x', ARGV[17])
+    add_or_say(KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10], 'w', ARGV[16], 'x', ARGV[17])
   else
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
+    add_or_say(KEYS[4], 'MAXLEN', '~', 1000, '*', 'n', ARGV[9], 'ms', ARGV[10])
   end
 end
 
@@ -225,4 +227,4 @@ while a <= #ARGV do  -- the other levels' parts of a batch of several
   add_packed(out_key, packed_n)
   ack_and_remove(in_key, acks_n)
 end
-return {written, failed, kept}  -- tables, never unpacked: a batch may hold thousands of failed pushes
+return {written, failed, kept, unwritten}  -- tables, never unpacked: a batch may hold thousands of failed pushes

@@ -33,8 +33,7 @@ COMMIT_LUA = resources.files("broker").joinpath("commit.lua").read_text()
 COMMIT = Script("commit.lua", (STREAMS, DEAD, STATS, RESULTS, REPLIES, SHARED_REPLIES), (
     ("xadd", (STREAMS, DEAD, STATS)), ("set", (RESULTS,)), ("rpush", (REPLIES, SHARED_REPLIES)),
     ("pexpire", (REPLIES, SHARED_REPLIES)),
-    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,)),
-    ("type", (DEAD, STATS))))
+    ("xpending", (STREAMS,)), ("xack", (STREAMS,)), ("xtrim", (STREAMS,)), ("xdel", (STREAMS,))))
 
 
 @dataclass
@@ -321,7 +320,12 @@ class Committer:
         except redis.ResponseError as exc:
             log_refusal_once(exc, "commit.lua", self._static_keys[0])
             raise
-        written, failed, kept = reply
+        written, failed, kept, unwritten = reply
+        for i in range(0, len(unwritten) - 1, 2):  # a dead-letter or stats stream of another type, or refused
+            held = self._wrong_type.allow("stream")
+            if held is not None:
+                log.warning("not written key=%s error=%s (a dead letter or the stage's stats: the batch was committed; "
+                            "%d more since)", _text(unwritten[i]), _text(unwritten[i + 1]), held)
         if kept:  # the positions of results whose key held an answer
             self._kept([self._result_keys[int(j) - 1] for j in kept])
         for i in range(0, len(failed) - 1, 2):  # reply lists the script could not push to (pcall)
