@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -177,42 +179,53 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
         assert len({key_slot(k) for k in call_keys}) == 1, f"a script touched several slots: {call_keys}"
 
 
-def test_a_partition_whose_node_is_down_leaves_the_pipeline_ready_on_the_others() -> None:
-    """One of three masters down (cluster-require-full-coverage no): its partition refuses work while the
-    others serve, as docs/deployment.md says. The gateway's view said the whole pipeline unreachable
-    (readiness 503 on every gateway, every stage gauge gone) and `conveyor status` failed outright."""
-    try:
-        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
-    keys = Keys("t-parts1").partitions(3)
-    down = cluster.master_of(keys[1].spec)
+@contextlib.contextmanager
+def _parts1_on_three_masters() -> Iterator[tuple[LocalCluster, int]]:
+    """``t-parts1``'s workers ready on three masters that serve while another is down; the port of partition 1's."""
+    cluster = _serving_while_a_master_is_down()
     try:
         with running_workers(cluster.url, "tests.cluster_stages:partitioned", ["Scale", "Shift"],
                              stop_timeout_s=40) as workers:
             workers.wait_ready("t-parts1", T, workers={"Scale": 2})
-
-            async def main() -> tuple[PipelineStatus, PipelineStatus, list[int]]:
-                async with Gateway(cluster.url, "t-parts1") as gw:
-                    assert await gw.predict(1) == 5
-                    cluster.kill(down)
-                    deadline = time.monotonic() + 20
-                    while "partition 1" not in (status := await gw.pipeline_status()).error:
-                        assert time.monotonic() < deadline, status
-                        await gw.views.refreshed()
-                    answers = await asyncio.gather(*(gw.predict(v) for v in range(30)), return_exceptions=True)
-                    key = next(f"k{i}" for i in range(100) if partition_of(f"k{i}", 3) == 1)
-                    with pytest.raises(Overloaded, match="partition 1 of pipeline 't-parts1' is out of reach"):
-                        await gw.predict(1, key=key)  # at once, not after its timeout
-                    return status, await read_all_partitions(gw.hub.client, keys[0]), answers
-
-            status, read, answers = asyncio.run(asyncio.wait_for(main(), 60))
-            assert status.reachable and status.ready and len(status.by_partition) == 3, status.not_ready_stages
-            assert [p.reachable for p in status.by_partition] == [True, False, True]
-            assert read.reachable and read.ready and "partition 1: redis unreachable" in read.error  # the CLI's
-            assert answers == [v * 2 + 3 for v in range(30)]  # round robin skips the partition out of reach
+            yield cluster, cluster.master_of(Keys("t-parts1").partitions(3)[1].spec)
     finally:
         cluster.stop()
+
+
+def _serving_while_a_master_is_down() -> LocalCluster:
+    """Three masters that serve their slots while another master is down (cluster-require-full-coverage no)."""
+    try:
+        return LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+
+
+def test_a_partition_whose_node_is_down_leaves_the_pipeline_ready_on_the_others() -> None:
+    """One of three masters down (cluster-require-full-coverage no): its partition refuses work while the
+    others serve, as docs/deployment.md says. The gateway's view said the whole pipeline unreachable
+    (readiness 503 on every gateway, every stage gauge gone) and `conveyor status` failed outright."""
+    keys = Keys("t-parts1").partitions(3)
+    with _parts1_on_three_masters() as (cluster, down):
+
+        async def main() -> tuple[PipelineStatus, PipelineStatus, list[int]]:
+            async with Gateway(cluster.url, "t-parts1") as gw:
+                assert await gw.predict(1) == 5
+                cluster.kill(down)
+                deadline = time.monotonic() + 20
+                while "partition 1" not in (status := await gw.pipeline_status()).error:
+                    assert time.monotonic() < deadline, status
+                    await gw.views.refreshed()
+                answers = await asyncio.gather(*(gw.predict(v) for v in range(30)), return_exceptions=True)
+                key = next(f"k{i}" for i in range(100) if partition_of(f"k{i}", 3) == 1)
+                with pytest.raises(Overloaded, match="partition 1 of pipeline 't-parts1' is out of reach"):
+                    await gw.predict(1, key=key)  # at once, not after its timeout
+                return status, await read_all_partitions(gw.hub.client, keys[0]), answers
+
+        status, read, answers = asyncio.run(asyncio.wait_for(main(), 60))
+        assert status.reachable and status.ready and len(status.by_partition) == 3, status.not_ready_stages
+        assert [p.reachable for p in status.by_partition] == [True, False, True]
+        assert read.reachable and read.ready and "partition 1: redis unreachable" in read.error  # the CLI's
+        assert answers == [v * 2 + 3 for v in range(30)]  # round robin skips the partition out of reach
 
 
 def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
@@ -464,10 +477,7 @@ def test_streams_without_a_key_skip_a_partition_out_of_reach() -> None:
     """A streaming pipeline of three partitions, one master killed: predict's round robin skipped the partition
     the view says is down, but streams (``Gateway.stream``, HTTP ``POST .../stream``) went round all three, and
     a third of them failed at once with Overloaded while the other partitions served."""
-    try:
-        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
+    cluster = _serving_while_a_master_is_down()
     masters = [cluster.master_of(k.spec) for k in Keys("rv-words11").partitions(3)]
     assert len(set(masters)) == 3, "the pipeline's partitions should sit on three masters"
     try:
@@ -501,33 +511,23 @@ def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition()
     drops packets) held the view's refresh for the client's socket timeout, partition after partition, past
     ``STALE_AFTER_S``: the whole pipeline said "stale ... (no refresh)", unreachable, for most of the outage.
     Each partition's read is bounded and they go at once: the others read, the hung one named."""
-    try:
-        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
-    keys = Keys("t-parts1").partitions(3)
-    hung = cluster.master_of(keys[1].spec)
-    try:
-        with running_workers(cluster.url, "tests.cluster_stages:partitioned", ["Scale", "Shift"],
-                             stop_timeout_s=40) as workers:
-            workers.wait_ready("t-parts1", T, workers={"Scale": 2})
+    with _parts1_on_three_masters() as (cluster, hung):
 
-            async def main() -> list[PipelineStatus]:
-                async with Gateway(cluster.url, "t-parts1") as gw:
-                    assert await gw.predict(1) == 5
-                    cluster.pause(hung)
-                    try:
-                        started, statuses = time.monotonic(), []
-                        while time.monotonic() - started < 12:  # sampled as a readiness probe would, over the hang
-                            await asyncio.sleep(0.25)
-                            if time.monotonic() - started > 4:  # the first refreshes may predate the hang
-                                statuses.append(await gw.pipeline_status())
-                        return statuses
-                    finally:
-                        cluster.resume(hung)
+        async def main() -> list[PipelineStatus]:
+            async with Gateway(cluster.url, "t-parts1") as gw:
+                assert await gw.predict(1) == 5
+                cluster.pause(hung)
+                try:
+                    started, statuses = time.monotonic(), []
+                    while time.monotonic() - started < 12:  # sampled as a readiness probe would, over the hang
+                        await asyncio.sleep(0.25)
+                        if time.monotonic() - started > 4:  # the first refreshes may predate the hang
+                            statuses.append(await gw.pipeline_status())
+                    return statuses
+                finally:
+                    cluster.resume(hung)
 
-            statuses = asyncio.run(asyncio.wait_for(main(), 60))
+        statuses = asyncio.run(asyncio.wait_for(main(), 60))
         assert statuses and all(s.reachable and "partition 1: redis unreachable" in s.error for s in statuses), \
             [(s.reachable, s.error[:80]) for s in statuses]
-    finally:
-        cluster.stop()
+
