@@ -148,12 +148,17 @@ end
 -- later one fails: a key of another type there (an operator's, another app's) must not fail the batch,
 -- which would leave its forwards made and its entries pending, forwarded again at each delivery. pcall:
 -- what could not be written is returned (the worker says so); the requests were answered all the same.
+-- But for OOM: Redis refuses only a script's first write for memory, so then nothing is written yet, and
+-- failing keeps the batch pending (its dead letters come once memory does).
 local unwritten = {}
 local function add_or_say(key, ...)
   local added = redis.pcall('XADD', key, ...)
-  if type(added) == 'table' and added['err'] and #unwritten < 8 then
-    unwritten[#unwritten + 1] = key
-    unwritten[#unwritten + 1] = added['err']
+  if type(added) == 'table' and added['err'] then
+    if string.sub(added['err'], 1, 3) == 'OOM' then error(added) end
+    if #unwritten < 8 then
+      unwritten[#unwritten + 1] = key
+      unwritten[#unwritten + 1] = added['err']
+    end
   end
 end
 

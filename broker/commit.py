@@ -321,11 +321,7 @@ class Committer:
             log_refusal_once(exc, "commit.lua", self._static_keys[0])
             raise
         written, failed, kept, unwritten = reply
-        for i in range(0, len(unwritten) - 1, 2):  # a dead-letter or stats stream of another type, or refused
-            held = self._wrong_type.allow("stream")
-            if held is not None:
-                log.warning("not written key=%s error=%s (a dead letter or the stage's stats: the batch was committed; "
-                            "%d more since)", _text(unwritten[i]), _text(unwritten[i + 1]), held)
+        self._unwritten(unwritten)
         if kept:  # the positions of results whose key held an answer
             self._kept([self._result_keys[int(j) - 1] for j in kept])
         for i in range(0, len(failed) - 1, 2):  # reply lists the script could not push to (pcall)
@@ -338,6 +334,18 @@ class Committer:
             elif not log_refusal_once(redis.ResponseError(_text(error)), "rpush", key):
                 log.warning("reply not pushed key=%s error=%s (the requester reads the result key)", key, error)
         return int(written)
+
+    def _unwritten(self, unwritten: list[Any]) -> None:
+        """Say which dead-letter or stats streams the script could not add to (another type, or refused: the
+        batch was committed all the same); an ACL refusal with the rule to grant."""
+        for i in range(0, len(unwritten) - 1, 2):
+            key, error = _text(unwritten[i]), _text(unwritten[i + 1])
+            if log_refusal_once(redis.ResponseError(error), "xadd", key):
+                continue
+            held = self._wrong_type.allow("stream")
+            if held is not None:
+                log.warning("not written key=%s error=%s (a dead letter or the stage's stats: the batch was committed; "
+                            "%d more since)", key, error, held)
 
     def _kept(self, result_keys: list[bytes]) -> None:
         """Results not written because their key held an answer: a request run again (a gateway resubmitting

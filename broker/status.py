@@ -140,6 +140,8 @@ async def read_partitions(client: Any, queries: Sequence[PartitionQuery]) -> lis
 # accepts connections and never answers, as behind a network dropping packets) would hold it for the client's
 # socket timeout, and a view that waits for it goes stale (its other partitions' readiness with it).
 PARTITION_READ_S = 2.0
+# What tells a node out of reach on such a read: the client's errors, or no answer in time.
+UNREACHED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncio.TimeoutError)
 
 
 async def read_partitions_apart(client: Any, queries: Sequence[PartitionQuery]

@@ -180,14 +180,14 @@ def test_partitioned_pipeline_every_request_answered_once(redis_cluster: LocalCl
 
 
 @contextlib.contextmanager
-def _parts1_on_three_masters() -> Iterator[tuple[LocalCluster, int]]:
-    """``t-parts1``'s workers ready on three masters that serve while another is down; the port of partition 1's."""
+def _parts1_on_three_masters() -> Iterator[tuple[LocalCluster, list[int]]]:
+    """``t-parts1``'s workers ready on three masters that serve while another is down; each partition's master."""
     cluster = _serving_while_a_master_is_down()
     try:
         with running_workers(cluster.url, "tests.cluster_stages:partitioned", ["Scale", "Shift"],
                              stop_timeout_s=40) as workers:
             workers.wait_ready("t-parts1", T, workers={"Scale": 2})
-            yield cluster, cluster.master_of(Keys("t-parts1").partitions(3)[1].spec)
+            yield cluster, [cluster.master_of(k.spec) for k in Keys("t-parts1").partitions(3)]
     finally:
         cluster.stop()
 
@@ -205,7 +205,8 @@ def test_a_partition_whose_node_is_down_leaves_the_pipeline_ready_on_the_others(
     others serve, as docs/deployment.md says. The gateway's view said the whole pipeline unreachable
     (readiness 503 on every gateway, every stage gauge gone) and `conveyor status` failed outright."""
     keys = Keys("t-parts1").partitions(3)
-    with _parts1_on_three_masters() as (cluster, down):
+    with _parts1_on_three_masters() as (cluster, masters):
+        down = masters[1]
 
         async def main() -> tuple[PipelineStatus, PipelineStatus, list[int]]:
             async with Gateway(cluster.url, "t-parts1") as gw:
@@ -506,12 +507,15 @@ def test_streams_without_a_key_skip_a_partition_out_of_reach() -> None:
         cluster.stop()
 
 
-def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition() -> None:
+@pytest.mark.parametrize("partition", [0, 1])
+def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition(partition: int) -> None:
     """A master that hangs (SIGSTOP: it takes connections and never answers, as a host behind a network that
     drops packets) held the view's refresh for the client's socket timeout, partition after partition, past
     ``STALE_AFTER_S``: the whole pipeline said "stale ... (no refresh)", unreachable, for most of the outage.
-    Each partition's read is bounded and they go at once: the others read, the hung one named."""
-    with _parts1_on_three_masters() as (cluster, hung):
+    Each partition's read is bounded and they go at once: the others read, the hung one named; partition 0's
+    master also holds the specs, read first: bounded as well, the specs known kept."""
+    with _parts1_on_three_masters() as (cluster, masters):
+        hung = masters[partition]
 
         async def main() -> list[PipelineStatus]:
             async with Gateway(cluster.url, "t-parts1") as gw:
@@ -528,6 +532,7 @@ def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition()
                     cluster.resume(hung)
 
         statuses = asyncio.run(asyncio.wait_for(main(), 60))
-        assert statuses and all(s.reachable and "partition 1: redis unreachable" in s.error for s in statuses), \
-            [(s.reachable, s.error[:80]) for s in statuses]
+        said = [(s.reachable, s.error[:80]) for s in statuses]
+        assert statuses and all(s.reachable for s in statuses), said  # never stale: the others are read
+        assert f"partition {partition}: redis unreachable" in statuses[-1].error, said  # and the hung one named
 

@@ -12,10 +12,11 @@ import pytest
 import redis
 
 from broker import codec
-from broker.commit import Commit, Committer, Ttls
+from broker.commit import COMMIT_LUA, Commit, Committer, Ttls
 from broker.keys import GROUP, Keys
 from broker.logs import Throttle
 from broker.protocol import entry_fields, ok_record
+from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.redis
 
@@ -242,3 +243,61 @@ def test_a_commit_whose_stats_key_is_of_another_type_commits_and_says_so(redis_c
         committer.close()
     assert redis_client.xpending(keys.stream(0), GROUP)["pending"] == 0 and redis_client.xlen(keys.stream(1)) == 1
     assert f"not written key={keys.stats(0)} error=WRONGTYPE" in caplog.text, caplog.text
+
+
+def _one_entry(client: redis.Redis, keys: Keys) -> bytes:
+    """One entry without an ``id`` (rejected: dead-lettered), read by consumer ``a``."""
+    client.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)
+    entry = client.xadd(keys.stream(0), {"data": codec.encode(1)})
+    client.xreadgroup(GROUP, "a", {keys.stream(0): ">"})
+    return entry  # type: ignore[no-any-return]
+
+
+def _dead_letter_commit(client: redis.Redis, keys: Keys, entry: bytes) -> None:
+    committer = Committer(client, keys, 0, "A", has_next=False, ttls=Ttls())
+    commit = Commit(acks=[entry])
+    commit.dead_letter(entry, None, "missing or invalid 'id'", codec.encode(1))
+    try:
+        committer(commit)
+    except redis.ResponseError:
+        pass  # refused: what matters is what stays
+    finally:
+        committer.close()
+
+
+def test_a_dead_letter_refused_for_want_of_memory_keeps_its_entry(private_redis: EmbeddedRedis) -> None:
+    """A batch whose only write is a dead letter, Redis out of memory: Redis refuses a script's first write, so
+    nothing is written and the commit must fail, its entry pending (dead-lettered once memory comes back).
+    Taken as any failed dead letter (logged, the batch committed), the entry was acked away, its dead letter lost."""
+    client = redis.Redis.from_url(private_redis.url)
+    keys = Keys("t-commit-oom")
+    try:
+        entry = _one_entry(client, keys)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write that may grow memory refused from now on
+        _dead_letter_commit(client, keys, entry)
+        client.config_set("maxmemory", 0)
+        assert client.xpending(keys.stream(0), GROUP)["pending"] == 1, "the entry was acked and its dead letter lost"
+    finally:
+        client.config_set("maxmemory", 0)
+        client.close()
+
+
+def test_an_acl_refusal_of_a_dead_letter_is_explained(redis_client: redis.Redis,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A worker user that may not add to ``P:dead:<i>``: its dead letters are not written (the batch is), and the
+    log says which rule to grant, as for any refusal; a bare throttled warning said only the error."""
+    caplog.set_level(logging.WARNING)
+    keys = Keys("t-commit-acl")
+    entry = _one_entry(redis_client, keys)
+    redis_client.script_load(COMMIT_LUA)
+    redis_client.acl_setuser("t-worker", enabled=True, nopass=True, reset=True, commands=["+@all", "-xadd"],
+                             keys=["*"], selectors=[("+xadd", f"~{keys.stream(0)}"), ("+xadd", f"~{keys.stats(0)}")])
+    where = redis_client.connection_pool.connection_kwargs
+    worker = redis.Redis(unix_socket_path=where["path"], username="t-worker", password="x")
+    try:
+        _dead_letter_commit(worker, keys, entry)
+    finally:
+        worker.close()
+        redis_client.acl_deluser("t-worker")
+    assert "redis acl refusal" in caplog.text, caplog.text

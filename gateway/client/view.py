@@ -30,13 +30,15 @@ from typing import Any, TypeVar
 
 from broker.commit import ItemExemplar
 from broker.connection import RedisSettings, is_cluster_client
-from broker.errors import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, ReplyError
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
 from broker.keys import Keys
 from broker.logs import Throttle
 from broker.protocol import now_ms
 from broker.refusals import log_refusal_once
 from broker.spec import StageInfo
 from broker.status import (
+    PARTITION_READ_S,
+    UNREACHED,
     PartitionQuery,
     PartitionReads,
     Spec,
@@ -314,11 +316,13 @@ class Views:
             view.on_refresh(view)
 
     async def _specs(self, views: list[PipelineView], keep: bool) -> list[Spec | ReplyError]:
-        """The views' specs; ``keep`` (a full refresh on a Redis Cluster): if partition 0's node is down,
-        the specs already known, so that the partitions on the other nodes are still read."""
+        """The views' specs; ``keep`` (a full refresh on a Redis Cluster): if partition 0's node is down, or
+        does not answer within ``PARTITION_READ_S`` (it hangs), the specs already known, so that the partitions
+        on the other nodes are still read (and the view does not go stale waiting for it)."""
         try:
-            return await read_specs(self._client, [v.keys for v in views])
-        except CONNECTION_ERRORS:
+            read = read_specs(self._client, [v.keys for v in views])
+            return await (asyncio.wait_for(read, PARTITION_READ_S) if keep else read)
+        except UNREACHED:
             if not (keep and all(v.registered for v in views)):
                 raise
             return [v.spec for v in views]
