@@ -41,14 +41,17 @@ AUDIT_BATCH = 500
 SCAN_SLACK = 2
 
 
-@sends(GATEWAY, scripts=(AUDIT,), why="requests older than audit_after_s")
-async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[bytes]) -> list[bytes]:
+@sends(GATEWAY, scripts=(AUDIT,), why="requests older than audit_after_s, or in flight on another run")
+async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[bytes],
+                    unsure_lost: bool = False) -> list[bytes]:
     """Of ``request_ids`` (submitted to this partition of a pipeline of ``stages`` stages), those
-    in no stage's stream and without a result, in their order. An ACL refusal is logged once, with
-    what would allow it."""
+    in no stage's stream and without a result, in their order. A scan that gave up (the streams grew
+    faster than it read) says none lost, leaving them to the next audit; with ``unsure_lost`` (no next
+    audit to leave them to) those it did not meet count as lost when they have no result. An ACL refusal
+    is logged once, with what would allow it."""
     streams = [keys.stream(i) for i in range(stages)]
     try:
-        unmet = await _scan(client, streams, set(request_ids))
+        unmet = await _scan(client, streams, set(request_ids), unsure_lost)
         if not unmet:
             return []
         missing: list[bytes] = []
@@ -63,9 +66,10 @@ async def forgotten(client: Any, keys: Keys, stages: int, request_ids: Sequence[
         raise
 
 
-async def _scan(client: Any, streams: list[str], wanted: set[bytes]) -> set[bytes]:
+async def _scan(client: Any, streams: list[str], wanted: set[bytes], unsure_lost: bool = False) -> set[bytes]:
     """Scan ``streams`` to their ends, a bounded part per call, and return the ids of ``wanted``
-    met nowhere; empty also when the scan gave up (nothing is said lost unless the scan ended)."""
+    met nowhere; empty also when the scan gave up (nothing is said lost unless the scan ended), unless
+    ``unsure_lost``: then those it had not met yet."""
     stage, after = 1, "-"
     budget: int | None = None
     while wanted and stage <= len(streams):
@@ -77,6 +81,10 @@ async def _scan(client: Any, streams: list[str], wanted: set[bytes]) -> set[byte
             budget = SCAN_SLACK * length + read
         budget -= read
         if budget < 0 and wanted and stage <= len(streams):
+            if unsure_lost:
+                log.info("audit of %d requests gave up: the streams grew faster than it read them; those it did "
+                         "not meet are taken as lost stream=%s", len(wanted), streams[0])
+                return wanted
             log.info("audit of %d old requests left for the next one: the streams grew faster than it read "
                      "them stream=%s", len(wanted), streams[0])
             return set()

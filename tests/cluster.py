@@ -168,6 +168,34 @@ class LocalCluster:
             info = client.info("replication")
         return int(info["slave0"]["port"])
 
+    def node_id(self, port: int) -> str:
+        with self.node(port) as client:
+            node_id = client.execute_command("CLUSTER", "MYID")
+        return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
+
+    def move_slot(self, slot: int, source: int, target: int, timeout_s: float = 10.0) -> int:
+        """Reshard one slot from the master on ``source`` to the master on ``target``, live, as
+        ``redis-cli --cluster reshard`` does: IMPORTING / MIGRATING, MIGRATE of its keys (streams with
+        their consumer groups and pending entries), then SETSLOT NODE on every master. How many keys moved."""
+        source_id, target_id = self.node_id(source), self.node_id(target)
+        moved = 0
+        deadline = time.monotonic() + timeout_s
+        with self.node(source) as src, self.node(target) as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"slot {slot}: keys still on {source} after {timeout_s:g}s")
+                src.execute_command("MIGRATE", self.host, target, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        for port in self.ports:  # the other masters learn it now rather than by gossip
+            if port not in (source, target) and self.running(port):
+                with self.node(port) as client, contextlib.suppress(redis.ResponseError):
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        return moved
+
     def pause(self, port: int) -> None:
         """SIGSTOP the node: a replica paused this way falls behind its master (nothing replicates)."""
         self.procs[port].send_signal(signal.SIGSTOP)

@@ -7,6 +7,7 @@ streams on several nodes at once.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -42,3 +43,20 @@ class Words(Stage):
 
 # Its partition tags hash to three masters of a 3-master cluster, as t-parts1's (checked by the test).
 words = Pipeline("rv-words11", partitions=3).add(Words)
+
+
+class Counted(Stage):
+    """Adds one, slowly (``delay_s`` per request, one at a time), and appends each input it runs to the file
+    named by ``CONVEYOR_TEST_RUNS``: a test counts how many times each request ran."""
+
+    delay_s = 0.1
+
+    def predict(self, x: Any) -> Any:
+        time.sleep(self.delay_s)
+        with open(os.environ["CONVEYOR_TEST_RUNS"], "a") as runs:  # one short append per run: whole lines
+            runs.write(f"{x}\n")
+        return x + 1
+
+
+# One partition, one worker: its slot (the tag {t-moved}) is moved to another master under load.
+moved = Pipeline("t-moved").add(Counted, workers=1)

@@ -8,7 +8,12 @@ out its deadline. Two checks find them, neither per request in the steady state:
 - **Another run**: after the reply reader reconnects, the run id of the server it talks to (one
   ``INFO server``; on a Redis Cluster also every second, since redis-py follows a failover to the
   promoted node without an error). A different one (a restart, or a failover promoted another node)
-  may have lost anything: every request in flight there is sent again at once.
+  may have lost anything, or nothing: on a Cluster a reshard that moved the partition's slot to
+  another master shows another run id too, though the streams and their pending entries moved with
+  it, and a restart that reloaded its data lost nothing either. So the requests in flight there are
+  audited at once (below), and only those Redis lost are sent again: resent whole, those still in a
+  stream ran twice. (A partition whose stage count is not known yet cannot be audited: every request
+  in flight there is sent again.)
 - **An audit** (every ``audit_after_s``, only for requests older than that): one ``audit.lua`` per
   pipeline partition finds those in no stage's stream and without a result; they are sent again.
 
@@ -51,26 +56,49 @@ class Recall:
         self._resend = resend
         self.audit_after_s = audit_after_s
         self.resubmitted = 0
-        self.audits = 0  # audits run: one per pipeline partition per round that had old requests
+        self.audits = 0  # audits run: one per pipeline partition per round that had old requests, or per another run
         self._run_ids: dict[bytes, str] = {}  # by reply key: one per node a reader talks to
 
     # -- another run ---------------------------------------------------------------------------
 
     async def check_run(self, client: Any, reply_key: bytes, lanes: Sequence[Lane]) -> None:
         """After a reconnect: if the server behind ``lanes`` is another run than the one seen
-        before, send every request in flight on them again. The first call only records the run."""
+        before, audit every request in flight on them now and send again those it lost. The first call
+        only records the run; so does one that finds nothing lost. A connection error of the audit
+        leaves the old run recorded: the reader's next check audits again."""
         if not self.enabled:
             return
         run = await arun_id(client, lanes[0].keys.stream(0) if lanes else reply_key.decode())
         seen = self._run_ids.get(reply_key)
-        self._run_ids[reply_key] = run
         if seen is None or seen == run:
+            self._run_ids[reply_key] = run
             return
-        ids = [rid for rid, record in self._requests.items() if record.lane in lanes]
-        again = self._send_again(ids)
-        log.warning("redis is another run than before (restarted, or failed over) run_id=%s: the %d requests in "
-                    "flight there are sent again (%d queued again, the others not sent yet or on their way)",
-                    run[:12], len(ids), again)
+        in_flight = lost = 0
+        for lane in lanes:
+            ids = [rid for rid, record in self._requests.items() if record.lane is lane]
+            in_flight += len(ids)
+            missing = await self._gone(client, lane, ids, unsure_lost=True)
+            lost += len(missing)
+            if missing:
+                self._send_again(missing)
+        self._run_ids[reply_key] = run
+        log.warning("redis is another run than before (restarted, failed over, or on a Cluster the slot moved to "
+                    "another master) run_id=%s: of the %d requests in flight there, %d lost (in no stage's stream, "
+                    "without a result) are sent again", run[:12], in_flight, lost)
+
+    async def _gone(self, client: Any, lane: Lane, ids: list[bytes], unsure_lost: bool = False) -> list[bytes]:
+        """Of ``ids`` (in flight on ``lane``), those Redis lost: in no stage's stream and without a result
+        (``audit.lua``). Not those waiting in the outbox, nor the turn on its way (its call may reach Redis
+        after the audit's: after a pause, a lost connection's retries). Every one of them when the pipeline's
+        stage count is not known yet (nothing to audit against); ``unsure_lost``: those a scan that gave up
+        did not meet, if without a result (after another run: no later check is sure to come)."""
+        queued = {r.submission[0] for r in (*lane.outbox, *lane.sending)}
+        ids = [i for i in ids if i not in queued]
+        stages = lane.stages()
+        if not ids or stages < 1:
+            return ids
+        self.audits += 1
+        return await forgotten(client, lane.keys, stages, ids, unsure_lost)
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -94,15 +122,9 @@ class Recall:
             record.since_s = now_s  # audited: again only after another audit_after_s
             requests[rid] = requests.pop(rid)  # to the end: age order kept
         for lane, ids in by_lane.values():
-            stages = lane.stages()
-            # Not those waiting in the outbox, nor the turn on its way (its call may reach Redis after this
-            # audit's: after a pause, a lost connection's retries).
-            queued = {r.submission[0] for r in (*lane.outbox, *lane.sending)}
-            ids = [i for i in ids if i not in queued]
-            if stages < 1 or not ids:
+            if lane.stages() < 1:
                 continue  # the pipeline's spec not seen yet: nothing to compare with
-            self.audits += 1
-            missing = await forgotten(client, lane.keys, stages, ids)
+            missing = await self._gone(client, lane, ids)
             if missing:
                 log.warning("redis lost %d requests (in no stage's stream, without a result): sending them "
                             "again stream=%s", len(missing), lane.keys.stream(0))
