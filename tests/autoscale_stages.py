@@ -15,6 +15,7 @@ from workers import Pipeline, Stage
 ITEM_S = float(os.environ.get("AUTOSCALE_ITEM_S", "0.002"))
 RUNS = os.environ.get("AUTOSCALE_RUNS", "")  # a file each worker appends the inputs it ran to
 RELEASE = os.environ.get("AUTOSCALE_RELEASE", "")  # Hold: a held input waits in predict until this file exists
+# (every held input), or this path followed by "-" and the input does (that one alone)
 HOLD_MAX_S = 30.0  # ... or this long at most
 SCALE_DOWN_AFTER_S = float(os.environ.get("AUTOSCALE_SCALE_DOWN_AFTER_S", "2.0"))
 REPLICA_LOCK = os.environ.get("AUTOSCALE_REPLICA_LOCK", "")  # OneReplica: the file its one copy locks
@@ -46,10 +47,11 @@ class Burn(Stage):
 
 
 class Hold(Stage):
-    """As Burn, but an input ``"hold:<name>"`` waits inside ``predict`` until the file AUTOSCALE_RELEASE exists
-    (at most HOLD_MAX_S): a worker held mid-batch. Each call is recorded as it starts (``start <x> <pid>``) and
-    as it returns (``done <x> <pid>``), so a call cut short by a killed worker has a start and no end; a SIGTERM
-    too, with the input whose call it came in (``sigterm <x> <pid>``; ``-``: between calls)."""
+    """As Burn, but an input ``"hold:<name>"`` waits inside ``predict`` until the file AUTOSCALE_RELEASE exists, or
+    ``AUTOSCALE_RELEASE-hold:<name>`` (at most HOLD_MAX_S): a worker held mid-batch. Each call is recorded as it
+    starts (``start <x> <pid>``) and as it returns (``done <x> <pid>``), so a call cut short by a killed worker has
+    a start and no end; a SIGTERM too, with the input whose call it came in (``sigterm <x> <pid>``; ``-``: between
+    calls)."""
 
     workers = (1, 2)
     target_wait_s = 0.05
@@ -72,7 +74,7 @@ class Hold(Stage):
         _record(f"start {x} {os.getpid()}")
         if isinstance(x, str) and x.startswith("hold:"):
             until = time.monotonic() + HOLD_MAX_S
-            while not os.path.exists(RELEASE) and time.monotonic() < until:
+            while not (os.path.exists(RELEASE) or os.path.exists(f"{RELEASE}-{x}")) and time.monotonic() < until:
                 time.sleep(0.005)
         else:
             _burn(ITEM_S)

@@ -1,23 +1,38 @@
 """Per-stage autoscaling on one host (workers.process.scaling): the decisions on their own, then a real
 supervisor scaling a real stage up under load and back down when it ends, nothing lost or run twice, also
-when the worker a scale-down stops is SIGKILLed before it could finish its batch."""
+when the worker a scale-down stops is SIGKILLed before it could finish its batch; never down while every
+worker of the stage is in a long call (the busy board: workers.process.watch)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
-from broker.scaling import StageLoad
+from broker.connection import RedisSettings
+from broker.protocol import now_ms
+from broker.scaling import ScaleRecord, StageLoad
 from gateway import Gateway, GatewaySettings
-from tests.helpers import WorkerProc, read_pipeline_status, running_workers, wait_for
+from tests.helpers import (
+    WorkerProc,
+    kill_group,
+    read_pipeline_status,
+    running_workers,
+    start_worker,
+    stop_process,
+    wait_for,
+)
 from workers import Pipeline, Stage
 from workers.process.scaling import StageScaler
+from workers.process.watch import BusyCell, StuckWatch
 
 APP = "tests.autoscale_stages"
 SCALED = 'event="autoscaling" '  # the supervisor's log line of a change, as the kv format writes it
@@ -81,6 +96,60 @@ def test_down_one_only_after_the_delay_with_little_to_do() -> None:
     assert scaler.observe(_load(0, 1, 0, 0.0), 1.0, 71.0, False) is not None
     scaler.workers = 1
     assert scaler.observe(_load(0, 1, 0, 0.0), 1.0, 200.0, False) is None  # never under the minimum
+
+
+@pytest.mark.unit
+def test_a_worker_in_a_batch_is_busy_though_no_stats_say_so_yet() -> None:
+    """A worker writes what a batch took when it commits it: a call longer than ``scale_down_after_s`` wrote
+    nothing while it ran, and a stage whose every worker was in one looked idle (no backlog, no busy time) and
+    lost a busy worker. Each batch in progress (``running``: how long it has run, from the busy board) counts
+    as much of the period as it has run."""
+    scaler = _scaler()
+    scaler.workers = 2
+    silent = _load(0, 2)  # no backlog, nothing finished: all the stats say while both calls run
+    assert all(scaler.observe(silent, 1.0, float(t), False, running=[30.0 + t, 12.0 + t]) is None for t in range(60))
+    # One of the two in a call: one worker fewer would be wholly busy (over 80 %), not quiet either.
+    assert all(scaler.observe(silent, 1.0, float(t), False, running=[30.0 + t]) is None for t in range(60, 120))
+    # A batch begun within the period counts the part of it it has run, beside the stats' busy time.
+    assert scaler.busy_workers(silent, 1.0, [0.5]) == 0.5
+    assert scaler.busy_workers(_load(0, 2, 100, 0.25), 1.0, [3.0, 0.25]) == 1.5
+    assert scaler.busy_workers(silent, 0.0, [0.1, 5.0]) == 2.0
+    # Idle, no batch in progress: down after the delay, as before.
+    assert scaler.observe(silent, 1.0, 120.0, False) is None
+    change = scaler.observe(silent, 1.0, 130.5, False)
+    assert change is not None and change.workers == 1
+    # Four workers, one in a long call: three would be a third busy, so one goes (the quiet rule unchanged).
+    scaler = _scaler()
+    scaler.workers = 4
+    assert scaler.observe(_load(0, 4), 1.0, 200.0, False, running=[100.0]) is None
+    change = scaler.observe(_load(0, 4), 1.0, 210.5, False, running=[110.5])
+    assert change is not None and change.workers == 3 and change.reason.startswith("down: 1.00 of 4 workers busy")
+
+
+@pytest.mark.unit
+def test_the_busy_board_says_when_a_batch_began_across_its_calls() -> None:
+    """What autoscaling reads of a worker's cell: how long it has been in the batch in hand, from its first call
+    (a read run as several calls is one batch until its commit); nothing while idle or in ``setup()``."""
+    spec = Pipeline("p").add(Work).stages[0]
+    watch = StuckWatch(1, RedisSettings("redis://127.0.0.1:9/0"))  # never reached
+    try:
+        cell = BusyCell(os.dup(watch.fd), 0)
+        assert watch.batch_s(0) is None
+        cell.setup(None)
+        assert watch.batch_s(0) is None and watch.began_s(0) is not None
+        cell.idle()
+        cell.batch(spec, [None])
+        time.sleep(0.1)
+        cell.batch(spec, [None])  # its next call
+        ran_s = watch.batch_s(0)
+        assert ran_s is not None and ran_s >= 0.09, ran_s
+        cell.idle()
+        assert watch.batch_s(0) is None
+        cell.batch(spec, [None])  # the next batch counts from its own start
+        ran_s = watch.batch_s(0)
+        assert ran_s is not None and ran_s < 0.09, ran_s
+    finally:
+        watch.close()
 
 
 @pytest.mark.unit
@@ -297,8 +366,8 @@ async def _scale_up(redis_url: str, supervisor: WorkerProc) -> list[int]:
 async def _hold_one_in_each(gw: Gateway, runs: Path, supervisor: WorkerProc,
                             held: list[asyncio.Future[object]]) -> None:
     """``hold:a`` into one worker's predict, then ``hold:b`` into the other's (the first cannot read while it
-    is in predict): both workers held mid-batch, with nothing else queued, so the stage looks idle. The
-    calls' futures go into ``held``."""
+    is in predict): both workers held mid-batch, with nothing else queued, so that only the busy board says the
+    stage is busy (no stats until a commit, no backlog). The calls' futures go into ``held``."""
     pids = []
     for x in ("hold:a", "hold:b"):
         held.append(asyncio.ensure_future(gw.predict(x)))
@@ -306,27 +375,141 @@ async def _hold_one_in_each(gw: Gateway, runs: Path, supervisor: WorkerProc,
                                             f"{x} in a worker's predict", supervisor.report))
     assert pids[0] != pids[1], f"both held items went to pid {pids[0]}"
     assert {p.pid for p in supervisor.children()} == set(pids), "the held items are not in the stage's two workers"
-    # The scale-down is still to come: its SIGTERM will reach a worker in the middle of its predict.
+    # Not scaled down on the way (none comes while both are held: their calls are busy time).
     assert SCALED + "stage=Hold workers=1 " not in supervisor.log(200_000), supervisor.report()
 
 
-async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path,
-                                   supervisor: WorkerProc) -> tuple[list[int], list[object], int, int]:
-    """Two workers, each held in its predict; the scale-down's SIGTERM reaches one of them there, and both are
-    SIGKILLed before they return, under a light load. Returns the answers to the load before and around it,
-    the held items' answers, and the pids killed: the parked slot's, the other slot's."""
+def _scale_record(redis_url: str) -> ScaleRecord:
+    """The supervisor's autoscaling record of the Hold stage, as ``conveyor status`` reads it."""
+    (record,) = asyncio.run(read_pipeline_status(redis_url, HOLD)).stages[0].autoscaling
+    return record
+
+
+async def _both_held_for(redis_url: str, runs: Path, release: Path, supervisor: WorkerProc,
+                         held_s: float) -> tuple[list[int], list[object], list[ScaleRecord]]:
+    """Two workers, each held in its predict with nothing queued, for ``held_s`` of the autoscaler's turns (its
+    record renewed that long after both were held), then released. Returns the load's answers, the held items'
+    answers and the records read while both were held."""
+    answers = await _scale_up(redis_url, supervisor)
+    held: list[asyncio.Future[object]] = []
+    records: list[ScaleRecord] = []
+    try:
+        async with Gateway(redis_url, HOLD, GatewaySettings(timeout_s=30.0)) as gw:
+            await _hold_one_in_each(gw, runs, supervisor, held)
+            since_ms = now_ms()
+
+            def held_long_enough() -> bool:
+                records.append(_scale_record(redis_url))
+                return records[-1].seen_ms >= since_ms + held_s * 1000
+
+            await asyncio.to_thread(wait_for, held_long_enough, held_s + 10, f"{held_s:g}s of autoscaler turns",
+                                    supervisor.report)
+            assert not any(_calls(runs)["done"].get(x) for x in ("hold:a", "hold:b")), "a held call returned"
+            release.touch()
+            answered = list(await asyncio.wait_for(asyncio.gather(*held), 15))
+    finally:
+        release.touch()
+        for future in held:
+            future.cancel()
+    return answers, answered, records
+
+
+@pytest.mark.system
+def test_a_stage_whose_every_worker_is_in_a_long_call_is_not_scaled_down(redis_url: str, tmp_path: Path) -> None:
+    """Both workers of a ``workers=(1, 2)`` stage in a ``predict`` call four times longer than its
+    ``scale_down_after_s`` (1 s), nothing waiting. A worker says what it ran when it commits, so the autoscaler saw
+    no busy time and no backlog: the stage looked idle and was scaled down to one worker while both calls ran (a
+    SIGTERM into a busy worker, and a backlog later that scales it up again, a model load). A worker in a batch
+    is busy (the supervisor's busy board): the stage keeps its two workers until the calls end, then, idle, goes
+    down to one."""
+    runs, release = tmp_path / "runs", tmp_path / "release"
+    with running_workers(redis_url, f"{APP}:hold", ["Hold"], AUTOSCALE_RUNS=str(runs), AUTOSCALE_RELEASE=str(release),
+                         AUTOSCALE_SCALE_DOWN_AFTER_S="1.0") as workers:
+        workers.wait_ready(HOLD)
+        supervisor = workers.stage("Hold")
+        answers, held, records = asyncio.run(_both_held_for(redis_url, runs, release, supervisor, held_s=4.0))
+        assert answers and all(answers) and held == ["hold:a", "hold:b"]
+        log = supervisor.log(200_000)
+        down = [line for line in log.splitlines() if SCALED + "stage=Hold workers=1 " in line]
+        # Nothing said of a scale-down while both were held: neither a decision nor a SIGTERM.
+        assert not _calls(runs)["sigterm"], f"{_calls(runs)['sigterm']}\n{down}"
+        assert [r.workers for r in records] == [2] * len(records), (records, down)
+        assert not down, down
+        # Idle once released: one worker goes, as before.
+        wait_for(lambda: "(scaled down)" in supervisor.log(200_000), 15, "the supervisor scales down",
+                 supervisor.report)
+        assert _scale_record(redis_url).workers == 1
+
+
+def _live(redis_url: str) -> int:
+    return asyncio.run(read_pipeline_status(redis_url, HOLD)).stages[0].live_workers
+
+
+async def _stop_one_in_its_call(redis_url: str, gw: Gateway, runs: Path, release: Path, supervisor: WorkerProc,
+                                held: list[asyncio.Future[object]], env: dict[str, str]) -> tuple[str, int, int]:
+    """A scale-down's SIGTERM into slot 1's worker in the middle of its predict, where the load genuinely went idle
+    on the stage's other workers. Both workers are held (busy: the stage keeps them), another supervisor's worker of
+    the stage joins (``conveyor worker --workers 1``, idle), and slot 0's call returns: one busy worker of three,
+    where two would be at most half busy. The stage is scaled down, and the worker stopped is slot 1's, in its call.
+    The other supervisor then stops (its worker idle), so that this supervisor's workers are the stage's again.
+    Returns the input held by slot 1's worker, that worker's pid and the other supervisor's worker's pid."""
+    await _hold_one_in_each(gw, runs, supervisor, held)
+    log = supervisor.log(200_000)
+    parked, other = _pid_of_slot(log, 1), _pid_of_slot(log, 0)
+    held_by = {_started_in(runs, x): x for x in ("hold:a", "hold:b")}
+    fixed = start_worker(redis_url, f"{APP}:hold", "Hold", 1, None, **env)
+    try:
+        await asyncio.to_thread(wait_for, lambda: _live(redis_url) == 3, 30, "a third live worker, of another "
+                                "supervisor", lambda: f"{supervisor.report()}\n{fixed.report()}")
+        third = _pid_of_slot(fixed.log(50_000), 0)
+        # Still two of this supervisor's workers: both were held until now, and it did not scale down.
+        assert SCALED + "stage=Hold workers=1 " not in supervisor.log(200_000), supervisor.report()
+        Path(f"{release}-{held_by[other]}").touch()  # slot 0's call returns: two of three workers idle
+        await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=1 " in supervisor.log(200_000),
+                                15, "the supervisor scales down", supervisor.report)
+        await asyncio.to_thread(wait_for, lambda: _calls(runs)["sigterm"] == {held_by[parked]: [parked]}, 5,
+                                f"slot 1's worker (pid {parked}) SIGTERMed in its predict", supervisor.report)
+    finally:
+        stop_process(fixed.popen)
+        try:
+            code = await asyncio.to_thread(fixed.popen.wait, 20)
+        except subprocess.TimeoutExpired:
+            kill_group(fixed.popen)
+            raise AssertionError(f"the other supervisor did not stop\n{fixed.report()}") from None
+    assert code == 0, fixed.report()
+    return held_by[parked], parked, third
+
+
+async def _hold_in_slot_0(gw: Gateway, runs: Path, supervisor: WorkerProc,
+                          held: list[asyncio.Future[object]]) -> int:
+    """``hold:c`` into the predict of slot 0's worker, the only one that reads (slot 1's is in its call, stopped):
+    both of this supervisor's workers held. Returns its pid."""
+    held.append(asyncio.ensure_future(gw.predict("hold:c")))
+    pid = await asyncio.to_thread(wait_for, lambda: _started_in(runs, "hold:c"), 10, "hold:c in a worker's predict",
+                                  supervisor.report)
+    assert pid == _pid_of_slot(supervisor.log(200_000), 0), supervisor.report()
+    return pid
+
+
+async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path, supervisor: WorkerProc,
+                                   env: dict[str, str]) -> tuple[list[int], list[object], int, int, int, str]:
+    """Slot 1's worker SIGTERMed by a scale-down in its held predict, slot 0's held in a call too, and both SIGKILLed
+    before they return, under a light load. Returns the answers to the load before and around it, the held items'
+    answers, the pids killed (the parked slot's, the other slot's), the other supervisor's worker's pid and the input
+    the parked slot's worker held."""
     answers = await _scale_up(redis_url, supervisor)
     held: list[asyncio.Future[object]] = []
     try:
         async with Gateway(redis_url, HOLD, GatewaySettings(timeout_s=30.0)) as gw:
-            await _hold_one_in_each(gw, runs, supervisor, held)
-            parked, other = await _kill_the_held_workers(runs, supervisor)
+            in_parked, parked, third = await _stop_one_in_its_call(redis_url, gw, runs, release, supervisor, held, env)
+            other = await _hold_in_slot_0(gw, runs, supervisor, held)
+            await _kill_the_held_workers(runs, supervisor, parked, other, in_parked)
             stop = asyncio.Event()
             around = asyncio.ensure_future(_load_for(redis_url, 2, stop, 100_000_000, pipeline=HOLD))
             try:
                 release.touch()
                 await asyncio.wait(held, timeout=15)
-                lost = [x for x, future in zip(("hold:a", "hold:b"), held, strict=True) if not future.done()]
+                lost = [x for x, future in zip(("hold:a", "hold:b", "hold:c"), held, strict=True) if not future.done()]
                 assert not lost, f"{lost} not answered 15 s after the kill\n{supervisor.report()}"
                 answered = [future.result() for future in held]
             finally:
@@ -336,41 +519,37 @@ async def _kill_while_scaling_down(redis_url: str, runs: Path, release: Path,
         release.touch()  # also when something failed: the held workers then stop at once
         for future in held:
             future.cancel()
-    return answers, answered, parked, other
+    return answers, answered, parked, other, third, in_parked
 
 
-async def _kill_the_held_workers(runs: Path, supervisor: WorkerProc) -> tuple[int, int]:
-    """Once the supervisor scaled down, SIGKILL both workers where they are (in the held predict): the one the
-    scale-down stopped (slot 1, parked) and the other. Returns their pids."""
-    await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=1 " in supervisor.log(200_000),
-                            15, "the supervisor scales down", supervisor.report)
-    log = supervisor.log(200_000)
-    parked, other = _pid_of_slot(log, 1), _pid_of_slot(log, 0)
-    held_by_parked = next(x for x in ("hold:a", "hold:b") if _started_in(runs, x) == parked)
-    await asyncio.to_thread(wait_for, lambda: _calls(runs)["sigterm"] == {held_by_parked: [parked]}, 5,
-                            f"the parked slot's worker (pid {parked}) SIGTERMed in its predict", supervisor.report)
-    # SIGTERMed, it finishes its batch before it exits: both workers are still in their held predict.
+async def _kill_the_held_workers(runs: Path, supervisor: WorkerProc, parked: int, other: int, in_parked: str) -> None:
+    """SIGKILL both workers where they are, in their held predict: the one the scale-down stopped (slot 1, parked),
+    which finishes its batch before it exits, and the other."""
     log = supervisor.log(200_000)
     assert {p.pid for p in supervisor.children()} == {parked, other} and "(scaled down)" not in log, \
         supervisor.report()
-    assert not _calls(runs)["done"].keys() & {"hold:a", "hold:b"}
+    assert not _calls(runs)["done"].keys() & {in_parked, "hold:c"}
     for pid in (parked, other):
         psutil.Process(pid).kill()
     await asyncio.to_thread(wait_for, lambda: not {parked, other} & {p.pid for p in supervisor.children()}, 5,
                             "the killed workers gone", supervisor.report)
-    return parked, other
+
+
+def _hold_env(tmp_path: Path) -> dict[str, str]:
+    return {"AUTOSCALE_RUNS": str(tmp_path / "runs"), "AUTOSCALE_RELEASE": str(tmp_path / "release"),
+            "AUTOSCALE_SCALE_DOWN_AFTER_S": "1.5"}
 
 
 @pytest.mark.system
 def test_a_worker_killed_while_a_scale_down_stops_it_loses_nothing_and_answers_nothing_twice(
         redis_url: str, tmp_path: Path) -> None:
-    runs, release = tmp_path / "runs", tmp_path / "release"
-    with running_workers(redis_url, f"{APP}:hold", ["Hold"], AUTOSCALE_RUNS=str(runs), AUTOSCALE_RELEASE=str(release),
-                         AUTOSCALE_SCALE_DOWN_AFTER_S="1.5") as workers:
+    runs, release, env = tmp_path / "runs", tmp_path / "release", _hold_env(tmp_path)
+    with running_workers(redis_url, f"{APP}:hold", ["Hold"], 20.0, **env) as workers:
         workers.wait_ready(HOLD)
         supervisor = workers.stage("Hold")
-        answers, held, parked, other = asyncio.run(_kill_while_scaling_down(redis_url, runs, release, supervisor))
-        assert answers and all(answers) and held == ["hold:a", "hold:b"]
+        answers, held, parked, other, third, in_parked = asyncio.run(
+            _kill_while_scaling_down(redis_url, runs, release, supervisor, env))
+        assert answers and all(answers) and held == ["hold:a", "hold:b", "hold:c"]
         wait_for(lambda: _status_settled(redis_url), 10, "status: 1 worker, no backlog, nothing pending",
                  supervisor.report)
         log = supervisor.log(200_000)
@@ -383,33 +562,32 @@ def test_a_worker_killed_while_a_scale_down_stops_it_loses_nothing_and_answers_n
         assert re.search(r'claimed stale entries"? stage=Hold count=1 ', log), supervisor.report()  # slot 1's entry
     calls = _calls(runs)
     started, done = calls["start"], calls["done"]
-    # Each held item started twice, in a worker killed in its predict and then in the successor (which drained
-    # its own slot's entry and took the parked slot's over), and returned once; every other item ran once.
-    held_started = {x: started.pop(x) for x in ("hold:a", "hold:b")}
-    assert sorted(pids[0] for pids in held_started.values()) == sorted((parked, other)), held_started
-    assert all(pids[1:] == [successor] for pids in held_started.values()), held_started
-    assert {x: done.pop(x) for x in ("hold:a", "hold:b")} == {"hold:a": [successor], "hold:b": [successor]}
+    # The two killed calls each started again in the successor (which drained its own slot's entry and took the
+    # parked slot's over) and returned there, once; slot 0's first held call returned where it ran, released
+    # before the scale-down; every other item ran once.
+    in_other = next(x for x in ("hold:a", "hold:b") if x != in_parked)
+    assert {x: started.pop(x) for x in (in_parked, "hold:c", in_other)} == {
+        in_parked: [parked, successor], "hold:c": [other, successor], in_other: [other]}
+    assert {x: done.pop(x) for x in (in_parked, "hold:c", in_other)} == {
+        in_parked: [successor], "hold:c": [successor], in_other: [other]}
     assert len(done) == len(answers) and started == done and {len(pids) for pids in done.values()} == {1}
-    # SIGTERMs: the scale-down's, to the parked slot's worker in its held call, and the successor's at the end.
-    held_by_parked = next(x for x, pids in held_started.items() if pids[0] == parked)
-    assert calls["sigterm"] == {held_by_parked: [parked], "-": [successor]}, calls["sigterm"]
+    # SIGTERMs: the scale-down's, to the parked slot's worker in its held call; between calls, the other
+    # supervisor's worker at its stop and the successor at the end.
+    assert calls["sigterm"] == {in_parked: [parked], "-": [third, successor]}, calls["sigterm"]
 
 
 async def _scale_up_while_the_stopped_worker_finishes(redis_url: str, runs: Path, release: Path,
-                                                      supervisor: WorkerProc) -> tuple[list[object], int]:
-    """Two workers, each held in its predict; the scale-down's SIGTERM reaches slot 1's there, and a backlog then
-    scales the stage up again before that worker returned: its slot is wanted again while it finishes. Released,
-    it exits. Returns every answer and that worker's pid."""
+                                                      supervisor: WorkerProc,
+                                                      env: dict[str, str]) -> tuple[list[object], int]:
+    """Slot 1's worker SIGTERMed by a scale-down in its held predict, slot 0's then held in a call too, and a
+    backlog that scales the stage up again before slot 1's worker returned: its slot is wanted again while it
+    finishes. Released, it exits. Returns every answer and that worker's pid."""
     answers: list[object] = [*await _scale_up(redis_url, supervisor)]
     held: list[asyncio.Future[object]] = []
     try:
         async with Gateway(redis_url, HOLD, GatewaySettings(timeout_s=30.0)) as gw:
-            await _hold_one_in_each(gw, runs, supervisor, held)
-            await asyncio.to_thread(wait_for, lambda: SCALED + "stage=Hold workers=1 " in supervisor.log(200_000),
-                                    15, "the supervisor scales down", supervisor.report)
-            stopped = _pid_of_slot(supervisor.log(200_000), 1)
-            await asyncio.to_thread(wait_for, lambda: any(stopped in p for p in _calls(runs)["sigterm"].values()), 5,
-                                    f"slot 1's worker (pid {stopped}) SIGTERMed in its predict", supervisor.report)
+            _, stopped, _ = await _stop_one_in_its_call(redis_url, gw, runs, release, supervisor, held, env)
+            await _hold_in_slot_0(gw, runs, supervisor, held)  # the backlog waits: no worker of the stage reads
             backlog = [gw.submit(x) for x in range(200)]
             await asyncio.to_thread(
                 wait_for, lambda: supervisor.log(200_000).count(SCALED + "stage=Hold workers=2 ") == 2, 10,
@@ -432,14 +610,13 @@ def test_a_scale_up_while_a_scaled_down_worker_finishes_its_batch_is_no_crash(re
     batch ends: the slot is wanted again while its worker finishes. That worker's exit was then taken for a
     crash: "worker exited ... restart_in" (a warning), a quick death that lengthened the slot's next restart delays
     (a failed start too, had it been loading). It is the scale-down's: said as such, and the slot started at once."""
-    runs, release = tmp_path / "runs", tmp_path / "release"
-    with running_workers(redis_url, f"{APP}:hold", ["Hold"], AUTOSCALE_RUNS=str(runs), AUTOSCALE_RELEASE=str(release),
-                         AUTOSCALE_SCALE_DOWN_AFTER_S="1.5") as workers:
+    runs, release, env = tmp_path / "runs", tmp_path / "release", _hold_env(tmp_path)
+    with running_workers(redis_url, f"{APP}:hold", ["Hold"], 20.0, **env) as workers:
         workers.wait_ready(HOLD)
         supervisor = workers.stage("Hold")
         answers, stopped = asyncio.run(_scale_up_while_the_stopped_worker_finishes(redis_url, runs, release,
-                                                                                   supervisor))
-        assert answers and all(answers[:-202]) and answers[-202:] == ["hold:a", "hold:b", *range(200)]
+                                                                                   supervisor, env))
+        assert answers and all(answers[:-203]) and answers[-203:] == ["hold:a", "hold:b", "hold:c", *range(200)]
         log = supervisor.log(200_000)
     assert f"worker stopped stage=Hold slot=1 pid={stopped} code=0 (scaled down)" in log, log
     assert not re.search(rf'worker exited"? stage=Hold slot=1 pid={stopped} ', log), log

@@ -17,6 +17,17 @@ for ``scale_down_after_s`` in a row, it stops one (as Ray Serve's ``downscale_de
 starting a model is not, so up is quick and down is slow). Every change is logged with its reason and published for
 ``conveyor status`` and ``/metrics`` (:mod:`broker.scaling`).
 
+A worker in a batch is busy, not idle (:meth:`StageScaler.busy_workers`, the one place that counts it). The stats
+say what a batch took once it is committed, so a ``predict`` call longer than ``scale_down_after_s`` (or a
+continuous stage's live batch, which goes on under a steady load) wrote nothing while it ran, and a stage whose
+every worker was in such a call looked idle: no backlog, no busy time. It lost a worker that was busy. So the busy
+workers of a period also count, beside the stats' busy time, each batch in progress now in this supervisor's
+workers, read from the busy board they write as a batch begins and ends (:mod:`workers.process.watch`): as much
+of the period as it has run, a whole worker once it began a period ago or more (nothing counted twice: its time
+reaches the stats only at its commit). A stage whose every worker is in a batch begun a period ago is then as
+busy as it has workers, never quiet: it is not scaled down while they all are mid-call. Workers of the stage
+that other supervisors run (other hosts) are seen through the stats alone, as before.
+
 A worker that is stopped finishes the batch in hand, commits it and exits (SIGTERM, as at any
 stop): what it read is answered, nothing is left pending, nothing runs twice. Each supervisor scales
 its own workers from the stage's load on every host; several hosts that autoscale one stage each
@@ -28,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,13 +113,23 @@ class StageScaler:
             return math.inf  # a backlog and no measured rate: nothing tells it will clear
         return waiting / (self.rate * max(1, load.live))
 
+    def busy_workers(self, load: StageLoad, period_s: float, running: Sequence[float] = ()) -> float:
+        """The workers busy over the last period (``period_s``), on average: the ``predict`` time the stats say
+        was finished in it, plus each batch in progress now (``running``: how long each has run, from the
+        supervisor's busy board), which no stats count until it is committed: the part of the period it has run,
+        a whole worker once it began a period ago or more. A worker in a long call is busy, not idle."""
+        if period_s <= 0:
+            return float(len(running))
+        return load.busy_s / period_s + sum(min(1.0, max(0.0, ran_s) / period_s) for ran_s in running)
+
     def observe(self, load: StageLoad, period_s: float | None, now: float, starting: bool,
-                room: int | None = None) -> Change | None:
+                room: int | None = None, running: Sequence[float] = ()) -> Change | None:
         """A new reading, ``period_s`` after the last (None: the first, whose finished work is the stats'
         history, not a period's: it measures the rate, and never scales down); ``starting``: a worker this
         scaler started is not ready yet (no more starts until it is: its load is not in the figures);
-        ``room``: the most workers it may add now (the cores the supervisor's other workers leave). The
-        change to make, if any."""
+        ``room``: the most workers it may add now (the cores the supervisor's other workers leave);
+        ``running``: how long each of the stage's workers in a batch now has been in it (this supervisor's,
+        from its busy board: :meth:`busy_workers`). The change to make, if any."""
         self._measure(load)
         wait_s = self.expected_wait_s(load)
         target = self.spec.target_wait_s
@@ -118,7 +139,7 @@ class StageScaler:
             return self._up(load, wait_s, high)
         if period_s is None:
             return None
-        busy = load.busy_s / period_s if period_s > 0 else 0.0  # busy workers, on average
+        busy = self.busy_workers(load, period_s, running)  # on average, the batches in progress counted
         # The wait one worker fewer would give, not the wait now: half the target with two workers is the
         # whole target with one, the very wait that scales up again (no margin: a bursty load flaps).
         fewer_wait_s = self._fewer_wait_s(load)
@@ -209,8 +230,10 @@ class Autoscaler:
     def due_in_s(self, now: float) -> float:
         return max(0.0, self._last + self._period_s - now)
 
-    def turn(self, now: float, starting: Mapping[str, bool]) -> dict[str, Change]:
-        """The changes due now, by unit id (``starting``: whether a worker it started is not ready yet)."""
+    def turn(self, now: float, starting: Mapping[str, bool],
+             running: Mapping[str, Sequence[float]] | None = None) -> dict[str, Change]:
+        """The changes due now, by unit id (``starting``: whether a worker it started is not ready yet;
+        ``running``: how long each of its workers in a batch now has been in it, :meth:`StageScaler.observe`)."""
         if not self.stages or now < self._last + self._period_s:
             return {}
         period_s, self._last = (now - self._last if self._last else self._period_s), now
@@ -219,7 +242,8 @@ class Autoscaler:
         changes: dict[str, Change] = {}
         for unit_id, scaled in self.stages.items():
             try:
-                change = self._turn_stage(unit_id, scaled, period_s, now, starting.get(unit_id, False))
+                change = self._turn_stage(unit_id, scaled, period_s, now, starting.get(unit_id, False),
+                                          (running or {}).get(unit_id, ()))
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if not log_refusal_once(exc):
                     log.warning("autoscaling: could not read stage %s's load: %r", scaled.scaler.spec.name, exc)
@@ -235,13 +259,13 @@ class Autoscaler:
         return self._cores - self._fixed - sum(s.scaler.workers for s in self.stages.values())
 
     def _turn_stage(self, unit_id: str, scaled: ScaledStage, period_s: float, now: float,
-                    starting: bool) -> Change | None:
+                    starting: bool, running: Sequence[float] = ()) -> Change | None:
         assert self._client is not None
         spec = scaled.scaler.spec
         load = read_load(self._client, scaled.partitions, spec.index, scaled.cursors, scaled.levels)
         scaled.cursors = load.cursors
         first, scaled.first = scaled.first, False
-        change = scaled.scaler.observe(load, None if first else period_s, now, starting, self.room())
+        change = scaled.scaler.observe(load, None if first else period_s, now, starting, self.room(), running)
         if change is not None:
             scaled.reason, scaled.changed_ms = change.reason, now_ms()
             log.info("autoscaling stage=%s workers=%d range=%s reason=%s", spec.name, change.workers,
@@ -285,8 +309,12 @@ class Scaling:
     :class:`Autoscaler` decides. Slots for ``max`` workers exist from the start; those not wanted are
     *parked* (never started, or stopped and not restarted)."""
 
-    def __init__(self, units: Sequence[Unit], slots: Sequence[WorkerSlot], redis_url: str, supervisor: str) -> None:
+    def __init__(self, units: Sequence[Unit], slots: Sequence[WorkerSlot], redis_url: str, supervisor: str,
+                 batch_s: Callable[[int], float | None] | None = None) -> None:
+        """``batch_s``: how long the worker of a slot (by its index) has been in the batch it is in now, None if
+        it is in none (the busy board: :meth:`workers.process.watch.StuckWatch.batch_s`; None: not known)."""
         self._slots = slots
+        self._batch_s = batch_s
         scaled = {str(i): u for i, u in enumerate(units) if u.max_count > u.count and u.keys is not None}
         self._units = scaled
         affinity = len(allowed_cpus())
@@ -323,8 +351,17 @@ class Scaling:
             return
         starting = {unit_id: any(s.unit is unit and not s.parked and s.ready_at is None for s in self._slots)
                     for unit_id, unit in self._units.items()}
-        for unit_id, change in self._auto.turn(now, starting).items():
+        running = {unit_id: self._running(unit) for unit_id, unit in self._units.items()}
+        for unit_id, change in self._auto.turn(now, starting, running).items():
             self._apply(self._units[unit_id], change.workers, now)
+
+    def _running(self, unit: Unit) -> list[float]:
+        """How long each of ``unit``'s workers in a batch now has been in it (one stopped by a scale-down that
+        finishes its batch too: it is busy, and still beats)."""
+        if self._batch_s is None:
+            return []
+        return [ran_s for s in self._slots
+                if s.unit is unit and s.proc is not None and (ran_s := self._batch_s(s.index)) is not None]
 
     def _apply(self, unit: Unit, workers: int, now: float) -> None:
         mine = sorted((s for s in self._slots if s.unit is unit), key=lambda s: s.number)

@@ -176,9 +176,9 @@ class Supervisor:
     def run(self) -> int:
         """Run until stopped (exit 0) or until a stage keeps failing to start (exit 1)."""
         self._make_slots()
-        self._scaling = Scaling(self.units, self.slots, self.child.redis_url, self._host)
-        self._extras = Extras(self.slots, self._scaling, self.settings.max_start_failures)
         self._stuck = StuckWatch(len(self.slots), RedisSettings(self.child.redis_url))
+        self._scaling = Scaling(self.units, self.slots, self.child.redis_url, self._host, self._stuck.batch_s)
+        self._extras = Extras(self.slots, self._scaling, self.settings.max_start_failures)
         self._starts = SlowStarts(self.settings.loading_warn_every_s)
         self._selector = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()

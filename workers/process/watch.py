@@ -11,7 +11,9 @@ marks the worker stuck in Redis (``P:stuck:<i>``, for ``status`` and ``/readyz``
 A batch whose items carry no deadline is watched only by ``max_run_s``. The stage's ``setup()`` is
 watched the same way, as a batch with no deadline: stuck ``setup_timeout_s`` after it began (if the
 stage sets one), its worker then replaced as one that died before it was ready (no mark in Redis: it
-read nothing, and never beat).
+read nothing, and never beat). The cell also says when the batch in hand began (its first call:
+:meth:`BusyCell.busy`), from which autoscaling counts a worker in a batch busy, its stats being
+written only at its commit (:mod:`workers.process.scaling`).
 
 The stack is one record's block (:func:`broker.logs.block`): the record's line says what happened,
 the stack's lines follow it, once. (It used to be a ``stack=%s`` inside the message's prose, which
@@ -114,9 +116,14 @@ class BusyCell:
         self._offset = slot * _CELL.size
         self._map = mmap.mmap(fd, self._offset + _CELL.size)
         os.close(fd)  # the mapping keeps the memory
+        self._began_ms = 0  # when the batch in hand began (0: idle)
 
     def busy(self, stuck_at_ms: int, unwanted_at_ms: int) -> None:
-        _BATCH.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms, now_ms())
+        """A call begins: its stuck and unwanted times; the batch's start is its first call's (a read run as
+        several calls, or a continuous stage's live batches, is one batch until :meth:`idle`: its stats are
+        written at its commit, and autoscaling counts it busy from its start)."""
+        self._began_ms = self._began_ms or now_ms()
+        _BATCH.pack_into(self._map, self._offset, stuck_at_ms, unwanted_at_ms, self._began_ms)
 
     def keep_alive(self) -> None:
         """Stamp the cell every ALIVE_EVERY_S from a thread of its own, which touches nothing else: a
@@ -146,6 +153,7 @@ class BusyCell:
         self.busy(now_ms() + int(timeout_s * 1000) if timeout_s else 0, IN_SETUP)
 
     def idle(self) -> None:
+        self._began_ms = 0
         _BATCH.pack_into(self._map, self._offset, 0, 0, 0)
 
 
@@ -201,6 +209,14 @@ class StuckWatch:
     def in_setup(self, index: int) -> bool:
         """Whether this slot's worker is in its stage's ``setup()``."""
         return self._board.read(index).unwanted_at_ms == IN_SETUP
+
+    def batch_s(self, index: int) -> float | None:
+        """Seconds since this slot's worker began the batch it is in now (None: idle, in ``setup()``, or not there
+        yet): autoscaling counts it busy (:mod:`workers.process.scaling`), its stats not written until it commits."""
+        busy = self._board.read(index)
+        if not busy.began_ms or busy.unwanted_at_ms == IN_SETUP:
+            return None
+        return max(0.0, (now_ms() - busy.began_ms) / 1000)
 
     def began_s(self, index: int) -> float | None:
         """Seconds since this slot's worker began its batch or, before it is ready, its ``setup()`` (None: idle,
