@@ -120,6 +120,7 @@ PRODUCER_USES = (
     Use("set", (CANCELS, CANCEL_FLAG), "docs/protocol.md, Cancellation: SET P:cancel:<id> and P:cancels, with PX"),
 )
 _PRODUCER_SUBMITS = "docs/protocol.md, Submitting a request: SCRIPT LOAD, then EVALSHA or EVAL"
+_PRODUCER_CANCELS = "docs/protocol.md, Cancellation: EVALSHA or EVAL (a plain SET of P:cancels may shorten it)"
 OPERATOR_USES = (
     Use("xrange", (DEAD,), "docs/operations.md, Dead letters: XRANGE P:dead:<i>"),
     Use("xrevrange", (DEAD,), "docs/operations.md, Dead letters: XREVRANGE P:dead:<i>"),
@@ -151,7 +152,8 @@ def roles() -> dict[str, Role]:
         for role in op.roles:
             by_role[role] += op.all_uses()
     by_role[PRODUCER] += [*PRODUCER_USES, Use("script|load", (), _PRODUCER_SUBMITS),
-                          *all_scripts()["submit.lua"].uses(_PRODUCER_SUBMITS, ("evalsha", "eval"))]
+                          *all_scripts()["submit.lua"].uses(_PRODUCER_SUBMITS, ("evalsha", "eval")),
+                          *all_scripts()["cancel.lua"].uses(_PRODUCER_CANCELS, ("evalsha", "eval"))]
     by_role[MONITOR] += OPERATOR_USES
     return {name: Role(name, _ABOUT[name], tuple(by_role[name])) for name in ROLE_NAMES}
 

@@ -9,7 +9,7 @@ markers only while some may be live: with no cancel of late, no worker sends a c
 Workers learn of the flag with their heartbeat (:class:`CancelWatch`, a beat hook) and, while it is
 up, read the markers of each batch before they run it (:func:`cancelled`, one ``MGET``); a streaming
 stage reads its items' markers with each step's chunks (:mod:`broker.chunks`). A foreign producer
-cancels the same way (docs/protocol.md): ``SET P:cancel:<id> 1 PX <ms>`` and the flag.
+cancels the same way (docs/protocol.md): ``cancel.lua``, which never shortens another's flag.
 """
 
 from __future__ import annotations

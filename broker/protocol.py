@@ -47,6 +47,7 @@ from broker.keys import PROTOCOL_VERSION, Keys
 
 _ID_RE = re.compile(rb"[A-Za-z0-9_.:\-]{1,128}")  # fullmatch: `$` would let a trailing newline through
 MAX_DEADLINE_AHEAD_MS = 7 * 24 * 3600 * 1000  # a deadline further out than a week is a bug
+MAX_REPLY_BYTES = 256  # a reply key's length at most (docs/protocol.md): a longer one is refused
 
 F_ID, F_DATA, F_REPLY, F_DEADLINE, F_VERSION = b"id", b"data", b"reply", b"deadline_ms", b"v"
 F_ITEMS = b"items"  # a batch entry's requests, 4 values each (see above)
@@ -192,9 +193,10 @@ def _parse_checked(entry_id: bytes, fields: dict[bytes, bytes] | None, keys: Key
     if request_id is None:
         return reject("missing or invalid 'id' (1-128 chars of A-Z a-z 0-9 _ . : -)")
     if F_REPLY in fields and reply is None:
-        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply: or {keys.prefix}:reply:"
-                      if limits.shared_replies else f"invalid 'reply': must be a key starting with {keys.base}:reply: "
-                      "(on a Redis Cluster, in the pipeline's hash slot)")
+        return reject(f"invalid 'reply': must be a key starting with {keys.base}:reply: or {keys.prefix}:reply:, "
+                      f"of at most {MAX_REPLY_BYTES} bytes" if limits.shared_replies else
+                      f"invalid 'reply': must be a key starting with {keys.base}:reply: (on a Redis Cluster, in the "
+                      f"pipeline's hash slot), of at most {MAX_REPLY_BYTES} bytes")
     version = fields.get(F_VERSION, _VERSION)
     if version != _VERSION:
         return reject(f"unknown protocol version {version[:16]!r}; this worker speaks v{PROTOCOL_VERSION}")
@@ -226,7 +228,7 @@ def _unread_batch(fields: dict[bytes, bytes]) -> str:
 
 
 def _valid_reply(raw: bytes | None, keys: Keys, shared: bool = True) -> bytes | None:
-    if raw is None or len(raw) > 256:
+    if raw is None or len(raw) > MAX_REPLY_BYTES:
         return None
     for prefix in (keys.reply_prefix, keys.shared_reply_prefix) if shared else (keys.reply_prefix,):
         if raw.startswith(prefix) and len(raw) > len(prefix):

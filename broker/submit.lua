@@ -6,7 +6,7 @@
 -- KEYS[3..] result keys the producer has consumed (UNLINKed, so answered requests do not hold
 --           memory until their TTL; may be none), then the h streams of ARGV[4 + 4n] (below)
 -- ARGV[1] n entries   ARGV[2] the producer's own limit ('' for none; the stricter limit wins)
--- then n x (request id, data, reply key, deadline ms)
+-- then n x (request id, data, reply key, deadline ms): an empty reply key or deadline is none (no field)
 -- ARGV[3 + 4n] (optional) k: into how many batch entries to split the requests ('', absent, 0, or
 --         k >= n: single entries; a fraction is rounded down)
 -- ARGV[4 + 4n] (optional) h: the last h KEYS are the first stage's streams of the priority levels
@@ -100,12 +100,16 @@ if limit == nil and entries >= 1 and entries < admit then
   end
 else
   for j = 1, admit do
-    if n_traced > 0 and traced[j] then
-      redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
-                 'deadline_ms', ARGV[a + 3], 'trace', traced[j], 'v', '1')
-    else
+    local trace = n_traced > 0 and traced[j]
+    if not trace and ARGV[a + 2] ~= '' and ARGV[a + 3] ~= '' then  -- a gateway's (the common case)
       redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
                  'deadline_ms', ARGV[a + 3], 'v', '1')
+    else  -- an empty reply key or deadline is none: no field (workers refuse an empty 'reply'), as commit.lua
+      local args = {KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
+      if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
+      if ARGV[a + 3] ~= '' then args[#args + 1] = 'deadline_ms'; args[#args + 1] = ARGV[a + 3] end
+      if trace then args[#args + 1] = 'trace'; args[#args + 1] = trace end
+      redis.call('XADD', unpack(args))
     end
     a = a + 4
   end

@@ -32,6 +32,7 @@ from broker.acl import (
     parse_version,
     role_rules,
 )
+from broker.cancels import CANCEL_LUA
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import RedisSettings
 from broker.families import FAMILIES, SPEC, STREAMS
@@ -179,7 +180,8 @@ def test_least_privilege_on_redis_7() -> None:
     set_keys = next(s for s in worker.selectors if "set" in s.commands).keys
     assert [p for p, _ in set_keys] == ["conveyor:{p}:result:*", "conveyor:{p}:spec", "conveyor:{p}:max_backlog"]
     producer = role_rules("producer")
-    assert producer.granted() == {"script|load", "eval", "evalsha", "xadd", "xlen", "get", "unlink", "blpop", "set"}
+    assert producer.granted() == {"script|load", "eval", "evalsha", "xadd", "xlen", "get", "unlink", "blpop", "set",
+                                  "pttl"}  # PTTL: cancel.lua's, never to shorten the flag
     # a foreign producer sets nothing but its cancel markers (docs/protocol.md, Cancellation)
     assert [p for p, _ in next(s for s in producer.selectors if "set" in s.commands).keys] == [
         "conveyor:{*}:cancel:*", "conveyor:{*}:cancels"]
@@ -436,6 +438,8 @@ PROBES: dict[str, list[tuple[tuple[Any, ...], bool, bool]]] = {
         (("XADD", P.stream(0), "*", "id", "ok"), False, False),
         (("GET", P.result("r0")), False, False),
         (("SET", P.cancel("r0"), b"1", "PX", 1000), False, False),  # cancels its requests
+        # as docs/protocol.md says, with the gateway's script: a plain SET of the flag may shorten another's
+        (("EVAL", CANCEL_LUA, 2, P.cancels, P.cancel("r0"), 1000), False, False),
         (("SET", P.result("r0"), b"forged"), True, False),
         (("GET", OTHER_TENANT.result("r0")), True, True),
     ],

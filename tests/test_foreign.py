@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
 PIPELINE = "t-foreign"  # tests/stages.py: AddOne then Guard, f(x) = 2 (x + 1), refuses x = 99
 STREAM0 = "conveyor:{t-foreign}:stream:0"
+MAX_BACKLOG = "conveyor:{t-foreign}:max_backlog"
+SUBMIT_LUA = (Path(__file__).parent.parent / "broker" / "submit.lua").read_text()  # the text a producer EVALs
 DEAD0 = "conveyor:{t-foreign}:dead:0"
 T = 30.0
 
@@ -213,3 +216,35 @@ def test_a_reused_request_id_is_counted_where_operators_look(workers: Workers, r
     wait_for(lambda: asyncio.run(read_pipeline_status(workers.redis_url, PIPELINE)).stages[-1].results_kept > before,
              T, "the last stage's results_kept to count the reused id")
     assert msgpack.unpackb(redis_client.get(result_key(request_id)), raw=False)["value"] == 4  # the first answer
+
+
+@pytest.mark.parametrize("entries", ["", "2"], ids=["single-entries", "batch-entries"])
+def test_submit_lua_without_a_reply_key_answers_in_the_result_key(workers: Workers, redis_client: redis.Redis,
+                                                                  entries: str) -> None:
+    """A request submitted through submit.lua with no reply key and no deadline (empty arguments): the
+    script writes them as empty fields on a single entry, which workers dead-lettered as an invalid
+    'reply', while the same request in a batch entry was answered. Both are now served, answered in
+    the result key only."""
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"no-reply-lua-{tag}-{i}" for i in range(3)]
+    args: list[Any] = []
+    for i, request_id in enumerate(ids):
+        args += [request_id, msgpack.packb(i), "", ""]
+    assert redis_client.eval(SUBMIT_LUA, 2, STREAM0, MAX_BACKLOG, len(ids), "", *args, entries) == len(ids)
+    for i, request_id in enumerate(ids):
+        raw = wait_for(lambda rid=request_id: redis_client.get(result_key(rid)), T, "the result key", workers.report)
+        assert msgpack.unpackb(raw, raw=False) == {"id": request_id, "ok": True, "value": 2 * (i + 1)}
+    assert not [f for _, f in redis_client.xrange(DEAD0) if f.get(b"id") in {i.encode() for i in ids}]
+
+
+def test_a_reply_key_over_the_documented_length_is_refused_saying_so(workers: Workers,
+                                                                     redis_client: redis.Redis) -> None:
+    """docs/protocol.md: a reply key holds at most 256 bytes. One longer, under the right prefix, was refused
+    with a message saying only that it must start with that prefix, which it did."""
+    request_id = f"long-reply-{uuid.uuid4().hex[:8]}"
+    reply = reply_key("r" * 256)
+    submit(redis_client, request_id, 1, reply)
+    raw = wait_for(lambda: redis_client.get(result_key(request_id)), T, "the error record", workers.report)
+    error = msgpack.unpackb(raw, raw=False)["error"]
+    assert error["type"] == "DeadLettered" and "at most 256 bytes" in error["message"], error
+    assert redis_client.exists(reply) == 0
