@@ -101,9 +101,14 @@ if limit == nil and entries >= 1 and entries < admit then
 else
   for j = 1, admit do
     local trace = n_traced > 0 and traced[j]
-    if not trace and ARGV[a + 2] ~= '' and ARGV[a + 3] ~= '' then  -- a gateway's (the common case)
-      redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
-                 'deadline_ms', ARGV[a + 3], 'v', '1')
+    if ARGV[a + 2] ~= '' and ARGV[a + 3] ~= '' then  -- a gateway's (the common case)
+      if trace then
+        redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
+                   'deadline_ms', ARGV[a + 3], 'trace', trace, 'v', '1')
+      else
+        redis.call('XADD', KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'reply', ARGV[a + 2],
+                   'deadline_ms', ARGV[a + 3], 'v', '1')
+      end
     else  -- an empty reply key or deadline is none: no field (workers refuse an empty 'reply'), as commit.lua
       local args = {KEYS[1], '*', 'id', ARGV[a], 'data', ARGV[a + 1], 'v', '1'}
       if ARGV[a + 2] ~= '' then args[#args + 1] = 'reply'; args[#args + 1] = ARGV[a + 2] end
