@@ -29,12 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from gateway.backends import Backend, Backends, as_backends
+from gateway.monitor.batch_metrics import BatchHistograms
 from gateway.monitor.item_metrics import ItemHistograms
 from gateway.monitor.request_metrics import RequestMetrics
 
@@ -222,10 +223,9 @@ class Metrics:
         }
         self.items = ItemHistograms(ns)  # per item: stream wait, predict share, with exemplars
         reg.register(self.items)
-        self.batch_size = Histogram(f"{ns}_stage_batch_size", "Items per batch a stage ran.", STAGE_LABELS,
-                                    buckets=BATCH_SIZE_BUCKETS, registry=reg)
-        self.batch_duration = Histogram(f"{ns}_stage_batch_duration_seconds", "Wall time of one batch.",
-                                        STAGE_LABELS, buckets=BATCH_DURATION_BUCKETS, registry=reg)
+        # Per batch: items and wall time, lock-free counts (gateway.monitor.batch_metrics).
+        self.batches = BatchHistograms(ns, BATCH_SIZE_BUCKETS, BATCH_DURATION_BUCKETS)
+        reg.register(self.batches)
 
     def _hub_count(self, which: str) -> float:
         hub = getattr(self.backend, "hub", None)  # gateway.client.Pipelines, or a Single Gateway's
@@ -272,9 +272,7 @@ class Metrics:
                 gauge.labels(*labels).set(float(getattr(stage, attr)))
             for level, entries in (getattr(stage, "level_backlog", None) or {}).items():
                 self.level_backlog.labels(*labels, str(level)).set(float(entries))
-            for size, duration_s in stage.batches:
-                self.batch_size.labels(*labels).observe(size)
-                self.batch_duration.labels(*labels).observe(duration_s)
+            self.batches.observe(labels, stage.batches)
             self.items.observe(labels, stage.batches, getattr(stage, "item_waits", ()), getattr(stage, "exemplars", ()))
         for partition, part in enumerate(getattr(status, "by_partition", None) or ()):
             for stage in part.stages:
