@@ -1,13 +1,16 @@
 """What a ``/metrics`` scrape costs the gateway's event loop: the batches it brings are counted cheaply
-(gateway.monitor.batch_metrics, whose exposition is prometheus-client's `Histogram`'s)."""
+(gateway.monitor.batch_metrics, whose exposition is prometheus-client's `Histogram`'s), and its text is
+written off the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.client.view import MAX_HELD_BATCHES
@@ -82,3 +85,67 @@ def test_a_scrape_of_a_busy_stages_held_batches_costs_the_loop_little() -> None:
     baseline = min(_cpu_s(bisect_each) for _ in range(3))
     spent = min(_cpu_s(feed) for _ in range(3))
     assert spent < 12 * baseline, f"{MAX_HELD_BATCHES} batches: {spent:.3f} s of CPU, a bisect each {baseline:.3f} s"
+
+
+def _busy_pipeline(stages: int) -> PipelineStatus:
+    """A status whose every stage brings batches, waits and exemplars: all its series are written."""
+    return PipelineStatus(True, [
+        StageStatus(index, f"stage-{index}", live_workers=1, level_backlog={1: 2, 2: 3},
+                    batches=[(4, n / 1000) for n in range(1, 30)], item_waits=[(b, 3) for b in range(22)],
+                    exemplars=[(kind, b, "ab" * 16, 0.001) for kind in ("w", "p") for b in range(22)])
+        for index in range(stages)])
+
+
+class _Served:
+    """Pipelines as `read_statuses` reads them (a gateway.client.Pipelines' surface)."""
+
+    in_flight = 0
+
+    def __init__(self, statuses: dict[str, PipelineStatus]) -> None:
+        self.backends = {name: _Status(status) for name, status in statuses.items()}
+
+    def get(self, name: str) -> _Status | None:
+        return self.backends.get(name)
+
+    def names(self) -> list[str]:
+        return list(self.backends)
+
+
+class _Status(_NoBackend):
+    def __init__(self, status: PipelineStatus) -> None:
+        self.status = status
+
+    async def pipeline_status(self) -> PipelineStatus:
+        return self.status
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_the_loop_runs_while_a_scrape_of_many_pipelines_is_written(openmetrics: bool) -> None:
+    """Many pipelines of busy stages: writing their text is the bulk of a scrape, done off the event
+    loop, which meanwhile keeps turning (requests are answered) instead of waiting for the whole text. The
+    text is the registry's, exactly as `Metrics.render` writes it."""
+
+    async def main() -> None:
+        metrics = Metrics(_Served({f"p-{n}": _busy_pipeline(3) for n in range(50)}))
+        turns, scraping = 0, True
+
+        async def turning() -> None:
+            nonlocal turns
+            while scraping:
+                turns += 1
+                await asyncio.sleep(0)
+
+        turner = asyncio.create_task(turning())
+        await asyncio.sleep(0)
+        try:
+            before = turns
+            text = await asyncio.wait_for(metrics.scrape(openmetrics), 60)
+            during = turns - before
+        finally:
+            scraping = False
+            await turner
+        assert text == metrics.render(openmetrics)
+        assert text.count(b"\n") > 10_000
+        assert during > 100, f"the loop turned {during} times while {len(text)} bytes were written"
+
+    asyncio.run(main())

@@ -31,8 +31,10 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.registry import Collector
 
 from gateway.backends import Backend, Backends, as_backends
 from gateway.monitor.batch_metrics import BatchHistograms
@@ -291,7 +293,26 @@ class Metrics:
         return openmetrics_latest(self.registry) if openmetrics else generate_latest(self.registry)
 
     async def scrape(self, openmetrics: bool = False) -> bytes:
-        """What ``GET /metrics`` answers: refresh from the pipelines' statuses, then render."""
+        """What ``GET /metrics`` answers: refresh from the pipelines' statuses, then render.
+
+        The numbers are collected on the event loop (its tasks are their only writers), the text is
+        written in a thread from that copy: writing it is most of a scrape's cost, and grows with the
+        stages served, while the loop must keep answering requests."""
         await self.refresh()
-        return self.render(openmetrics)
+        collected = _Collected(list(self.registry.collect()))
+        return await asyncio.to_thread(_format, collected, openmetrics)
+
+
+class _Collected(Collector):
+    """A registry's metrics as collected once: what the exposition writers read (their ``collect``)."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        return self.metrics
+
+
+def _format(collected: _Collected, openmetrics: bool) -> bytes:
+    return openmetrics_latest(collected) if openmetrics else generate_latest(collected)
 
