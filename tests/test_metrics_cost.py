@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from bisect import bisect_left
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gateway.client.view import MAX_HELD_BATCHES
 from gateway.monitor.batch_metrics import BatchHistograms
 from gateway.monitor.metrics import BATCH_DURATION_BUCKETS, BATCH_SIZE_BUCKETS, Metrics
 from gateway.monitor.status import PipelineStatus, StageStatus
@@ -55,36 +51,6 @@ def test_same_exposition_as_prometheus_client() -> None:
                 duration.labels(*labels).observe(seconds)
     batches.observe(("r", "0", "idle"), [])  # no batch yet: no series yet, as a Histogram never labelled
     assert _samples(ours) == _samples(theirs)
-
-
-def _cpu_s(work: Callable[[], object]) -> float:
-    started = time.process_time()
-    work()
-    return time.process_time() - started
-
-
-def test_a_scrape_of_a_busy_stages_held_batches_costs_the_loop_little() -> None:
-    """The most batches a view holds for one stage, fed to the metrics as a scrape does, cost the loop
-    about what a bisect per batch costs, not a locked observe per bucket, sum and count. Measured in CPU
-    time (a busy machine must not fail it), against a bare bisect per batch (nor a slow machine), the best
-    of a few tries."""
-    rng = random.Random(3)
-    held = [(1, rng.randrange(20, 90) / 1e6) for _ in range(MAX_HELD_BATCHES)]
-
-    def bisect_each() -> None:
-        for _, seconds in held:
-            bisect_left(BATCH_DURATION_BUCKETS, seconds)
-
-    def feed() -> Metrics:
-        metrics = Metrics(_NoBackend())
-        metrics.update({"p": PipelineStatus(True, [StageStatus(0, "singleton", live_workers=1, batches=held)])})
-        return metrics
-
-    text = feed().render().decode()
-    assert f'conveyor_stage_batch_size_count{{index="0",pipeline="p",stage="singleton"}} {MAX_HELD_BATCHES:.1f}' in text
-    baseline = min(_cpu_s(bisect_each) for _ in range(3))
-    spent = min(_cpu_s(feed) for _ in range(3))
-    assert spent < 12 * baseline, f"{MAX_HELD_BATCHES} batches: {spent:.3f} s of CPU, a bisect each {baseline:.3f} s"
 
 
 def _busy_pipeline(stages: int) -> PipelineStatus:
