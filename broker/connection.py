@@ -21,10 +21,13 @@ every connection) before finding the subcommand unknown; a server that knows it 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import random
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -43,6 +46,11 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = ("redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or "
                   "redis+cluster://host:port[,host:port...] for a Redis Cluster.")
 LONGEST_BLOCK_S = 2.0  # no XREADGROUP/BLPOP of ours blocks longer than this
+# The longest a worker's control call to one Redis Cluster node waits, to connect and for its reply: ``CLIENT
+# UNBLOCK``, the check before a held connection connects, a heartbeat's round trip (:func:`control_client`). A
+# node that hangs (SIGSTOP, a network dropping packets: it accepts connections and never answers) would hold
+# each for the socket timeout, and with it the worker's other partitions, on other nodes.
+CONTROL_TIMEOUT_S = 1.0
 
 
 class RedisURLError(ValueError):
@@ -210,10 +218,37 @@ def node_client(client: redis.Redis, key: str | bytes) -> redis.Redis:
     return client
 
 
-def refresh_slots(client: redis.Redis) -> None:
-    """After MOVED or a lost node on a connection of our own, re-read the slot map."""
+def refresh_slots(client: redis.Redis, failed_key: str | bytes | None = None) -> None:
+    """After MOVED or a lost node on a connection of our own, re-read the slot map; the node that served
+    ``failed_key`` is asked last (one that hangs would hold the refresh for the socket timeout)."""
     if isinstance(client, scluster.RedisCluster):
-        client.nodes_manager.initialize()
+        failed = None
+        if failed_key is not None:
+            with contextlib.suppress(redis.exceptions.RedisClusterException):  # its slot not in the map
+                failed = client.get_node_from_key(failed_key).name
+        client.nodes_manager.initialize(last_failed_node_name=failed)
+
+
+_controls: weakref.WeakKeyDictionary[redis.Redis, redis.Redis] = weakref.WeakKeyDictionary()
+_controls_lock = threading.Lock()
+
+
+def control_client(client: redis.Redis) -> redis.Redis:
+    """A client of the server ``client`` talks to (a Redis Cluster node's client: :func:`node_client`) whose
+    calls are bounded by ``CONTROL_TIMEOUT_S``, to connect and for each reply, and never sent again: a node
+    that hangs fails them fast. One per ``client``, made as its pool makes connections (from its public
+    ``connection_class`` and ``connection_kwargs``), shared by the threads and holders of a process."""
+    with _controls_lock:
+        control = _controls.get(client)
+        if control is None:
+            pool = client.connection_pool
+            kwargs = dict(pool.connection_kwargs)
+            for name in ("socket_timeout", "socket_connect_timeout"):
+                kwargs[name] = min(CONTROL_TIMEOUT_S, kwargs.get(name) or CONTROL_TIMEOUT_S)
+            kwargs["retry"] = Retry(NoBackoff(), 0)
+            control = _controls[client] = redis.Redis(
+                connection_pool=type(pool)(connection_class=pool.connection_class, **kwargs))
+        return control
 
 
 class Backoff:

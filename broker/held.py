@@ -13,7 +13,9 @@ descriptor: :meth:`HeldConnection.fileno`).
 The same rules for every holder:
 
 - it connects lazily; on a Redis Cluster, to the node that serves ``key`` (looked up again after
-  a failure: a failover or a slot move);
+  a failure: a failover or a slot move), once that node has answered a control call (bounded by
+  ``CONTROL_TIMEOUT_S``: a node that hangs fails the connect fast, rather than after the socket
+  timeout of the handshake);
 - a connection idle for ``IDLE_CHECK_S`` is checked before it carries a command, and replaced if
   the server closed it (its ``timeout``, a restart, a proxy): nothing was sent, so that is safe;
 - any failure while a command is under way drops the connection (its state is unknown), except
@@ -27,17 +29,21 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
-from broker.connection import is_cluster_client, node_client, refresh_slots
+from broker.connection import CONTROL_TIMEOUT_S, control_client, is_cluster_client, node_client, refresh_slots
+from broker.operations import WORKER, sends
 
 # A held connection idle longer than this is checked before it carries a command.
 IDLE_CHECK_S = 1.0
 TIMED_OUT = object()  # read_within: no reply yet
+# The Cluster nodes (their clients) that left a control call unanswered, and when (HeldConnection.control).
+_unanswered: weakref.WeakKeyDictionary[redis.Redis, float] = weakref.WeakKeyDictionary()
 
 Keep = Callable[[redis.ResponseError], bool]  # an error reply that leaves the connection in use
 
@@ -67,11 +73,26 @@ class HeldConnection:
         self._stale = False  # the node of ``key`` must be looked up again
         self._used_at = 0.0
 
-    @property
-    def server(self) -> redis.Redis:
-        """A client of the server (node) this connection talks to, for commands that must reach it
-        but not on this connection (``CLIENT UNBLOCK`` of a read blocked here)."""
-        return self._client
+    def control(self, *args: Any) -> Any:
+        """One command on the server (node) this connection talks to, not on this connection (``CLIENT
+        UNBLOCK`` of a read blocked here). On a Redis Cluster it is bounded by ``CONTROL_TIMEOUT_S``
+        (:func:`broker.connection.control_client`), and fails at once on a node that left one unanswered
+        less than ``CONTROL_TIMEOUT_S`` ago (the holders of its other partitions and levels wait no more):
+        a node that hangs holds its caller that long, not the socket timeout, and the caller's partitions
+        on other nodes go on. On one Redis, the client itself: every partition is on that server."""
+        if self._cluster is None or self._key is None:
+            return self._client.execute_command(*args)
+        node = self._client
+        since = time.monotonic() - _unanswered.get(node, -math.inf)
+        if since < CONTROL_TIMEOUT_S:
+            raise redis.TimeoutError(f"the node left a control call unanswered {since:.1f}s ago")
+        try:
+            reply = control_client(node).execute_command(*args)
+        except redis.TimeoutError:
+            _unanswered[node] = time.monotonic()
+            raise
+        _unanswered.pop(node, None)
+        return reply
 
     @property
     def connected(self) -> bool:
@@ -85,8 +106,13 @@ class HeldConnection:
         if conn is None:
             if self._cluster is not None and self._key is not None:
                 if self._stale:
-                    refresh_slots(self._cluster)
+                    refresh_slots(self._cluster, self._key)  # the node that failed asked last
                 self._client = node_client(self._cluster, self._key)
+                try:
+                    self._check_node()
+                except BaseException:
+                    self._stale = True
+                    raise
             conn = _new_connection(self._client)
             try:
                 if self._on_connect is not None:
@@ -98,6 +124,12 @@ class HeldConnection:
                 raise
             self._conn, self._stale = conn, False
         return conn
+
+    @sends(WORKER, uses={"client|id": ()}, why="on a Redis Cluster, before a held connection connects (bounded)")
+    def _check_node(self) -> None:
+        """The node answers a control call before this connection connects to it: redis-py's handshake
+        (``HELLO``), then ``on_connect``'s command, would each wait the socket timeout on a node that hangs."""
+        self.control("CLIENT", "ID")
 
     def send(self, packed: bytes) -> None:
         """Send an already packed command (or several); the replies are read with :meth:`read`."""

@@ -13,17 +13,25 @@ clears that mark once ready (:func:`unmark_stuck`). Marks are best effort: a fai
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
 import redis.client
-from redis.cluster import key_slot
 
 from broker import protocol
 from broker.batch_entries import queue_reads
-from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, is_cluster_client
+from broker.connection import (
+    CONNECTION_ERRORS,
+    CONNECTION_OR_REPLY_ERRORS,
+    control_client,
+    is_cluster_client,
+    node_client,
+    refresh_slots,
+)
 from broker.families import CANCEL_FLAG, COUNTS, HEARTBEATS, LOADING, MAX_BACKLOG, SPEC, STREAMS, STUCK
 from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.operations import WORKER, sends
@@ -101,46 +109,70 @@ class Beat:
 
     def send(self) -> list[Any]:
         """Send what was queued (nothing: no round trip); the replies in order, an error reply as its
-        exception object (each ACL refusal among them logged once). A lost connection raises."""
+        exception object (each ACL refusal among them logged once). A lost connection raises (on a Redis
+        Cluster: when no node was reached)."""
         if not len(self._pipe):
             return []
         sent = queued_commands(self._real)
-        try:
-            replies: list[Any] = self._real.execute(raise_on_error=False)
-        except CONNECTION_ERRORS:
-            if not self._cluster:
-                raise
-            replies = self._apart(cast(_Recorded, self._pipe).queued)
+        if self._cluster:
+            replies = self._by_node(cast(_Recorded, self._pipe).queued)
+        else:
+            replies = self._real.execute(raise_on_error=False)
         log_pipeline_refusals(sent, replies)
         return replies
 
-    def _apart(self, queued: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """A Redis Cluster's pipeline fails whole, none of its commands run, when one node is down: then the
-        commands again, a slot at a time, so that the partitions on the other nodes still get their beats
-        (else every worker looks dead everywhere); each of the unreachable slot's replies is its error. Raises
-        if no slot was reached."""
-        groups: dict[int, list[int]] = {}
-        for i, (_, args, _) in enumerate(queued):
-            key = args[0] if args else None
-            slot = key_slot(key.encode() if isinstance(key, str) else key) if isinstance(key, str | bytes) else -1
-            groups.setdefault(slot, []).append(i)
+    def _by_node(self, queued: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """On a Redis Cluster, a round trip per node, on its control client (each bounded by
+        ``CONTROL_TIMEOUT_S``, never sent again): a node that is down or hangs fails its own commands (each
+        reply its error) and the others get their beats. redis-py's cluster pipeline failed whole for a node
+        down, and for one that hangs sent its commands again one at a time, each waiting the socket timeout:
+        the beats of every partition stopped for that long (every worker looked dead everywhere). After a node
+        failed or answered MOVED, the slot map is read again (a failover: the next beat reaches the new master).
+        Raises if no node was reached."""
         replies: list[Any] = [None] * len(queued)
-        reached = False
-        for indices in groups.values():
-            pipe = self._client.pipeline(transaction=False)
-            for i in indices:
-                name, args, kwargs = queued[i]
-                getattr(pipe, name)(*args, **kwargs)
+        groups: dict[Any, list[int]] = {}
+        for i, (_, args, _) in enumerate(queued):
+            key = args[0] if args and isinstance(args[0], str | bytes) else None
             try:
-                out = pipe.execute(raise_on_error=False)
-                reached = True
-            except CONNECTION_ERRORS as exc:
-                out = [exc] * len(indices)
+                node = node_client(self._client, key) if key is not None else cast(
+                    Any, self._client).get_default_node().redis_connection  # none queues keyless commands
+            except CONNECTION_ERRORS as exc:  # its slot served by no node known
+                replies[i] = exc
+                continue
+            groups.setdefault(node, []).append(i)
+        for node, indices in sorted(groups.items(), key=lambda group: group[0] in _lagging):  # those late, last
+            out = _send_on(control_client(node), [queued[i] for i in indices])
+            if any(isinstance(r, CONNECTION_ERRORS) for r in out):
+                _lagging.add(node)
+            else:
+                _lagging.discard(node)
             for i, reply in zip(indices, out, strict=True):
                 replies[i] = reply
-        if not reached:
+        failed = [queued[i][1][0] for i, r in enumerate(replies) if isinstance(r, _NODE_FAILED) and queued[i][1]]
+        if failed:
+            with contextlib.suppress(*CONNECTION_ERRORS):  # the next beat tries again
+                refresh_slots(self._client, failed[0])
+        if all(isinstance(r, CONNECTION_ERRORS) for r in replies):
             raise next(r for r in replies if isinstance(r, BaseException))
         return replies
+
+
+def _send_on(client: redis.Redis, commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    """``commands`` in one round trip on ``client``: their replies, each the connection's error if it failed."""
+    pipe = client.pipeline(transaction=False)
+    for name, args, kwargs in commands:
+        getattr(pipe, name)(*args, **kwargs)
+    try:
+        return list(pipe.execute(raise_on_error=False))
+    except CONNECTION_ERRORS as exc:
+        return [exc] * len(commands)
+
+
+# The nodes that did not answer the last beat (their clients): the next beat reaches them after the others, whose
+# beats then wait for none of them (a beat's times are taken when it is queued).
+_lagging: weakref.WeakSet[redis.Redis] = weakref.WeakSet()
+# A node out of reach, or a slot that moved: the slot map is read again.
+_NODE_FAILED = (*CONNECTION_ERRORS, redis.exceptions.MovedError, redis.exceptions.AskError)
 
 
 class _Recorded:

@@ -79,11 +79,12 @@ class UnblockableReader:
     @sends(WORKER, uses={"client|unblock": ()}, why="a stopping worker's blocked read ended at once")
     def interrupt(self) -> None:
         """End this reader's blocked read, if one is blocked, from another thread (the heartbeat's, when
-        the worker is asked to stop): one ``CLIENT UNBLOCK`` on the pool of the reader's server, never its
-        own connection. A read not blocked yet is not waited for: it ends at its own timeout."""
+        the worker is asked to stop): one ``CLIENT UNBLOCK`` on the reader's server (its node's control client
+        on a Redis Cluster: bounded), never its own connection. A read not blocked yet is not waited for: it ends
+        at its own timeout."""
         client_id = self._client_id
         if client_id:
-            self._held.server.execute_command("CLIENT", "UNBLOCK", client_id)
+            self._held.control("CLIENT", "UNBLOCK", client_id)
 
 
 class StreamReader(UnblockableReader):
@@ -184,9 +185,11 @@ class StreamReader(UnblockableReader):
     @sends(WORKER, uses={"client|unblock": ()}, why="ends its own blocked read at the batch window's end")
     def unblock(self) -> None:
         """End this reader's blocked read (sent, reply not yet taken). Sent from another connection,
-        it may reach the server before the read does (it then answers 0): tried again, briefly."""
+        it may reach the server before the read does (it then answers 0): tried again, briefly. On a
+        Redis Cluster a node that does not answer fails it within ``CONTROL_TIMEOUT_S`` (the caller sets
+        the lane aside): the reads on other nodes go on."""
         for _ in range(_UNBLOCK_TRIES):
-            if self._held.server.execute_command("CLIENT", "UNBLOCK", self._client_id) or self._held.ready(0.005):
+            if self._held.control("CLIENT", "UNBLOCK", self._client_id) or self._held.ready(0.005):
                 return
 
     def finish_waiting(self) -> list[Entry]:

@@ -18,7 +18,7 @@ import redis
 from redis.cluster import key_slot
 
 from broker.connection import RedisSettings, _cluster_url
-from broker.keys import GROUP, Keys
+from broker.keys import GROUP, LIVE_AFTER_MS, Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway import Gateway, Overloaded
 from gateway.cli import format_status, status_json
@@ -536,3 +536,68 @@ def test_a_hung_master_leaves_the_gateways_view_reachable_naming_its_partition(p
         assert statuses and all(s.reachable for s in statuses), said  # never stale: the others are read
         assert f"partition {partition}: redis unreachable" in statuses[-1].error, said  # and the hung one named
 
+
+
+HUNG_BOUND_S = 3.0  # a request keyed to a healthy partition is answered within this while another master hangs
+
+
+@pytest.mark.parametrize("partition", [0, 1])
+def test_a_hung_master_delays_only_its_own_partition_in_the_workers(partition: int) -> None:
+    """A master that hangs (SIGSTOP: it takes connections and never answers). Each worker serves the three
+    partitions from one read thread: its control calls to the hung node (``CLIENT UNBLOCK`` of the read blocked
+    there, a reconnect's handshake and ``CLIENT ID``) waited the 10 s socket timeout each, and the requests keyed
+    to the healthy partitions waited with them (most past 3 s); the heartbeat thread's round trip waited as long
+    for each command of the hung node, and the beats of every partition stopped (the gateway not ready). Now the
+    hung node fails those calls within ``CONTROL_TIMEOUT_S``: only its own partition waits."""
+    with _parts1_on_three_masters() as (cluster, masters):
+        hung = masters[partition]
+        healthy = [p for p in range(3) if p != partition]
+        key_of = {partition_of(f"k{i}", 3): f"k{i}" for i in range(50)}
+        hb_keys = [k.heartbeats(0) for k in Keys("t-parts1").partitions(3)]  # the two Scale workers' beats
+
+        async def main() -> tuple[list[str], list[str]]:
+            late: list[str] = []
+            stale: list[str] = []
+            async with Gateway(cluster.url, "t-parts1") as gw:
+                for p in range(3):
+                    assert await gw.predict(1, key=key_of[p]) == 5
+                cluster.pause(hung)
+                try:
+                    paused_at = time.monotonic()
+                    v = 0
+                    while (since := time.monotonic() - paused_at) < 16:  # past the 10 s socket timeout
+                        for p in healthy:
+                            v += 1
+                            sent = time.monotonic()
+                            try:
+                                answer = await gw.predict(v, key=key_of[p], timeout_s=HUNG_BOUND_S)
+                                assert answer == 2 * v + 3
+                            except TimeoutError:
+                                late.append(f"partition {p} at {since:.1f}s: {time.monotonic() - sent:.1f}s")
+                        if since > 2:  # the last beats before the hang age out after LIVE_AFTER_MS
+                            stale += await asyncio.to_thread(_stale_beats, cluster, masters, healthy, hb_keys,
+                                                             f"{since:.1f}s")
+                            status = await gw.pipeline_status()
+                            if not status.ready:
+                                stale.append(f"not ready at {since:.1f}s: {status.not_ready_stages}")
+                        await asyncio.sleep(0.2)
+                finally:
+                    cluster.resume(hung)
+            return late, stale
+
+        late, stale = asyncio.run(asyncio.wait_for(main(), 60))
+        assert not late, f"{len(late)} requests to healthy partitions past {HUNG_BOUND_S}s: {late}"
+        assert not stale, f"heartbeats on healthy masters went stale: {stale[:6]}"
+
+
+def _stale_beats(cluster: LocalCluster, masters: list[int], partitions: list[int], hb_keys: list[str],
+                 when: str) -> list[str]:
+    """The healthy partitions where a Scale worker is not live (no beat within ``LIVE_AFTER_MS``)."""
+    stale = []
+    for p in partitions:
+        with cluster.node(masters[p]) as client:
+            seconds, micros = client.time()
+            live = client.zrangebyscore(hb_keys[p], seconds * 1000 + micros // 1000 - LIVE_AFTER_MS, "+inf")
+        if len(live) < 2:
+            stale.append(f"partition {p} at {when}: {len(live)} of 2 Scale workers live")
+    return stale

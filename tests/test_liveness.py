@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -254,3 +255,73 @@ def test_a_workers_client_does_not_send_a_command_again(redis_url: str) -> None:
     finally:
         admin.close()
         client.close()
+
+
+@pytest.mark.system
+def test_a_hung_master_fails_a_workers_control_calls_fast_and_the_beats_reach_the_others() -> None:
+    """A Cluster master that hangs (SIGSTOP: it accepts connections and never answers). A beat's cluster pipeline
+    waited the 10 s socket timeout for each of that node's commands, sent again one at a time: no partition's beat
+    for that long. A held connection's connect (the handshake, then ``CLIENT ID``) and a ``CLIENT UNBLOCK`` waited
+    10 s each, on the worker's one read thread. Each fails within ``CONTROL_TIMEOUT_S`` now (the unblock at once,
+    the node having just left a control call unanswered) and the beats of the other masters' partitions are
+    written."""
+    from broker.connection import CONTROL_TIMEOUT_S
+    from broker.streams import StreamReader
+    from tests.cluster import ClusterError, LocalCluster, find_redis_cli
+
+    if find_redis_cli() is None:
+        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
+    try:
+        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+    parts = Keys("t-parts1").partitions(3)  # on three masters (tests/cluster_stages.py)
+    client = RedisSettings(cluster.url).sync_client(retries=False)
+    try:
+        hung = cluster.master_of(parts[0].spec)
+        assert len({cluster.master_of(k.spec) for k in parts}) == 3
+        for keys in parts:
+            _group(client, keys.stream(0))
+        reader = StreamReader(client, parts[0].stream(0), "me")
+        cluster.pause(hung)
+        try:
+            took: dict[str, float] = {}
+            outcome: dict[str, object] = {}
+
+            def calls() -> None:
+                for what, call in (("connect", lambda: reader.read(1)), ("unblock", reader.unblock),
+                                   ("beat", lambda: _beat_all(client, parts)), ("beat again",
+                                                                                lambda: _beat_all(client, parts))):
+                    started = time.monotonic()
+                    try:
+                        outcome[what] = call()
+                    except redis.RedisError as exc:
+                        outcome[what] = exc
+                    took[what] = time.monotonic() - started
+
+            thread = threading.Thread(target=calls, daemon=True)
+            thread.start()
+            thread.join(8 * CONTROL_TIMEOUT_S)
+            assert not thread.is_alive(), f"the calls to a hung node took longer than {8 * CONTROL_TIMEOUT_S}s: {took}"
+        finally:
+            cluster.resume(hung)
+        assert isinstance(outcome["connect"], redis.TimeoutError) and took["connect"] < 2 * CONTROL_TIMEOUT_S, took
+        assert isinstance(outcome["unblock"], redis.TimeoutError) and took["unblock"] < 0.1, took
+        for beat, added in (("beat", 1), ("beat again", 0)):  # ZADD: members added
+            replies = outcome[beat]
+            assert isinstance(replies, list) and took[beat] < 2 * CONTROL_TIMEOUT_S, (took, replies)
+            assert isinstance(replies[0], redis.TimeoutError) and replies[1:] == [added, added], replies
+        cluster.wait_healthy()
+        assert [client.zscore(keys.heartbeats(0), "me") is not None for keys in parts] == [False, True, True]
+        assert reader.read(1) == []  # the node back: the reader connects again
+    finally:
+        client.close()
+        cluster.stop()
+
+
+def _beat_all(client: redis.Redis, parts: list[Keys]) -> list[object]:
+    """One beat naming ``me`` alive in each partition: the ZADDs' replies, in order."""
+    beat = Beat(client)
+    for keys in parts:
+        beat.alive(keys.heartbeats(0), "me", protocol.now_ms())
+    return beat.send()[::2]
