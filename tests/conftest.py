@@ -109,4 +109,4 @@ def private_redis() -> Iterator[EmbeddedRedis]:
         server.stop()
 
 
-from tests.conftest_cluster import cluster_url, failover_cluster, redis_cluster  # noqa: E402,F401
+from tests.conftest_cluster import cluster_url, failover_cluster, partial_cluster, redis_cluster  # noqa: E402,F401

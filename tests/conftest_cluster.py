@@ -2,7 +2,8 @@
 
 ``redis_cluster`` is shared by the session (forming a cluster costs about a second);
 ``failover_cluster`` has a replica per master and is the test's own, since the test kills a
-master. Without redis-cli the cluster tests skip, saying so.
+master; ``partial_cluster`` (no replicas) too, since the test stops one. Without redis-cli the cluster
+tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster import LocalCluster, find_redis_cli
+from tests.cluster import ClusterError, LocalCluster, find_redis_cli
 
 
 def _require_cli() -> None:
@@ -46,4 +47,21 @@ def failover_cluster() -> Iterator[LocalCluster]:
     try:
         yield cluster
     finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def partial_cluster() -> Iterator[LocalCluster]:
+    """Three masters, no replicas, cluster-require-full-coverage no: one master away, the others serve."""
+    _require_cli()
+    try:
+        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        for port in cluster.ports:
+            if cluster.running(port):
+                cluster.resume(port)  # a stopped node would not take the SIGTERM
         cluster.stop()

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import redis
 
 from broker import protocol
 from broker.keys import LIVE_AFTER_MS
-from tests.cluster import ClusterError, LocalCluster, find_redis_cli
+from tests.cluster import LocalCluster
 from tests.helpers import REPO_ROOT, conveyor_env
 from tests.test_k8s_manifests import settings_for, worker_deployments
 from workers import Pipeline, Stage
@@ -61,24 +60,6 @@ def test_a_pod_beating_in_any_partition_is_ready(redis_url: str, redis_client: r
     beat(redis_client, pipeline, 2, mine)
     assert probe_main(argv[3:]) == 0, capsys.readouterr().out
     assert capsys.readouterr().out.startswith("ready: 1 live worker(s) of stage One")
-
-
-@pytest.fixture
-def partial_cluster() -> Iterator[LocalCluster]:
-    """Three masters, no replicas, cluster-require-full-coverage no: one master away, the others serve."""
-    if find_redis_cli() is None:
-        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
-    try:
-        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield cluster
-    finally:
-        for port in cluster.ports:
-            if cluster.running(port):
-                cluster.resume(port)  # a stopped node would not take the SIGTERM
-        cluster.stop()
 
 
 @pytest.mark.system

@@ -23,6 +23,7 @@ from broker.pins import PinClaims
 from broker.registry import PipelineMismatch, register
 from broker.spec import StageInfo, encode_spec
 from tests.acl_stages import AclServer, redis_binaries, start_acl_server
+from tests.cluster import LocalCluster
 from tests.helpers import wait_for
 from workers.loop.heartbeat import Registration
 
@@ -258,7 +259,8 @@ def test_a_workers_client_does_not_send_a_command_again(redis_url: str) -> None:
 
 
 @pytest.mark.system
-def test_a_hung_master_fails_a_workers_control_calls_fast_and_the_beats_reach_the_others() -> None:
+def test_a_hung_master_fails_a_workers_control_calls_fast_and_the_beats_reach_the_others(
+        partial_cluster: LocalCluster) -> None:
     """A Cluster master that hangs (SIGSTOP: it accepts connections and never answers). A beat's cluster pipeline
     waited the 10 s socket timeout for each of that node's commands, sent again one at a time: no partition's beat
     for that long. A held connection's connect (the handshake, then ``CLIENT ID``) and a ``CLIENT UNBLOCK`` waited
@@ -267,14 +269,8 @@ def test_a_hung_master_fails_a_workers_control_calls_fast_and_the_beats_reach_th
     written."""
     from broker.connection import CONTROL_TIMEOUT_S
     from broker.streams import StreamReader
-    from tests.cluster import ClusterError, LocalCluster, find_redis_cli
 
-    if find_redis_cli() is None:
-        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
-    try:
-        cluster = LocalCluster(masters=3, extra_args=("--cluster-require-full-coverage", "no")).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
+    cluster = partial_cluster
     parts = Keys("t-parts1").partitions(3)  # on three masters (tests/cluster_stages.py)
     client = RedisSettings(cluster.url).sync_client(retries=False)
     try:
@@ -316,7 +312,6 @@ def test_a_hung_master_fails_a_workers_control_calls_fast_and_the_beats_reach_th
         assert reader.read(1) == []  # the node back: the reader connects again
     finally:
         client.close()
-        cluster.stop()
 
 
 def _beat_all(client: redis.Redis, parts: list[Keys]) -> list[object]:
