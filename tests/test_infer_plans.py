@@ -261,3 +261,47 @@ def test_binary_flags_that_are_not_booleans_and_parameters_too_deep_to_answer_ar
     body = json.dumps({"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}], **doc}).encode()
     with pytest.raises(TensorError):
         parse_request(body, None)
+
+
+_UNDECLARED = orjson.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape": [1], "data": [5]}],
+                           "parameters": {"binary_data_output": True}})
+
+
+@pytest.mark.parametrize(("answer", "datatype"), [([0, 2**64 - 1], "UINT64"), ([[2**63 + 1], [0]], "UINT64"),
+                                                  ([-1, 2**63 - 1], "INT64"), ([1, 2.5], "FP64")])
+def test_an_undeclared_models_integers_come_back_as_an_integer_datatype(answer: Any, datatype: str) -> None:
+    """Python integers beside a 0 or any INT64 one and past INT64 (``[0, 2**64 - 1]``): numpy reads FP64, and
+    they came back so, 2**64 - 1 as 2**64. They are UINT64, exact; integers beside a fraction stay FP64."""
+    reply = Inference("m", PipelineIO(), _UNDECLARED, None).respond([answer])
+    assert reply.status == 200, reply.body
+    head = json.loads(reply.body[:int(dict(reply.headers)[b"inference-header-content-length"])])
+    expected = np.array(answer, dtype=DATATYPES[datatype])
+    assert head["outputs"][0]["datatype"] == datatype and head["outputs"][0]["shape"] == list(expected.shape)
+    assert reply.body.endswith(expected.tobytes()), reply.body
+
+
+@pytest.mark.parametrize("answer", [[-1, 2**63 + 1], [2**64], 2**70, [[1, -2**63], [2**64 - 1, 0]]])
+def test_an_undeclared_models_integers_no_datatype_holds_are_a_500_not_floats_or_text(answer: Any) -> None:
+    """Below 0 and past INT64, or past UINT64: they came back as FP64 (2**63 + 1 as 2**63) or as BYTES text."""
+    reply = Inference("m", PipelineIO(), _UNDECLARED, None).respond([answer])
+    assert reply.status == 500 and b"no one datatype holds" in reply.body, reply.body
+
+
+@pytest.mark.parametrize("doc", [
+    {"outputs": [{"name": "y", "parameters": {"classification": 2}}]},
+    {"outputs": [{"name": "y", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]},
+    {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1],
+                 "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]}])
+def test_extensions_not_served_are_a_400_that_names_them(doc: dict[str, Any]) -> None:
+    """Classification and shared memory were ignored: the raw tensor (or the data inline) came back, 200."""
+    body = {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}], **doc}
+    with pytest.raises(TensorError, match=r"classification|shared memory") as caught:
+        parse_request(orjson.dumps(body), None)
+    assert "not supported" in str(caught.value)
+
+
+def test_a_classification_of_zero_asks_none_and_is_served() -> None:
+    """``classification: 0`` is no classification (tritonclient's ``class_count`` default, left out by it)."""
+    body = {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}],
+            "outputs": [{"name": "y", "parameters": {"classification": 0}}]}
+    assert parse_request(orjson.dumps(body), None).head.outputs[0]["name"] == "y"

@@ -177,6 +177,24 @@ def test_bad_requests_are_refused_naming_what_was_expected(stack: Stack) -> None
     assert status == 404 and set(json.loads(raw)) == {"error", "request_id"}
 
 
+def test_an_extension_not_served_is_refused_not_ignored(stack: Stack) -> None:
+    """Triton's classification (``class_count``) answers BYTES "<value>:<index>" top-n strings; it was ignored,
+    and tritonclient got the raw FP32 tensor with a 200. Output shared memory was ignored too (the data came
+    inline, the client read its region). Both are a 400 now, and the gateway serves on."""
+    client = stack.client()
+    x = triton.InferInput("x", [2, 3], "FP32")
+    x.set_data_from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("t-rows", [x], outputs=[triton.InferRequestedOutput("sum", class_count=1)])
+    assert caught.value.status() == "400" and "classification" in caught.value.message()
+    region = triton.InferRequestedOutput("sum", binary_data=False)
+    region.set_shared_memory("region", 8)
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("t-rows", [x], outputs=[region])
+    assert caught.value.status() == "400" and "shared memory" in caught.value.message()
+    assert np.array_equal(client.infer("t-rows", [x]).as_numpy("sum"), [3.0, 12.0])
+
+
 def test_more_rows_than_the_gateway_holds_are_refused_before_any_is_sent(stack: Stack) -> None:
     """A batch of more rows than the gateway may hold in flight (``max_in_flight``, 100,000) can never
     run: 413 at once, none of its rows sent or held, so that other clients are not refused behind it."""

@@ -46,6 +46,7 @@ _PACKED_TYPES = {"BOOL": frozenset({bool}), "FP16": _NUMBERS, "FP32": _NUMBERS, 
 _INTEGERS = frozenset({int, bool})
 # What an answer's values may be (numpy's kind) for an output of each kind: nothing but precision lost.
 _FITS = {"b": "b", "i": "biuf", "u": "biuf", "f": "biuf"}
+_UINT64_MAX = 2**64 - 1
 SHORT_ROWS_MAX = 64  # struct's short way up to this many rows (past it numpy's per-value cost is lower)
 KEPT_HEAD_MAX_BYTES = 4096  # a longer head is not kept (tritonclient's are ~200 bytes): Plans' memory stays small
 _NONE_WANTED: frozenset[str] = frozenset()
@@ -193,6 +194,8 @@ class Plan:
                 array = np.array(answers[0], dtype=object)
             if array.dtype.kind in "SU":  # text: kept as it came (numpy's bytes dtype drops trailing NULs)
                 array = np.array(answers[0], dtype=object)
+            elif array.dtype.kind in "fO" and not isinstance(answers[0], np.ndarray):
+                array = _integers(answers[0], array)
             name = self.head.outputs[0]["name"] if len(self.head.outputs) == 1 else "output"
             return [_tensor(name, datatype_of(array), array)]
         tensors = []
@@ -316,6 +319,24 @@ def _as_declared(spec: TensorSpec, values: Any, dtype: np.dtype[Any]) -> npt.NDA
                                 f"(+-{np.finfo(dtype).max:g}), from {array.min()} to {array.max()}")
         return narrow
     return array.astype(dtype, copy=False)
+
+
+def _integers(answer: Any, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """An undeclared model's answer of Python integers that numpy made FP64 (some past INT64 beside others
+    below 0, or beside any INT64 one: ``[0, 2**64 - 1]`` read as ``[0.0, 2.0**64]``) or an object array
+    (past UINT64; sent as text), as UINT64 where they all fit it, else a TypeError (a 500: no one datatype
+    holds them). ``array`` (numpy's reading) is kept where a value is no integer: numbers beside a
+    fraction are FP64, as numpy says."""
+    values = np.asarray(answer, dtype=object)
+    flat = values.reshape(-1)
+    if not flat.size or not all(isinstance(v, int | np.integer) for v in flat):
+        return array
+    low, high = min(flat), max(flat)
+    if low < 0 or high > _UINT64_MAX:
+        raise TypeError(f"the answer holds integers from {low} to {high}, which no one datatype holds (INT64: "
+                        "-2**63 to 2**63-1, UINT64: 0 to 2**64-1): declare the output's datatype, or answer a "
+                        "numpy array")
+    return np.array(flat.tolist(), dtype=np.uint64).reshape(values.shape)
 
 
 def _tensor(name: str, datatype: str, array: npt.NDArray[Any]) -> Tensor:

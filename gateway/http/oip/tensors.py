@@ -174,6 +174,8 @@ def parse_head(head: bytes) -> RequestHead:
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                 and isinstance(o.get("parameters") or {}, dict) for o in outputs):
         raise TensorError("'outputs' must be a list of objects with a 'name' (and 'parameters' an object)")
+    for out in outputs:  # Triton's extensions that change what an output is: ignored, the raw tensor went back
+        _not_served(f"output {out['name']!r}", out.get("parameters") or {})
     request_id = doc.get("id")
     if isinstance(request_id, bool) or not isinstance(request_id, str | int | float | None):
         raise TensorError(f"'id' must be a string, got {type(request_id).__name__}")  # a number: echoed as written
@@ -207,6 +209,8 @@ def _input(raw: Any, max_rows: int) -> InputHead:
                           f"{EMPTY_ROWS_MIN} rows, or one per byte of the request's JSON, or another input's rows, "
                           "if that is more")
     parameters = raw.get("parameters") or {}
+    if isinstance(parameters, dict):
+        _not_served(f"input {name!r}", parameters)
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -215,6 +219,18 @@ def _input(raw: Any, max_rows: int) -> InputHead:
     if "data" not in raw:
         raise TensorError(f"input {name!r} has neither 'data' nor a binary_data_size parameter")
     return InputHead(name, datatype, tuple(shape), parameters, None, raw["data"])
+
+
+def _not_served(tensor: str, parameters: dict[str, Any]) -> None:
+    """Refuses Triton's classification and shared-memory extensions on a tensor: a client asking for them
+    reads another answer than the one it would get (the raw tensor, not top-n "<value>:<index>" strings;
+    data inline, not in its region), so a 400 names them rather than a 200 it misreads."""
+    if parameters.get("classification") not in (None, 0):
+        raise TensorError(f"{tensor}: the classification extension (class_count) is not supported: ask for the "
+                          "raw output and rank it in the client")
+    if "shared_memory_region" in parameters:
+        raise TensorError(f"{tensor}: the shared memory extensions (system and CUDA) are not supported: send "
+                          "the tensor in the body (JSON or binary data)")
 
 
 def _rows_sent(raws: list[Any]) -> int:
