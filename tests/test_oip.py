@@ -8,10 +8,12 @@ and back, in JSON and in the binary extension, and must come back exact.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import signal
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +195,26 @@ def test_an_extension_not_served_is_refused_not_ignored(stack: Stack) -> None:
         client.infer("t-rows", [x], outputs=[region])
     assert caught.value.status() == "400" and "shared memory" in caught.value.message()
     assert np.array_equal(client.infer("t-rows", [x]).as_numpy("sum"), [3.0, 12.0])
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_a_compressed_request_is_refused_saying_so(stack: Stack, algorithm: str) -> None:
+    """tritonclient's ``request_compression_algorithm`` (``Content-Encoding``), which the gateway does not
+    decode: the compressed bytes were read as the body, and the 400 said its header length did not fit."""
+    x = triton.InferInput("x", [1, 3], "FP32")
+    x.set_data_from_numpy(np.ones((1, 3), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as caught:
+        stack.client().infer("t-rows", [x], request_compression_algorithm=algorithm)
+    assert caught.value.status() == "400", caught.value.message()
+    assert f"Content-Encoding {algorithm!r} is not supported" in caught.value.message()
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=10)
+    try:
+        conn.request("POST", "/v2/models/t-echo/generate", body=zlib.compress(b'{"x": 1}'),
+                     headers={"Content-Encoding": algorithm})
+        response = conn.getresponse()
+        assert response.status == 400 and "Content-Encoding" in json.loads(response.read())["error"]
+    finally:
+        conn.close()
 
 
 def test_more_rows_than_the_gateway_holds_are_refused_before_any_is_sent(stack: Stack) -> None:
