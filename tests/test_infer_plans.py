@@ -77,6 +77,19 @@ def test_a_kept_plan_still_refuses_what_the_general_path_refuses() -> None:
         Inference("m", io, body + b"\0" * 8, length, plans).items()
 
 
+def test_a_kept_plan_rounds_an_integer_answer_to_fp32_as_the_general_path_does() -> None:
+    """An integer past 2**53 for an FP32 output: packed by struct, it was rounded twice (to a double, then to
+    FP32), 2**54 + 2**30 + 1 to 2**54 where numpy rounds it once to 2**54 + 2**31: the same request answered
+    other bytes once its plan was kept."""
+    io, plans = _io("FP32"), Plans(8)
+    body, length = _binary("FP32", [1.0, 2.0])
+    answers = [2**54 + 2**30 + 1, 3]
+    expected = np.array(answers, dtype=np.int64).astype("<f4").tobytes()
+    for turn in range(3):  # the first makes the response head; the others reuse it
+        reply = Inference("m", io, body, length, plans).respond(answers)
+        assert reply.status == 200 and reply.body.endswith(expected), turn
+
+
 def test_a_new_declaration_gets_new_plans() -> None:
     plans = Plans(8)
     body, length = _binary("FP64", [1.0])

@@ -40,9 +40,11 @@ __all__ = ["Inference", "Plan", "Plans"]
 STRUCT_CODES = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B", "UINT16": "H",
                 "UINT32": "I", "UINT64": "Q", "FP16": "e", "FP32": "f", "FP64": "d"}
 # The Python types the short way packs for an output's datatype: what converts losslessly (a float for
-# an integer output, a number for a boolean one go the general way, which refuses them).
+# an integer output, a number for a boolean one go the general way, which refuses them), rounded as numpy
+# rounds (an int for FP32 goes the general way: struct makes a double of it first, and an integer past 2**53
+# rounded twice can land one FP32 step away from numpy's; FP16 overflows long before 2**53).
 _NUMBERS = frozenset({int, float, bool})
-_PACKED_TYPES = {"BOOL": frozenset({bool}), "FP16": _NUMBERS, "FP32": _NUMBERS, "FP64": _NUMBERS}
+_PACKED_TYPES = {"BOOL": frozenset({bool}), "FP16": _NUMBERS, "FP32": frozenset({float, bool}), "FP64": _NUMBERS}
 _INTEGERS = frozenset({int, bool})
 # What an answer's values may be (numpy's kind) for an output of each kind: nothing but precision lost.
 _FITS = {"b": "b", "i": "biuf", "u": "biuf", "f": "biuf"}
