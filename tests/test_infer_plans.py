@@ -318,3 +318,15 @@ def test_a_classification_of_zero_asks_none_and_is_served() -> None:
     body = {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1], "data": [1]}],
             "outputs": [{"name": "y", "parameters": {"classification": 0}}]}
     assert parse_request(orjson.dumps(body), None).head.outputs[0]["name"] == "y"
+
+
+def test_an_undeclared_model_asked_for_several_outputs_is_refused_before_redis() -> None:
+    """It answers one output: two names were refused only once the pipeline had run (a 400 after the work),
+    and one name written twice was refused there too, as if it were another output."""
+    tensor = {"name": "x", "datatype": "INT64", "shape": [1], "data": [5]}
+    two = orjson.dumps({"inputs": [tensor], "outputs": [{"name": "output"}, {"name": "extra"}]})
+    with pytest.raises(TensorError, match="answers one output"):
+        Inference("m", PipelineIO(), two, None)
+    twice = orjson.dumps({"inputs": [tensor], "outputs": [{"name": "y"}, {"name": "y"}]})
+    reply = json.loads(Inference("m", PipelineIO(), twice, None).respond([np.array([7])]).body)
+    assert [(o["name"], o["data"]) for o in reply["outputs"]] == [("y", [7])]

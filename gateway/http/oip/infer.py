@@ -86,6 +86,9 @@ class Plan:
             if len(inputs) != 1:
                 raise TensorError(f"model {self.model!r} declares no tensors: "
                                   f"send exactly one input, got {len(inputs)}")
+            if len(self.wanted) > 1:
+                raise TensorError(f"model {self.model!r} declares no tensors: it answers one output, "
+                                  f"asked for {sorted(self.wanted)}")
             return self
         specs = self.io.inputs
         if len(inputs) == 1 and len(specs) == 1 and inputs[0].name == specs[0].name:  # the common case, quickly
@@ -159,10 +162,7 @@ class Plan:
             outputs = self._outputs(answers)
         except (TensorError, ValueError, TypeError, OverflowError) as exc:  # answered what it did not declare
             return error_reply(500, f"model {self.model!r}: {exc}", "error")
-        if self.wanted:
-            unknown = [n for n in self.wanted if n not in {t.name for t in outputs}]
-            if unknown:  # undeclared: the one output is named after the request's one, else "output"
-                return error_reply(400, f"model {self.model!r} has no output {sorted(unknown)[0]!r}", "bad_request")
+        if self.wanted:  # each one an output (check()): a declared one, or an undeclared model's one, so named
             outputs = [t for t in outputs if t.name in self.wanted]
         try:
             body, length = encode_response(self.model, self.head, outputs, self.parameters)
@@ -198,7 +198,7 @@ class Plan:
                 array = np.array(answers[0], dtype=object)
             elif array.dtype.kind in "fO" and not isinstance(answers[0], np.ndarray):
                 array = _integers(answers[0], array)
-            name = self.head.outputs[0]["name"] if len(self.head.outputs) == 1 else "output"
+            name = next(iter(self.wanted)) if self.wanted else "output"  # check() left at most one
             return [_tensor(name, datatype_of(array), array)]
         tensors = []
         for spec in self.io.outputs:
