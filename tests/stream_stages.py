@@ -4,6 +4,7 @@ what it ran and what was closed in a file (``STREAM_RUNS``), so a test sees the 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,25 @@ class Numbers(Stage):
 
 
 numbers = Pipeline("t-numbers").add(Numbers)
+
+
+class Relapse(Stage):
+    """Deterministic: yields each word of a text. Its first run SIGKILLs its own worker after the first two
+    words went out (a marker file, ``STREAM_RUNS`` + ".killed", says it did); its run again raises at the
+    word "boom", after the words before it (those the caller has)."""
+
+    deterministic = True
+    claim_idle_s = 1.0
+
+    def predict(self, text: str) -> Iterator[str]:
+        marker = Path(os.environ["STREAM_RUNS"] + ".killed")
+        for n, word in enumerate(text.split()):
+            if n == 2 and not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if word == "boom":
+                raise RuntimeError("boom on the run again")
+            yield word
+
+
+relapse = Pipeline("t-relapse").add(Relapse)

@@ -10,11 +10,12 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
-from gateway import Gateway, GatewaySettings, StreamInterrupted
+from gateway import Gateway, GatewaySettings, StageError, StreamInterrupted
 from tests.helpers import Workers, running_workers
 from tests.test_chaos import connected
 
@@ -101,3 +102,27 @@ def test_a_nondeterministic_stream_cut_by_a_killed_worker_ends_interrupted(redis
         assert ended is None or isinstance(ended, StreamInterrupted), (n, ended, seed)
         # complete and right, or a prefix of the first run then the interruption: never two runs spliced
         assert got == _expected(n)[:len(got)] and (ended is not None or len(got) == 32), (n, got, seed)
+
+
+def test_an_error_that_ends_a_resumed_stream_reaches_its_caller(redis_url: str, tmp_path: Path) -> None:
+    """A deterministic stream's worker SIGKILLed mid-stream; the run again goes on where the caller was, then
+    raises: the caller gets the error (a record that carries no run), not a wait to its timeout."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:relapse", ["Relapse"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-relapse")
+
+        async def scenario() -> tuple[list[str], BaseException | None]:
+            got: list[str] = []
+            async with Gateway(redis_url, "t-relapse", GatewaySettings(timeout_s=20)) as gw:
+                try:
+                    async for chunk in gw.stream("a b c boom d"):
+                        got.append(chunk)
+                except (StageError, TimeoutError) as exc:
+                    return got, exc
+            return got, None
+
+        got, ended = asyncio.run(scenario())
+        workers.wait_ready("t-relapse", 30)
+    assert Path(f"{runs}.killed").exists(), "the first run was not killed"
+    assert got == ["a", "b", "c"], got
+    assert isinstance(ended, StageError) and "boom on the run again" in ended.message, repr(ended)
