@@ -412,3 +412,32 @@ def test_a_continuous_stage_told_to_stop_under_load_stops(redis_url: str) -> Non
                 return gone
 
         assert asyncio.run(scenario()), "the worker still ran 4 s after its SIGTERM, under load"
+
+
+def test_a_continuous_batch_fed_by_joiners_outlives_its_first_items_deadlines(redis_url: str) -> None:
+    """A live batch under a steady load runs past the deadlines of the items it started with, serving those
+    that joined since: it is not stuck while their deadlines are ahead. It used to be: the supervisor
+    replaced its worker mid-stream (``stuck_grace_s`` after the first items' deadlines), cutting every
+    stream it served."""
+    with running_workers(redis_url, f"{APP}:watched_growing", ["Growing"]) as workers:
+        workers.wait_ready("t-watched-growing")
+        before = {c.pid for c in workers.procs[0].children()}
+
+        async def scenario() -> list[Any]:
+            async with Gateway(redis_url, "t-watched-growing", GatewaySettings(timeout_s=2)) as gw:
+                async def relay(k: int) -> list[Any]:
+                    """Stream k (25 steps of 20 ms); the next starts at its 10th chunk: one live batch ~5 s."""
+                    got, after = [], None
+                    async for chunk in gw.stream(25):
+                        got.append(chunk)
+                        if len(got) == 10 and k < 24:
+                            after = asyncio.ensure_future(relay(k + 1))
+                    rest = await after if after is not None else []
+                    return [got, *rest]
+
+                return list(await asyncio.gather(relay(0), return_exceptions=True))
+
+        outcome = asyncio.run(scenario())[0]
+        assert not isinstance(outcome, BaseException), repr(outcome)
+        assert outcome == [list(range(25, 0, -1))] * 25
+        assert {c.pid for c in workers.procs[0].children()} == before  # never replaced

@@ -54,7 +54,6 @@ More = Callable[[int], "Work"]  # up to n new items, read and admitted into the 
 _Joined = tuple["Work", list[int], float, tuple[int, float, dict[int, tuple[bytes, bytes, bytes]]]]
 
 
-
 @dataclass(slots=True)
 class _Stream:
     """One item's stream: how many chunks it sent, and how it ended (None: still running)."""
@@ -188,8 +187,6 @@ class StreamRunner:
             joined = len(self._join(batch, slots, queue, keys, more, done))
             if not joined:
                 break
-            if self._busy is not None:
-                self._busy.batch(self._spec, [s.item.deadline_ms for s in slots if s is not None])
             self._run_live(batch, slots, queue, keys, more, done)
             stats.add(joined, (time.perf_counter() - began) * 1000)
         if self._busy is not None:
@@ -228,7 +225,8 @@ class StreamRunner:
 
     def _join(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]], keys: Keys,
               more: More, done: list[_Stream]) -> list[tuple[_Stream, Any]]:
-        """Free slots take queued items, then newly read ones; returns those that joined."""
+        """Free slots take queued items, then newly read ones; returns those that joined. The supervisor's
+        watch is told the deadlines of the items the batch now holds: it is stuck only past those."""
         free = [slot for slot, stream in enumerate(slots) if stream is None]
         if free and len(queue) < len(free):
             fresh = [(_Stream(item, 1), x) for item, x in more(len(free) - len(queue))]
@@ -243,6 +241,8 @@ class StreamRunner:
             slots[slot] = stream
             batch.fill(slot, x)
             joined.append((stream, x))
+        if joined and self._busy is not None:  # not its first items' deadlines: a live batch outlives them
+            self._busy.batch(self._spec, [s.item.deadline_ms for s in slots if s is not None])
         return joined
 
     # -- one generator per item ------------------------------------------------------------------
