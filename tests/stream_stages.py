@@ -247,3 +247,35 @@ class Relapse(Stage):
 
 
 relapse = Pipeline("t-relapse").add(Relapse)
+
+
+class Doomed(Growing):
+    """Growing, but the item "poison" yields "p" for 30 steps (noting each run's start), then SIGKILLs its
+    worker on its first two runs and ends on the third: an input that kills whatever batch it is in."""
+
+    batch_size = 4
+
+    def predict(self, batch: Any) -> Iterator[list[Any]]:
+        steps: dict[int, int] = {}
+        while batch:
+            for slot in batch.joined():
+                steps[slot] = 30 if batch[slot] == "poison" else batch[slot]
+                if batch[slot] == "poison":
+                    _note("poison run")
+            step: list[Any] = [None] * len(batch)
+            for slot in range(len(batch)):
+                if not batch.occupied(slot):
+                    continue
+                if batch[slot] == "poison" and steps[slot] == 0 and _runs().count("poison run") <= 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                step[slot] = (steps[slot] if batch[slot] != "poison" else "p") if steps[slot] > 0 else END
+                steps[slot] -= 1
+            yield step
+            time.sleep(0.02)
+
+
+def _runs() -> list[str]:
+    return Path(os.environ["STREAM_RUNS"]).read_text().splitlines()
+
+
+doomed = Pipeline("t-doomed").add(Doomed)

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import redis
 
+from broker import protocol
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings, StageError
 from tests.helpers import read_pipeline_status, running_workers, wait_for
@@ -441,3 +442,26 @@ def test_a_continuous_batch_fed_by_joiners_outlives_its_first_items_deadlines(re
         assert not isinstance(outcome, BaseException), repr(outcome)
         assert outcome == [list(range(25, 0, -1))] * 25
         assert {c.pid for c in workers.procs[0].children()} == before  # never replaced
+
+
+def test_a_continuous_stage_runs_an_entry_delivered_again_alone(redis_url: str, redis_client: redis.Redis,
+                                                                tmp_path: Path) -> None:
+    """An entry whose worker died runs again alone (it may be what killed it): new items do not join its live
+    batch, where they would die with it, their streams cut. They used to."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:doomed", ["Doomed"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-doomed")
+        keys = Keys("t-doomed")  # the poison comes from a producer that reads nothing (no reply, no cancel)
+        redis_client.xadd(keys.stream(0), {"id": "poison-1", "data": b"\xa6poison", "v": 1,
+                                           "deadline_ms": protocol.now_ms() + 60_000})
+
+        async def scenario() -> list[Any]:
+            async with Gateway(redis_url, "t-doomed", GatewaySettings(timeout_s=30)) as gw:
+                await asyncio.to_thread(wait_for, lambda: _runs(runs).count("poison run") == 2, 20,
+                                        "the poison's run again")
+                return list(await asyncio.gather(*(_collect(gw.stream(n)) for n in (40, 41, 42)),
+                                                 return_exceptions=True))
+
+        streams = asyncio.run(scenario())
+        workers.wait_ready("t-doomed", 30)
+    assert streams == [list(range(n, 0, -1)) for n in (40, 41, 42)]

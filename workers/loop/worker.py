@@ -401,9 +401,11 @@ class Worker:
         """``predict`` on ``work`` and each outcome into ``commit``; the entries given to other workers
         meanwhile (:mod:`workers.loop.handoff`) leave the batch: neither answered nor acked here.
         Returns how many items ran."""
-        if self._streaming is not None:  # a continuous stage reads joiners while it runs
+        if self._streaming is not None:  # a continuous stage reads joiners while it runs; an entry delivered again
+            # runs alone (workers.loop.recovery): it may be what killed its worker, and joiners would die with it
+            again = deliveries is not None and any(deliveries.get(item.entry_id, 1) > 1 for item, _ in work)
             more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit,
-                                      lambda: self.stopping) if self.spec.continuous else None)
+                                      lambda: self.stopping) if self.spec.continuous and not again else None)
             return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more)
         handoff = self._handoff
         if handoff is not None:
