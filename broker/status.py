@@ -146,18 +146,46 @@ UNREACHED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncio.Timeou
 
 async def read_partitions_apart(client: Any, queries: Sequence[PartitionQuery]
                                 ) -> list[PartitionReads | BaseException]:
-    """:func:`read_partitions`, a round trip per query, all at once: on a Redis Cluster a partition whose node is
-    down, or does not answer within ``PARTITION_READ_S``, gives its error and the others their reads (one
-    pipeline over every node fails whole)."""
-    async def one(query: PartitionQuery) -> PartitionReads | BaseException:
-        try:
-            return (await asyncio.wait_for(read_partitions(client, [query]), PARTITION_READ_S))[0]
-        except asyncio.TimeoutError:
-            return TimeoutError(f"no answer within {PARTITION_READ_S:g}s")
-        except CONNECTION_ERRORS as exc:
-            return exc
+    """:func:`read_partitions` on a Redis Cluster, one round trip per node serving the queries' partitions, all
+    nodes at once, each within ``PARTITION_READ_S``: a node that is down, or does not answer in time, gives its
+    partitions its error and the other nodes' partitions their reads (one pipeline over every node fails whole).
 
-    return list(await asyncio.gather(*(one(query) for query in queries)))
+    Per node, not per partition: the view's client holds one connection per node, and partitions sharing a node
+    would contend for it. redis-py's cluster client raises "Too many connections" for a second pipeline to a
+    node, then retries it by closing every connection of the client, the other reads' too, and the bound cuts
+    what is still waiting mid-reply: partitions of a healthy cluster would read as out of reach. A partition's
+    keys share one hash tag, so its node is that of its spec key in the client's slot map (no command sent).
+    """
+    reads: list[PartitionReads | BaseException] = [TimeoutError("not read")] * len(queries)
+    by_node: dict[str, list[int]] = {}
+    for index, query in enumerate(queries):
+        by_node.setdefault(_node_name(client, query.keys), []).append(index)
+
+    async def node(indices: list[int]) -> None:
+        try:
+            got: Sequence[PartitionReads | BaseException] = await asyncio.wait_for(
+                read_partitions(client, [queries[k] for k in indices]), PARTITION_READ_S)
+        except asyncio.TimeoutError:
+            got = [TimeoutError(f"no answer within {PARTITION_READ_S:g}s")] * len(indices)
+        except CONNECTION_ERRORS as exc:
+            got = [exc] * len(indices)
+        for k, read in zip(indices, got, strict=True):
+            reads[k] = read
+
+    await asyncio.gather(*(node(indices) for indices in by_node.values()))
+    return reads
+
+
+def _node_name(client: Any, keys: Keys) -> str:
+    """The node serving ``keys``' partition in ``client``'s slot map; ``""`` where the map has none (no command
+    read it yet, or its slot is not covered: such partitions are read in one pipeline, which reads the map
+    first and goes to each node on one connection) and off a cluster."""
+    if not is_cluster_client(client):
+        return ""
+    try:
+        return str(client.get_node_from_key(keys.spec).name)
+    except CONNECTION_ERRORS:  # SlotNotCoveredError
+        return ""
 
 
 async def _execute(pipe: Any) -> list[Any]:

@@ -44,6 +44,9 @@ class Words(Stage):
 # Its partition tags hash to three masters of a 3-master cluster, as t-parts1's (checked by the test).
 words = Pipeline("rv-words11", partitions=3).add(Words)
 
+# Six partitions, four of whose tags hash to one master of a 3-master cluster (checked by the test).
+crowded = Pipeline("t-crowd2", partitions=6).add(Shift)
+
 
 class Counted(Stage):
     """Adds one, slowly (``delay_s`` per request, one at a time), and appends each input it runs to the file

@@ -229,6 +229,36 @@ def test_a_partition_whose_node_is_down_leaves_the_pipeline_ready_on_the_others(
         assert answers == [v * 2 + 3 for v in range(30)]  # round robin skips the partition out of reach
 
 
+def test_partitions_sharing_a_master_are_all_reachable_in_the_gateways_view(redis_cluster: LocalCluster,
+                                                                            cluster_url: str) -> None:
+    """Six partitions, four on one master, a healthy cluster: the view read each partition on a pipeline of its
+    own, all at once, over a client of one connection per node; the partitions sharing a master failed ("Too many
+    connections", the client's retry closing the others' connections, the 2 s bound cutting them): named out of
+    reach, and requests keyed to them refused (Overloaded). Every partition reads, refresh after refresh."""
+    keys = Keys("t-crowd2").partitions(6)
+    masters = [redis_cluster.master_of(k.spec) for k in keys]
+    assert len(set(masters)) == 3 and max(masters.count(m) for m in masters) >= 4, masters
+    with running_workers(cluster_url, "tests.cluster_stages:crowded", ["Shift"]) as workers:
+        workers.wait_ready("t-crowd2", T, workers={"Shift": 1})
+
+        async def main() -> tuple[list[list[bool]], list[frozenset[int]], list[Any]]:
+            async with Gateway(cluster_url, "t-crowd2") as gw:
+                reachable, down = [], []
+                for _ in range(4):
+                    await gw.views.refreshed()
+                    status = await gw.pipeline_status()
+                    reachable.append([p.reachable for p in status.by_partition])
+                    down.append(gw.view.down)  # type: ignore[union-attr]
+                keyed = [next(f"k{i}" for i in range(1000) if partition_of(f"k{i}", 6) == p) for p in range(6)]
+                answers = await asyncio.gather(*(gw.predict(p, key=key) for p, key in enumerate(keyed)),
+                                               return_exceptions=True)
+                return reachable, down, answers
+
+        reachable, down, answers = asyncio.run(asyncio.wait_for(main(), 60))
+    assert reachable == [[True] * 6] * 4 and down == [frozenset()] * 4, (reachable, down, answers)
+    assert answers == [p + 3 for p in range(6)], answers
+
+
 def test_partitioned_pipeline_on_one_redis(redis_url: str) -> None:
     """Partitions need no cluster: on one Redis the same workers wait on all streams of one server.
     The gateway starts before any worker: partition 0 only, then all three once the spec is there."""

@@ -9,7 +9,8 @@ ready routes, ``Gateway.pipeline_status``).
 **One task, a fixed number of connections.** :meth:`Views._run` reads every view on one connection of
 its own (one per node on a Redis Cluster), whatever the number of pipelines: the specs in one pipelined
 round trip, then every registered pipeline's partitions in another (:mod:`broker.status`; on a Redis
-Cluster one such pair per pipeline, so that a node down costs only the pipelines it serves). It does so
+Cluster one such pair per pipeline, so that a node down costs only the pipelines it serves, the partitions read
+a round trip per node, the nodes at once, so that no node is asked on two connections). It does so
 every ``REFRESH_S``; while requests wait for a pipeline that is not registered yet, it reads the
 unregistered ones' specs every ``HURRY_S`` too, and everything again as soon as one turns up.
 
