@@ -120,6 +120,13 @@ class Predictor:
     def run(self, work: Work, stats: BatchStats, handoff: bool = True) -> list[Outcome | None]:
         """The outcome of each item of ``work``, in order (None: given to another worker, not run).
         ``handoff``: False for a batch read from several streams (a hand-off gives back to one)."""
+        try:
+            return self._run_all(work, stats, handoff)
+        finally:  # also after an error that leaves the batch: else its worker looks busy for ever (autoscaling)
+            if self._busy is not None:
+                self._busy.idle()
+
+    def _run_all(self, work: Work, stats: BatchStats, handoff: bool) -> list[Outcome | None]:
         spec = self._spec
         outcomes: list[Outcome | None] = []
         self.slices = []
@@ -140,8 +147,6 @@ class Predictor:
                 outcomes += self._run_part(part, start, stats)
             if start + size < len(work):  # another call follows before these are encoded
                 detach(outcomes, begin)
-        if self._busy is not None:
-            self._busy.idle()
         return outcomes
 
     def _run_part(self, part: Work, start: int, stats: BatchStats, end: int = 0) -> list[Outcome]:
@@ -194,8 +199,6 @@ class Predictor:
         handoff.took(ran, took_s)
         if ran:
             self._record(stats, ran, took_s * 1000)
-        if self._busy is not None:
-            self._busy.idle()
         return outcomes
 
     def _call(self, inputs: list[Any], deadlines_ms: list[int | None]) -> list[Outcome]:

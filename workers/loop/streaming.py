@@ -107,14 +107,18 @@ class StreamRunner:
         began = time.perf_counter()
         streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
         joins: list[_Joined] = []
-        if self._spec.continuous:
-            more = more or (lambda n: [])
-            if tracing is not None:
-                more = self._measured(more, tracing, stats, joins, bool(traced))
-            done = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats, more)
-        else:
-            self._run_slices(work, streams, keys, stats)
-            done = streams
+        try:  # idle also after an error (a node lost mid-stream): else its worker looks busy for ever
+            if self._spec.continuous:
+                more = more or (lambda n: [])
+                if tracing is not None:
+                    more = self._measured(more, tracing, stats, joins, bool(traced))
+                done = self._run_continuous(list(zip(streams, (x for _, x in work), strict=True)), keys, stats, more)
+            else:
+                self._run_slices(work, streams, keys, stats)
+                done = streams
+        finally:
+            if self._busy is not None:
+                self._busy.idle()
         if tracing is not None:
             self._measure_ends(tracing, stats, [(work, traced, began, tracing.held()), *joins], done)
         return self._results(done, keys, commit)
@@ -163,8 +167,6 @@ class StreamRunner:
             else:
                 self._run_one(part[0], inputs[0], keys)
             stats.add(len(part), (time.perf_counter() - began) * 1000)
-        if self._busy is not None:
-            self._busy.idle()
 
     @staticmethod
     def _results(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
@@ -189,8 +191,6 @@ class StreamRunner:
                 break
             self._run_live(batch, slots, queue, keys, more, done)
             stats.add(joined, (time.perf_counter() - began) * 1000)
-        if self._busy is not None:
-            self._busy.idle()
         return done
 
     def _run_live(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]],
