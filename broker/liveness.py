@@ -121,17 +121,34 @@ class Beat:
         log_pipeline_refusals(sent, replies)
         return replies
 
-    def _by_node(self, queued: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    def _by_node(self, queued: list[_Queued]) -> list[Any]:
         """On a Redis Cluster, a round trip per node, on its control client (each bounded by
         ``CONTROL_TIMEOUT_S``, never sent again): a node that is down or hangs fails its own commands (each
         reply its error) and the others get their beats. redis-py's cluster pipeline failed whole for a node
         down, and for one that hangs sent its commands again one at a time, each waiting the socket timeout:
-        the beats of every partition stopped for that long (every worker looked dead everywhere). After a node
-        failed or answered MOVED, the slot map is read again (a failover: the next beat reaches the new master).
+        the beats of every partition stopped for that long (every worker looked dead everywhere). An ASK (a
+        slot migrating) is followed at once; after a node failed or answered MOVED, the slot map is read again
+        (a failover: the next beat reaches the new master) and what MOVED named goes once to its node now.
         Raises if no node was reached."""
         replies: list[Any] = [None] * len(queued)
+        self._send_by_node(queued, range(len(queued)), replies)
+        self._follow_asks(queued, replies)
+        failed = [queued[i][1][0] for i, r in enumerate(replies) if isinstance(r, _NODE_FAILED) and queued[i][1]]
+        if failed:
+            with contextlib.suppress(*CONNECTION_ERRORS):  # the next beat tries again
+                refresh_slots(self._client, failed[0])
+            moved = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.MovedError)]
+            if moved:  # the slot moved (a reshard's end, a failover): once more, to its node now
+                self._send_by_node(queued, moved, replies)
+        if all(isinstance(r, CONNECTION_ERRORS) for r in replies):
+            raise next(r for r in replies if isinstance(r, BaseException))
+        return replies
+
+    def _send_by_node(self, queued: list[_Queued], indices: Sequence[int], replies: list[Any]) -> None:
+        """The commands at ``indices``, a round trip per node (those late last); their replies into ``replies``."""
         groups: dict[Any, list[int]] = {}
-        for i, (_, args, _) in enumerate(queued):
+        for i in indices:
+            args = queued[i][1]
             key = args[0] if args and isinstance(args[0], str | bytes) else None
             try:
                 node = node_client(self._client, key) if key is not None else cast(
@@ -140,32 +157,48 @@ class Beat:
                 replies[i] = exc
                 continue
             groups.setdefault(node, []).append(i)
-        for node, indices in sorted(groups.items(), key=lambda group: group[0] in _lagging):  # those late, last
-            out = _send_on(control_client(node), [queued[i] for i in indices])
+        for node, group in sorted(groups.items(), key=lambda item: item[0] in _lagging):  # those late, last
+            out = _send_on(control_client(node), [queued[i] for i in group])
             if any(isinstance(r, CONNECTION_ERRORS) for r in out):
                 _lagging.add(node)
             else:
                 _lagging.discard(node)
-            for i, reply in zip(indices, out, strict=True):
+            for i, reply in zip(group, out, strict=True):
                 replies[i] = reply
-        failed = [queued[i][1][0] for i, r in enumerate(replies) if isinstance(r, _NODE_FAILED) and queued[i][1]]
-        if failed:
-            with contextlib.suppress(*CONNECTION_ERRORS):  # the next beat tries again
-                refresh_slots(self._client, failed[0])
-        if all(isinstance(r, CONNECTION_ERRORS) for r in replies):
-            raise next(r for r in replies if isinstance(r, BaseException))
-        return replies
+
+    def _follow_asks(self, queued: list[_Queued], replies: list[Any]) -> None:
+        """A slot migrating (a reshard) whose key already moved answers ASK: the command goes to the target
+        after ``ASKING``, as redis-py's cluster pipeline did; else the partition's beats and leases were lost
+        for as long as its slot migrated (its workers not live, their long batches' entries claimable)."""
+        asked: dict[tuple[str, int], list[int]] = {}
+        for i, reply in enumerate(replies):
+            if isinstance(reply, redis.exceptions.AskError) and not isinstance(reply, redis.exceptions.MovedError):
+                asked.setdefault(reply.node_addr, []).append(i)
+        cluster = cast(Any, self._client)
+        for (host, port), group in asked.items():
+            node = cluster.get_node(host=host, port=port)
+            if node is not None:
+                out = _send_on(control_client(cluster.get_redis_connection(node)), [queued[i] for i in group], True)
+                for i, reply in zip(group, out, strict=True):
+                    replies[i] = reply
 
 
-def _send_on(client: redis.Redis, commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-    """``commands`` in one round trip on ``client``: their replies, each the connection's error if it failed."""
+_Queued = tuple[str, tuple[Any, ...], dict[str, Any]]  # a command queued: its method's name, its arguments
+
+
+def _send_on(client: redis.Redis, commands: list[_Queued], asking: bool = False) -> list[Any]:
+    """``commands`` in one round trip on ``client`` (``asking``: each after ``ASKING``): their replies, each the
+    connection's error if it failed."""
     pipe = client.pipeline(transaction=False)
     for name, args, kwargs in commands:
+        if asking:
+            pipe.execute_command("ASKING")
         getattr(pipe, name)(*args, **kwargs)
     try:
-        return list(pipe.execute(raise_on_error=False))
+        out = list(pipe.execute(raise_on_error=False))
     except CONNECTION_ERRORS as exc:
         return [exc] * len(commands)
+    return out[1::2] if asking else out
 
 
 # The nodes that did not answer the last beat (their clients): the next beat reaches them after the others, whose
