@@ -103,16 +103,16 @@ def test_a_worker_in_a_batch_is_busy_though_no_stats_say_so_yet() -> None:
     """A worker writes what a batch took when it commits it: a call longer than ``scale_down_after_s`` wrote
     nothing while it ran, and a stage whose every worker was in one looked idle (no backlog, no busy time) and
     lost a busy worker. Each batch in progress (``running``: how long it has run, from the busy board) counts
-    as much of the period as it has run."""
+    as a whole worker once it has run a period."""
     scaler = _scaler()
     scaler.workers = 2
     silent = _load(0, 2)  # no backlog, nothing finished: all the stats say while both calls run
     assert all(scaler.observe(silent, 1.0, float(t), False, running=[30.0 + t, 12.0 + t]) is None for t in range(60))
     # One of the two in a call: one worker fewer would be wholly busy (over 80 %), not quiet either.
     assert all(scaler.observe(silent, 1.0, float(t), False, running=[30.0 + t]) is None for t in range(60, 120))
-    # A batch begun within the period counts the part of it it has run, beside the stats' busy time.
-    assert scaler.busy_workers(silent, 1.0, [0.5]) == 0.5
-    assert scaler.busy_workers(_load(0, 2, 100, 0.25), 1.0, [3.0, 0.25]) == 1.5
+    # A batch begun within the period is left to the stats (they count all of it at its commit), beside them.
+    assert scaler.busy_workers(silent, 1.0, [0.5]) == 0.0
+    assert scaler.busy_workers(_load(0, 2, 100, 0.25), 1.0, [3.0, 0.25]) == 1.25
     assert scaler.busy_workers(silent, 0.0, [0.1, 5.0]) == 2.0
     # Idle, no batch in progress: down after the delay, as before.
     assert scaler.observe(silent, 1.0, 120.0, False) is None
@@ -637,3 +637,24 @@ def test_slow_items_of_a_batched_stage_get_a_worker_each() -> None:
     scaler = StageScaler(Pipeline("p").add(Slow).stages[0], cap=8)
     change = scaler.observe(StageLoad(backlog=3, live=1, idle=0, items=1, busy_s=2.0), 1.0, 0.0, False)
     assert change is not None and change.workers == 4, change
+
+
+@pytest.mark.unit
+def test_short_batches_in_progress_are_not_counted_twice() -> None:
+    """Three workers each in 0.8 s batches half the time (staggered), no backlog: 1.5 workers busy, under the
+    80 % of two that lets one go. Counted from the busy board while they ran and again in the stats at their
+    commit, they looked 2.1 busy and the stage never went down."""
+    scaler = StageScaler(Pipeline("p").add(Work, workers=(1, 3), scale_down_after_s=60.0).stages[0], 3)
+    scaler.workers, scaler.rate = 3, 10.0
+    batch_s, cycle_s = 0.8, 1.6
+    batches = [(k * cycle_s + w * cycle_s / 3, k * cycle_s + w * cycle_s / 3 + batch_s) for w in range(3)
+               for k in range(200)]
+    for t in range(1, 200):
+        committed = sum(end - start for start, end in batches if t - 1 <= end < t)
+        running = [t - start for start, end in batches if start <= t < end]
+        change = scaler.observe(StageLoad(live=3, busy_s=committed, items=int(committed * 10)), 1.0, float(t), False,
+                                running=running)
+        if change is not None:
+            assert change.workers == 2 and change.reason.startswith("down"), change
+            return
+    pytest.fail("a stage 1.5 of 3 workers busy in short batches was never scaled down")

@@ -22,11 +22,13 @@ say what a batch took once it is committed, so a ``predict`` call longer than ``
 continuous stage's live batch, which goes on under a steady load) wrote nothing while it ran, and a stage whose
 every worker was in such a call looked idle: no backlog, no busy time. It lost a worker that was busy. So the busy
 workers of a period also count, beside the stats' busy time, each batch in progress now in this supervisor's
-workers, read from the busy board they write as a batch begins and ends (:mod:`workers.process.watch`): as much
-of the period as it has run, a whole worker once it began a period ago or more (nothing counted twice: its time
-reaches the stats only at its commit). A stage whose every worker is in a batch begun a period ago is then as
-busy as it has workers, never quiet: it is not scaled down while they all are mid-call. Workers of the stage
-that other supervisors run (other hosts) are seen through the stats alone, as before.
+workers, read from the busy board they write as a batch begins and ends (:mod:`workers.process.watch`): a whole
+worker once it began a period ago or more, none before. A batch shorter than a period is left to the stats, which
+count all of it at its commit (counted while it ran too, it would be counted twice: a stage of short batches
+looked busier than it was and never went down); a longer one is counted twice for the part it ran before its
+commit's period, which only delays a scale-down after it. A stage whose every worker is in a batch begun a
+period ago is then as busy as it has workers, never quiet: it is not scaled down while they all are mid-call.
+Workers of the stage that other supervisors run (other hosts) are seen through the stats alone, as before.
 
 A worker that is stopped finishes the batch in hand, commits it and exits (SIGTERM, as at any
 stop): what it read is answered, nothing is left pending, nothing runs twice. Each supervisor scales
@@ -116,11 +118,12 @@ class StageScaler:
     def busy_workers(self, load: StageLoad, period_s: float, running: Sequence[float] = ()) -> float:
         """The workers busy over the last period (``period_s``), on average: the ``predict`` time the stats say
         was finished in it, plus each batch in progress now (``running``: how long each has run, from the
-        supervisor's busy board), which no stats count until it is committed: the part of the period it has run,
-        a whole worker once it began a period ago or more. A worker in a long call is busy, not idle."""
+        supervisor's busy board), which no stats count until it is committed: a whole worker once it began a period
+        ago or more (a shorter one is the stats' at its commit: the module docstring). A worker in a long call is
+        busy, not idle."""
         if period_s <= 0:
             return float(len(running))
-        return load.busy_s / period_s + sum(min(1.0, max(0.0, ran_s) / period_s) for ran_s in running)
+        return load.busy_s / period_s + sum(1.0 for ran_s in running if ran_s >= period_s)
 
     def observe(self, load: StageLoad, period_s: float | None, now: float, starting: bool,
                 room: int | None = None, running: Sequence[float] = ()) -> Change | None:
