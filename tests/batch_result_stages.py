@@ -40,3 +40,22 @@ class Kinds(Stage):
 
 
 kinds = Pipeline("t-kinds").add(Kinds, name="kinds")
+
+
+class Images(Stage):
+    """Scales each image in place (what a new user writes), then refuses the batch for one bad image:
+    the bisection that answers the others must run on the images as they arrived."""
+
+    batch_size = 8
+    batch_wait_s = 0.5
+    batch_policy = "deadline"
+
+    def predict(self, xs: list[dict[str, Any]]) -> list[float]:
+        for x in xs:
+            x["pixels"] /= 255.0
+        if any(x["bad"] for x in xs):
+            raise ValueError("bad image")
+        return [float(x["pixels"].sum()) for x in xs]
+
+
+images = Pipeline("t-images").add(Images, name="images")

@@ -81,10 +81,28 @@ class CheckedCount(Count):
         yield from super().predict(ns)
 
 
+class Tokens(Stage):
+    """Batched: puts a start token before each id list in place (a common slip), refuses a negative id
+    before its first step, then yields each list's ids one step at a time."""
+
+    batch_size = 8
+    batch_wait_s = 0.3
+    batch_policy = "deadline"
+
+    def predict(self, xs: list[list[int]]) -> Iterator[list[Any]]:
+        for x in xs:
+            x.insert(0, 101)
+        if any(i < 0 for x in xs for i in x):
+            raise ValueError("negative token id")
+        for step in range(max(len(x) for x in xs) + 1):
+            yield [x[step] if step < len(x) else (END if step == len(x) else None) for x in xs]
+
+
 words = Pipeline("t-words").add(Words)
 checked_counts = Pipeline("t-checked-counts").add(CheckedCount)
 slow_words = Pipeline("t-slow-words").add(Words, pause_s=0.05)
 counts = Pipeline("t-counts").add(Count)
+tokens = Pipeline("t-tokens").add(Tokens)
 two = Pipeline("t-two").add(Upper).add(Words)
 
 

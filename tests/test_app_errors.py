@@ -51,6 +51,21 @@ def test_a_path_in_a_package_gets_its_dotted_module_name(apps: Path) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("app", "said"), [
+    ("my_app_e:pipelin", "has no attribute 'pipelin'; did you mean 'pipeline'? it holds pipelines in 'pipeline'"),
+    ("my_app_e:ok", "'ok' is the name of the pipeline it holds in 'pipeline': write 'my_app_e:pipeline'"),
+    ("my_app_e:app", "has no attribute 'app'; it holds pipelines in 'pipeline'"),
+    ("empty_app_e:pipeline", "has no attribute 'pipeline'; it defines no conveyor Pipeline")])
+def test_a_missing_attribute_names_what_to_write(apps: Path, app: str, said: str) -> None:
+    """It said only "module 'my_app' has no attribute 'pipelin'": not which attribute holds a pipeline,
+    nor that a pipeline's name (``Pipeline("ok")``) is not an attribute."""
+    (apps / "empty_app_e.py").write_text("x = 1\n")
+    with pytest.raises(AppError) as caught:
+        load_pipeline(app)
+    assert said in str(caught.value), caught.value
+
+
+@pytest.mark.unit
 def test_an_import_error_inside_the_module_shows_its_own_traceback(apps: Path) -> None:
     with pytest.raises(AppError) as caught:
         load_pipeline("typo_app_e:pipeline")

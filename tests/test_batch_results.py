@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from broker import protocol
+from broker import codec, protocol
 from broker.commit import BatchStats
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings
@@ -56,8 +56,8 @@ class Batched(Stage):
 
 
 def _work(inputs: list[Any]) -> Work:
-    """A read's items as the worker's router makes them (no deadline)."""
-    return [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, None), x) for i, x in enumerate(inputs)]
+    """A read's items as the worker's router makes them (no deadline): each with its input's payload."""
+    return [(protocol.Item(b"1-%d" % i, b"r%d" % i, codec.encode(x), None, None), x) for i, x in enumerate(inputs)]
 
 
 def _run(answer: Any, inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
@@ -148,6 +148,52 @@ def test_a_predict_that_consumes_or_pads_its_list_answers_each_item() -> None:
     assert outcomes == [(True, "PAD"), (True, "A"), (True, "B")] and wrong == []
 
 
+class ScalesInPlace(Stage):
+    """What a new user writes to preprocess images: each array scaled in place, then the batch refused
+    when one item is bad. Its bisection's calls must see the items as they arrived."""
+
+    batch_size = 8
+
+    def predict(self, xs: list[dict[str, Any]]) -> list[float]:
+        for x in xs:
+            x["pixels"] /= 255.0
+        if any(x["bad"] for x in xs):
+            raise ValueError("bad image")
+        return [float(x["pixels"].sum()) for x in xs]
+
+
+class ScalesInPlaceGroups(ScalesInPlace):
+    group_size = 4
+
+    def batch_key(self, x: dict[str, Any]) -> int:
+        return len(x["pixels"])
+
+
+class EndsInPlaceShort(Stage):
+    """Appends an end token to each token list in place, then answers one result too few (for more
+    than one item): its items run again, each must get one end token."""
+
+    batch_size = 8
+
+    def predict(self, xs: list[list[int]]) -> list[int]:
+        for x in xs:
+            x.append(0)
+        return [sum(x) + len(x) for x in xs][:-1 if len(xs) > 1 else None]
+
+
+@pytest.mark.parametrize("stage", [ScalesInPlace, ScalesInPlaceGroups])
+def test_a_batch_that_changed_its_items_before_failing_runs_them_again_as_they_arrived(stage: type[Stage]) -> None:
+    """The halves ran on the arrays as the failed call left them, divided by 255 again at each level:
+    4 of the 7 good images were answered 200 with 4/255 or 4/255**3 instead of 4.0."""
+    inputs = [{"pixels": np.full(4, 255.0), "bad": i == 5} for i in range(8)]
+    outcomes, wrong = _run_stage(stage, inputs)
+    assert [ok for ok, _ in outcomes] == [i != 5 for i in range(8)] and wrong == []
+    assert [value for ok, value in outcomes if ok] == [4.0] * 7
+    assert outcomes[5][1].message == "bad image"
+    outcomes, wrong = _run_stage(EndsInPlaceShort, [[1], [2, 2], [3]])  # a wrong length: each item alone
+    assert outcomes == [(True, 3), (True, 7), (True, 5)] and wrong
+
+
 def _run_stage(stage: type[Stage], inputs: list[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
     spec = Pipeline("t-unit").add(stage).stages[0]
     wrong: list[tuple[int, int]] = []
@@ -173,7 +219,7 @@ def test_a_singleton_reads_items_that_expire_behind_a_long_call_answered_unrun()
     stage = spec.cls()
     stage.setup()
     soon = protocol.now_ms() + 100
-    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, deadline), x)
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, codec.encode(x), None, deadline), x)
             for i, (x, deadline) in enumerate([(0.3, None), (0.0, soon), (0.0, None), (0.0, soon)])]
     stats = BatchStats()
     outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, stats)
@@ -205,7 +251,7 @@ def test_a_batch_failing_whole_is_not_bisected_past_its_items_deadlines() -> Non
     stage = spec.cls()
     stage.setup()
     soon = protocol.now_ms() + 120
-    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, soon), i) for i in range(8)]
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, codec.encode(i), None, soon), i) for i in range(8)]
     outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, BatchStats())
     kinds = {failure.type for _, failure in outcomes}
     # Calls start >= 50 ms apart: a fourth would start past the deadline.
@@ -243,7 +289,8 @@ def test_a_batched_reads_later_calls_leave_out_what_expired_behind_the_first(sta
     stage = spec.cls()
     stage.setup()
     soon = protocol.now_ms() + 30  # passed while the first call (60 ms) runs
-    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, None if i < 2 else soon), i) for i in range(4)]
+    work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, codec.encode(i), None, None if i < 2 else soon), i)
+            for i in range(4)]
     stats = BatchStats()
     outcomes = Predictor(stage, spec, None, lambda expected, got: None).run(work, stats)
     assert stage.ran == [0, 1]  # type: ignore[attr-defined]
@@ -326,6 +373,24 @@ def test_wrong_kinds_are_errors_and_arrays_answers_through_a_pipeline(redis_url:
                  "the wrong kinds are counted as batch length errors")
         log = workers.stage("kinds").log(50_000)
         assert "type=BatchResultError" in log and "predict returned a" in log, log[-3000:]
+
+
+@pytest.mark.system
+def test_images_scaled_in_place_by_a_batch_that_fails_are_answered_right_through_a_pipeline(redis_url: str) -> None:
+    """Answered 200 with 4/255 (or 4/255**3) for 4.0: the halves of the failed batch ran on the arrays
+    the failed call had already divided."""
+    with running_workers(redis_url, "tests.batch_result_stages:images", ["images"]) as workers:
+        workers.wait_ready("t-images")
+
+        async def send() -> list[Any]:
+            async with Gateway(redis_url, "t-images", GatewaySettings(timeout_s=20.0)) as gw:
+                return list(await asyncio.gather(
+                    *(gw.predict({"pixels": np.full(4, 255.0), "bad": i == 5}) for i in range(8)),
+                    return_exceptions=True))
+
+        answers = asyncio.run(send())
+        assert isinstance(answers[5], StageError) and answers[5].message == "bad image", answers
+        assert answers[:5] + answers[6:] == [4.0] * 7, answers
 
 
 # -- a class attribute one typo from a setting -----------------------------------------------------

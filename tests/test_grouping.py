@@ -24,8 +24,8 @@ T = 30.0
 
 
 
-def _run(predict: Any, inputs: list[Any], deadlines_ms: Any) -> list[Any]:
-    return run_batch(predict, inputs, deadlines_ms=deadlines_ms)
+def _run(predict: Any, inputs: list[Any], deadlines_ms: Any, payloads: Any = ()) -> list[Any]:
+    return run_batch(predict, inputs, deadlines_ms=deadlines_ms, payloads=payloads)
 
 def test_plan_sorts_by_cost_and_splits_evenly() -> None:
     costs = random.Random(1).sample(range(1000), 64)

@@ -205,7 +205,7 @@ def test_a_batched_stage_skips_the_slices_given_back() -> None:
     spec = Pipeline("p").add(Pairs).stages[0]
     handoff = Handoff(_GivesAll(), lambda keys, work, outcomes: None, "Pairs", after_s=0.01)  # type: ignore[arg-type]
     keys = Keys("p")
-    work: Work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, b"", None, None), i) for i in range(6)]
+    work: Work = [(protocol.Item(b"1-%d" % i, b"r%d" % i, codec.encode(i), None, None), i) for i in range(6)]
     handoff.begin(keys.stream(0), keys, [(item.entry_id, {}) for item, _ in work], work)
     outcomes = Predictor(Pairs(), spec, None, lambda expected, returned: None, handoff).run(work, BatchStats())
     assert outcomes == [(True, 0), (True, 10), None, None, None, None]

@@ -25,7 +25,7 @@ import pytest
 
 from broker.codec import CodecError, decode, encode
 from gateway.errors import Overloaded, StageError
-from gateway.http.codecs import NonFiniteNumber, json_decode, json_encode
+from gateway.http.codecs import AS_MSGPACK, NonFiniteNumber, json_decode, json_encode
 from gateway.http.server import HttpServer, HttpSettings
 from gateway.http.server import run as run_http
 from gateway.monitor.metrics import Metrics
@@ -43,6 +43,8 @@ _CANNED: dict[str, Callable[[], Any]] = {  # results a test asks for by "op"
     "nan": lambda: np.array([1.0, np.nan]),
     "keys": lambda: {"inner": {1: "int one", "1": "text one"}},
     "tuple-key": lambda: {(1, 2): "pair"},
+    "not-a-day": lambda: {"due": np.array(["2026-11-29", "NaT"], dtype="M8[D]")},
+    "bytes": lambda: b"\x00\xff",
 }
 
 
@@ -326,6 +328,53 @@ def test_arrays_orjson_refuses_are_written_as_their_numbers() -> None:
                                               "plain": [0, 1]}
     with pytest.raises(NonFiniteNumber):
         json_encode({"be": np.array([np.nan], dtype=">f8")})
+
+
+def test_datetimes_in_a_json_answer_are_exact_or_refused() -> None:
+    """NaT was written as a date (1970-01-01 at a unit of days, 1677-09-21 at nanoseconds), and
+    nanoseconds were cut to microseconds: 200s with another time than the stage's."""
+    for nat in (np.datetime64("NaT", "D"), np.datetime64("NaT", "ns"), np.array(["2020-01-01", "NaT"], dtype="M8[s]"),
+                {1: [np.datetime64("NaT", "h")]}, np.array([1, "NaT"], dtype="m8[ns]"), np.timedelta64("NaT")):
+        with pytest.raises(NonFiniteNumber, match=r"NaT \(not a time\), which JSON cannot carry; send the request as "
+                                                  "msgpack"):
+            json_encode({"result": nat})
+    exact = np.array(["2026-11-29T16:42:23.123456789", "2026-11-29"], dtype="M8[ns]")
+    assert json.loads(json_encode({"result": exact, "one": exact[0], 2: [exact[1]]})) == {
+        "result": ["2026-11-29T16:42:23.123456789", "2026-11-29T00:00:00.000000000"],
+        "one": "2026-11-29T16:42:23.123456789", "2": ["2026-11-29T00:00:00"]}
+    # what orjson wrote exactly is written as before: microseconds and coarser, nanoseconds without a finer part
+    coarse = [np.datetime64("2026-11-29", "D"), np.array(["2026-11-29T01:02:03.5"], dtype="M8[ns]"),
+              "2026-11-29T00:00:00.5"]
+    assert json.loads(json_encode(coarse)) == [
+        "2026-11-29T00:00:00", ["2026-11-29T01:02:03.500000"], "2026-11-29T00:00:00.5"]
+
+
+@pytest.mark.parametrize(("value", "said"), [({float("inf"): 1}, "a map key that is NaN or Infinity"),
+                                            ({"a": {float("nan"): 1, 2: 3}}, "a map key that is NaN or Infinity"),
+                                            (b"\x00", "object of type bytes is not JSON serializable"),
+                                            (np.array([1 + 2j]), "object of type complex is not JSON serializable"),
+                                            (np.array([5], dtype="m8[D]"), "type timedelta is not JSON serializable")])
+def test_what_a_json_answer_cannot_carry_says_what_to_do(value: Any, said: str) -> None:
+    """A NaN or infinite map key was written as the text "null"; orjson's own message ("Type is not JSON
+    serializable: bytes") replaced the hook's, which says to ask in msgpack."""
+    with pytest.raises((TypeError, ValueError)) as refused:
+        json_encode({"result": value})
+    assert said in str(refused.value) and AS_MSGPACK in str(refused.value), refused.value
+
+
+@http_test()
+async def test_a_nat_or_bytes_result_is_a_500_saying_to_ask_in_msgpack(server: HttpServer,
+                                                                         backend: FakeBackend) -> None:
+    for op, said in (("not-a-day", "NaT (not a time)"), ("bytes", "object of type bytes")):
+        resp = await one(server.port, predict_json({"op": op}))
+        assert resp.status == 500, resp.body
+        error = resp.json()["error"]
+        assert error["type"] == "UnencodableResult" and said in error["message"], error
+        assert "send the request as msgpack" in error["message"], error
+    resp = await one(server.port, http_request("POST", "/v1/predict", encode({"op": "not-a-day"}),
+                                               {"content-type": "application/msgpack"}))
+    due = decode(resp.body)["result"]["due"]
+    assert resp.status == 200 and str(due[0]) == "2026-11-29" and np.isnat(due[1])
 
 
 def test_a_result_nested_deeper_than_json_answers_can_be_says_so_and_what_to_do() -> None:
@@ -921,8 +970,9 @@ def test_non_finite_json_numbers_are_400(body: bytes) -> None:
 
 def test_json_integers_stay_exact() -> None:
     """Never rounded to a float, as a fast JSON parser would do past 64 bits (the gateway's codec
-    then refuses what it cannot carry: 400)."""
-    for value in (3, 2**64 - 1, 2**70, -(2**80)):
+    then refuses what it cannot carry: 400). orjson's range is not symmetric: -(2**63) - 1 has 19 digits
+    and was read as the float -9.223372036854776e18, answered 200 by an echo stage."""
+    for value in (3, 2**64 - 1, 2**70, -(2**80), -(2**63), -(2**63) - 1, -(10**19 - 1), 10**19):
         decoded = json_decode(str(value).encode())
         assert decoded == value and type(decoded) is int
     assert json_decode(b'{"a": [12345678901234567890123, 1.5]}') == {"a": [12345678901234567890123, 1.5]}

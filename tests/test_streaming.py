@@ -85,6 +85,22 @@ def test_a_batched_stream_that_fails_at_its_start_fails_only_the_bad_items(redis
     assert isinstance(bad, StageError) and bad.type == "TypeError" and "ssn" in bad.message
 
 
+def test_a_batched_stream_that_changed_its_items_before_failing_runs_the_good_ones_as_they_arrived(
+        redis_url: str) -> None:
+    """Its halves ran on the lists the failed start had changed: two start tokens for every good item."""
+    with running_workers(redis_url, f"{APP}:tokens", ["Tokens"]) as workers:
+        workers.wait_ready("t-tokens")
+
+        async def scenario() -> list[Any]:
+            async with Gateway(redis_url, "t-tokens", GatewaySettings(timeout_s=10)) as gw:
+                return list(await asyncio.gather(*(_collect(gw.stream(ids)) for ids in [[1, 2], [-1], [3]]),
+                                                 return_exceptions=True))
+
+        good, bad, other = asyncio.run(scenario())
+    assert good == [101, 1, 2] and other == [101, 3], (good, other)
+    assert isinstance(bad, StageError) and bad.message == "negative token id"
+
+
 def test_a_stream_left_early_closes_the_stages_generator(redis_url: str, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     text = " ".join(f"w{j}" for j in range(200))  # 200 words, 50 ms apart: 10 s if never closed

@@ -297,7 +297,7 @@ def test_items_of_a_part_partly_given_back_get_their_calls_spans() -> None:
             return [x * 10 for x in xs]
 
     spec = Pipeline("p").add(Fours).stages[0]
-    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, b"", None, None, TP), i) for i in range(4)]
+    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, encode(i), None, None, TP), i) for i in range(4)]
     sink = _Sink()
     tracing_ = StageTracing(spec, "w1", sink)  # type: ignore[arg-type]
     predictor = Predictor(Fours(), spec, None, lambda expected, returned: None, _KeepsTheEnds())  # type: ignore[arg-type]
@@ -330,7 +330,7 @@ def test_a_singleton_stages_calls_of_one_read_have_a_batch_id_each() -> None:
             return x
 
     spec = Pipeline("p").add(One).stages[0]
-    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, b"", None, None, TP), i) for i in range(3)]
+    work = [(protocol.Item(b"%d-0" % (1_000 + i), b"r%d" % i, encode(i), None, None, TP), i) for i in range(3)]
     sink = _Sink()
     tracing_ = StageTracing(spec, "w1", sink)  # type: ignore[arg-type]
     stats = BatchStats()

@@ -3,6 +3,7 @@ also takes a bare ``module``: every pipeline it defines."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -66,6 +67,21 @@ def _import(module_name: str) -> object:
         raise AppError(_raised_inside(module_name, exc)) from exc
 
 
+def _held_pipelines(module: object, module_name: str, attr: str) -> str:
+    """What to write instead of a missing attribute: the attributes that hold the module's pipelines
+    (the nearest first), or the one holding the pipeline ``attr`` names (``my_app:my-app``)."""
+    held = [name for name, obj in vars(module).items() if isinstance(obj, Pipeline)]
+    if not held:
+        return "; it defines no conveyor Pipeline"
+    named = [name for name in held if getattr(module, name).name == attr]
+    if named:
+        return (f"; {attr!r} is the name of the pipeline it holds in {named[0]!r}: write "
+                f"'{module_name}:{named[0]}' (module:attribute)")
+    near = difflib.get_close_matches(attr, held, n=1)
+    return (f"; {f'did you mean {near[0]!r}? ' if near else ''}it holds pipelines in "
+            f"{', '.join(map(repr, held))}")
+
+
 def _refuse_path(module_name: str) -> None:
     """A file path (``./my_app.py``, ``my_app.py``, ``apps/my_app``) where a module name belongs:
     say what to write instead of letting importlib fail with a message about relative imports."""
@@ -117,7 +133,8 @@ def _import_pipeline(app: str) -> Pipeline:
     try:
         obj = getattr(module, attr)
     except AttributeError as exc:
-        raise AppError(f"module {module_name!r} has no attribute {attr!r}") from exc
+        hint = _held_pipelines(module, module_name, attr)
+        raise AppError(f"module {module_name!r} has no attribute {attr!r}{hint}") from exc
     if not isinstance(obj, Pipeline):
         raise AppError(f"{app} is a {type(obj).__name__}, not a conveyor Pipeline")
     if not obj.stages:

@@ -7,7 +7,9 @@ is refused (400), and a result holding NaN or an infinity cannot be sent as JSON
 non-finite floats. Integers stay exact: one beyond 64 bits (which orjson would read as a float) is
 parsed by the standard library instead, and then refused where it cannot travel (400). numpy values
 in a JSON result become plain lists and numbers (orjson serializes arrays natively); in msgpack they
-travel as conveyor's array extension.
+travel as conveyor's array extension. A numpy datetime64 becomes ISO 8601 text, exact to its unit (orjson
+alone cut nanoseconds to microseconds); NaT ("not a time", as NaN) cannot be sent as JSON, nor can a
+map key that is NaN or an infinity (orjson wrote both as the text "null").
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ class UnsupportedMediaType(ValueError):
     """A Content-Type no codec handles; the message names it and what to send instead."""
 
 
+_NOT_A_TIME = f"the result holds NaT (not a time), which JSON cannot carry; {AS_MSGPACK}"
+
+
 def _json_default(obj: object) -> Any:
     """orjson hook, for what it does not serialize itself: non-contiguous numpy arrays and other
-    dtypes become plain lists/numbers; anything else is refused."""
+    dtypes become plain lists/numbers; anything else is refused. What it raises, orjson keeps as its
+    own error's ``__cause__`` (its message says only "Type is not JSON serializable")."""
+    if isinstance(obj, np.ndarray | np.generic) and obj.dtype.kind == "m" and np.isnat(obj).any():
+        raise NonFiniteNumber(_NOT_A_TIME)  # .tolist() makes it None: null, as orjson writes NaN
     if isinstance(obj, np.ndarray):
         return _as_json_numbers(obj).tolist()
     if isinstance(obj, np.generic):
@@ -86,13 +94,21 @@ class KeyCollision(ValueError):
     ``"1"``): every JSON reader would keep one of the two values, so it is not sent."""
 
 
+# How orjson writes a numpy datetime64 (a str of the result may look so too: then nothing is changed).
+_TIME_TEXT = re.compile(rb'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d')
+
+
 def json_encode(obj: Any) -> bytes:
-    """JSON of ``obj``; NonFiniteNumber if it holds NaN or an infinity (orjson would write null),
-    KeyCollision if two of a map's keys write as one text."""
+    """JSON of ``obj``; NonFiniteNumber if it holds NaN, an infinity or NaT (orjson would write null, or
+    a date), KeyCollision if two of a map's keys write as one text."""
     try:
         out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
     except orjson.JSONEncodeError:  # a map key that is not text, or an array orjson refuses: the slow path
-        out = _encode_slowly(obj)
+        out = _encode_slowly(_times_as_text(obj))  # orjson refuses NaT at some units, and units below ns
+    if b"T" in out and _TIME_TEXT.search(out) is not None:  # no number writes a T: answers of numbers pay a scan
+        exact = _times_as_text(obj)
+        if exact is not obj:
+            out = json_encode(exact)
     if b"null" in out and _holds_non_finite(obj):  # a real None writes null too: only then look closer
         raise NonFiniteNumber(f"the result holds NaN or Infinity, which JSON cannot carry; {AS_MSGPACK}")
     return out
@@ -106,6 +122,8 @@ def _encode_slowly(obj: Any) -> bytes:
         except orjson.JSONEncodeError:  # an array of another byte order, or of long doubles: as numbers
             out = orjson.dumps(_numbers_for_orjson(obj), default=_json_default, option=_KEYED_OPTIONS)
     except orjson.JSONEncodeError as exc:
+        if isinstance(exc.__cause__, TypeError | ValueError):  # _json_default's, which says what to do
+            raise exc.__cause__ from None
         if "Dict key" in str(exc):
             raise TypeError("the result holds a map key JSON cannot carry (keys must be text, numbers, booleans "
                             f"or None); {AS_MSGPACK}") from None
@@ -113,7 +131,7 @@ def _encode_slowly(obj: Any) -> bytes:
             raise ValueError(f"the result is nested deeper than a JSON answer can be (254 levels); {AS_MSGPACK}") \
                 from None
         raise
-    if _keys_collide(obj):
+    if _keys_collide(obj):  # raises NonFiniteNumber for a key that is NaN or an infinity
         raise KeyCollision("the result holds a map with keys that are one in JSON (such as 1 and '1'): one of "
                            f"their values would be lost; {AS_MSGPACK}")
     return out
@@ -133,6 +151,9 @@ def _keys_collide(obj: Any) -> bool:
         if kind in _LEAVES:
             continue
         if isinstance(value, dict):
+            if any(isinstance(k, float | np.floating) and not math.isfinite(k) for k in value):
+                raise NonFiniteNumber(f"the result holds a map key that is NaN or Infinity, which JSON cannot "
+                                      f"carry; {AS_MSGPACK}")
             if len({type(k) for k in value}) > 1 and \
                     len({k if type(k) is str else _key_text(k) for k in value}) != len(value):
                 return True
@@ -147,6 +168,32 @@ def _key_text(key: Any) -> str:
     if type(key) is int:
         return str(key)
     return orjson.dumps({key: 0}, option=_KEYED_OPTIONS)[2:-4].decode()  # b'{"<text>":0}'
+
+
+def _times_as_text(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with each datetime64 orjson would write wrong as exact ISO 8601 text (``obj`` itself when
+    there is none): nanoseconds with a part below a microsecond (orjson cuts it), and the units below
+    (orjson refuses them); NaT, which orjson writes as a date (1970-01-01 at a unit of days), is a
+    NonFiniteNumber."""
+    if isinstance(obj, np.ndarray | np.datetime64):
+        if obj.dtype.kind != "M":
+            return obj
+        if np.isnat(obj).any():
+            raise NonFiniteNumber(_NOT_A_TIME)
+        unit = np.datetime_data(obj.dtype)[0]
+        if unit in ("ps", "fs", "as") or (unit == "ns" and (obj.astype("M8[us]") != obj).any()):
+            text = np.datetime_as_string(obj)
+            return text.tolist() if isinstance(text, np.ndarray) else str(text)
+        return obj
+    if depth > 256:
+        return obj
+    if isinstance(obj, dict):
+        values = {k: _times_as_text(v, depth + 1) for k, v in obj.items()}
+        return obj if all(values[k] is v for k, v in obj.items()) else values
+    if isinstance(obj, list | tuple):
+        items = [_times_as_text(v, depth + 1) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj, strict=True)) else items
+    return obj
 
 
 def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
@@ -165,7 +212,9 @@ def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-_LONG_INTEGER = re.compile(rb"\d{20,}")  # 2**64 has 20 digits: orjson would read it as a float
+# Where orjson would read an integer as a float: 20 digits or more (2**64 has 20), or a negative one of 19
+# (-(2**63) - 1 has 19: orjson's range is [-2**63, 2**64 - 1], not symmetric).
+_LONG_INTEGER = re.compile(rb"\d{20,}|-\d{19}")
 
 
 def _finite_float(text: str) -> float:
@@ -191,7 +240,7 @@ def json_decode(body: bytes) -> Any:
             if "infinity" in text or "NaN" in body.decode("latin-1") or b"Infinity" in body:
                 raise NonFiniteNumber(f"{text}; {_NON_FINITE_HINT}") from None
             raise
-    # An integer of 20 digits or more: the standard library keeps it exact (the codec then says
+    # An integer of 20 digits or more, or a negative one of 19: the standard library keeps it exact (the codec then says
     # whether it can travel), where orjson would turn it into a float.
     encoding = "utf-8" if body[:1] < b"\xef" and b"\x00" not in body[:2] else json.detect_encoding(body)
     return _EXACT_DECODER.decode(body.decode(encoding, "surrogatepass"))

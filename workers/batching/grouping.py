@@ -30,7 +30,8 @@ from typing import Any
 
 from workers.loop.runner import Failure, detach
 
-Run = Callable[[Callable[[list[Any]], Any], list[Any], Sequence[int | None]], list[Any]]
+# run(predict, inputs, deadlines_ms, payloads): payloads are the inputs' encoded bytes, or () (runner.run_batch)
+Run = Callable[[Callable[[list[Any]], Any], list[Any], Sequence[int | None], Sequence[bytes]], list[Any]]
 OnKeyError = Callable[[Exception], None]
 
 log = logging.getLogger("conveyor.worker")
@@ -142,13 +143,14 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
 
 
 def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
-                deadlines_ms: Sequence[int | None] = (), stage_name: str | None = None) -> list[Any]:
-    """``run(stage.predict, inputs, deadlines_ms)``, split by cost when the stage defines ``batch_key``;
-    outcomes come back in the order of ``inputs``. ``stage_name`` (default: the class's) names the
-    stage where ``batch_key`` raising is logged."""
+                deadlines_ms: Sequence[int | None] = (), stage_name: str | None = None,
+                payloads: Sequence[bytes] = ()) -> list[Any]:
+    """``run(stage.predict, inputs, deadlines_ms, payloads)``, split by cost when the stage defines
+    ``batch_key``; outcomes come back in the order of ``inputs``. ``stage_name`` (default: the class's)
+    names the stage where ``batch_key`` raising is logged."""
     key = getattr(stage, "batch_key", None)
     if key is None or len(inputs) <= 1:
-        return run(stage.predict, inputs, deadlines_ms)
+        return run(stage.predict, inputs, deadlines_ms, payloads)
     try:
         size, spread = group_size_of(stage, batch_size), group_spread_of(stage)
     except ValueError as exc:  # a configuration error: each requester learns it, the worker lives on
@@ -157,7 +159,8 @@ def run_grouped(stage: Any, inputs: list[Any], batch_size: int, run: Run,
     groups = plan_groups(inputs, key, size, spread, key_error_logger(stage_name or type(stage).__name__))
     for n, group in enumerate(groups, 1):
         deadlines = [deadlines_ms[i] for i in group] if deadlines_ms else ()
-        ran = run(stage.predict, [inputs[i] for i in group], deadlines)
+        encoded = [payloads[i] for i in group] if payloads else ()
+        ran = run(stage.predict, [inputs[i] for i in group], deadlines, encoded)
         if n < len(groups):  # the next group's call may overwrite buffers these view (workers.loop.runner)
             detach(ran)
         for i, outcome in zip(group, ran, strict=True):

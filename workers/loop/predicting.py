@@ -156,7 +156,7 @@ class Predictor:
         deadlines_ms = [item.deadline_ms for item, _ in part]
         if self._busy is not None:
             self._busy.batch(self._spec, deadlines_ms)
-        outcomes = self._call([x for _, x in part], deadlines_ms)
+        outcomes = self._call([x for _, x in part], deadlines_ms, [item.data for item, _ in part])
         ended = time.perf_counter()
         self.slices.append((start, end or start + len(part), began, ended, len(part)))
         took_s = ended - began
@@ -201,18 +201,20 @@ class Predictor:
             self._record(stats, ran, took_s * 1000)
         return outcomes
 
-    def _call(self, inputs: list[Any], deadlines_ms: list[int | None]) -> list[Outcome]:
+    def _call(self, inputs: list[Any], deadlines_ms: list[int | None], payloads: list[bytes]) -> list[Outcome]:
         if self._spec.batched:  # length-aware, if the stage asks for it
             return run_grouped(self._stage, inputs, self._spec.batch_size, self._run_batch, deadlines_ms,
-                               self._spec.name)
+                               self._spec.name, payloads)
         return run_single(self._stage.predict, inputs, self._tracebacks, deadlines_ms)
 
     def _run_batch(self, predict: Callable[[list[Any]], Any], inputs: list[Any],
-                   deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+                   deadlines_ms: Sequence[int | None], payloads: Sequence[bytes]) -> list[Outcome]:
+        """One batched call, a failing one bisected on the inputs decoded again from ``payloads``."""
         if self._called:  # the calls before it took time: what expired meanwhile is not run
-            return run_live_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms)
+            return run_live_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms,
+                                  payloads)
         self._called = True  # the read checked every deadline just before the first call
-        return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms)
+        return run_batch(checked(predict), inputs, self._wrong_length, self._tracebacks, deadlines_ms, payloads)
 
     def _record(self, stats: BatchStats, size: int, duration_ms: float) -> None:
         """One stats value per predict call: a singleton stage's read of k entries is k calls."""

@@ -4,7 +4,10 @@ A batched ``predict`` that raises, or returns the wrong number of results, is re
 each half of the batch, recursively, so only the offending items get the error and the
 innocent ones their results. A batch with one bad item costs about 2*log2(n) extra calls.
 
-``predict`` gets a list of its own (it may consume or pad it), and results that must outlive a
+``predict`` gets a list of its own (it may consume or pad it), and a bisection's calls get the items
+as they arrived, decoded again from their payloads: a ``predict`` that changed them in place (``x /= 255``
+on an array, a list padded) before it failed would otherwise answer the innocent items from what it made
+of them (an image divided by 255 twice), with a 200 and no error. Results that must outlive a
 later call on the same read are detached (:func:`detach`): a model that writes into a buffer it reuses
 (ONNX Runtime's IOBinding, a TensorRT engine, a preallocated output) returns views of that buffer,
 which the next call would overwrite before they are encoded.
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import protocol
+from broker import codec, protocol
 from workers.loop.tracebacks import Tracebacks
 
 
@@ -126,11 +129,14 @@ def _call_batch(predict: Callable[[list[Any]], Any], inputs: list[Any]) -> list[
 
 def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
               wrong_length: Callable[[int, int], None] | None = None,
-              tracebacks: Tracebacks | None = None, deadlines_ms: Sequence[int | None] = ()) -> list[Outcome]:
+              tracebacks: Tracebacks | None = None, deadlines_ms: Sequence[int | None] = (),
+              payloads: Sequence[bytes] = ()) -> list[Outcome]:
     """``predict`` on the batch, each failing item isolated; ``wrong_length(expected, returned)``
     hears of each call that returned the wrong number of results (the caller logs and counts it).
     A bisection's call leaves out the items whose deadline (``deadlines_ms``) passed meanwhile: a
-    batch that fails whole (a model down) costs 2n - 1 calls, which must not run for callers gone."""
+    batch that fails whole (a model down) costs 2n - 1 calls, which must not run for callers gone.
+    ``payloads`` (each input's encoded bytes, when known) are decoded again for the halves: the failed
+    call may have changed its items in place."""
     if not inputs:
         return []
     try:
@@ -140,21 +146,25 @@ def run_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
             wrong_length(len(inputs), exc.returned)
         if len(inputs) == 1:
             return [(False, failure(exc, tracebacks))]
+    if payloads:  # as they arrived, not as the failed call left them (decoded once already: they decode)
+        inputs = [codec.decode(payload) for payload in payloads]
     mid = len(inputs) // 2
-    first = detach(run_live_batch(predict, inputs[:mid], wrong_length, tracebacks, deadlines_ms[:mid]))
-    return first + run_live_batch(predict, inputs[mid:], wrong_length, tracebacks, deadlines_ms[mid:])
+    first = detach(run_live_batch(predict, inputs[:mid], wrong_length, tracebacks, deadlines_ms[:mid],
+                                  payloads[:mid]))
+    return first + run_live_batch(predict, inputs[mid:], wrong_length, tracebacks, deadlines_ms[mid:], payloads[mid:])
 
 
 def run_live_batch(predict: Callable[[list[Any]], Any], inputs: list[Any],
                    wrong_length: Callable[[int, int], None] | None, tracebacks: Tracebacks | None,
-                   deadlines_ms: Sequence[int | None]) -> list[Outcome]:
+                   deadlines_ms: Sequence[int | None], payloads: Sequence[bytes] = ()) -> list[Outcome]:
     """:func:`run_batch` on the items of ``inputs`` still within their deadlines; the others :data:`EXPIRED`
     (a call that follows others of the same read, which took time)."""
     now_ms = protocol.now_ms()
     live = [i for i, deadline in enumerate(deadlines_ms) if deadline is None or deadline > now_ms] \
         if deadlines_ms else None
     if live is None or len(live) == len(inputs):
-        return run_batch(predict, inputs, wrong_length, tracebacks, deadlines_ms)
-    ran = iter(run_batch(predict, [inputs[i] for i in live], wrong_length, tracebacks, [deadlines_ms[i] for i in live]))
+        return run_batch(predict, inputs, wrong_length, tracebacks, deadlines_ms, payloads)
+    ran = iter(run_batch(predict, [inputs[i] for i in live], wrong_length, tracebacks, [deadlines_ms[i] for i in live],
+                         [payloads[i] for i in live] if payloads else ()))
     kept = set(live)
     return [next(ran) if i in kept else EXPIRED for i in range(len(inputs))]

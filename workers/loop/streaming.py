@@ -273,9 +273,9 @@ class StreamRunner:
     # -- one generator per slice of a batch ------------------------------------------------------
 
     def _run_batched(self, part: list[_Stream], inputs: list[Any], keys: Keys) -> None:
-        """A batch's generator, stepped to its end. One that fails before its first step (the usual
-        place: an input it cannot take) sent nothing yet, so its halves run again, as a unary batch's
-        are: only the bad items get the error, never another caller's message (it may quote the input)."""
+        """A batch's generator, stepped to its end. One that fails before its first step (the usual place: an
+        input it cannot take) sent nothing yet, so its halves run again, on the items decoded again, as a unary
+        batch's are: only the bad items get the error, never another caller's message (it may quote the input)."""
         if self._gone(part, keys):
             return
         steps: Iterator[Any] | None = None
@@ -290,7 +290,7 @@ class StreamRunner:
             if len(part) == 1:
                 self._failed(part, exc, keys)
                 return
-            mid = len(part) // 2
+            mid, inputs = len(part) // 2, [codec.decode(s.item.data) for s in part]  # not as predict left them
             self._run_batched(part[:mid], inputs[:mid], keys)
             self._run_batched(part[mid:], inputs[mid:], keys)
             return
