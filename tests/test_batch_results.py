@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from typing import Any
 
 import numpy as np
@@ -100,6 +100,22 @@ class BufferedSingle(Stage):
         return {"row": self.out}
 
 
+Scored = namedtuple("Scored", "label row")
+
+
+class BufferedNamed(Buffered):
+    """Each item's answer a namedtuple, or an OrderedDict, holding its view of the buffer."""
+
+    def predict(self, xs: list[int]) -> Any:
+        rows = super().predict(xs)
+        return [Scored(x, row) if x % 2 else OrderedDict(row=row) for x, row in zip(xs, rows, strict=True)]
+
+
+class BufferedNamedSingle(BufferedSingle):
+    def predict(self, x: int) -> Any:
+        return Scored(x, super().predict(x)["row"])
+
+
 class Consumes(Stage):
     """Empties the list it is given as it works, or pads it to a fixed size: its own list to change."""
 
@@ -121,6 +137,8 @@ class Consumes(Stage):
     (Buffered, [1, 2, 3, 4, 5, 6, 7, 8]),  # a read of two batches: a call per batch_size
     (BufferedGroups, [5, 1, 4, 2, 8, 3]),  # length-aware groups: a call per group
     (BufferedSingle, [1, 2, 3]),  # a singleton stage's read: a call per item
+    (BufferedNamed, [1, 2, -3, 4, 5, 6, 7, 8]),  # in a namedtuple or an OrderedDict (they were not copied)
+    (BufferedNamedSingle, [1, 2, 3]),
 ])
 def test_results_viewing_a_buffer_the_next_call_reuses_stay_each_items_own(stage: type[Stage],
                                                                           inputs: list[int]) -> None:
@@ -135,7 +153,7 @@ def test_results_viewing_a_buffer_the_next_call_reuses_stay_each_items_own(stage
             assert not ok and value.message == "negative input"
             continue
         assert ok, value
-        row = value["row"] if isinstance(value, dict) else value
+        row = value["row"] if isinstance(value, dict) else value[1] if isinstance(value, tuple) else value
         assert list(row) == [x, 10 * x]
 
 

@@ -75,6 +75,13 @@ def detached(value: Any) -> Any:
         return kind(detached(v) for v in value)
     if kind is dict:
         return {k: detached(v) for k, v in value.items()}
+    # A subclass (a namedtuple, an OrderedDict, a memmap): as plain as the codec sends it, its arrays copied
+    if isinstance(value, np.ndarray):
+        return value.copy(order="K")
+    if isinstance(value, list | tuple):
+        return (tuple if isinstance(value, tuple) else list)(detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
     return value
 
 
