@@ -24,6 +24,7 @@ from tests.helpers import running_workers, wait_for
 from workers import Pipeline, Stage
 from workers.loop.predicting import Predictor
 from workers.loop.routing import Work
+from workers.loop.runner import detached
 from workers.options import PipelineError
 
 # -- a batched predict's answer, in the worker's predictor (no Redis) -----------------------------
@@ -155,6 +156,45 @@ def test_results_viewing_a_buffer_the_next_call_reuses_stay_each_items_own(stage
         assert ok, value
         row = value["row"] if isinstance(value, dict) else value[1] if isinstance(value, tuple) else value
         assert list(row) == [x, 10 * x]
+
+
+class Nested(Stage):
+    """Answers each item with a tree 500 levels deep (the codec carries 511), its leaf the item's row."""
+
+    batch_size = 2
+
+    def predict(self, xs: list[int]) -> list[Any]:
+        if any(x < 0 for x in xs):
+            raise ValueError("negative input")
+        answers: list[Any] = []
+        for x in xs:
+            tree: Any = np.array([x, 10 * x])
+            for _ in range(500):
+                tree = [tree]
+            answers.append(tree)
+        return answers
+
+
+def _leaf(tree: Any) -> Any:
+    while isinstance(tree, list):
+        (tree,) = tree
+    return tree
+
+
+@pytest.mark.parametrize("inputs", [[1, 2, 3, 4], [1, -2]])  # two calls on one read; a bisection
+def test_a_deeply_nested_result_that_the_codec_carries_is_detached_not_a_recursion_error(inputs: list[int]) -> None:
+    """Copying the views of such a result (another call followed it) raised RecursionError: out of the
+    worker's loop, which ended (its batch delivered again), or as the item's error for a singleton."""
+    outcomes, _ = _run_stage(Nested, inputs)
+    for x, (ok, value) in zip(inputs, outcomes, strict=True):
+        assert ok == (x > 0), value
+        if ok:
+            assert list(_leaf(value)) == [x, 10 * x]
+            assert codec.decode(codec.encode(value)) is not None  # what the worker sends next
+    cycle: list[Any] = [np.zeros(1)]
+    cycle.append(cycle)  # past what the codec carries: the walk ends, the codec says why it refuses it
+    with pytest.raises(codec.CodecError, match="nested deeper"):
+        codec.encode(detached(cycle))
 
 
 def test_a_predict_that_consumes_or_pads_its_list_answers_each_item() -> None:

@@ -61,28 +61,58 @@ def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
 
 
 _PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
+# Containers nested deeper are left as they are: the codec carries 511 levels and says why it refuses more (a
+# cycle too). The walk keeps its own stack: recursing, Python's limit ended it near 490 levels (RecursionError).
+_MAX_DETACH_DEPTH = 512
+
+
+def _rebuilt_as(value: Any) -> type | None:
+    """What :func:`detached` rebuilds ``value`` as (a subclass as plain as the codec sends it: a namedtuple, an
+    OrderedDict), None if it is no container."""
+    kind = type(value)
+    if kind is list or kind is tuple or kind is dict:
+        return kind
+    if kind in _PLAIN or isinstance(value, np.ndarray):
+        return None
+    if isinstance(value, list | tuple):
+        return tuple if isinstance(value, tuple) else list
+    return dict if isinstance(value, dict) else None
+
+
+def _leaf(value: Any) -> Any:
+    return value.copy(order="K") if isinstance(value, np.ndarray) else value  # its layout kept (Fortran order)
 
 
 def detached(value: Any) -> Any:
     """``value`` with each numpy array copied (containers walked): what it is now, whatever the stage
     does to its buffers next (an array it returns may be a buffer it writes again, or a view of one)."""
-    kind = type(value)
-    if kind in _PLAIN:
-        return value
-    if kind is np.ndarray:
-        return value.copy(order="K")  # its layout kept (a Fortran-ordered array stays one)
-    if kind is list or kind is tuple:
-        return kind(detached(v) for v in value)
-    if kind is dict:
-        return {k: detached(v) for k, v in value.items()}
-    # A subclass (a namedtuple, an OrderedDict, a memmap): as plain as the codec sends it, its arrays copied
-    if isinstance(value, np.ndarray):
-        return value.copy(order="K")
-    if isinstance(value, list | tuple):
-        return (tuple if isinstance(value, tuple) else list)(detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: detached(v) for k, v in value.items()}
-    return value
+    kind = _rebuilt_as(value)
+    if kind is None:
+        return value if type(value) in _PLAIN else _leaf(value)
+    # Each container being rebuilt: its kind, what is left of it, what is built of it, the key it goes under.
+    stack: list[tuple[type, Any, list[Any], Any]] = [(kind, iter(value.items() if kind is dict else value), [], None)]
+    plain = _PLAIN
+    while True:
+        kind, rest, built, _ = stack[-1]
+        keyed = kind is dict
+        for child in rest:
+            key, child = child if keyed else (None, child)
+            if type(child) in plain:  # most leaves: the common case without a call
+                built.append((key, child) if keyed else child)
+                continue
+            inner = _rebuilt_as(child)
+            if inner is not None and len(stack) < _MAX_DETACH_DEPTH:
+                stack.append((inner, iter(child.items() if inner is dict else child), [], key))
+                break
+            child = child if inner is not None else _leaf(child)  # too deep: left as it is
+            built.append((key, child) if keyed else child)
+        else:
+            kind, _, built, key = stack.pop()
+            made = kind(built)
+            if not stack:
+                return made
+            parent = stack[-1]
+            parent[2].append((key, made) if parent[0] is dict else made)
 
 
 def detach(outcomes: list[Any], start: int = 0) -> list[Any]:
