@@ -351,13 +351,17 @@ def _error_text(text: str) -> str:
 
 
 def error_record(request_id: bytes, type_: str, message: str, stage: str, traceback: str,
-                 timing: bytes | None = None) -> bytes:
+                 timing: bytes | None = None, run: int | None = None) -> bytes:
+    """``run``: the delivery that failed, said by a streaming stage's records (a stream's reader drops an earlier
+    run's); the others say none."""
     error = {"type": _error_text(type_), "message": _error_text(message), "stage": stage,
              "traceback": _error_text(traceback)}
+    record: dict[str, Any] = {"id": request_id.decode(), "ok": False, "error": error}
     if timing is not None:
-        return encode({"id": request_id.decode(), "ok": False, "error": error,
-                       "timing": timing.decode("ascii", "replace")})
-    return encode({"id": request_id.decode(), "ok": False, "error": error})
+        record["timing"] = timing.decode("ascii", "replace")
+    if run is not None:
+        record["run"] = run
+    return encode(record)
 
 
 def array_of(records: list[bytes]) -> bytes:

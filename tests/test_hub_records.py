@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from broker import codec
+from broker import codec, protocol
 from broker.keys import Keys
 from broker.submit import Submitter
 from gateway.client.hub import Hub
@@ -81,3 +81,53 @@ def test_a_stream_listener_that_raises_breaks_neither_the_deadline_timer_nor_the
         hub.deadlines.close()
 
     asyncio.run(main())
+
+
+def _records(run: int, raised: BaseException) -> list[dict[str, Any]]:
+    """What a streaming stage's run ``run`` pushes when its generator raises: the records of its step (made
+    without Redis: the runner's client connects at its first step)."""
+    import redis
+
+    from workers.loop.problems import Problems
+    from workers.loop.streaming import StreamRunner, _Step, _Stream
+    from workers.pipeline import Pipeline
+    from workers.stage import Stage
+
+    class Words(Stage):
+        def predict(self, x: str) -> Any:
+            yield from x.split()
+
+    spec = Pipeline("t-runs").add(Words).stages[0]
+    runner = StreamRunner(Words(), spec, redis.Redis(port=1), 60_000, 1 << 20, Problems("Words", "t-runs:counts"), None)
+    try:
+        stream, step = _Stream(protocol.Item(b"1-0", b"r1", b"", b"reply", None), run), _Step()
+        runner._fail(stream, step, raised)
+        return [codec.decode(record) for record in step.pushes[b"reply"]]
+    finally:
+        runner.close()
+
+
+def test_an_earlier_runs_error_is_a_straggler_and_a_later_runs_ends_the_stream() -> None:
+    """A worker taken for dead (frozen past claim_idle_s, its lease lapsed) that goes on and fails ended the
+    healthy stream of the run that took its entry over: its error record said no run. A later run's error
+    (the run again failed) ends the stream, its chunks given or not."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        sink = StreamSink(loop, 16)
+        sink.chunk({"id": "r1", "seq": 0, "chunk": "a", "run": 1, "resume": True})
+        sink.chunk({"id": "r1", "seq": 0, "chunk": "a", "run": 2, "resume": True})  # run 2 took it over
+        sink.chunk({"id": "r1", "seq": 1, "chunk": "b", "run": 2, "resume": True})
+        (stale,) = _records(1, TimeoutError("the API timed out while the worker was frozen"))
+        assert sink.finish(stale) and not sink.done()  # the zombie's: dropped
+        assert not sink.finish({"id": "r1", "ok": True, "value": None, "chunks": 2, "run": 2})
+        assert sink.take() == ["a", "b"]
+
+        later = StreamSink(loop, 16)
+        later.chunk({"id": "r1", "seq": 0, "chunk": "a", "run": 1})
+        (failed,) = _records(2, RuntimeError("boom on the run again"))
+        assert not later.finish(failed)  # its end: the hub sets the stage's error
+        assert failed["error"]["message"] == "boom on the run again"
+        assert not later.finish({"id": "r1", "ok": False, "error": {"type": "DeadLettered"}})  # no run: the end
+
+    asyncio.run(scenario())

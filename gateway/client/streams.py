@@ -95,13 +95,15 @@ class StreamSink(Slot):
 
     def finish(self, record: dict[str, Any]) -> bool:
         """The stream's last record (a result record); False if it is not this stream's end (an
-        earlier run's, or one whose chunks did not all come). An error record says no run (the stage's
-        error, a dead letter): it ends the stream whichever run is being given out, else a run again
-        that failed would leave its caller waiting out its timeout."""
+        earlier run's, or one whose chunks did not all come). An error record of a later run ends the stream
+        (its chunks given or not), else a run again that failed would leave its caller waiting out its timeout;
+        one of an earlier run is a straggler (a worker taken for dead that went on); one that says no run (a
+        dead letter) ends it whichever run is being given out."""
         if self.done():
             return True
         run, chunks = record.get("run"), record.get("chunks")
-        if type(run) is int and run != self._delivery and not self._adopt(run, bool(record.get("resume"))):
+        if type(run) is int and run != self._delivery and (run < self._delivery if record.get("ok") is False
+                                                           else not self._adopt(run, bool(record.get("resume")))):
             return True
         if type(chunks) is int and chunks > self._next:
             self._give_up(StreamInterrupted(f"the stream ended after {chunks} chunks, of which {self._next} came: "

@@ -344,14 +344,12 @@ class StreamRunner:
         try:
             data = codec.encode(record)
         except codec.CodecError as exc:
-            self._final(stream, step, protocol.error_record(
-                item.request_id, protocol.E_UNENCODABLE, f"chunk {stream.seq} of stage {self._spec.name!r} cannot be "
-                f"encoded: {exc}", self._spec.name, ""))
+            self._final(stream, step, self._error(stream, protocol.E_UNENCODABLE, f"chunk {stream.seq} of stage "
+                                                  f"{self._spec.name!r} cannot be encoded: {exc}"))
             return
         if len(data) > self._limit:
-            self._final(stream, step, protocol.error_record(
-                item.request_id, protocol.E_TOO_LARGE, f"chunk {stream.seq} of stage {self._spec.name!r} too large: "
-                f"{len(data)} bytes > max_payload_bytes={self._limit}", self._spec.name, ""))
+            self._final(stream, step, self._error(stream, protocol.E_TOO_LARGE, f"chunk {stream.seq} of stage "
+                        f"{self._spec.name!r} too large: {len(data)} bytes > max_payload_bytes={self._limit}"))
             return
         stream.seq += 1
         step.add(item.reply, data)
@@ -363,15 +361,18 @@ class StreamRunner:
         try:
             data = codec.encode(record)
         except codec.CodecError as exc:
-            data = protocol.error_record(item.request_id, protocol.E_UNENCODABLE, f"return value of stage "
-                                         f"{self._spec.name!r} cannot be encoded: {exc}", self._spec.name, "")
+            data = self._error(stream, protocol.E_UNENCODABLE, f"return value of stage {self._spec.name!r} cannot be "
+                               f"encoded: {exc}")
         self._final(stream, step, data)
 
     def _fail(self, stream: _Stream, step: _Step, exc: BaseException) -> None:
         why = stream.error = failure(exc, self._tracebacks)
         self._problems.stage_error(stream.item.request_id, why)
-        self._final(stream, step, protocol.error_record(stream.item.request_id, why.type, why.message,
-                                                        self._spec.name, why.traceback))
+        self._final(stream, step, self._error(stream, why.type, why.message, why.traceback))
+
+    def _error(self, stream: _Stream, type_: str, message: str, traceback: str = "") -> bytes:
+        """The error record ending ``stream``, with its run: a reader drops an earlier run's (a zombie worker's)."""
+        return protocol.error_record(stream.item.request_id, type_, message, self._spec.name, traceback, run=stream.run)
 
     def _final(self, stream: _Stream, step: _Step, record: bytes) -> None:
         stream.final = record
@@ -408,7 +409,6 @@ class StreamRunner:
                 stream.left = True
                 if cancelled:
                     self._problems.cancelled(1)
-
 
     def close(self) -> None:
         self._publish.close()
