@@ -349,6 +349,20 @@ def test_datetimes_in_a_json_answer_are_exact_or_refused() -> None:
         "2026-11-29T00:00:00", ["2026-11-29T01:02:03.500000"], "2026-11-29T00:00:00.5"]
 
 
+def test_datetimes_of_an_array_not_c_ordered_are_written_as_those_of_one_c_ordered() -> None:
+    """A Fortran-ordered (a DataFrame's values, a transposed array) or strided array of datetimes went through
+    ``tolist()``: nanoseconds were written as integers, NaT at nanoseconds or days as null, with a 200."""
+    times = np.array([["2026-11-29T16:42:23.123456789", "2026-11-29"], ["2026-11-30", "2026-12-01"]], dtype="M8[ns]")
+    for unit in ("ns", "us", "s", "D"):
+        for other in (np.asfortranarray(times.astype(f"M8[{unit}]")), times.astype(f"M8[{unit}]").T):
+            sent = decode(encode({"result": other}))["result"]  # the layout travels (a worker's answer)
+            assert not sent.flags.c_contiguous
+            assert json_encode({"result": sent}) == json_encode({"result": np.ascontiguousarray(other)}), unit
+        with_nat = np.array([["2026-11-29", "NaT"], ["2026-11-30", "2026-12-01"]], dtype=f"M8[{unit}]")
+        with pytest.raises(NonFiniteNumber, match=r"NaT \(not a time\)"):
+            json_encode({"result": decode(encode(np.asfortranarray(with_nat)))})
+
+
 @pytest.mark.parametrize(("value", "said"), [({float("inf"): 1}, "a map key that is NaN or Infinity"),
                                             ({"a": {float("nan"): 1, 2: 3}}, "a map key that is NaN or Infinity"),
                                             (b"\x00", "object of type bytes is not JSON serializable"),
