@@ -86,9 +86,11 @@ def _leaf(value: Any) -> Any:
 def detached(value: Any) -> Any:
     """``value`` with each numpy array copied (containers walked): what it is now, whatever the stage
     does to its buffers next (an array it returns may be a buffer it writes again, or a view of one)."""
+    if type(value) in _PLAIN:  # a singleton stage detaches every result of a read but its last: mostly these
+        return value
     kind = _rebuilt_as(value)
     if kind is None:
-        return value if type(value) in _PLAIN else _leaf(value)
+        return _leaf(value)
     # Each container being rebuilt: its kind, what is left of it, what is built of it, the key it goes under.
     stack: list[tuple[type, Any, list[Any], Any]] = [(kind, iter(value.items() if kind is dict else value), [], None)]
     plain = _PLAIN
