@@ -329,6 +329,11 @@ def _integers(answer: Any, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     (past UINT64; sent as text), as UINT64 where they all fit it, else a TypeError (a 500: no one datatype
     holds them). ``array`` (numpy's reading) is kept where a value is no integer: numbers beside a
     fraction are FP64, as numpy says."""
+    first = answer
+    while isinstance(first, list | tuple) and first:
+        first = first[0]
+    if not isinstance(first, int | np.integer):  # floats, as nearly always: no object array built to find out
+        return array
     values = np.asarray(answer, dtype=object)
     flat = values.reshape(-1)
     if not flat.size or not all(isinstance(v, int | np.integer) for v in flat):
