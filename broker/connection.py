@@ -229,6 +229,28 @@ def refresh_slots(client: redis.Redis, failed_key: str | bytes | None = None) ->
         client.nodes_manager.initialize(last_failed_node_name=failed)
 
 
+def async_node_client(cluster: Any, name: str) -> aredis.Redis | None:
+    """A plain asyncio client of the node ``name`` (``host:port``) of the asyncio Redis Cluster client ``cluster``'s
+    slot map, made as ``cluster`` connects to it (credentials, TLS, timeouts): one connection, no command sent again
+    by itself; None where the map has no such node. For reads that must fail apart per node: redis-py's cluster
+    client meets one node's lost connection by closing every connection it holds to re-read the slot map, the
+    connections of its reads under way on the other nodes too. Its owner closes it (``aclose``)."""
+    node = cluster.get_node(node_name=name)
+    if node is None:
+        return None
+    kwargs = dict(node.connection_kwargs)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    pool = aredis.ConnectionPool(connection_class=node.connection_class, max_connections=1, **kwargs)
+    return aredis.Redis.from_pool(pool)
+
+
+async def refresh_slots_async(client: Any, failed_node: str | None = None) -> None:
+    """:func:`refresh_slots` of an asyncio cluster client (nothing elsewhere): the node named ``failed_node`` is
+    asked last. Raises ``RedisClusterException`` when no node answers."""
+    if isinstance(client, acluster.RedisCluster):
+        await client.nodes_manager.initialize(last_failed_node_name=failed_node)
+
+
 _controls: weakref.WeakKeyDictionary[redis.Redis, redis.Redis] = weakref.WeakKeyDictionary()
 _controls_lock = threading.Lock()
 

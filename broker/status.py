@@ -22,13 +22,16 @@ A lost connection raises (:data:`broker.connection.CONNECTION_ERRORS`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import AskError, MovedError, RedisClusterException, TryAgainError
+
 from broker import protocol
 from broker.batch_entries import queue_reads
-from broker.connection import CONNECTION_ERRORS, is_cluster_client
+from broker.connection import CONNECTION_ERRORS, async_node_client, is_cluster_client, refresh_slots_async
 from broker.errors import ReplyError
 from broker.families import COUNTS, DEAD, HEARTBEATS, LOADING, SCALE, SPEC, STATS, STREAMS, STUCK
 from broker.keys import GROUP, Keys
@@ -37,7 +40,7 @@ from broker.refusals import log_pipeline_refusals, queued_commands
 from broker.scaling import ScaleRecord, scale_records
 from broker.spec import SpecError, StageInfo, decode_spec
 
-__all__ = ["ConsumerInfo", "Entry", "PartitionQuery", "PartitionReads", "Spec", "StageReads", "node_names",
+__all__ = ["ConsumerInfo", "Entry", "NodeReads", "PartitionQuery", "PartitionReads", "Spec", "StageReads", "node_names",
            "read_partitions", "read_specs"]
 
 # A pipeline's spec as read: its stages; None when no worker wrote one; SpecError when it cannot be read.
@@ -144,36 +147,93 @@ PARTITION_READ_S = 2.0
 UNREACHED: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncio.TimeoutError)
 
 
-async def read_partitions_apart(client: Any, queries: Sequence[PartitionQuery]
-                                ) -> list[PartitionReads | BaseException]:
+# Replies that say a partition's slot is served elsewhere (MOVED), partly (ASK) or not yet (TRYAGAIN).
+REDIRECTS: tuple[type[Exception], ...] = (MovedError, AskError, TryAgainError)
+
+_RAISED: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, *REDIRECTS)
+
+
+class NodeReads:
     """:func:`read_partitions` on a Redis Cluster, one round trip per node serving the queries' partitions, all
     nodes at once, each within ``PARTITION_READ_S``: a node that is down, or does not answer in time, gives its
     partitions its error and the other nodes' partitions their reads (one pipeline over every node fails whole).
 
-    Per node, not per partition: the view's client holds one connection per node, and partitions sharing a node
-    would contend for it. redis-py's cluster client raises "Too many connections" for a second pipeline to a
-    node, then retries it by closing every connection of the client, the other reads' too, and the bound cuts
-    what is still waiting mid-reply: partitions of a healthy cluster would read as out of reach. A partition's
-    keys share one hash tag, so its node is that of its spec key in the client's slot map (no command sent).
-    """
-    reads: list[PartitionReads | BaseException] = [TimeoutError("not read")] * len(queries)
-    by_node: dict[str, list[int]] = {}
-    for index, query in enumerate(queries):
-        by_node.setdefault(_node_name(client, query.keys), []).append(index)
+    Each node is read on a plain client of its own (:func:`broker.connection.async_node_client`: one connection,
+    no retry; one pipeline per node, not per partition, so that partitions sharing a node do not contend for it),
+    not through the cluster client: that one meets a node's lost connection (a master killed) by
+    closing every connection it holds and retrying, and the reads under way on the healthy nodes lost theirs
+    ("Connection closed by server") or their answer within the bound: their partitions read as out of reach. A
+    partition's keys share one hash tag, so its node is that of its spec key in the cluster client's slot map (no
+    command sent); after a node failed the map is read again, that node asked last, and a failover is followed.
+    A node that redirects (a slot moved or migrating) has its partitions read through the cluster client, which
+    follows the redirections. ``aclose`` closes the node clients (the cluster client is its owner's)."""
 
-    async def node(indices: list[int]) -> None:
-        try:
-            got: Sequence[PartitionReads | BaseException] = await asyncio.wait_for(
-                read_partitions(client, [queries[k] for k in indices]), PARTITION_READ_S)
-        except asyncio.TimeoutError:
-            got = [TimeoutError(f"no answer within {PARTITION_READ_S:g}s")] * len(indices)
-        except CONNECTION_ERRORS as exc:
-            got = [exc] * len(indices)
-        for k, read in zip(indices, got, strict=True):
-            reads[k] = read
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self._clients: dict[str, Any] = {}
 
-    await asyncio.gather(*(node(indices) for indices in by_node.values()))
-    return reads
+    async def read(self, queries: Sequence[PartitionQuery]) -> list[PartitionReads | BaseException]:
+        reads: list[PartitionReads | BaseException] = [TimeoutError("not read")] * len(queries)
+        by_node: dict[str, list[int]] = {}
+        for index, query in enumerate(queries):
+            by_node.setdefault(_node_name(self.cluster, query.keys), []).append(index)
+        failed: list[str] = []
+
+        async def node(name: str, indices: list[int]) -> None:
+            subset = [queries[k] for k in indices]
+            got = await self._read_node(name, subset)
+            if got is None:  # redirected: the cluster client follows
+                got = await _bounded(read_partitions(self.cluster, subset))
+            if isinstance(got, BaseException):
+                failed.append(name)
+            each: Sequence[PartitionReads | BaseException] = [got] * len(indices) if isinstance(got, BaseException) \
+                else got
+            for k, read in zip(indices, each, strict=True):
+                reads[k] = read
+
+        await asyncio.gather(*(node(name, indices) for name, indices in by_node.items()))
+        if failed:
+            with contextlib.suppress(*UNREACHED, RedisClusterException):  # the map as it was: retried next read
+                await asyncio.wait_for(refresh_slots_async(self.cluster, failed[0] or None), PARTITION_READ_S)
+        return reads
+
+    async def _read_node(self, name: str, queries: list[PartitionQuery]
+                         ) -> list[PartitionReads] | BaseException | None:
+        """The queries read on ``name``'s own client (the cluster client's where the map names no node); their
+        node's error; None if the node redirected them. A failed node's client is closed: a new one next time."""
+        client = self._clients.get(name) if name else self.cluster
+        if client is None:
+            client = async_node_client(self.cluster, name)
+            if client is None:
+                client = self.cluster
+            else:
+                self._clients[name] = client
+        got = await _bounded(read_partitions(client, queries))
+        if isinstance(got, REDIRECTS):
+            return None
+        if isinstance(got, BaseException) and client is not self.cluster:
+            await self._drop(name)
+        return got
+
+    async def _drop(self, name: str) -> None:
+        client = self._clients.pop(name, None)
+        if client is not None:
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                await client.aclose()
+
+    async def aclose(self) -> None:
+        for name in list(self._clients):
+            await self._drop(name)
+
+
+async def _bounded(read: Awaitable[list[PartitionReads]]) -> list[PartitionReads] | BaseException:
+    """``read`` within ``PARTITION_READ_S``; what tells its node out of reach, or redirecting, instead."""
+    try:
+        return await asyncio.wait_for(read, PARTITION_READ_S)
+    except asyncio.TimeoutError:
+        return TimeoutError(f"no answer within {PARTITION_READ_S:g}s")
+    except (*CONNECTION_ERRORS, *REDIRECTS) as exc:
+        return exc
 
 
 def _node_name(client: Any, keys: Keys) -> str:
@@ -189,12 +249,13 @@ def _node_name(client: Any, keys: Keys) -> str:
 
 
 async def _execute(pipe: Any) -> list[Any]:
-    """Run ``pipe``; each refused command's refusal logged once; a lost connection raised."""
+    """Run ``pipe``; each refused command's refusal logged once; a lost connection, or a redirection that was not
+    followed (a node's own client), raised."""
     sent = queued_commands(pipe)
     replies = await pipe.execute(raise_on_error=False)
     log_pipeline_refusals(sent, replies)
     for reply in replies:
-        if isinstance(reply, CONNECTION_ERRORS):
+        if isinstance(reply, _RAISED):  # a redirection not followed: no reply of the key
             raise reply
     return list(replies)
 

@@ -42,6 +42,7 @@ from broker.pins import PinClaims, PinRequest
 from broker.refusals import explain_refusal, family_of, is_acl_refusal, log_refusal_once
 from broker.share import Sharer
 from broker.spec import StageInfo, encode_spec
+from broker.status import NodeReads, PartitionQuery, PartitionReads
 from broker.streams import StreamReader
 from gateway.acl import acl as acl_command
 from gateway.monitor.status import read_all_partitions
@@ -635,6 +636,12 @@ def test_cluster_clients_on_the_generated_users(redis_cluster: LocalCluster) -> 
                 try:
                     status = await read_all_partitions(client, keys)
                     assert status.partitions == 2 and len(status.by_partition) == 2, status
+                    nodes_read = NodeReads(client)  # the gateway's view: each node on a client of its own
+                    try:
+                        got = await nodes_read.read([PartitionQuery(k, (b"0",)) for k in keys.partitions(2)])
+                    finally:
+                        await nodes_read.aclose()
+                    assert all(isinstance(r, PartitionReads) for r in got), got
                 finally:
                     await client.aclose()
 

@@ -7,10 +7,11 @@ partition's first stage as batch entries are sized by it (its live workers and l
 ready routes, ``Gateway.pipeline_status``).
 
 **One task, a fixed number of connections.** :meth:`Views._run` reads every view on one connection of
-its own (one per node on a Redis Cluster), whatever the number of pipelines: the specs in one pipelined
-round trip, then every registered pipeline's partitions in another (:mod:`broker.status`; on a Redis
-Cluster one such pair per pipeline, so that a node down costs only the pipelines it serves, the partitions read
-a round trip per node, the nodes at once, so that no node is asked on two connections). It does so
+its own (one per node on a Redis Cluster, and one more per node for the partitions), whatever the number of
+pipelines: the specs in one pipelined round trip, then every registered pipeline's partitions in another
+(:mod:`broker.status`; on a Redis Cluster one such pair per pipeline, so that a node down costs only the
+pipelines it serves, the partitions read a round trip per node, the nodes at once, each on a client of its own
+(:class:`broker.status.NodeReads`), so that a node lost does not close the others' reads). It does so
 every ``REFRESH_S``; while requests wait for a pipeline that is not registered yet, it reads the
 unregistered ones' specs every ``HURRY_S`` too, and everything again as soon as one turns up.
 
@@ -40,12 +41,12 @@ from broker.spec import StageInfo
 from broker.status import (
     PARTITION_READ_S,
     UNREACHED,
+    NodeReads,
     PartitionQuery,
     PartitionReads,
     Spec,
     node_names,
     read_partitions,
-    read_partitions_apart,
     read_specs,
 )
 from gateway.monitor.status import PipelineStatus, StatusReader, explain, spec_status
@@ -175,6 +176,7 @@ class Views:
         self.views: list[PipelineView] = []
         self.waiting = 0  # waits for a registration under way (hurry while some pipeline is unregistered)
         self._client: Any = None
+        self._nodes: NodeReads | None = None  # on a Redis Cluster: each node's partitions read on its own client
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._asked = False  # a full refresh wanted now
@@ -186,6 +188,7 @@ class Views:
     async def start(self) -> None:
         self._closing = False
         self._client = self.redis.async_client(1)
+        self._nodes = NodeReads(self._client) if is_cluster_client(self._client) else None
         self._outcome = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name="conveyor-views")
         self._task.add_done_callback(_ended)
@@ -199,6 +202,9 @@ class Views:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._nodes is not None:
+            await self._nodes.aclose()
+            self._nodes = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -304,8 +310,8 @@ class Views:
         now = now_ms()
         queries = [view.queries(now) for view in views] if full else []
         if any(queries):
-            read = read_partitions_apart if cluster else read_partitions  # a Cluster's nodes fail apart
-            reads = await read(self._client, [q for qs in queries for q in qs])
+            flat = [q for qs in queries for q in qs]  # a Cluster's nodes fail apart
+            reads = await (self._nodes.read(flat) if self._nodes is not None else read_partitions(self._client, flat))
             start = 0
             for view, qs in zip(views, queries, strict=True):
                 if qs:
