@@ -164,9 +164,12 @@ class NodeReads:
     closing every connection it holds and retrying, and the reads under way on the healthy nodes lost theirs
     ("Connection closed by server") or their answer within the bound: their partitions read as out of reach. A
     partition's keys share one hash tag, so its node is that of its spec key in the cluster client's slot map (no
-    command sent); after a node failed the map is read again, that node asked last, and a failover is followed.
-    A node that redirects (a slot moved or migrating) has its partitions read through the cluster client, which
-    follows the redirections. ``aclose`` closes the node clients (the cluster client is its owner's)."""
+    command sent); after a node failed or redirected the map is read again (a failed node asked last), and a
+    failover is followed.
+    The partitions of nodes that redirect (a slot moved or migrating) are read through the cluster client, which
+    follows the redirections, in one pipeline after the nodes' (two at once would contend for its one connection
+    per node). A node no longer a master in the map has its client closed. ``aclose`` closes the node clients
+    (the cluster client is its owner's)."""
 
     def __init__(self, cluster: Any) -> None:
         self.cluster = cluster
@@ -178,12 +181,9 @@ class NodeReads:
         for index, query in enumerate(queries):
             by_node.setdefault(_node_name(self.cluster, query.keys), []).append(index)
         failed: list[str] = []
+        through_cluster: list[int] = []  # redirected, or of no node in the map: read through the cluster client
 
-        async def node(name: str, indices: list[int]) -> None:
-            subset = [queries[k] for k in indices]
-            got = await self._read_node(name, subset)
-            if got is None:  # redirected: the cluster client follows
-                got = await _bounded(read_partitions(self.cluster, subset))
+        def take(name: str, indices: list[int], got: list[PartitionReads] | BaseException) -> None:
             if isinstance(got, BaseException):
                 failed.append(name)
             each: Sequence[PartitionReads | BaseException] = [got] * len(indices) if isinstance(got, BaseException) \
@@ -191,29 +191,48 @@ class NodeReads:
             for k, read in zip(indices, each, strict=True):
                 reads[k] = read
 
+        async def node(name: str, indices: list[int]) -> None:
+            got = await self._read_node(name, [queries[k] for k in indices])
+            if got is None:
+                through_cluster.extend(indices)
+            else:
+                take(name, indices, got)
+
         await asyncio.gather(*(node(name, indices) for name, indices in by_node.items()))
-        if failed:
+        if through_cluster:  # one pipeline, after the nodes': two at once on its one connection per node failed
+            through_cluster.sort()  # ("Too many connections", healthy partitions named out of reach)
+            subset = [queries[k] for k in through_cluster]
+            take("", through_cluster, await _bounded(read_partitions(self.cluster, subset)))
+        if failed or through_cluster:  # the map is stale (a failover, slots moved): read again, then the clients
             with contextlib.suppress(*UNREACHED, RedisClusterException):  # the map as it was: retried next read
-                await asyncio.wait_for(refresh_slots_async(self.cluster, failed[0] or None), PARTITION_READ_S)
+                await asyncio.wait_for(refresh_slots_async(self.cluster, next((n for n in failed if n), None)),
+                                       PARTITION_READ_S)
+                await self._prune()  # of nodes no longer masters in it
         return reads
 
     async def _read_node(self, name: str, queries: list[PartitionQuery]
                          ) -> list[PartitionReads] | BaseException | None:
-        """The queries read on ``name``'s own client (the cluster client's where the map names no node); their
-        node's error; None if the node redirected them. A failed node's client is closed: a new one next time."""
-        client = self._clients.get(name) if name else self.cluster
+        """The queries read on ``name``'s own client; their node's error; None if the node redirected them, or the
+        map names no such node (the cluster client reads them). A failed node's client is closed: a new one next
+        time."""
+        client = self._clients.get(name) if name else None
         if client is None:
-            client = async_node_client(self.cluster, name)
+            client = async_node_client(self.cluster, name) if name else None
             if client is None:
-                client = self.cluster
-            else:
-                self._clients[name] = client
+                return None
+            self._clients[name] = client
         got = await _bounded(read_partitions(client, queries))
         if isinstance(got, REDIRECTS):
             return None
-        if isinstance(got, BaseException) and client is not self.cluster:
+        if isinstance(got, BaseException):
             await self._drop(name)
         return got
+
+    async def _prune(self) -> None:
+        """The clients of nodes no longer masters in the map (demoted to replicas by a failover, gone) closed."""
+        masters = {node.name for node in self.cluster.get_primaries()}  # as the map read last says
+        for name in [n for n in self._clients if n not in masters] if masters else []:
+            await self._drop(name)
 
     async def _drop(self, name: str) -> None:
         client = self._clients.pop(name, None)
