@@ -281,10 +281,12 @@ _UNDECLARED = orjson.dumps({"inputs": [{"name": "x", "datatype": "INT64", "shape
 
 
 @pytest.mark.parametrize(("answer", "datatype"), [([0, 2**64 - 1], "UINT64"), ([[2**63 + 1], [0]], "UINT64"),
-                                                  ([-1, 2**63 - 1], "INT64"), ([1, 2.5], "FP64")])
+                                                  ([-1, 2**63 - 1], "INT64"), ([1, 2.5], "FP64"),
+                                                  ([np.array([2**64 - 1], dtype=np.uint64), np.array([1])], "UINT64")])
 def test_an_undeclared_models_integers_come_back_as_an_integer_datatype(answer: Any, datatype: str) -> None:
     """Python integers beside a 0 or any INT64 one and past INT64 (``[0, 2**64 - 1]``): numpy reads FP64, and
-    they came back so, 2**64 - 1 as 2**64. They are UINT64, exact; integers beside a fraction stay FP64."""
+    they came back so, 2**64 - 1 as 2**64. They are UINT64, exact; integers beside a fraction stay FP64. A list of
+    arrays (UINT64 beside INT64, FP64 to numpy) too: its first value, an array, is no float."""
     reply = Inference("m", PipelineIO(), _UNDECLARED, None).respond([answer])
     assert reply.status == 200, reply.body
     head = json.loads(reply.body[:int(dict(reply.headers)[b"inference-header-content-length"])])
@@ -293,7 +295,8 @@ def test_an_undeclared_models_integers_come_back_as_an_integer_datatype(answer: 
     assert reply.body.endswith(expected.tobytes()), reply.body
 
 
-@pytest.mark.parametrize("answer", [[-1, 2**63 + 1], [2**64], 2**70, [[1, -2**63], [2**64 - 1, 0]]])
+@pytest.mark.parametrize("answer", [[-1, 2**63 + 1], [2**64], 2**70, [[1, -2**63], [2**64 - 1, 0]],
+                                    [np.array([-1]), np.array([2**64 - 1], dtype=np.uint64)]])
 def test_an_undeclared_models_integers_no_datatype_holds_are_a_500_not_floats_or_text(answer: Any) -> None:
     """Below 0 and past INT64, or past UINT64: they came back as FP64 (2**63 + 1 as 2**63) or as BYTES text."""
     reply = Inference("m", PipelineIO(), _UNDECLARED, None).respond([answer])

@@ -332,8 +332,8 @@ def _integers(answer: Any, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     first = answer
     while isinstance(first, list | tuple) and first:
         first = first[0]
-    if not isinstance(first, int | np.integer):  # floats, as nearly always: no object array built to find out
-        return array
+    if not isinstance(first, int | np.integer | np.ndarray):  # floats, as nearly always: no object array built
+        return array  # to find out (a list of arrays, UINT64 beside INT64, is looked into)
     values = np.asarray(answer, dtype=object)
     flat = values.reshape(-1)
     if not flat.size or not all(isinstance(v, int | np.integer) for v in flat):
