@@ -42,13 +42,11 @@ class Kinds(Stage):
 kinds = Pipeline("t-kinds").add(Kinds, name="kinds")
 
 
-class Images(Stage):
-    """Scales each image in place (what a new user writes), then refuses the batch for one bad image:
-    the bisection that answers the others must run on the images as they arrived."""
+class ScalesInPlace(Stage):
+    """What a new user writes to preprocess images: each array scaled in place, then the batch refused
+    when one item is bad. Its bisection's calls must see the items as they arrived."""
 
     batch_size = 8
-    batch_wait_s = 0.5
-    batch_policy = "deadline"
 
     def predict(self, xs: list[dict[str, Any]]) -> list[float]:
         for x in xs:
@@ -56,6 +54,13 @@ class Images(Stage):
         if any(x["bad"] for x in xs):
             raise ValueError("bad image")
         return [float(x["pixels"].sum()) for x in xs]
+
+
+class Images(ScalesInPlace):
+    """The same, served: a batch of eight gathered by its deadline."""
+
+    batch_wait_s = 0.5
+    batch_policy = "deadline"
 
 
 images = Pipeline("t-images").add(Images, name="images")

@@ -20,6 +20,7 @@ from broker.commit import BatchStats
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings
 from gateway.errors import StageError
+from tests.batch_result_stages import ScalesInPlace
 from tests.helpers import running_workers, wait_for
 from workers import Pipeline, Stage
 from workers.loop.predicting import Predictor
@@ -204,20 +205,6 @@ def test_a_predict_that_consumes_or_pads_its_list_answers_each_item() -> None:
     assert outcomes == [(True, 2), (True, 4), (True, 6)] and wrong == []
     outcomes, wrong = _run_stage(Consumes, ["pad", "a", "b"])
     assert outcomes == [(True, "PAD"), (True, "A"), (True, "B")] and wrong == []
-
-
-class ScalesInPlace(Stage):
-    """What a new user writes to preprocess images: each array scaled in place, then the batch refused
-    when one item is bad. Its bisection's calls must see the items as they arrived."""
-
-    batch_size = 8
-
-    def predict(self, xs: list[dict[str, Any]]) -> list[float]:
-        for x in xs:
-            x["pixels"] /= 255.0
-        if any(x["bad"] for x in xs):
-            raise ValueError("bad image")
-        return [float(x["pixels"].sum()) for x in xs]
 
 
 class ScalesInPlaceGroups(ScalesInPlace):

@@ -11,7 +11,6 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from redis.cluster import key_slot
 from broker.connection import _cluster_url
 from broker.keys import Keys
 from gateway import Gateway
-from tests.cluster import ClusterError, LocalCluster, find_redis_cli
+from tests.cluster import LocalCluster
 from tests.helpers import running_workers, wait_for
 
 pytestmark = pytest.mark.system  # worker processes and a Redis Cluster of its own
@@ -31,18 +30,9 @@ N = 24  # requests in flight when the slot moves; Counted runs them one at a tim
 
 
 @pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
+def cluster(partial_cluster: LocalCluster) -> LocalCluster:
     """Three masters of the test's own: it moves a slot."""
-    if find_redis_cli() is None:
-        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
-    try:
-        cluster = LocalCluster(masters=3).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    return partial_cluster
 
 
 def _runs(path: Path) -> collections.Counter[int]:

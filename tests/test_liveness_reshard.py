@@ -11,6 +11,7 @@ from broker import protocol
 from broker.connection import RedisSettings
 from broker.keys import Keys
 from broker.liveness import Beat
+from tests.cluster import LocalCluster
 
 
 def _beat(client: redis.Redis, hb: str) -> tuple[int, list[object]]:
@@ -21,15 +22,8 @@ def _beat(client: redis.Redis, hb: str) -> tuple[int, list[object]]:
 
 
 @pytest.mark.system
-def test_a_beat_reaches_its_key_while_the_slot_migrates_and_once_it_moved() -> None:
-    from tests.cluster import ClusterError, LocalCluster, find_redis_cli
-
-    if find_redis_cli() is None:
-        pytest.skip("redis-cli not found (needed to form a Redis Cluster)")
-    try:
-        cluster = LocalCluster(masters=3).start()
-    except ClusterError as exc:
-        pytest.skip(str(exc))
+def test_a_beat_reaches_its_key_while_the_slot_migrates_and_once_it_moved(partial_cluster: LocalCluster) -> None:
+    cluster = partial_cluster
     client = RedisSettings(cluster.url).sync_client(retries=False)
     try:
         hb = Keys("t-ask").heartbeats(0)
@@ -52,4 +46,3 @@ def test_a_beat_reaches_its_key_while_the_slot_migrates_and_once_it_moved() -> N
         assert score == moved_at > asked_at
     finally:
         client.close()
-        cluster.stop()
