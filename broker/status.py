@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import AskError, MovedError, RedisClusterException, TryAgainError
 
@@ -46,6 +46,8 @@ __all__ = ["ConsumerInfo", "Entry", "NodeReads", "PartitionQuery", "PartitionRea
 # A pipeline's spec as read: its stages; None when no worker wrote one; SpecError when it cannot be read.
 Spec = list[StageInfo] | SpecError | None
 Entry = tuple[bytes, dict[bytes, bytes]]  # a stats stream entry: its id, its fields
+Q = TypeVar("Q")  # what NodeReads reads of one partition (a PartitionQuery, or the Keys of a spec)
+R = TypeVar("R")  # and what it read
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,9 @@ _RAISED: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, *REDIRECTS)
 class NodeReads:
     """:func:`read_partitions` on a Redis Cluster, one round trip per node serving the queries' partitions, all
     nodes at once, each within ``PARTITION_READ_S``: a node that is down, or does not answer in time, gives its
-    partitions its error and the other nodes' partitions their reads (one pipeline over every node fails whole).
+    partitions its error and the other nodes' partitions their reads (one pipeline over every node fails whole);
+    :meth:`specs` likewise for :func:`read_specs`. Each call reads every pipeline's partitions (or specs) at once,
+    so that a node that hangs costs one bound, not one per pipeline.
 
     Each node is read on a plain client of its own (:func:`broker.connection.async_node_client`: one connection,
     no retry; one pipeline per node, not per partition, so that partitions sharing a node do not contend for it),
@@ -175,24 +179,45 @@ class NodeReads:
         self.cluster = cluster
         self._clients: dict[str, Any] = {}
 
-    async def read(self, queries: Sequence[PartitionQuery]) -> list[PartitionReads | BaseException]:
-        reads: list[PartitionReads | BaseException] = [TimeoutError("not read")] * len(queries)
-        by_node: dict[str, list[int]] = {}
-        for index, query in enumerate(queries):
-            by_node.setdefault(_node_name(self.cluster, query.keys), []).append(index)
+    async def read(self, queries: Sequence[PartitionQuery], skip: Mapping[str, BaseException] | None = None
+                   ) -> list[PartitionReads | BaseException]:
+        """``skip``: nodes found out of reach a moment ago (by :meth:`specs`), not asked again: their queries get
+        that error at once, so that a node that hangs costs one bound per refresh, not two."""
+        return await self._spread(queries, [q.keys for q in queries], read_partitions, skip or {}, {})
+
+    async def specs(self, keys: Sequence[Keys]) -> tuple[list[Spec | ReplyError | BaseException],
+                                                         dict[str, BaseException]]:
+        """:func:`read_specs` of ``keys``' pipelines (each its partition 0's ``keys``) the same way: one round trip
+        per node serving their spec keys, all nodes at once, each within ``PARTITION_READ_S``; a node out of reach
+        gives its specs its error, the others are read. And the nodes out of reach, by name, with their errors
+        (:meth:`read`'s ``skip``)."""
+        unreached: dict[str, BaseException] = {}
+        return await self._spread(keys, keys, read_specs, {}, unreached), unreached
+
+    async def _spread(self, items: Sequence[Q], keys: Sequence[Keys], reader: Callable[[Any, Sequence[Q]],
+                      Awaitable[list[R]]], skip: Mapping[str, BaseException], unreached: dict[str, BaseException]
+                      ) -> list[R | BaseException]:
+        """``reader`` of ``items`` (``keys``: each one's partition) as :meth:`read` tells; the nodes that failed
+        put in ``unreached`` (by their name when read, before the map is read again)."""
+        reads: list[R | BaseException] = [TimeoutError("not read")] * len(items)
+        by_node = _by_node(self.cluster, keys)
         failed: list[str] = []
         through_cluster: list[int] = []  # redirected, or of no node in the map: read through the cluster client
 
-        def take(name: str, indices: list[int], got: list[PartitionReads] | BaseException) -> None:
+        def take(name: str, indices: list[int], got: list[R] | BaseException) -> None:
             if isinstance(got, BaseException):
                 failed.append(name)
-            each: Sequence[PartitionReads | BaseException] = [got] * len(indices) if isinstance(got, BaseException) \
-                else got
+                unreached[name] = got
+            each: Sequence[R | BaseException] = [got] * len(indices) if isinstance(got, BaseException) else got
             for k, read in zip(indices, each, strict=True):
                 reads[k] = read
 
         async def node(name: str, indices: list[int]) -> None:
-            got = await self._read_node(name, [queries[k] for k in indices])
+            if name in skip:
+                for k in indices:
+                    reads[k] = skip[name]
+                return
+            got = await self._read_node(name, [items[k] for k in indices], reader)
             if got is None:
                 through_cluster.extend(indices)
             else:
@@ -201,18 +226,22 @@ class NodeReads:
         await asyncio.gather(*(node(name, indices) for name, indices in by_node.items()))
         if through_cluster:  # one pipeline, after the nodes': two at once on its one connection per node failed
             through_cluster.sort()  # ("Too many connections", healthy partitions named out of reach)
-            subset = [queries[k] for k in through_cluster]
-            take("", through_cluster, await _bounded(read_partitions(self.cluster, subset)))
+            subset = [items[k] for k in through_cluster]
+            take("", through_cluster, await _bounded(reader(self.cluster, subset)))
         if failed or through_cluster:  # the map is stale (a failover, slots moved): read again, then the clients
-            with contextlib.suppress(*UNREACHED, RedisClusterException):  # the map as it was: retried next read
-                await asyncio.wait_for(refresh_slots_async(self.cluster, next((n for n in failed if n), None)),
-                                       PARTITION_READ_S)
-                await self._prune()  # of nodes no longer masters in it
+            await self._remap(next((n for n in failed if n), None))
         return reads
 
-    async def _read_node(self, name: str, queries: list[PartitionQuery]
-                         ) -> list[PartitionReads] | BaseException | None:
-        """The queries read on ``name``'s own client; their node's error; None if the node redirected them, or the
+    async def _remap(self, failed: str | None) -> None:
+        """The slot map read again (``failed``, a node that failed, asked last), then the clients of nodes no longer
+        masters in it closed; the map as it was if no node answers in time (read again next time)."""
+        with contextlib.suppress(*UNREACHED, RedisClusterException):
+            await asyncio.wait_for(refresh_slots_async(self.cluster, failed), PARTITION_READ_S)
+            await self._prune()
+
+    async def _read_node(self, name: str, items: list[Q], reader: Callable[[Any, Sequence[Q]], Awaitable[list[R]]]
+                         ) -> list[R] | BaseException | None:
+        """The items read on ``name``'s own client; their node's error; None if the node redirected them, or the
         map names no such node (the cluster client reads them). A failed node's client is closed: a new one next
         time."""
         client = self._clients.get(name) if name else None
@@ -221,7 +250,7 @@ class NodeReads:
             if client is None:
                 return None
             self._clients[name] = client
-        got = await _bounded(read_partitions(client, queries))
+        got = await _bounded(reader(client, items))
         if isinstance(got, REDIRECTS):
             return None
         if isinstance(got, BaseException):
@@ -245,7 +274,7 @@ class NodeReads:
             await self._drop(name)
 
 
-async def _bounded(read: Awaitable[list[PartitionReads]]) -> list[PartitionReads] | BaseException:
+async def _bounded(read: Awaitable[list[R]]) -> list[R] | BaseException:
     """``read`` within ``PARTITION_READ_S``; what tells its node out of reach, or redirecting, instead."""
     try:
         return await asyncio.wait_for(read, PARTITION_READ_S)
@@ -253,6 +282,14 @@ async def _bounded(read: Awaitable[list[PartitionReads]]) -> list[PartitionReads
         return TimeoutError(f"no answer within {PARTITION_READ_S:g}s")
     except (*CONNECTION_ERRORS, *REDIRECTS) as exc:
         return exc
+
+
+def _by_node(client: Any, keys: Sequence[Keys]) -> dict[str, list[int]]:
+    """The indices of ``keys`` by the node serving each (:func:`_node_name`)."""
+    by_node: dict[str, list[int]] = {}
+    for index, k in enumerate(keys):
+        by_node.setdefault(_node_name(client, k), []).append(index)
+    return by_node
 
 
 def _node_name(client: Any, keys: Keys) -> str:

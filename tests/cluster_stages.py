@@ -63,3 +63,7 @@ class Counted(Stage):
 
 # One partition, one worker: its slot (the tag {t-moved}) is moved to another master under load.
 moved = Pipeline("t-moved").add(Counted, workers=1)
+
+# One-stage pipelines of three partitions: one gateway serves them all (with t-crowd2) while a master hangs.
+VIEWS = ("t-view-a", "t-view-b", "t-view-c", "t-view-d")
+view_a, view_b, view_c, view_d = (Pipeline(name, partitions=3).add(Shift) for name in VIEWS)

@@ -7,11 +7,12 @@ partition's first stage as batch entries are sized by it (its live workers and l
 ready routes, ``Gateway.pipeline_status``).
 
 **One task, a fixed number of connections.** :meth:`Views._run` reads every view on one connection of
-its own (one per node on a Redis Cluster, and one more per node for the partitions), whatever the number of
+its own (one per node on a Redis Cluster, and one more per node for the reads), whatever the number of
 pipelines: the specs in one pipelined round trip, then every registered pipeline's partitions in another
-(:mod:`broker.status`; on a Redis Cluster one such pair per pipeline, so that a node down costs only the
-pipelines it serves, the partitions read a round trip per node, the nodes at once, each on a client of its own
-(:class:`broker.status.NodeReads`), so that a node lost does not close the others' reads). It does so
+(:mod:`broker.status`; on a Redis Cluster each of the two a round trip per node, every pipeline's reads of that
+node in it, the nodes at once, each on a client of its own and within ``PARTITION_READ_S``
+(:class:`broker.status.NodeReads`), so that a node lost does not close the others' reads, and a node down or
+hanging costs a refresh one bound and the pipelines only its partitions, however many it serves). It does so
 every ``REFRESH_S``; while requests wait for a pipeline that is not registered yet, it reads the
 unregistered ones' specs every ``HURRY_S`` too, and everything again as soon as one turns up.
 
@@ -32,14 +33,13 @@ from typing import Any, TypeVar
 
 from broker.commit import ItemExemplar
 from broker.connection import RedisSettings, is_cluster_client
-from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
+from broker.errors import CONNECTION_OR_REPLY_ERRORS
 from broker.keys import Keys
 from broker.logs import Throttle
 from broker.protocol import now_ms
 from broker.refusals import log_refusal_once
-from broker.spec import StageInfo
+from broker.spec import SpecError, StageInfo
 from broker.status import (
-    PARTITION_READ_S,
     UNREACHED,
     NodeReads,
     PartitionQuery,
@@ -282,36 +282,31 @@ class Views:
             self._wake.clear()
 
     async def _refresh(self, full: bool) -> None:
-        """One refresh: every view (``full``), or the specs of the unregistered ones."""
-        views = self.views if full else [v for v in self.views if not v.registered]
-        if not is_cluster_client(self._client):
-            await self._read(list(views), full)
-            return
-        for view in list(views):  # one node down fails only the pipelines it serves
-            try:
-                await self._read([view], full)
-            except CONNECTION_OR_REPLY_ERRORS as exc:
-                self._failed([view], exc)
-
-    async def _read(self, views: list[PipelineView], full: bool) -> None:
+        """One refresh: every view (``full``), or the specs of the unregistered ones. On a Redis Cluster every
+        pipeline's specs, then every pipeline's partitions, are read a round trip per node, the nodes at once: a
+        node down or hanging costs the refresh one ``PARTITION_READ_S``, however many pipelines it serves (read
+        a pipeline after another, each paid it, and the views went stale past ``STALE_AFTER_S``)."""
+        views = [v for v in self.views if full or not v.registered]
         if not views:
             return
-        cluster = is_cluster_client(self._client)
-        specs = await self._specs(views, full and cluster)
-        refused = [(view, spec) for view, spec in zip(views, specs, strict=True) if isinstance(spec, ReplyError)]
+        specs, unreached = await self._specs(views, full)
         for view, spec in zip(views, specs, strict=True):
-            if not isinstance(spec, ReplyError):
-                registered = view.registered
-                view.take_spec(spec)
-                self._asked |= not full and view.registered and not registered  # read all of it at once
-        for view, error in refused:  # an ACL that does not cover that pipeline: only it fails
+            if isinstance(spec, BaseException) and not isinstance(spec, SpecError):
+                continue
+            registered = view.registered
+            view.take_spec(spec)
+            self._asked |= not full and view.registered and not registered  # read all of it at once
+        # An ACL that does not cover that pipeline, or (a Cluster) its spec's node out of reach: only it fails.
+        for view, error in [(v, s) for v, s in zip(views, specs, strict=True)
+                            if isinstance(s, BaseException) and not isinstance(s, SpecError)]:
             views.remove(view)
             self._failed([view], error)
         now = now_ms()
         queries = [view.queries(now) for view in views] if full else []
         if any(queries):
             flat = [q for qs in queries for q in qs]  # a Cluster's nodes fail apart
-            reads = await (self._nodes.read(flat) if self._nodes is not None else read_partitions(self._client, flat))
+            reads = await (self._nodes.read(flat, unreached) if self._nodes is not None
+                           else read_partitions(self._client, flat))
             start = 0
             for view, qs in zip(views, queries, strict=True):
                 if qs:
@@ -322,17 +317,19 @@ class Views:
         for view in views:
             view.on_refresh(view)
 
-    async def _specs(self, views: list[PipelineView], keep: bool) -> list[Spec | ReplyError]:
-        """The views' specs; ``keep`` (a full refresh on a Redis Cluster): if partition 0's node is down, or
-        does not answer within ``PARTITION_READ_S`` (it hangs), the specs already known, so that the partitions
-        on the other nodes are still read (and the view does not go stale waiting for it)."""
-        try:
-            read = read_specs(self._client, [v.keys for v in views])
-            return await (asyncio.wait_for(read, PARTITION_READ_S) if keep else read)
-        except UNREACHED:
-            if not (keep and all(v.registered for v in views)):
-                raise
-            return [v.spec for v in views]
+    async def _specs(self, views: list[PipelineView], full: bool
+                     ) -> tuple[list[Spec | BaseException], dict[str, BaseException]]:
+        """The views' specs, or why one could not be read (Redis refused it); and on a Redis Cluster the nodes
+        found out of reach. There each node's specs are read on its own (:meth:`broker.status.NodeReads.specs`);
+        a spec whose node is down, or does not answer within ``PARTITION_READ_S`` (it hangs), is its error, or on
+        a full refresh the spec already known, so that the partitions on the other nodes are still read (and the
+        view does not go stale waiting for it)."""
+        if self._nodes is None:
+            return list(await read_specs(self._client, [v.keys for v in views])), {}
+        read, unreached = await self._nodes.specs([v.keys for v in views])
+        unreached.pop("", None)  # read through the cluster client (redirected): its nodes not told apart
+        return [v.spec if isinstance(s, UNREACHED) and full and v.registered else s
+                for v, s in zip(views, read, strict=True)], unreached
 
     def _failed(self, views: list[PipelineView], exc: BaseException) -> None:
         if not log_refusal_once(exc) and self._throttle.allow(type(exc)) is not None:
