@@ -124,9 +124,9 @@ class Beat:
     def _by_node(self, queued: list[_Queued]) -> list[Any]:
         """On a Redis Cluster, a round trip per node, on its control client (each bounded by
         ``CONTROL_TIMEOUT_S``, never sent again): a node that is down or hangs fails its own commands (each
-        reply its error) and the others get their beats. redis-py's cluster pipeline failed whole for a node
-        down, and for one that hangs sent its commands again one at a time, each waiting the socket timeout:
-        the beats of every partition stopped for that long (every worker looked dead everywhere). An ASK (a
+        reply its error) and the others get their beats. redis-py's cluster pipeline fails whole for a node
+        down, and for one that hangs sends its commands again one at a time, each waiting the socket timeout:
+        the beats of every partition would stop that long (every worker dead everywhere to the others). An ASK (a
         slot migrating) is followed at once; after a node failed or answered MOVED, the slot map is read again
         (a failover: the next beat reaches the new master) and what MOVED named goes once to its node now.
         Raises if no node was reached."""

@@ -62,7 +62,7 @@ def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
 
 _PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
 # Containers nested deeper are left as they are: the codec carries 511 levels and says why it refuses more (a
-# cycle too). The walk keeps its own stack: recursing, Python's limit ended it near 490 levels (RecursionError).
+# cycle too). The walk keeps its own stack: a recursive one meets Python's limit near 490 levels (RecursionError).
 _MAX_DETACH_DEPTH = 512
 
 

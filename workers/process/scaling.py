@@ -19,16 +19,16 @@ starting a model is not, so up is quick and down is slow). Every change is logge
 
 A worker in a batch is busy, not idle (:meth:`StageScaler.busy_workers`, the one place that counts it). The stats
 say what a batch took once it is committed, so a ``predict`` call longer than ``scale_down_after_s`` (or a
-continuous stage's live batch, which goes on under a steady load) wrote nothing while it ran, and a stage whose
-every worker was in such a call looked idle: no backlog, no busy time. It lost a worker that was busy. So the busy
-workers of a period also count, beside the stats' busy time, each batch in progress now in this supervisor's
-workers, read from the busy board they write as a batch begins and ends (:mod:`workers.process.watch`): a whole
-worker once it began a period ago or more, none before. A batch shorter than a period is left to the stats, which
-count all of it at its commit (counted while it ran too, it would be counted twice: a stage of short batches
-looked busier than it was and never went down); a longer one is counted twice for the part it ran before its
+continuous stage's live batch, which goes on under a steady load) writes nothing while it runs: by the stats alone
+a stage whose every worker is in such a call is idle (no backlog, no busy time) and would lose a busy worker. So
+the busy workers of a period also count, beside the stats' busy time, each batch in progress now in this
+supervisor's workers, read from the busy board they write as a batch begins and ends (:mod:`workers.process.watch`):
+a whole worker once it began a period ago or more, none before. A batch shorter than a period is left to the
+stats, which count all of it at its commit (counted while it ran too, it would count twice, and a stage of short
+batches would look busier than it is and never go down); a longer one counts twice for the part it ran before its
 commit's period, which only delays a scale-down after it. A stage whose every worker is in a batch begun a
 period ago is then as busy as it has workers, never quiet: it is not scaled down while they all are mid-call.
-Workers of the stage that other supervisors run (other hosts) are seen through the stats alone, as before.
+Workers of the stage that other supervisors run (other hosts) are seen through the stats alone.
 
 A worker that is stopped finishes the batch in hand, commits it and exits (SIGTERM, as at any
 stop): what it read is answered, nothing is left pending, nothing runs twice. Each supervisor scales
