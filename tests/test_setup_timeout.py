@@ -165,14 +165,18 @@ def test_a_worker_slow_to_load_is_warned_of_until_it_is_ready(redis_url: str, re
     def said(text: str) -> list[str]:
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith(text)]
 
+    in_setup = "in setup(); never replaced for it (the stage sets no setup_timeout_s)"
+
     def watch() -> None:
-        wait_for(lambda: len(said("worker still loading")) >= 2, T, "two warnings")
+        # Two warnings while in setup(); on a loaded machine the app's import may take a warning or two before it.
+        wait_for(lambda: sum(in_setup in t for t in said("worker still loading")) >= 2, T, "two warnings in setup()")
         warnings = said("worker still loading")
         [worker] = [p for p in psutil.Process().children() if "workers.process.child" in " ".join(p.cmdline())]
-        for n, text in enumerate(warnings[:2], 1):
+        for text in warnings:
             assert f"stage=load slot=0 pid={worker.pid} loading_s=" in text, text
-            assert "in setup(); never replaced for it (the stage sets no setup_timeout_s)" in text, text
-            assert float(text.split("loading_s=")[1].split()[0]) >= 0.5 * n, text
+            assert in_setup in text or "not in setup() yet (importing the app" in text, text
+        loading_s = [float(t.split("loading_s=")[1].split()[0]) for t in warnings if in_setup in t][:2]
+        assert 0.5 <= loading_s[0] < loading_s[1], warnings
         redis_client.rpush(GO_KEY, b"go")
         wait_for(lambda: said("worker ready after a slow start"), T, "the worker ready")
         assert len(said("worker still loading")) <= len(warnings) + 1  # no warning once it is ready
