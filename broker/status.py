@@ -165,8 +165,8 @@ class NodeReads:
     Each node is read on a plain client of its own (:func:`broker.connection.async_node_client`: one connection,
     no retry; one pipeline per node, not per partition, so that partitions sharing a node do not contend for it),
     not through the cluster client: that one meets a node's lost connection (a master killed) by
-    closing every connection it holds and retrying, and the reads under way on the healthy nodes lost theirs
-    ("Connection closed by server") or their answer within the bound: their partitions read as out of reach. A
+    closing every connection it holds and retrying, so the reads under way on the healthy nodes would lose theirs
+    ("Connection closed by server") or their answer within the bound, and their partitions read as out of reach. A
     partition's keys share one hash tag, so its node is that of its spec key in the cluster client's slot map (no
     command sent); after a node failed or redirected the map is read again (a failed node asked last), and a
     failover is followed.

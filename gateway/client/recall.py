@@ -12,7 +12,7 @@ out its deadline. Two checks find them, neither per request in the steady state:
   another master shows another run id too, though the streams and their pending entries moved with
   it, and a restart that reloaded its data lost nothing either. So the requests in flight there are
   audited at once (below), and only those Redis lost are sent again: resent whole, those still in a
-  stream ran twice. (A partition whose stage count is not known yet cannot be audited: every request
+  stream would run twice. (A partition whose stage count is not known yet cannot be audited: every request
   in flight there is sent again.)
 - **An audit** (every ``audit_after_s``, only for requests older than that): one ``audit.lua`` per
   pipeline partition finds those in no stage's stream and without a result; they are sent again.

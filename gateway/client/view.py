@@ -285,7 +285,7 @@ class Views:
         """One refresh: every view (``full``), or the specs of the unregistered ones. On a Redis Cluster every
         pipeline's specs, then every pipeline's partitions, are read a round trip per node, the nodes at once: a
         node down or hanging costs the refresh one ``PARTITION_READ_S``, however many pipelines it serves (read
-        a pipeline after another, each paid it, and the views went stale past ``STALE_AFTER_S``)."""
+        a pipeline after another, each would pay it, and the views go stale past ``STALE_AFTER_S``)."""
         views = [v for v in self.views if full or not v.registered]
         if not views:
             return
