@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from gateway.client.view import MAX_HELD_BATCHES
 from gateway.monitor.metrics import BATCH_DURATION_BUCKETS, BATCH_SIZE_BUCKETS, Metrics
 from gateway.monitor.status import PipelineStatus, StageStatus
-from tests.test_metrics_cost import _busy_pipeline, _NoBackend, _Served
+from tests.metrics_statuses import NoBackend, Served, busy_pipeline
 
 
 def _cpu_s(work: Callable[[], object], tries: int) -> float:
@@ -41,7 +41,7 @@ def held_batches(tries: int) -> None:
     held = [(1, rng.randrange(20, 90) / 1e6) for _ in range(MAX_HELD_BATCHES)]
 
     def counts() -> None:
-        Metrics(_NoBackend()).update({"p": PipelineStatus(True, [StageStatus(0, "s", live_workers=1, batches=held)])})
+        Metrics(NoBackend()).update({"p": PipelineStatus(True, [StageStatus(0, "s", live_workers=1, batches=held)])})
 
     def histograms() -> None:
         registry = CollectorRegistry()
@@ -63,7 +63,7 @@ def held_batches(tries: int) -> None:
 
 
 async def _longest_stall(pipelines: int) -> tuple[float, int]:
-    metrics = Metrics(_Served({f"p-{n}": _busy_pipeline(3) for n in range(pipelines)}))
+    metrics = Metrics(Served({f"p-{n}": busy_pipeline(3) for n in range(pipelines)}))
     longest, last, scraping = 0.0, time.perf_counter(), True
 
     async def turning() -> None:

@@ -12,16 +12,9 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.monitor.batch_metrics import BatchHistograms
 from gateway.monitor.metrics import BATCH_DURATION_BUCKETS, BATCH_SIZE_BUCKETS, Metrics
-from gateway.monitor.status import PipelineStatus, StageStatus
+from tests.metrics_statuses import Served, busy_pipeline
 
 STAGE_LABELS = ("pipeline", "index", "stage")
-
-
-class _NoBackend:
-    in_flight = 0
-
-    async def pipeline_status(self) -> PipelineStatus:
-        return PipelineStatus(False)
 
 
 def _samples(registry: CollectorRegistry) -> list[str]:
@@ -53,38 +46,6 @@ def test_same_exposition_as_prometheus_client() -> None:
     assert _samples(ours) == _samples(theirs)
 
 
-def _busy_pipeline(stages: int) -> PipelineStatus:
-    """A status whose every stage brings batches, waits and exemplars: all its series are written."""
-    return PipelineStatus(True, [
-        StageStatus(index, f"stage-{index}", live_workers=1, level_backlog={1: 2, 2: 3},
-                    batches=[(4, n / 1000) for n in range(1, 30)], item_waits=[(b, 3) for b in range(22)],
-                    exemplars=[(kind, b, "ab" * 16, 0.001) for kind in ("w", "p") for b in range(22)])
-        for index in range(stages)])
-
-
-class _Served:
-    """Pipelines as `read_statuses` reads them (a gateway.client.Pipelines' surface)."""
-
-    in_flight = 0
-
-    def __init__(self, statuses: dict[str, PipelineStatus]) -> None:
-        self.backends = {name: _Status(status) for name, status in statuses.items()}
-
-    def get(self, name: str) -> _Status | None:
-        return self.backends.get(name)
-
-    def names(self) -> list[str]:
-        return list(self.backends)
-
-
-class _Status(_NoBackend):
-    def __init__(self, status: PipelineStatus) -> None:
-        self.status = status
-
-    async def pipeline_status(self) -> PipelineStatus:
-        return self.status
-
-
 @pytest.mark.parametrize("openmetrics", [False, True])
 def test_the_loop_runs_while_a_scrape_of_many_pipelines_is_written(openmetrics: bool) -> None:
     """Many pipelines of busy stages: writing their text is the bulk of a scrape, done off the event
@@ -92,7 +53,7 @@ def test_the_loop_runs_while_a_scrape_of_many_pipelines_is_written(openmetrics: 
     text is the registry's, exactly as `Metrics.render` writes it."""
 
     async def main() -> None:
-        metrics = Metrics(_Served({f"p-{n}": _busy_pipeline(3) for n in range(50)}))
+        metrics = Metrics(Served({f"p-{n}": busy_pipeline(3) for n in range(50)}))
         turns, scraping = 0, True
 
         async def turning() -> None:
