@@ -1,10 +1,13 @@
 """Stages whose results are too large or cannot be encoded (imported by worker processes as
-``tests.error_stages``). An int n becomes n bytes in ``Make``; ``Double`` doubles what it gets."""
+``tests.error_stages``). An int n becomes n bytes in ``Make``; ``Double`` doubles what it gets; ``Dates``
+answers a date JSON cannot carry for "far", and one it can, with its batch's size, for anything else."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+import numpy as np
 
 from workers import Pipeline, Stage
 
@@ -51,7 +54,20 @@ class Raises(Stage):
         return xs
 
 
+class Dates(Stage):
+    """Two requests gathered into one batch: a date past the year 9999 for one, a plain date for the other."""
+
+    batch_size = 2
+    batch_wait_s = 1.0
+    batch_policy = "deadline"
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return [np.datetime64("10000-01-01") if x == "far" else {"day": np.datetime64("2026-11-29"), "batch": len(xs)}
+                for x in xs]
+
+
 sizes = Pipeline("t-sizes").add(Make).add(Double)
 versions_old = Pipeline("t-versions").add(Make)
 versions_new = Pipeline("t-versions").add(Make).add(Double)  # the same name, a stage more
 raises = Pipeline("t-raises").add(Raises)
+dates = Pipeline("t-dates").add(Dates)

@@ -21,7 +21,7 @@ from broker.keys import Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway import DeadlineExceeded, Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http.server import HttpServer, HttpSettings
-from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, raises, sizes, versions_old
+from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, dates, raises, sizes, versions_old
 from tests.helpers import (
     REPO_ROOT,
     conveyor_argv,
@@ -32,6 +32,7 @@ from tests.helpers import (
     start_worker,
     stop_process,
 )
+from tests.test_http import Client, Resp, predict_json
 from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
@@ -153,6 +154,38 @@ def test_too_large_and_unencodable_results_name_their_stage(redis_url: str) -> N
         assert isinstance(err, StageError), err
         assert (err.type, err.stage) == ("UnencodableResult", stage)
         assert f"stage {stage!r}" in err.message
+
+
+def test_a_date_json_cannot_carry_fails_its_request_alone_saying_to_ask_in_msgpack(redis_url: str) -> None:
+    """A date past the year 9999 asked as JSON was a 500 saying "unrepresentable numpy.datetime64: 2932897
+    days"; now it says to ask in msgpack, and the request beside it in its batch, and the next request on its
+    connection, are answered."""
+    async def main() -> list[Resp]:
+        async with Gateway(redis_url, dates.name, GatewaySettings(timeout_s=T)) as gw:
+            server = HttpServer(gw, HttpSettings(port=0))
+            await server.start()
+            clients = [await Client.open(server.port), await Client.open(server.port)]
+            try:  # at once on two connections: gathered into one batch by its deadline (a connection's
+                for client, x in zip(clients, ["far", "near"], strict=True):  # pipelined requests go one by one)
+                    await client.send(predict_json(x))
+                far, near = [await asyncio.wait_for(client.response("POST"), T) for client in clients]
+                await clients[0].send(predict_json("after"))
+                return [far, near, await asyncio.wait_for(clients[0].response("POST"), T)]
+            finally:
+                for client in clients:
+                    await client.close()
+                await server.close()
+
+    with running_workers(redis_url, "tests.error_stages:dates", ["Dates"]) as workers:
+        workers.wait_ready(dates.name)
+        far, near, after = asyncio.run(main())
+    assert far.status == 500, far.body
+    error = far.json()["error"]
+    assert error["type"] == "UnencodableResult", error
+    assert "10000-01-01, outside the years 0000 to 9999" in error["message"], error
+    assert "send the request as msgpack (Content-Type: application/msgpack)" in error["message"], error
+    assert near.status == 200 and near.json() == {"result": {"day": "2026-11-29T00:00:00", "batch": 2}}, near.body
+    assert after.status == 200 and after.json() == {"result": {"day": "2026-11-29T00:00:00", "batch": 1}}, after.body
 
 
 def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker_lives_on(redis_url: str) -> None:

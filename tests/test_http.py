@@ -25,7 +25,7 @@ import pytest
 
 from broker.codec import CodecError, decode, encode
 from gateway.errors import Overloaded, StageError
-from gateway.http.codecs import AS_MSGPACK, NonFiniteNumber, json_decode, json_encode
+from gateway.http.codecs import AS_MSGPACK, NonFiniteNumber, TimeOutOfRange, json_decode, json_encode
 from gateway.http.server import HttpServer, HttpSettings
 from gateway.http.server import run as run_http
 from gateway.monitor.metrics import Metrics
@@ -44,6 +44,7 @@ _CANNED: dict[str, Callable[[], Any]] = {  # results a test asks for by "op"
     "keys": lambda: {"inner": {1: "int one", "1": "text one"}},
     "tuple-key": lambda: {(1, 2): "pair"},
     "not-a-day": lambda: {"due": np.array(["2026-11-29", "NaT"], dtype="M8[D]")},
+    "far-day": lambda: {"due": np.array(["2026-11-29", "10000-01-01"], dtype="M8[D]")},
     "bytes": lambda: b"\x00\xff",
 }
 
@@ -363,6 +364,30 @@ def test_datetimes_of_an_array_not_c_ordered_are_written_as_those_of_one_c_order
             json_encode({"result": decode(encode(np.asfortranarray(with_nat)))})
 
 
+@pytest.mark.parametrize("far", [
+    np.datetime64("10000-01-01"), np.array(["2026-11-29", "10000-01-01"], dtype="M8[D]"), np.datetime64(2**62, "s"),
+    np.datetime64("-0001-12-31"), {1: [np.datetime64(9000, "Y")]}, np.datetime64(2**62, "W"),
+    np.asfortranarray(np.array([["2026-11-29", "10000-01-01"], ["2026-11-30", "2026-12-01"]], dtype="M8[us]")),
+    np.datetime64(2**60, "D"), np.datetime64(2**62, "h")])
+def test_a_datetime_outside_the_years_0000_to_9999_is_refused_saying_what_to_do(far: Any) -> None:
+    """orjson refused most with "unrepresentable numpy.datetime64: 2932897 days" (a 500 saying nothing of what to
+    do) and wrote the last two as 1970-01-01T00:00:00 (a 200 with another time than the stage's). Not written as
+    text with more digits: ISO 8601 writes such years only with a sign and as many digits as both sides agree,
+    and JSON readers' dates do not parse them (Python's end at 9999); msgpack carries them exactly."""
+    with pytest.raises(TimeOutOfRange, match=r"outside the years 0000 to 9999, which JSON's ISO 8601 text cannot "
+                                             r"carry; send the request as msgpack"):
+        json_encode({"result": far})
+
+
+def test_the_first_and_last_days_of_the_years_0000_to_9999_are_written_exactly() -> None:
+    """orjson refused the times from 9999-12-30T22:00:01 on, though their year has four digits."""
+    edges = [np.datetime64("0000-01-01"), np.datetime64("9999-12-31T23:59:59", "s"), np.datetime64("9999-12-31"),
+             np.array(["9999-12-31T12:00:00.5", "2026-11-29"], dtype="M8[ms]"), np.datetime64("9999-12", "M")]
+    assert json.loads(json_encode({"result": edges})) == {"result": [
+        "0000-01-01T00:00:00", "9999-12-31T23:59:59", "9999-12-31T00:00:00",
+        ["9999-12-31T12:00:00.500", "2026-11-29T00:00:00.000"], "9999-12-01T00:00:00"]}
+
+
 @pytest.mark.parametrize(("value", "said"), [({float("inf"): 1}, "a map key that is NaN or Infinity"),
                                             ({"a": {float("nan"): 1, 2: 3}}, "a map key that is NaN or Infinity"),
                                             (b"\x00", "object of type bytes is not JSON serializable"),
@@ -389,6 +414,27 @@ async def test_a_nat_or_bytes_result_is_a_500_saying_to_ask_in_msgpack(server: H
                                                {"content-type": "application/msgpack"}))
     due = decode(resp.body)["result"]["due"]
     assert resp.status == 200 and str(due[0]) == "2026-11-29" and np.isnat(due[1])
+
+
+@http_test()
+async def test_a_date_past_9999_is_a_500_saying_to_ask_in_msgpack_and_the_connection_goes_on(
+        server: HttpServer, backend: FakeBackend) -> None:
+    """The 500 said "unrepresentable numpy.datetime64: 2932897 days"; a request after it on the same
+    connection is answered as ever."""
+    client = await Client.open(server.port)
+    try:
+        await client.send(predict_json({"op": "far-day"}) + predict_json({"n": 1}))
+        far, after = await client.response("POST"), await client.response("POST")
+    finally:
+        await client.close()
+    assert far.status == 500, far.body
+    error = far.json()["error"]
+    assert error["type"] == "UnencodableResult" and "10000-01-01, outside the years 0000 to 9999" in error["message"]
+    assert AS_MSGPACK in error["message"], error
+    assert after.status == 200 and after.json() == {"result": {"n": 1}}
+    resp = await one(server.port, http_request("POST", "/v1/predict", encode({"op": "far-day"}),
+                                               {"content-type": "application/msgpack"}))
+    assert resp.status == 200 and [str(d) for d in decode(resp.body)["result"]["due"]] == ["2026-11-29", "10000-01-01"]
 
 
 def test_a_result_nested_deeper_than_json_answers_can_be_says_so_and_what_to_do() -> None:

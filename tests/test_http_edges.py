@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from gateway.client.slot import Slot
@@ -147,23 +148,26 @@ class _StreamingBackend(FakeBackend):
         return sink
 
 
-def test_a_stream_chunk_json_cannot_carry_gives_advice_that_works() -> None:
+@pytest.mark.parametrize(("chunk", "said"), [(float("nan"), b"NaN or Infinity"),
+                                             (np.datetime64("10000-01-01"), b"outside the years 0000 to 9999")])
+def test_a_stream_chunk_json_cannot_carry_gives_advice_that_works(chunk: Any, said: bytes) -> None:
     """A streamed chunk holding NaN ends the stream with ``UnencodableResult`` whose message says "send the
     request as msgpack: its answer comes as msgpack too"; but a stream's events are JSON whatever the
-    request's encoding (`ConveyorEvents`): a client that follows the advice gets the same error again."""
+    request's encoding (`ConveyorEvents`): a client that follows the advice gets the same error again.
+    A date past 9999 ended it saying "unrepresentable numpy.datetime64", and nothing of what to do."""
     async def body() -> bytes:
         backend = _StreamingBackend()
         async with serving(backend) as server:
             client = await Client.open(server.port)
             await client.send(msgpack_request("/v1/stream", 1))
             await asyncio.wait_for(backend.opened.wait(), 5)
-            backend.sinks[0].chunk({"seq": 0, "run": 1, "chunk": float("nan")})
+            backend.sinks[0].chunk({"seq": 0, "run": 1, "chunk": chunk})
             resp = await client.response()
             await client.close()
             return resp.body
 
     events = run(body())
-    assert b"UnencodableResult" in events
+    assert b"UnencodableResult" in events and said in events, events
     assert b"its answer comes as msgpack too" not in events, events
     assert b"a stream's events are JSON" in events, events
 

@@ -9,7 +9,9 @@ parsed by the standard library instead, and then refused where it cannot travel 
 in a JSON result become plain lists and numbers (orjson serializes arrays natively); in msgpack they
 travel as conveyor's array extension. A numpy datetime64 becomes ISO 8601 text, exact to its unit (orjson
 alone cut nanoseconds to microseconds); NaT ("not a time", as NaN) cannot be sent as JSON, nor can a
-map key that is NaN or an infinity (orjson wrote both as the text "null").
+map key that is NaN or an infinity (orjson wrote both as the text "null"), nor a datetime64 before the
+year 0000 or after 9999 (`TimeOutOfRange`): ISO 8601 writes those years only with a sign and more digits
+as both sides agree, which the dates of JSON readers do not parse (Python's end at 9999).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import orjson
 from broker.codec import decode as msgpack_decode
 from broker.codec import encode as msgpack_encode
 
-__all__ = ["JSON", "MSGPACK", "Codec", "KeyCollision", "NonFiniteNumber", "UnsupportedMediaType", "codec_for",
-           "json_decode", "json_encode"]
+__all__ = ["JSON", "MSGPACK", "Codec", "KeyCollision", "NonFiniteNumber", "TimeOutOfRange", "UnsupportedMediaType",
+           "codec_for", "json_decode", "json_encode"]
 
 _NON_FINITE_HINT = ("JSON carries finite numbers only (no NaN, Infinity or numbers beyond 1.8e308): "
                     "send finite numbers, or msgpack (Content-Type: application/msgpack)")
@@ -38,6 +40,10 @@ AS_MSGPACK = "send the request as msgpack (Content-Type: application/msgpack): i
 
 class NonFiniteNumber(ValueError):
     """A JSON body (or a result sent as JSON) holding NaN, an infinity, or a number out of range."""
+
+
+class TimeOutOfRange(ValueError):
+    """A result sent as JSON holding a datetime64 whose year is not 0000 to 9999 (ISO 8601's four digits)."""
 
 
 class UnsupportedMediaType(ValueError):
@@ -102,7 +108,9 @@ _TIME_TEXT = re.compile(rb'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d')
 
 def json_encode(obj: Any) -> bytes:
     """JSON of ``obj``; NonFiniteNumber if it holds NaN, an infinity or NaT (orjson would write null, or
-    a date), KeyCollision if two of a map's keys write as one text."""
+    a date), TimeOutOfRange if a datetime64 past the year 9999 or before 0000 (orjson refuses some with a
+    message that says nothing of what to do, and writes others as a wrong date), KeyCollision if two of a
+    map's keys write as one text."""
     try:
         out: bytes = orjson.dumps(obj, default=_json_default, option=_DUMPS_OPTIONS)
     except orjson.JSONEncodeError:  # a map key that is not text, or an array orjson refuses: the slow path
@@ -174,9 +182,10 @@ def _key_text(key: Any) -> str:
 
 def _times_as_text(obj: Any, depth: int = 0) -> Any:
     """``obj`` with each datetime64 orjson would write wrong as exact ISO 8601 text (``obj`` itself when
-    there is none): nanoseconds with a part below a microsecond (orjson cuts it), and the units below
-    (orjson refuses them); NaT, which orjson writes as a date (1970-01-01 at a unit of days), is a
-    NonFiniteNumber."""
+    there is none): nanoseconds with a part below a microsecond (orjson cuts it), the units below
+    (orjson refuses them), and the last hours of the year 9999 (orjson refuses them too); NaT, which
+    orjson writes as a date (1970-01-01 at a unit of days), is a NonFiniteNumber, a time outside the years
+    0000 to 9999 a TimeOutOfRange."""
     if isinstance(obj, np.ndarray | np.datetime64):
         if obj.dtype.kind != "M":
             return obj
@@ -185,6 +194,9 @@ def _times_as_text(obj: Any, depth: int = 0) -> Any:
         unit = np.datetime_data(obj.dtype)[0]
         if unit in ("ps", "fs", "as") or (unit == "ns" and (obj.astype("M8[us]") != obj).any()):
             text = np.datetime_as_string(obj)
+            return text.tolist() if isinstance(text, np.ndarray) else str(text)
+        if unit != "ns" and (_days_in_iso_years(obj) >= _ORJSON_REFUSES_FROM).any():  # ns end in 2262
+            text = np.datetime_as_string(obj, unit="s" if unit in _COARSER_THAN_SECONDS else None)
             return text.tolist() if isinstance(text, np.ndarray) else str(text)
         return obj
     if depth > 256:
@@ -196,6 +208,32 @@ def _times_as_text(obj: Any, depth: int = 0) -> Any:
         items = [_times_as_text(v, depth + 1) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj, strict=True)) else items
     return obj
+
+
+_FIRST_DAY, _LAST_DAY = np.datetime64("0000-01-01", "D"), np.datetime64("9999-12-31", "D")
+_ORJSON_REFUSES_FROM = np.datetime64("9999-12-30", "D")  # from 9999-12-30T22:00:01 on (it writes seconds at least)
+_COARSER_THAN_SECONDS = frozenset({"Y", "M", "W", "D", "h", "m"})
+_LONG_UNITS = {"Y": "years", "M": "months", "W": "weeks"}  # in days, a large count of these would overflow int64
+_YEARS_BEYOND = f"outside the years 0000 to 9999, which JSON's ISO 8601 text cannot carry; {AS_MSGPACK}"
+
+
+def _days_in_iso_years(times: np.ndarray | np.datetime64) -> np.ndarray:
+    """The day of each of ``times`` (at a unit of microseconds or coarser, no NaT); TimeOutOfRange, naming
+    the first, if one is outside the years 0000 to 9999."""
+    array = np.asarray(times)
+    unit, count = np.datetime_data(array.dtype)
+    ticks = array.astype(np.int64)
+    if unit in _LONG_UNITS:  # a million is past 9999 at each of these units, and far from overflowing as days
+        beyond = np.abs(ticks) > 1_000_000 // count
+        if beyond.any():
+            first = int(ticks.reshape(-1)[np.argmax(beyond.reshape(-1))]) * count
+            raise TimeOutOfRange(f"the result holds a time {first} {_LONG_UNITS[unit]} from 1970, {_YEARS_BEYOND}")
+    days = array.astype("M8[D]")
+    beyond = (days < _FIRST_DAY) | (days > _LAST_DAY)
+    if beyond.any():
+        first_time = np.datetime_as_string(array.reshape(-1)[np.argmax(beyond.reshape(-1))])
+        raise TimeOutOfRange(f"the result holds the time {first_time}, {_YEARS_BEYOND}")
+    return days
 
 
 def _holds_non_finite(obj: Any, depth: int = 0) -> bool:
