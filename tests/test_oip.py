@@ -179,6 +179,20 @@ def test_bad_requests_are_refused_naming_what_was_expected(stack: Stack) -> None
     assert status == 404 and set(json.loads(raw)) == {"error", "request_id"}
 
 
+def test_an_integer_out_of_its_datatypes_range_is_a_400_naming_the_range(stack: Stack) -> None:
+    """-1 as UINT8 and 2**64 as UINT64 were refused in numpy's words; INT64's -2**63 - 1 as "data must be
+    integers"."""
+    for datatype, value, said in (("UINT8", -1, "-1 does not fit UINT8 (integers from 0 to 255)"),
+                                  ("UINT64", 2**64, "18446744073709551616 does not fit UINT64 (integers from 0 to "),
+                                  ("INT64", -(2**63) - 1, "-9223372036854775809 does not fit INT64 (integers from ")):
+        body = {"inputs": [{"name": "ids", "datatype": datatype, "shape": [2], "data": [1, value]}]}
+        status, raw = http_call(stack.port, "POST", "/v2/models/t-echo/infer", json.dumps(body).encode())
+        assert status == 400 and f"input 'ids': {said}" in json.loads(raw)["error"], raw
+    body = {"inputs": [{"name": "ids", "datatype": "UINT64", "shape": [1], "data": [2**64 - 1]}]}
+    status, raw = http_call(stack.port, "POST", "/v2/models/t-echo/infer", json.dumps(body).encode())
+    assert status == 200 and json.loads(raw)["outputs"][0]["data"] == [2**64 - 1], raw
+
+
 def test_an_extension_not_served_is_refused_not_ignored(stack: Stack) -> None:
     """Triton's classification (``class_count``) answers BYTES "<value>:<index>" top-n strings; it was ignored,
     and tritonclient got the raw FP32 tensor with a 200. Output shared memory was ignored too (the data came

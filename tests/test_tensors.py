@@ -110,6 +110,35 @@ def test_malformed_requests_name_the_problem() -> None:
     assert "does not fit a body" in refused(b"{}", 10)
 
 
+INT64_RANGE = "integers from -9223372036854775808 to 9223372036854775807"
+
+
+@pytest.mark.parametrize(("datatype", "value", "said"), [
+    ("INT8", 300, "300 does not fit INT8 (integers from -128 to 127)"),
+    ("UINT8", -1, "-1 does not fit UINT8 (integers from 0 to 255)"),
+    ("UINT64", 2**64, "18446744073709551616 does not fit UINT64 (integers from 0 to 18446744073709551615)"),
+    ("INT64", -(2**63) - 1, f"-9223372036854775809 does not fit INT64 ({INT64_RANGE})"),
+    ("INT64", 2**63, f"9223372036854775808 does not fit INT64 ({INT64_RANGE})"),
+    ("UINT32", 10**30, "1000000000000000000000000000000 does not fit UINT32 (integers from 0 to 4294967295)"),
+    ("INT16", -(10**60), "-1000000000000000000... (61 digits) does not fit INT16 (integers from -32768 to 32767)"),
+    ("INT32", 1.5, "INT32 data must be integers"),  # floats and booleans: as they were
+    ("INT8", 300.0, "INT8 data must be integers"),
+    ("UINT64", 1.8446744073709552e19, "UINT64 data must be integers from 0 to 18446744073709551615, "
+                                      "got 1.8446744073709552e+19"),
+    ("INT16", True, "INT16 data must be numbers"),
+])
+def test_an_integer_out_of_its_datatypes_range_is_refused_naming_it_and_the_range(datatype: str, value: Any,
+                                                                                    said: str) -> None:
+    """INT64's -2**63 - 1 (orjson reads an integer past 64 bits as a float) was refused as "data must be
+    integers"; the others said numpy's words ("Python int too large to convert to C long"), naming neither
+    the value nor the range."""
+    doc = {"inputs": [{"name": "ok", "datatype": datatype, "shape": [1], "data": [1]},
+                      {"name": "ids", "datatype": datatype, "shape": [2, 1], "data": [[1], [value]]}]}
+    with pytest.raises(TensorError) as caught:
+        parse_request(json.dumps(doc).encode(), None)
+    assert str(caught.value) == f"input 'ids': {said}"
+
+
 ROWS = PipelineIO((TensorSpec("x", "FP32", (-1, 2)),), (TensorSpec("s", "FP32", (-1,)),), batched=True)
 
 

@@ -16,6 +16,7 @@ make the gateway build millions of empty rows.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -94,6 +95,7 @@ class RequestHead:
     inputs: tuple[InputHead, ...]
     outputs: tuple[dict[str, Any], ...]  # requested outputs: {"name", "parameters"?}
     holds_data: bool  # some input's values are in the head itself (JSON), not after it
+    text: bytes = b""  # the head's JSON when it holds data: read again exactly to name an integer past 64 bits
 
     def wants_binary(self, name: str) -> bool:
         """Whether output ``name`` goes back as raw bytes (its own ``binary_data``, else the request's
@@ -106,11 +108,14 @@ class RequestHead:
     def tensors(self, rest: bytes) -> list[Tensor]:
         """The inputs' tensors: JSON values from the head, raw ones from ``rest`` (the bytes after it)."""
         offset = 0
-        tensors = []
+        tensors: list[Tensor] = []
         for spec in self.inputs:
             count = math.prod(spec.shape)
             if spec.binary_size is None:
-                data = _from_json(spec.name, spec.datatype, spec.data, count)
+                try:
+                    data = _from_json(spec.name, spec.datatype, spec.data, count)
+                except _PastSixtyFourBits as past:
+                    data = _from_json(spec.name, spec.datatype, self._exact_data(len(tensors), past), count)
             else:
                 if offset + spec.binary_size > len(rest):
                     raise TensorError(f"input {spec.name!r}: binary_data_size {spec.binary_size} does not fit the body")
@@ -124,6 +129,14 @@ class RequestHead:
         if offset != len(rest):
             raise TensorError(f"the body holds {len(rest) - offset} bytes that no input's binary_data_size claims")
         return tensors
+
+    def _exact_data(self, index: int, past: _PastSixtyFourBits) -> Any:
+        """Input ``index``'s data read again by the standard library, whose integers are exact where orjson
+        made the ones past 64 bits floats; ``past`` itself if the head cannot be read so."""
+        try:
+            return json.loads(self.text)["inputs"][index]["data"]
+        except (ValueError, RecursionError):  # an integer past 4300 digits, or data nested past 1000 levels
+            raise past from None
 
 
 @dataclass
@@ -190,8 +203,9 @@ def parse_head(head: bytes) -> RequestHead:
             orjson.dumps(parameters)
         except orjson.JSONEncodeError as exc:
             raise TensorError(f"'parameters' cannot be answered: {exc}") from None
+    holds_data = None in [i.binary_size for i in inputs]
     return RequestHead(None if request_id is None else str(request_id), parameters, inputs, tuple(outputs),
-                       None in [i.binary_size for i in inputs])
+                       holds_data, head if holds_data else b"")
 
 
 def _input(raw: Any, max_rows: int) -> InputHead:
@@ -268,17 +282,48 @@ def _from_json(name: str, datatype: str, data: Any, count: int) -> npt.NDArray[A
         raise TensorError(f"input {name!r}: BOOL data must be true or false")
     if datatype != "BOOL" and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat):
         raise TensorError(f"input {name!r}: {datatype} data must be numbers")
+    if dtype.kind in "iu" and not all(isinstance(v, int) for v in flat):
+        _refuse_floats(name, datatype, flat)
     try:
         with np.errstate(over="ignore"):  # a float past its type's range: refused below, not warned of
             array = np.array(flat, dtype=dtype)
-    except OverflowError as exc:
-        raise TensorError(f"input {name!r}: a value does not fit {datatype}: {exc}") from None
+    except OverflowError:  # integers only (floats are refused above): one past the datatype's range
+        low, high = _RANGES[datatype]
+        value = next(v for v in flat if not low <= v <= high)
+        raise TensorError(f"input {name!r}: {_short(value)} does not fit {datatype} (integers from {low} to "
+                          f"{high})") from None
     if dtype.kind == "f" and not np.isfinite(array).all():  # past the type's range: numpy made it infinite
         raise TensorError(f"input {name!r}: a value does not fit {datatype} (finite numbers up to "
                           f"{np.finfo(dtype).max:g})")
-    if dtype.kind in "iu" and not all(isinstance(v, int) for v in flat):
-        raise TensorError(f"input {name!r}: {datatype} data must be integers")
     return array
+
+
+_RANGES = {name: (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)) for name, dtype in DATATYPES.items()
+           if dtype.kind in "iu"}
+# orjson reads an integer in [-2**63, 2**64 - 1] as an int, one past it as a float (at most -2**63, at least 2**64).
+_INT64_MIN, _UINT64_END = -(2**63), 2**64
+
+
+class _PastSixtyFourBits(TensorError):
+    """A float in an integer input that may be an integer orjson read as a float (past 64 bits): its head is
+    read again exactly to name it (`RequestHead.tensors`); the message holds if it cannot be."""
+
+
+def _refuse_floats(name: str, datatype: str, flat: list[Any]) -> None:
+    """Refuses the floats of an integer input: one that may be an integer past 64 bits as orjson reads it raises
+    `_PastSixtyFourBits`, any other says the data must be integers."""
+    for v in flat:
+        if isinstance(v, float) and (v <= _INT64_MIN or v >= _UINT64_END):
+            low, high = _RANGES[datatype]
+            raise _PastSixtyFourBits(f"input {name!r}: {datatype} data must be integers from {low} to {high}, "
+                                     f"got {v!r}")
+    raise TensorError(f"input {name!r}: {datatype} data must be integers")
+
+
+def _short(value: int) -> str:
+    """An integer of a message: one of many digits (up to 4300 in a JSON body) by its first and its length."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
 
 
 def _flatten(name: str, data: Any) -> list[Any]:
