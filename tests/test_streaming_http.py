@@ -298,5 +298,6 @@ def test_generate_answers_are_written_as_json_is_everywhere(redis_url: str) -> N
             ("/v2/models/t-odd/generate_stream", b'{"t": "a nan c"}')])
     assert array[0] == 200 and json.loads(array[2])["output"] == [2, 2]
     assert nan[0] == 500 and "cannot be sent as JSON" in json.loads(nan[2])["error"], nan
+    assert "generate answers JSON only" in json.loads(nan[2])["error"], nan  # not "send the request as msgpack"
     events = [data for _, data in _events(stream[2])]
     assert events[0]["output"] == "a" and "cannot be sent as JSON" in events[1]["error"] and len(events) == 2, events

@@ -27,7 +27,7 @@ import orjson
 from broker.spec import PipelineIO
 from gateway.backends import Backend
 from gateway.client.slot import failure
-from gateway.http.codecs import JSON
+from gateway.http.codecs import AS_MSGPACK, JSON
 from gateway.http.oip.infer import schedule_policy
 from gateway.http.oip.items import JSON_TYPE, error_reply, failure_reply
 from gateway.http.oip.tensors import TensorError
@@ -80,6 +80,11 @@ def _bound(request: Request, timeout_s: float | None) -> float | None:
     return timeout_s
 
 
+# generate reads and answers JSON only: the codec's advice (ask in msgpack) does not hold on this route.
+_JSON_ONLY = ("generate answers JSON only: answer what JSON can carry, or ask conveyor's own predict route in msgpack "
+              "(POST /v1/pipelines/{name}/predict, Content-Type: application/msgpack)")
+
+
 def generate(request: Request, name: str, backend: Backend, io: PipelineIO) -> Reply | Pending:
     try:
         x, priority, timeout_s = _request(request, io)
@@ -96,7 +101,8 @@ def generate(request: Request, name: str, backend: Backend, io: PipelineIO) -> R
         try:  # checked: NaN or an infinity is no JSON (orjson alone writes null); numpy arrays as lists
             return Reply(200, JSON.encode(_answer(name, io, done.result())), JSON_TYPE)
         except (TypeError, ValueError) as err:
-            return error_reply(500, f"model {name!r}: the answer cannot be sent as JSON: {err}", "error")
+            message = str(err).replace(AS_MSGPACK, _JSON_ONLY.format(name=name))
+            return error_reply(500, f"model {name!r}: the answer cannot be sent as JSON: {message}", "error")
 
     return Pending(waiter, finish, cancelling(backend, [waiter]))
 
