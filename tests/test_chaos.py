@@ -1,5 +1,6 @@
-"""Chaos: 12,000 requests through a 2-stage pipeline while workers are SIGKILLed and every Redis
-client connection is dropped, and every request still gets exactly one, correct answer.
+"""Chaos: up to 8,000 requests (as many as a minute allows) through a 2-stage pipeline while workers
+are SIGKILLed and every Redis client connection is dropped, and every request still gets exactly
+one, correct answer.
 
 Two ``conveyor worker`` processes (``--workers 2`` each, one per stage) run
 ``tests.chaos_stages:chaos`` (f(x) = 3 x + 1, batched, ``claim_idle_s`` = 1 s) on a private
@@ -24,6 +25,7 @@ import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +47,13 @@ pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 APP = "tests.chaos_stages:chaos"
 PIPELINE = "c-chaos"
 REQUESTS = 8_000  # ~10 s of load on 2 cores: some 15 kills and the three drops
+SEND_FOR_S = 60.0  # no new request after this: a slow machine (workers restarting for seconds) sends fewer
+MIN_SENT = 1_000  # what the chaos must have met, at least
 IN_FLIGHT = 256
 KILL_EVERY_S = 0.5
 CONNECTION_DROPS = 3
 TIMEOUT_S = 60.0
-LOAD_BOUND_S = 150.0  # the whole load, chaos included; it takes ~15-30 s on 2 cores
+LOAD_BOUND_S = 150.0  # the whole load, chaos included: sending (at most SEND_FOR_S), then what is in flight
 MIN_AGE_S = 1.0  # only kill workers that are up (see the module docstring)
 
 
@@ -107,6 +111,7 @@ class Outcome:
     wrong: list[tuple[int, Any]] = field(default_factory=list)
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     answered: int = 0
+    sent: int = 0
     duration_s: float = 0.0
 
 
@@ -120,7 +125,8 @@ def connected(proc: psutil.Process) -> bool:
 @dataclass
 class Chaos:
     """SIGKILLs a random worker child every KILL_EVERY_S; drops all client connections when
-    a quarter, half and three quarters of the requests are answered."""
+    a quarter, half and three quarters of the requests are answered, or of ``SEND_FOR_S`` has passed
+    (whichever comes first: a slow machine answers fewer)."""
 
     workers: Workers
     redis_url: str
@@ -144,7 +150,7 @@ class Chaos:
         rng = random.Random(self.seed)
         admin = redis.Redis.from_url(self.redis_url)
         try:
-            last_print = time.monotonic()
+            started = last_print = time.monotonic()
             while not self.stop.wait(KILL_EVERY_S):
                 if time.monotonic() - last_print > 5:
                     last_print = time.monotonic()
@@ -155,15 +161,25 @@ class Chaos:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         rng.choice(victims).kill()
                         self.kills += 1
-                due = (len(self.drops) + 1) * REQUESTS // (CONNECTION_DROPS + 1)
-                if len(self.drops) < CONNECTION_DROPS and self.outcome.answered >= due:
+                due = (len(self.drops) + 1) / (CONNECTION_DROPS + 1)
+                if len(self.drops) < CONNECTION_DROPS and (self.outcome.answered >= due * REQUESTS
+                                                           or time.monotonic() - started >= due * SEND_FOR_S):
                     self.drops.append(int(admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")))
         finally:
             admin.close()
 
 
 async def load(gw: Gateway, outcome: Outcome) -> None:
-    inputs = iter(range(REQUESTS))
+    until = time.monotonic() + SEND_FOR_S
+
+    def sending() -> Iterator[int]:
+        for x in range(REQUESTS):
+            if time.monotonic() > until:
+                return
+            outcome.sent += 1
+            yield x
+
+    inputs = sending()
 
     async def client() -> None:
         for x in inputs:
@@ -236,8 +252,8 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
 
     lat = sorted(outcome.latencies)
     duplicated = {i: n for i, n in gw.pushed.items() if n > 1}
-    print(f"\nchaos (seed {chaos.seed}): {REQUESTS} requests, {IN_FLIGHT} in flight, {outcome.duration_s:.1f} s "
-          f"({REQUESTS / outcome.duration_s:.0f} req/s)")
+    print(f"\nchaos (seed {chaos.seed}): {outcome.sent} requests, {IN_FLIGHT} in flight, {outcome.duration_s:.1f} s "
+          f"({outcome.sent / outcome.duration_s:.0f} req/s)")
     print(f"  answered {outcome.answered}, correct {len(lat) - len(outcome.wrong)}, wrong {len(outcome.wrong)}, "
           f"errors {dict(outcome.errors)}, duplicated pushes {len(duplicated)}")
     print(f"  worker kills {chaos.kills}, connection drops {len(chaos.drops)} (clients killed {chaos.drops}), "
@@ -246,10 +262,11 @@ def test_no_request_lost_duplicated_or_misrouted_under_chaos(private_redis: Embe
     print(f"  latency p50 {percentile(lat, 0.5) * 1e3:.1f} ms, p99 {percentile(lat, 0.99) * 1e3:.1f} ms, "
           f"p999 {percentile(lat, 0.999) * 1e3:.1f} ms, max {lat[-1] * 1e3 if lat else float('nan'):.1f} ms")
 
-    assert outcome.answered == REQUESTS
+    assert outcome.sent >= MIN_SENT, f"only {outcome.sent} requests sent in {SEND_FOR_S:g} s"
+    assert outcome.answered == outcome.sent
     assert not outcome.errors, f"requests lost or failed: {dict(outcome.errors)}"
     assert not outcome.wrong, f"misrouted answers: {outcome.wrong[:10]}"
-    assert len(lat) == REQUESTS
+    assert len(lat) == outcome.sent
     assert not duplicated, f"ids pushed more than once: {list(duplicated.items())[:10]}"
     assert chaos.kills >= 10, "the chaos did not happen"
     assert len(chaos.drops) == CONNECTION_DROPS and all(n > 0 for n in chaos.drops)
