@@ -37,7 +37,7 @@ import time
 from binascii import hexlify, unhexlify
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("conveyor.tracing")
@@ -70,6 +70,8 @@ class TraceSettings:
     enabled: bool = False
     sampler: str = "parentbased_always_on"
     ratio: float = 1.0
+    _parent_based: bool = field(init=False, repr=False, compare=False)
+    _odds: float = field(init=False, repr=False, compare=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> TraceSettings:
@@ -91,17 +93,19 @@ class TraceSettings:
                 log.warning("OTEL_TRACES_SAMPLER_ARG is not a number: sampling every request")
         return cls(enabled, sampler, ratio)
 
+    def __post_init__(self) -> None:
+        # What sampled() reads: whether the caller's flag decides, and the odds of a request without one.
+        object.__setattr__(self, "_parent_based", self.sampler.startswith("parentbased"))
+        object.__setattr__(self, "_odds", 1.0 if self.sampler.endswith("always_on")
+                           else 0.0 if self.sampler.endswith("always_off") else self.ratio)
+
     def sampled(self, parent_flags: int | None) -> bool:
         """Whether a request is traced: ``parent_flags`` is its caller's ``traceparent`` flags (None:
         no parent). A ratio is drawn per request (the SDK draws it from the trace id: the same odds)."""
-        sampler = self.sampler
-        if parent_flags is not None and sampler.startswith("parentbased"):
+        if parent_flags is not None and self._parent_based:
             return bool(parent_flags & 1)
-        if sampler.endswith("always_on"):
-            return True
-        if sampler.endswith("always_off"):
-            return False
-        return random.random() < self.ratio
+        odds = self._odds
+        return odds >= 1.0 or (odds > 0.0 and random.random() < odds)
 
 
 def new_trace_id() -> bytes:

@@ -125,6 +125,13 @@ def test_settings_from_the_standard_variables() -> None:
     assert tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp"}).enabled
     never = tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "always_off"})
     assert not never.sampled(None)
+    assert not never.sampled(1)  # not parent based: the caller's flag does not decide
+    always = tracing.TraceSettings(True, "always_on")
+    assert always.sampled(None) and always.sampled(0)
+    assert not tracing.TraceSettings(True, "traceidratio", 0.0).sampled(None)
+    quarter = tracing.TraceSettings(True, "traceidratio", 0.25)
+    assert 150 < sum(quarter.sampled(None) for _ in range(1000)) < 350
+    assert tracing.TraceSettings(True, "traceidratio", 0.25) == quarter  # what sampled() keeps is not compared
 
 
 def _spans_of(body: bytes) -> list[str]:
