@@ -26,8 +26,18 @@ REDIS_FIXTURES = frozenset({"redis_server", "redis_url", "redis_client", "privat
 CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_url", "failover_cluster"})
 
 
+# The longest modules (minutes each on a slow machine: an image built, a model exported, workers killed for a
+# minute), run first: the suite runs on two processes by module (pyproject's addopts), and one of them started
+# last would run alone at the end while the other process idles.
+LONGEST_FIRST = ("test_podman.py", "test_chaos.py", "test_embeddings_onnx.py", "test_embeddings_calibration.py",
+                 "test_cluster_hung_views.py", "test_embeddings.py", "test_cluster.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every test one tier: the closest tier marker, else the one its fixtures imply."""
+    """Give every test one tier: the closest tier marker, else the one its fixtures imply. The longest
+    modules go first (:data:`LONGEST_FIRST`), the rest keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         tier = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
