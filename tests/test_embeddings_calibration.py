@@ -25,11 +25,13 @@ from tests.test_embeddings_onnx import onnx_cache_dir
 
 pytestmark = pytest.mark.system  # the ONNX export runs in a child process (tests/conftest.py: tiers)
 
-# A bound on the first start's calibration with room for a busy shared machine (the durations measured on
-# this one: docs/embeddings.md, "Engines").
-CALIBRATION_BOUND_S = 60.0
+# A bound on the CPU time of the first start's calibration: a runaway (rounds that never end), not a speed goal,
+# with room for a slow machine (its figures: docs/embeddings.md, "Engines"). CPU time, not wall time: a busy
+# shared machine makes the calibration wait for a core, not work more.
+CALIBRATION_CPU_BOUND_S = 120.0
 
 
+@pytest.mark.timeout(300)
 def test_the_first_setup_measures_and_keeps_the_choice_the_second_reads_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
@@ -44,11 +46,11 @@ def test_the_first_setup_measures_and_keeps_the_choice_the_second_reads_it(
     first = Embed(cache_dir=str(tmp_path))
     first.setup()
     took_s = time.perf_counter() - started
-    assert took_s < CALIBRATION_BOUND_S, took_s
 
     kept = list((tmp_path / "embeddings" / "engine-choice").glob("*.json"))
     assert len(kept) == 1
     decision = calibration.Decision.from_json(kept[0].read_text())
+    assert 0 < decision.calibration_cpu_s < CALIBRATION_CPU_BOUND_S, decision.calibration_cpu_s
     assert decision.engine == first.engine and set(decision.figures) == set(calibration.CANDIDATES)
     winner = decision.figures[first.engine]
     assert winner.qualifies() and winner.mean_cosine >= 0.999 and winner.cpu_ms_per_text > 0
