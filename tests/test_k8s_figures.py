@@ -266,7 +266,12 @@ def test_keda_figures_follow_conveyors_backlog(server_url: str) -> None:
     print(f"\nRedis {'7' if lag_known else '6.2'}:\n{report}")
     for s in samples:
         check(s, lag_known)
-    assert [(s.backlog, s.pending) for s in samples] == [(0, 0), (4, 8), (8, 8), (8, 4), (8, 4), (0, 0)], report
+    figures = [(s.backlog, s.pending) for s in samples]
+    assert figures[:3] == [(0, 0), (4, 8), (8, 8)] and figures[-1] == (0, 0), report
+    # The pod scaled down acked its batch (4 entries); where its stop reached its worker only after that batch's
+    # commit (a slow machine), it may have read some more first, left pending on its name for the next pod to take
+    # over: the backlog and pending then split the 12 entries otherwise (most often 8 and 4).
+    assert sum(figures[3]) == 12 and figures[3][1] >= 4 and figures[4] == figures[3], report
     assert at_zero.live == 0 and at_zero.length.active() and at_zero.entries == 12
     if lag_known:  # the gap that rules lagCount out: work waits, no worker, and KEDA reads -1 (inactive)
         assert at_zero.lag_raw is None and at_zero.lag.value == -1 and not at_zero.lag.active(), report
