@@ -7,6 +7,10 @@ dict lookup, an increment and a ``bisect`` (the bucket), and the cumulative buck
 only when ``/metrics`` is scraped. This collector renders exactly what the two prometheus-client
 metrics rendered (same names, help, labels, buckets, ``_created`` series), and every number is
 exact at the moment of the scrape: nothing is sampled or deferred past it.
+
+The numbers are one process's. A gateway run as ``--processes N`` renders the sum over its processes
+instead (:mod:`gateway.monitor.process_counts`): `snapshot` copies these numbers, off the request
+path, and `render` writes any `RequestCounts`, this process's or a sum.
 """
 
 from __future__ import annotations
@@ -14,24 +18,34 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["RequestMetrics"]
+__all__ = ["Latency", "RequestCounts", "RequestMetrics"]
 
 
-class _Latency:
-    """One outcome's histogram: non-cumulative bucket counts (the last one is ``+Inf``) and the sum."""
+@dataclass(slots=True)
+class Latency:
+    """One outcome's histogram: non-cumulative bucket counts (the last one is ``+Inf``), the sum of the
+    durations, and when it was created (Unix seconds)."""
 
-    __slots__ = ("buckets", "created", "sum")
+    buckets: list[int]
+    sum_s: float
+    created_s: float
 
-    def __init__(self, size: int) -> None:
-        self.buckets = [0] * size
-        self.sum = 0.0
-        self.created = time.time()
+
+@dataclass
+class RequestCounts:
+    """Requests by (route, outcome) with their creation times (Unix seconds), and latency by outcome: one
+    process's numbers, or several processes' summed."""
+
+    counts: dict[tuple[str, str], int]
+    created_s: dict[tuple[str, str], float]
+    latency: dict[str, Latency]
 
 
 class RequestMetrics(Collector):
@@ -44,7 +58,12 @@ class RequestMetrics(Collector):
         self._le = [*(floatToGoString(b) for b in self._bounds), "+Inf"]
         self._counts: dict[tuple[str, str], int] = {}
         self._created: dict[tuple[str, str], float] = {}
-        self._latency: dict[str, _Latency] = {}
+        self._latency: dict[str, Latency] = {}
+
+    @property
+    def bucket_count(self) -> int:
+        """Buckets per latency histogram, ``+Inf`` included: a `RequestCounts` to `render` has as many."""
+        return len(self._le)
 
     def observe(self, route: str, outcome: str, duration_s: float | None = None) -> None:
         """Count one answered request; predict requests also pass their end-to-end duration."""
@@ -57,9 +76,15 @@ class RequestMetrics(Collector):
         if duration_s is not None:
             latency = self._latency.get(outcome)
             if latency is None:
-                latency = self._latency[outcome] = _Latency(len(self._le))
+                latency = self._latency[outcome] = Latency([0] * len(self._le), 0.0, time.time())
             latency.buckets[bisect_left(self._bounds, duration_s)] += 1  # le: the first bound >= it
-            latency.sum += duration_s
+            latency.sum_s += duration_s
+
+    def snapshot(self) -> RequestCounts:
+        """A copy of this process's numbers, to publish to sibling processes (not on the request path)."""
+        return RequestCounts(dict(self._counts), dict(self._created),
+                             {outcome: Latency(list(hist.buckets), hist.sum_s, hist.created_s)
+                              for outcome, hist in self._latency.items()})
 
     def _families(self) -> tuple[CounterMetricFamily, HistogramMetricFamily]:
         return (CounterMetricFamily(self._requests_name, "HTTP requests answered, by route and outcome.",
@@ -72,15 +97,19 @@ class RequestMetrics(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
+        return self.render(RequestCounts(self._counts, self._created, self._latency))
+
+    def render(self, counts: RequestCounts) -> tuple[Metric, Metric]:
+        """The two families of ``counts`` (this process's, or a sum of several processes' numbers)."""
         requests, latency = self._families()
-        for (route, outcome), count in self._counts.items():
-            requests.add_metric((route, outcome), count, created=self._created[(route, outcome)])
-        for outcome, hist in self._latency.items():
+        for (route, outcome), count in counts.counts.items():
+            requests.add_metric((route, outcome), count, created=counts.created_s[(route, outcome)])
+        for outcome, hist in counts.latency.items():
             cumulative, total = [], 0
             for le, count in zip(self._le, hist.buckets, strict=True):
                 total += count
                 cumulative.append((le, float(total)))
-            latency.add_metric((outcome,), cumulative, hist.sum)
+            latency.add_metric((outcome,), cumulative, hist.sum_s)
             # Right after its label set's samples: OpenMetrics wants each set's lines together.
-            latency.samples.append(Sample(f"{self._latency_name}_created", {"outcome": outcome}, hist.created))
+            latency.samples.append(Sample(f"{self._latency_name}_created", {"outcome": outcome}, hist.created_s))
         return requests, latency
