@@ -15,6 +15,10 @@ Two kinds of numbers live here:
   (:mod:`gateway.client.view`: about once a second, by one task for every pipeline), so a scrape
   costs no Redis round trip and its numbers are at most about a second old.
 
+A gateway run as ``--processes N`` passes each process a `SiblingCounts`: its scrapes then answer the sum of
+the per-process numbers over all N processes (:mod:`gateway.monitor.process_counts` says which and how);
+without one (one process, the default) nothing of it runs.
+
 A status's ``batches`` are the batches *since the last read*: whoever reads a status must
 feed it to `update`, or those batches are lost to the histograms. That is why ``/readyz``
 passes its statuses here too. A process serving several pipelines labels every pipeline number
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,9 +40,11 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
+from broker.logs import Throttle
 from gateway.backends import Backend, Backends, as_backends
 from gateway.monitor.batch_metrics import BatchHistograms
 from gateway.monitor.item_metrics import ItemHistograms
+from gateway.monitor.process_counts import ProcessCounts, SiblingCounts, merge, replace_families
 from gateway.monitor.request_metrics import RequestMetrics
 
 __all__ = [
@@ -148,13 +154,16 @@ class Metrics:
     ``namespace`` prefixes every name (default ``conveyor``). ``status_timeout_s`` bounds the
     wait for a pipeline's status (a backend that reads Redis for it, or a view not read yet): a
     scrape that hangs would make Prometheus mark the target down, when the interesting news is
-    "Redis unreachable", which ``conveyor_redis_reachable`` says.
+    "Redis unreachable", which ``conveyor_redis_reachable`` says. ``siblings``: the processes of a
+    ``--processes N`` gateway, whose per-process numbers a scrape sums (None: this process is the gateway).
     """
 
     def __init__(self, backend: Backend | Backends, *, namespace: str = "conveyor",
-                 status_timeout_s: float = 5.0) -> None:
+                 status_timeout_s: float = 5.0, siblings: SiblingCounts | None = None) -> None:
         self.backend = as_backends(backend)
         self.status_timeout_s = status_timeout_s
+        self.siblings = siblings
+        self._publish_failed = Throttle(60.0)
         self.registry = CollectorRegistry(auto_describe=True)
         self._open_connections = 0
         ns, reg = namespace, self.registry
@@ -176,6 +185,13 @@ class Metrics:
         self.late_answers.set_function(lambda: self._hub_count("late"))
         self.connections = Gauge(f"{ns}_gateway_open_connections", "Open HTTP connections.", registry=reg)
         self.connections.set_function(lambda: float(self._open_connections))
+        # This process's share of the gateway: summed over the processes of a --processes N gateway.
+        self._own_gauges: dict[str, Callable[[], float]] = {
+            f"{ns}_gateway_in_flight": self._read_in_flight,
+            f"{ns}_gateway_open_connections": lambda: float(self._open_connections),
+            f"{ns}_gateway_requests_resent": lambda: self._hub_count("resent"),
+            f"{ns}_gateway_late_answers": lambda: self._hub_count("late"),
+        }
         self.reachable = Gauge(f"{ns}_redis_reachable", "1 if the last status read reached Redis.",
                                registry=reg)
         self.ready = Gauge(f"{ns}_pipeline_ready",
@@ -297,10 +313,58 @@ class Metrics:
 
         The numbers are collected on the event loop (its tasks are their only writers), the text is
         written in a thread from that copy: writing it is most of a scrape's cost, and grows with the
-        stages served, while the loop must keep answering requests."""
+        stages served, while the loop must keep answering requests. With siblings, this process's numbers
+        are published first (so that no later scrape, at any process, shows less of them), and the
+        per-process families are replaced by their sums over the processes, in the thread too."""
         await self.refresh()
-        collected = _Collected(list(self.registry.collect()))
-        return await asyncio.to_thread(_format, collected, openmetrics)
+        collected = list(self.registry.collect())
+        if self.siblings is None:
+            return await asyncio.to_thread(_format, _Collected(collected), openmetrics)
+        own = self.process_counts()
+        self.publish(own)
+        return await asyncio.to_thread(self._format_summed, collected, own, self.siblings, openmetrics)
+
+    # -- the processes of one gateway -------------------------------------------------------------
+
+    def process_counts(self) -> ProcessCounts:
+        """This process's per-process numbers, copied (gateway.monitor.process_counts: what is summed)."""
+        rejected = next(iter(self.rejected_connections.collect()))
+        total = created = 0.0
+        for sample in rejected.samples:
+            if sample.name.endswith("_total"):
+                total = sample.value
+            elif sample.name.endswith("_created"):
+                created = sample.value
+        return ProcessCounts(self.requests.snapshot(), {rejected.name: (total, created)},
+                             {name: read() for name, read in self._own_gauges.items()})
+
+    def publish(self, counts: ProcessCounts | None = None) -> None:
+        """Write this process's numbers (``counts``, else taken now) for its siblings to read; nothing
+        without siblings. A directory that cannot be written is logged (once a minute), not raised: the
+        scrape still answers, with siblings seeing this process's last snapshot."""
+        if self.siblings is None:
+            return
+        try:
+            self.siblings.publish(counts or self.process_counts())
+        except OSError as exc:
+            if self._publish_failed.allow("publish") is not None:
+                log.warning("cannot publish this process's counts directory=%s error=%s",
+                            self.siblings.settings.directory, exc)
+
+    async def publish_periodically(self) -> None:
+        """`publish` every ``siblings.settings.period_s`` until cancelled (returns at once without siblings):
+        a scrape at a sibling then shows this process's numbers at most that old."""
+        if self.siblings is None:
+            return
+        while True:
+            await asyncio.sleep(self.siblings.settings.period_s)
+            self.publish()
+
+    def _format_summed(self, collected: list[Metric], own: ProcessCounts, siblings: SiblingCounts,
+                       openmetrics: bool) -> bytes:
+        total = merge([own, *siblings.others()])
+        summed = replace_families(collected, total, self.requests.render(total.requests))
+        return _format(_Collected(summed), openmetrics)
 
 
 class _Collected(Collector):
