@@ -6,6 +6,10 @@ same address (SO_REUSEPORT), each in its own process with its own Redis connecti
 parent only supervises: it forwards SIGTERM/SIGINT as SIGTERM to every child (each drains as
 one gateway does), and when one child dies on its own it stops the others and exits non-zero,
 so that the service manager (compose, systemd) restarts the whole set.
+
+The parent also makes a private directory (removed once the children are gone) where each child
+publishes its per-process metrics, so that a scrape reaching any child answers the sum over all of
+them (:mod:`gateway.monitor.process_counts`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, replace
@@ -35,6 +41,8 @@ from gateway.client import GatewaySettings
 from gateway.client.pipelines import Pipelines
 from gateway.http.server import CannotListen, HttpServer, HttpSettings, check_port_free
 from gateway.http.server import run as serve_http
+from gateway.monitor.metrics import Metrics
+from gateway.monitor.process_counts import ProcessCountsSettings, SiblingCounts
 
 __all__ = ["GatewayJob", "LoopUnavailable", "check_loop", "resolve_loop", "run_loop", "serve", "serve_processes"]
 
@@ -54,7 +62,9 @@ class LoopUnavailable(RuntimeError):
 class GatewayJob:
     """Everything one gateway process needs (picklable: it crosses a process spawn, not Redis).
 
-    ``names``: the pipelines served; ``discover``: also every pipeline registered under the prefix."""
+    ``names``: the pipelines served; ``discover``: also every pipeline registered under the prefix;
+    ``counts``: where the processes of one ``--processes N`` gateway share their per-process metrics
+    (None: one process, nothing shared)."""
 
     names: tuple[str, ...]
     redis_url: str
@@ -63,6 +73,7 @@ class GatewayJob:
     loop: str = "auto"
     log_format: str = "kv"
     discover: bool = False
+    counts: ProcessCountsSettings | None = None
 
     def __post_init__(self) -> None:
         """Each name a key can be made of (else `broker.keys.KeyNameError`), before any process starts: a bad
@@ -109,9 +120,19 @@ def serve(job: GatewayJob, started: Any = None) -> None:
         backend = Pipelines(job.redis_url, job.names, job.gateway, discover=job.discover)
         if not await start_when_reachable(backend, job.redis_url):
             return  # stopped while Redis could not be reached
+        metrics = None
+        if job.counts is not None:
+            metrics = Metrics(backend, status_timeout_s=job.http.status_timeout_s,
+                              siblings=SiblingCounts(job.counts, str(os.getpid())))
+        publishing = asyncio.ensure_future(metrics.publish_periodically()) if metrics is not None else None
         try:
-            await serve_http(backend, job.http, started=started)
+            await serve_http(backend, job.http, metrics, started=started)
         finally:
+            if publishing is not None and metrics is not None:
+                publishing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publishing
+                metrics.publish()  # drained: the final numbers, which the siblings keep summing
             await backend.close()
 
     run_loop(main(), job.loop)
@@ -217,7 +238,9 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
     check_port_free(job.http.host, job.http.port)
     reserve = _reserve(job.http.host, job.http.port)
     port = int(reserve.getsockname()[1])
-    child_job = replace(job, http=replace(job.http, port=port, reuse_port=True))
+    counts_dir = tempfile.mkdtemp(prefix="conveyor-gateway-")  # only this user may read or write it
+    child_job = replace(job, http=replace(job.http, port=port, reuse_port=True),
+                        counts=ProcessCountsSettings(counts_dir))
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     stop = _Stop()
@@ -236,6 +259,7 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
         reserve.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(counts_dir, ignore_errors=True)  # the children are gone (_supervise waited for them)
 
 
 def _await_ready(children: list[Any], ready: Any, processes: int, stop: _Stop) -> None:

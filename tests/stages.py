@@ -278,6 +278,11 @@ foreign = Pipeline("t-foreign").add(AddOne).add(Guard)
 claim = Pipeline("t-claim").add(AddOne, claim_idle_s=0.5)
 
 
+# -- one stage, for a gateway's own numbers (tests/test_http_cli.py: --processes N) ----------
+
+add_one = Pipeline("t-add-one").add(AddOne)
+
+
 # -- threads: limits reach the worker process before setup() -----------------------------------
 
 

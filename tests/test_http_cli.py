@@ -6,6 +6,7 @@ Real processes (``python -m gateway``) against the session's real Redis; every w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,12 +19,15 @@ import click
 import psutil
 import pytest
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cli import gateway, status, status_json
 from gateway.http.auth import read_keys
 from gateway.http.server import CannotListen, PortInUse, check_port_free
+from gateway.monitor.process_counts import decode
 from gateway.monitor.status import PipelineStatus
-from tests.ops_stages import free_port
+from tests.helpers import wait_for
+from tests.ops_stages import free_port, get, post, start_conveyor, status_code
 
 pytestmark = pytest.mark.system  # worker processes (tests/conftest.py: tiers)
 
@@ -31,8 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0  # process start-up imports numpy and redis: slow on a loaded 2-core machine
 
 
-def _gateway(*args: str, stderr: int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "CONVEYOR_LOG_FORMAT": "kv"}
+def _gateway(*args: str, stderr: int | None = subprocess.PIPE, **extra_env: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CONVEYOR_LOG_FORMAT": "kv", **extra_env}
     return subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
 
@@ -122,6 +126,62 @@ def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path:
     assert text.count("drain: done") == 2, text
     assert "all processes stopped" in text
     assert not any(p.is_running() for p in psutil.Process().children() if p.pid in listeners)
+
+
+def _requests_totals(port: int) -> dict[tuple[str, str], float]:
+    """``conveyor_gateway_requests_total`` by (route, outcome), from one scrape on a new connection."""
+    resp = get(port, "/metrics")
+    assert resp.status == 200, resp
+    return {(s.labels["route"], s.labels["outcome"]): s.value
+            for family in text_string_to_metric_families(resp.body.decode()) for s in family.samples
+            if s.name == "conveyor_gateway_requests_total"}
+
+
+def test_processes_answer_metrics_summed_over_every_process(redis_url: str, tmp_path: Path) -> None:
+    """With --processes 2 a scrape reached one process at random and showed its own counters only: the
+    predict count jumped between the processes' shares of it from one scrape to the next (a counter reset
+    to Prometheus). Now every scrape shows every request, and no counter ever goes down."""
+    port, requests = free_port(), 40
+    temporary = tmp_path / "tmp"  # the parent's private directory for the processes' counts lands here
+    temporary.mkdir()
+    worker = start_conveyor(tmp_path, "worker", "worker", "tests.stages:add_one", "--stage", "AddOne",
+                            "--workers", "1", redis_url=redis_url)
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as err:
+        proc = _gateway("t-add-one", "--processes", "2", "--port", str(port), "--redis", redis_url,
+                        stderr=err.fileno(), TMPDIR=str(temporary))
+    try:
+        wait_for(lambda: "2 processes listening" in log.read_text() and status_code(port, "/readyz") == 200,
+                 WAIT_S, "both processes listening and the worker ready", lambda: log.read_text() + worker.report())
+        for n in range(requests):  # a new connection each: the kernel spreads them over both processes
+            resp = post(port, str(n).encode())
+            assert (resp.status, json.loads(resp.body)) == (200, {"result": n + 1}), resp
+        seen: list[float | None] = []
+
+        def every_request_scraped() -> bool:
+            seen.append(_requests_totals(port).get(("predict", "ok")))
+            return seen[-1] == requests
+
+        wait_for(every_request_scraped, 5, f"a scrape showing {requests} predictions",  # a snapshot is <= 1 s old
+                 lambda: f"scrapes showed {seen}")
+        last: dict[tuple[str, str], float] = {}
+        for _ in range(12):
+            totals = _requests_totals(port)
+            assert totals[("predict", "ok")] == requests, totals
+            assert all(totals.get(key, 0.0) >= value for key, value in last.items()), (last, totals)
+            last = totals
+        (counts_dir,) = temporary.iterdir()
+        shares = [decode(f.read_bytes()).requests.counts.get(("predict", "ok"), 0)
+                  for f in counts_dir.iterdir() if f.name.isdigit()]
+        assert len(shares) == 2 and min(shares) > 0 and sum(shares) == requests, shares  # both answered some
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0, log.read_text()
+        assert not counts_dir.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        worker.stop()
 
 
 def test_hundreds_of_processes_are_refused_at_once() -> None:
