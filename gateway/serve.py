@@ -201,6 +201,19 @@ def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:
     except CannotListen as exc:
         print(f"conveyor gateway: {exc.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if job.counts is not None and os.getppid() != parent_pid:
+            _leave_counts(job.counts.directory)
+
+
+def _leave_counts(directory: str) -> None:
+    """Remove this process's metrics snapshot and, if it was the last, the directory: its parent died (killed)
+    and can no longer remove it, and it may sit in memory (/dev/shm). Nobody sums them any more."""
+    for name in (str(os.getpid()), f".{os.getpid()}.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):  # a sibling's file is still there (it removes the directory), or it did
+        os.rmdir(directory)
 
 
 def _end_with(parent_pid: int) -> None:
@@ -238,7 +251,7 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
     check_port_free(job.http.host, job.http.port)
     reserve = _reserve(job.http.host, job.http.port)
     port = int(reserve.getsockname()[1])
-    counts_dir = tempfile.mkdtemp(prefix="conveyor-gateway-")  # only this user may read or write it
+    counts_dir = tempfile.mkdtemp(prefix="conveyor-gateway-", dir=_counts_parent())  # this user's only
     child_job = replace(job, http=replace(job.http, port=port, reuse_port=True),
                         counts=ProcessCountsSettings(counts_dir))
     ctx = multiprocessing.get_context("spawn")
@@ -260,6 +273,17 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(counts_dir, ignore_errors=True)  # the children are gone (_supervise waited for them)
+
+
+def _counts_parent() -> str | None:
+    """Where the processes' metrics directory goes: under ``$TMPDIR`` if set (None: tempfile's choice), else
+    in memory (``/dev/shm``) where it can be written, else the system's temporary directory. Why memory: each
+    process renames a snapshot over its last one every period, on its event loop, and a rename on a journaled
+    disk waits for the disk."""
+    if os.environ.get("TMPDIR"):
+        return None
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
 def _await_ready(children: list[Any], ready: Any, processes: int, stop: _Stop) -> None:

@@ -214,9 +214,11 @@ def test_processes_end_with_their_parent_killed(redis_url: str, tmp_path: Path) 
     """SIGKILL (or the OOM killer) on the parent left its gateway processes serving the port, unsupervised."""
     port = free_port()
     log = tmp_path / "gateway.log"
+    temporary = tmp_path / "tmp"  # where the parent makes its processes' metrics directory
+    temporary.mkdir()
     with log.open("wb") as err:
         proc = _gateway("t-orphans", "--processes", "2", "--port", str(port), "--redis", redis_url,
-                        stderr=err.fileno())
+                        stderr=err.fileno(), TMPDIR=str(temporary))
     children: list[psutil.Process] = []
     try:
         _wait_listening(port)
@@ -234,6 +236,7 @@ def test_processes_end_with_their_parent_killed(redis_url: str, tmp_path: Path) 
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
     assert log.read_text().count("drain: done") == 2  # a drain, as at a stop
+    assert not list(temporary.iterdir())  # the last process out removed the metrics directory its parent left
 
 
 @pytest.mark.parametrize("command", [gateway, status])

@@ -14,7 +14,7 @@ and item histograms, ``redis_reachable``, ``pipeline_ready``) is pipeline-wide, 
 it is rendered as this process has it, never summed.
 
 Monotonic across scrapes: a process writes its snapshot right before it answers a scrape (and on a timer,
-about every second, and once drained), so whatever one scrape showed of a process, the next scrape, at
+every ``period_s``, and once drained), so whatever one scrape showed of a process, the next scrape, at
 any process, shows at least as much of it: its live numbers if it is the one scraped, else a snapshot
 taken no earlier. Files are named by process id and never removed while the gateway runs: a process
 that exits (drained, or killed) stays summed in at its last numbers, so the total does not drop, and a
