@@ -202,8 +202,23 @@ def _child(job: GatewayJob, index: int, ready: Any, parent_pid: int) -> None:
         print(f"conveyor gateway: {exc.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
-        if job.counts is not None and os.getppid() != parent_pid:
+        if job.counts is not None and _parent_gone(parent_pid):
             _leave_counts(job.counts.directory)
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    """Whether the parent died (or is dying: a zombie whose other threads are being killed, which this process
+    is still a child of, so ``getppid`` alone does not tell); False where it cannot be known (no /proc)."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 def _leave_counts(directory: str) -> None:
