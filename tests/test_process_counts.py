@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.monitor.metrics import LATENCY_BUCKETS, Metrics
@@ -110,6 +111,12 @@ def test_two_processes_each_answer_the_sum_and_pipeline_numbers_once(tmp_path: P
         assert _value(text, "conveyor_gateway_request_duration_seconds_count", outcome="ok") == 7.0
         assert _value(text, "conveyor_gateway_request_duration_seconds_bucket", outcome="ok", le="0.01") == 4.0
         assert _value(text, "conveyor_gateway_in_flight") == 5.0
+        assert _value(text, "conveyor_gateway_rejected_connections_total") == 0.0
+        openmetrics = (await a.scrape(openmetrics=True)).decode()  # the format with exemplars parses too
+        families = {f.name: f for f in openmetrics_families(openmetrics)}
+        ok = [s for s in families["conveyor_gateway_requests"].samples if s.labels == {"route": "predict",
+                                                                                      "outcome": "ok"}]
+        assert [s.value for s in ok if s.name.endswith("_total")] == [7.0]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["101", "102"]  # no temporary file left
 
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -345,7 +345,7 @@ class Metrics:
         if self.siblings is None:
             return
         try:
-            self.siblings.publish(counts or self.process_counts())
+            self.siblings.publish(counts if counts is not None else self.process_counts())
         except OSError as exc:
             if self._publish_failed.allow("publish") is not None:
                 log.warning("cannot publish this process's counts directory=%s error=%s",

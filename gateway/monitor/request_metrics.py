@@ -60,11 +60,6 @@ class RequestMetrics(Collector):
         self._created: dict[tuple[str, str], float] = {}
         self._latency: dict[str, Latency] = {}
 
-    @property
-    def bucket_count(self) -> int:
-        """Buckets per latency histogram, ``+Inf`` included: a `RequestCounts` to `render` has as many."""
-        return len(self._le)
-
     def observe(self, route: str, outcome: str, duration_s: float | None = None) -> None:
         """Count one answered request; predict requests also pass their end-to-end duration."""
         key = (route, outcome)
