@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -193,11 +193,9 @@ def _times_as_text(obj: Any, depth: int = 0) -> Any:
             raise NonFiniteNumber(_NOT_A_TIME)
         unit = np.datetime_data(obj.dtype)[0]
         if unit in ("ps", "fs", "as") or (unit == "ns" and (obj.astype("M8[us]") != obj).any()):
-            text = np.datetime_as_string(obj)
-            return text.tolist() if isinstance(text, np.ndarray) else str(text)
+            return _iso_text(obj)
         if unit != "ns" and (_days_in_iso_years(obj) >= _ORJSON_REFUSES_FROM).any():  # ns end in 2262
-            text = np.datetime_as_string(obj, unit="s" if unit in _COARSER_THAN_SECONDS else None)
-            return text.tolist() if isinstance(text, np.ndarray) else str(text)
+            return _iso_text(obj, "s" if unit in _COARSER_THAN_SECONDS else None)
         return obj
     if depth > 256:
         return obj
@@ -208,6 +206,15 @@ def _times_as_text(obj: Any, depth: int = 0) -> Any:
         items = [_times_as_text(v, depth + 1) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj, strict=True)) else items
     return obj
+
+
+def _iso_text(times: Any, unit: Literal["s"] | None = None) -> Any:
+    """``times`` as ISO 8601 text (a list of it for an array), in this machine's byte order first:
+    ``np.datetime_as_string`` reads an array of the other order as if it were this one's (wrong dates)."""
+    if not times.dtype.isnative:
+        times = times.astype(times.dtype.newbyteorder("="))
+    text = np.datetime_as_string(times, unit=unit)
+    return text.tolist() if isinstance(text, np.ndarray) else str(text)
 
 
 _FIRST_DAY, _LAST_DAY = np.datetime64("0000-01-01", "D"), np.datetime64("9999-12-31", "D")
