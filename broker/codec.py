@@ -15,6 +15,9 @@ numpy ``str_``/``bytes_`` included) decode as the plain base type, except a dict
 Exact on purpose: an array decodes with the same dtype (byte order included), shape, values
 and, for a Fortran-ordered array, Fortran order; it is a fresh, writable, aligned copy.
 Non-contiguous arrays travel as C-order copies. A numpy scalar decodes as the same numpy type.
+One exception: a datetime64 whose unit has a multiplier (``M8[2D]``, ``M8[1000ms]``) travels, and
+decodes, at a plain unit (``M8[D]``, ``M8[s]``), the same times: orjson kills the process that
+writes such a dtype as JSON (SIGILL), and the gateway writes results as JSON (`_at_plain_unit`).
 
 Wire format: ExtType 1 = msgpack ``[dtype.str, shape, "C" | "F", raw bytes]``; ExtType 2 =
 msgpack ``[dtype.str, raw bytes]`` (a numpy scalar). Packing uses ``strict_types=True`` so
@@ -66,6 +69,35 @@ class CodecError(ValueError):
     """A value conveyor cannot put on the wire, or bytes that are not a conveyor payload."""
 
 
+_INT64_MAX = 2**63 - 1
+_NAT = -(2**63)
+# A unit as a whole number of the next finer one (a month or a year has no fixed count of days).
+_COARSER = {"M": ("Y", 12), "D": ("W", 7), "h": ("D", 24), "m": ("h", 60), "s": ("m", 60), "ms": ("s", 1000),
+            "us": ("ms", 1000), "ns": ("us", 1000), "ps": ("ns", 1000), "fs": ("ps", 1000), "as": ("fs", 1000)}
+
+
+def _at_plain_unit(value: Any) -> Any:
+    """A datetime64 array or scalar whose unit has a multiplier (``M8[2D]``) as the same times at the
+    coarsest plain unit that holds them exactly (``M8[D]``; ``M8[1000ms]`` as ``M8[s]``); any other
+    value as it is. Why: orjson dies with SIGILL writing a multiplied unit, taking the gateway and every
+    request it holds with it. CodecError if a time does not fit in 64 bits at the plain unit."""
+    dtype = value.dtype
+    if dtype.kind != "M":
+        return value
+    unit, count = np.datetime_data(dtype)
+    if count == 1:
+        return value
+    while unit in _COARSER and count % _COARSER[unit][1] == 0:
+        unit, count = _COARSER[unit][0], count // _COARSER[unit][1]
+    if count > 1:  # the ticks grow count times: each must still fit (NaT stays NaT)
+        ticks = np.asarray(value).view(f"{dtype.str[0]}i8")
+        limit = _INT64_MAX // count
+        if bool(((ticks > limit) | ((ticks < -limit) & (ticks != _NAT))).any()):
+            raise CodecError(f"numpy datetime64 of dtype {dtype.str!r} holding a time that 64 bits cannot "
+                             f"hold at its plain unit {unit!r} (conveyor carries times at a plain unit)")
+    return value.astype(f"{dtype.str[0]}M8[{unit}]")
+
+
 def _numeric(dtype: np.dtype[Any]) -> bool:
     """Only fixed-size, plain-number dtypes: their raw bytes are the whole value."""
     return dtype.kind in _KINDS and dtype.fields is None and dtype.subdtype is None
@@ -107,6 +139,8 @@ def _array_head(a: npt.NDArray[Any], order: str, nbytes: int) -> bytes:
 
 def _pack_array(a: npt.NDArray[Any]) -> msgpack.ExtType:
     """One join of header and raw buffer (packb's growing buffer copied large arrays several times)."""
+    if a.dtype.kind == "M":
+        a = _at_plain_unit(a)
     order, raw = _layout(a)
     return msgpack.ExtType(_EXT_ARRAY, b"".join((_array_head(a, order, raw.nbytes), raw)))
 
@@ -127,8 +161,9 @@ class _Splicer:
                 and _numeric(obj.dtype)):
             if not self.token:
                 self.token = os.urandom(8)
-            order, raw = _layout(obj)
-            head = _array_head(obj, order, raw.nbytes)
+            array = _at_plain_unit(obj) if obj.dtype.kind == "M" else obj
+            order, raw = _layout(array)
+            head = _array_head(array, order, raw.nbytes)
             self.chunks.append((_ext_header(_EXT_ARRAY, len(head) + raw.nbytes) + head, raw))
             return msgpack.ExtType(_EXT_ARRAY, self.token + len(self.chunks).to_bytes(8, "big"))
         return _default(obj)
@@ -153,6 +188,11 @@ def _problem(obj: object) -> str | None:
     """Why a leaf value cannot be encoded, or None if it can."""
     if isinstance(obj, np.ma.MaskedArray):
         return "numpy masked array (the mask would be dropped)"
+    if isinstance(obj, np.ndarray | np.generic) and obj.dtype.kind == "M":
+        try:
+            _at_plain_unit(obj)
+        except CodecError as exc:
+            return str(exc)
     if isinstance(obj, np.ndarray):
         return None if _numeric(obj.dtype) else f"numpy array of dtype {obj.dtype.str!r}"
     if isinstance(obj, np.generic):
@@ -174,7 +214,8 @@ def _default(obj: object) -> Any:
     if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray) and _numeric(obj.dtype):
         return _pack_array(obj)
     if isinstance(obj, np.generic) and _numeric(obj.dtype):
-        return msgpack.ExtType(_EXT_SCALAR, msgpack.packb([obj.dtype.str, obj.tobytes()]))
+        scalar = _at_plain_unit(obj) if obj.dtype.kind == "M" else obj
+        return msgpack.ExtType(_EXT_SCALAR, msgpack.packb([scalar.dtype.str, scalar.tobytes()]))
     for base, plain in _COERCE:  # np.str_ and np.bytes_ included: they subclass str and bytes
         if isinstance(obj, base):
             return plain(obj)
@@ -306,6 +347,8 @@ def _unpack_array(data: bytes) -> npt.NDArray[Any]:
     if (need := count * dtype.itemsize) != len(raw):
         raise CodecError(f"array payload has {len(raw)} bytes, shape {shape} of {name} needs {need}")
     flat = np.frombuffer(raw, dtype=dtype, count=count).copy()  # writable, aligned, owns its memory
+    if dtype.kind == "M":
+        flat = _at_plain_unit(flat)
     return flat.reshape(shape, order=order)
 
 
@@ -317,7 +360,8 @@ def _unpack_scalar(data: bytes) -> Any:
     raw = fields[1]
     if len(raw) != dtype.itemsize:
         raise CodecError(f"numpy scalar payload has {len(raw)} bytes, {dtype.str} needs {dtype.itemsize}")
-    return np.frombuffer(raw, dtype=dtype)[0]
+    value = np.frombuffer(raw, dtype=dtype)[0]
+    return _at_plain_unit(value) if dtype.kind == "M" else value
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

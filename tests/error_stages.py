@@ -1,6 +1,7 @@
 """Stages whose results are too large or cannot be encoded (imported by worker processes as
 ``tests.error_stages``). An int n becomes n bytes in ``Make``; ``Double`` doubles what it gets; ``Dates``
-answers a date JSON cannot carry for "far", and one it can, with its batch's size, for anything else."""
+answers a date JSON cannot carry for "far", and one it can, with its batch's size, for anything else; ``Times``
+answers a time at a multiplied unit for "2D"."""
 
 from __future__ import annotations
 
@@ -66,8 +67,16 @@ class Dates(Stage):
                 for x in xs]
 
 
+class Times(Stage):
+    """A time at a unit with a multiplier for "2D" (orjson dies writing one), the input itself otherwise."""
+
+    def predict(self, x: Any) -> Any:
+        return np.datetime64(100, "2D") if x == "2D" else x
+
+
 sizes = Pipeline("t-sizes").add(Make).add(Double)
 versions_old = Pipeline("t-versions").add(Make)
 versions_new = Pipeline("t-versions").add(Make).add(Double)  # the same name, a stage more
 raises = Pipeline("t-raises").add(Raises)
 dates = Pipeline("t-dates").add(Dates)
+times = Pipeline("t-times").add(Times)

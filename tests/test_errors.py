@@ -21,7 +21,7 @@ from broker.keys import Keys
 from broker.spec import StageInfo, decode_spec, encode_spec
 from gateway import DeadlineExceeded, Gateway, GatewaySettings, StageError, UnknownPipeline
 from gateway.http.server import HttpServer, HttpSettings
-from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, dates, raises, sizes, versions_old
+from tests.error_stages import UNENCODABLE_FIRST, UNENCODABLE_LAST, dates, raises, sizes, times, versions_old
 from tests.helpers import (
     REPO_ROOT,
     conveyor_argv,
@@ -31,7 +31,9 @@ from tests.helpers import (
     running_workers,
     start_worker,
     stop_process,
+    wait_for,
 )
+from tests.ops_stages import free_port
 from tests.test_http import Client, Resp, predict_json
 from workers.embedded.server import EmbeddedRedis
 
@@ -186,6 +188,45 @@ def test_a_date_json_cannot_carry_fails_its_request_alone_saying_to_ask_in_msgpa
     assert "send the request as msgpack (Content-Type: application/msgpack)" in error["message"], error
     assert near.status == 200 and near.json() == {"result": {"day": "2026-11-29T00:00:00", "batch": 2}}, near.body
     assert after.status == 200 and after.json() == {"result": {"day": "2026-11-29T00:00:00", "batch": 1}}, after.body
+
+
+def test_a_time_at_a_multiplied_unit_is_answered_and_the_gateway_lives_on(redis_url: str, tmp_path: Path) -> None:
+    """np.datetime64(100, "2D") asked as JSON killed the gateway (orjson's SIGILL) and every request it held;
+    now the time comes at its plain unit (the same day), and the gateway answers the next request."""
+    port, log = free_port(), tmp_path / "gateway.log"
+    with running_workers(redis_url, "tests.error_stages:times", ["Times"]) as workers:
+        workers.wait_ready(times.name)
+        with log.open("wb") as out:
+            gateway = subprocess.Popen(conveyor_argv("gateway", times.name, "--redis", redis_url, "--port", str(port)),
+                                       cwd=REPO_ROOT, env=conveyor_env(), stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        try:
+            wait_for(lambda: _ready(port), T, "the gateway to be ready", log.read_text)
+            odd = _predict_or_none(port, "2D")
+            after = _predict_or_none(port, "after")
+            died = gateway.poll()
+        finally:
+            stop_process(gateway)
+            gateway.wait(T)
+    assert died is None, f"the gateway died (exit {died}): {log.read_text()[-2000:]}"
+    assert odd == (200, {"result": "1970-07-20T00:00:00"}), odd  # day 200 (100 of 2 days) from 1970
+    assert after == (200, {"result": "after"}), after
+
+
+def _ready(port: int) -> bool:
+    try:
+        return http_call(port, "GET", "/readyz", timeout_s=2.0)[0] == 200
+    except OSError:
+        return False
+
+
+def _predict_or_none(port: int, x: str) -> tuple[int, object] | None:
+    """The status and body of a JSON predict, or None if the gateway answered nothing (it died)."""
+    try:
+        status, body = http_call(port, "POST", "/v1/predict", json.dumps(x).encode(), timeout_s=T)
+    except OSError:
+        return None
+    return status, json.loads(body)
 
 
 def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker_lives_on(redis_url: str) -> None:
