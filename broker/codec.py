@@ -18,6 +18,8 @@ Non-contiguous arrays travel as C-order copies. A numpy scalar decodes as the sa
 One exception: a datetime64 whose unit has a multiplier (``M8[2D]``, ``M8[1000ms]``) travels, and
 decodes, at a plain unit (``M8[D]``, ``M8[s]``), the same times: orjson kills the process that
 writes such a dtype as JSON (SIGILL), and the gateway writes results as JSON (`_at_plain_unit`).
+With ``decode(data, for_json=True)`` (the gateway's answers), a datetime64 array of two dimensions or
+more decodes as `TimesArray`, an ndarray subclass: orjson writes those arrays broken (see there).
 
 Wire format: ExtType 1 = msgpack ``[dtype.str, shape, "C" | "F", raw bytes]``; ExtType 2 =
 msgpack ``[dtype.str, raw bytes]`` (a numpy scalar). Packing uses ``strict_types=True`` so
@@ -37,7 +39,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CodecError", "array_header", "decode", "encode"]
+__all__ = ["CodecError", "TimesArray", "array_header", "decode", "encode"]
 
 _EXT_ARRAY = 1
 _EXT_SCALAR = 2
@@ -372,6 +374,21 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CodecError(f"unknown msgpack extension type {code}")
 
 
+class TimesArray(np.ndarray[Any, np.dtype[Any]]):
+    """A datetime64 array of two dimensions or more as ``decode(data, for_json=True)`` gives it: an ndarray
+    in all but its type. Why: orjson writes such an array itself, C-ordered, and at a time it cannot write
+    (NaT at most units, a year outside 0000 to 9999, a unit below nanoseconds) it writes broken JSON where it
+    raises for one dimension; an ndarray subclass it hands to its ``default`` hook instead (the gateway's
+    writes the times exactly or refuses them). Ordinary answers pay nothing: only such arrays are changed."""
+
+
+def _ext_hook_for_json(code: int, data: bytes) -> Any:
+    if code == _EXT_ARRAY:
+        array = _unpack_array(data)
+        return array.view(TimesArray) if array.dtype.kind == "M" and array.ndim > 1 else array
+    return _ext_hook(code, data)
+
+
 def _key(key: Any) -> Any:
     """A map key msgpack made a list (it was a tuple), as the tuple again: hashable. A loop, not a
     recursion: a key nested as deep as `encode` takes (hundreds of levels) must not pass Python's
@@ -398,15 +415,17 @@ def _keyed_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return {_key(k): v for k, v in pairs}
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, *, for_json: bool = False) -> Any:
     """Inverse of `encode`; any bytes that are not one well-formed payload raise CodecError. A map
     whose keys were tuples (msgpack writes them as arrays) decodes on a second, slower pass, so that
-    what `encode` takes comes back rather than failing in the worker."""
+    what `encode` takes comes back rather than failing in the worker. ``for_json``: what may be written
+    as JSON (the gateway's answers), with its datetime64 arrays of two dimensions or more as `TimesArray`."""
+    hook = _ext_hook_for_json if for_json else _ext_hook
     try:
         try:
-            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook)
         except TypeError:  # an unhashable key: a tuple's array
-            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=hook,
                                    object_pairs_hook=_keyed_map)
     except CodecError:
         raise

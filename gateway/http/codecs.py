@@ -59,7 +59,8 @@ def _json_default(obj: object) -> Any:
     own error's ``__cause__`` (its message says only "Type is not JSON serializable")."""
     if isinstance(obj, np.ndarray | np.generic) and obj.dtype.kind == "m" and np.isnat(obj).any():
         raise NonFiniteNumber(_NOT_A_TIME)  # .tolist() makes it None: null, as orjson writes NaN
-    if isinstance(obj, np.ndarray) and obj.dtype.kind == "M":  # not C-ordered (a DataFrame's values): as if it were
+    # Not C-ordered (a DataFrame's values), or a broker.codec.TimesArray (2-D or more): as a plain C-ordered one
+    if isinstance(obj, np.ndarray) and obj.dtype.kind == "M":
         return _times_as_text(np.ascontiguousarray(obj))  # .tolist() made nanoseconds integers, NaT None (null)
     if isinstance(obj, np.ndarray):
         return _as_json_numbers(obj).tolist()
