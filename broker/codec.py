@@ -18,8 +18,9 @@ Non-contiguous arrays travel as C-order copies. A numpy scalar decodes as the sa
 One exception: a datetime64 whose unit has a multiplier (``M8[2D]``, ``M8[1000ms]``) travels, and
 decodes, at a plain unit (``M8[D]``, ``M8[s]``), the same times: orjson kills the process that
 writes such a dtype as JSON (SIGILL), and the gateway writes results as JSON (`_at_plain_unit`).
-With ``decode(data, for_json=True)`` (the gateway's answers), a datetime64 array of two dimensions or
-more decodes as `TimesArray`, an ndarray subclass: orjson writes those arrays broken (see there).
+With ``decode(data, for_json=True)`` (the answers a gateway's HTTP front writes), a datetime64 array of two
+dimensions or more decodes as `TimesArray`, an ndarray subclass: orjson writes those arrays broken (see there);
+and a datetime64 at a unit of months as the same times at a unit of days (orjson dies on some before 1970).
 
 Wire format: ExtType 1 = msgpack ``[dtype.str, shape, "C" | "F", raw bytes]``; ExtType 2 =
 msgpack ``[dtype.str, raw bytes]`` (a numpy scalar). Packing uses ``strict_types=True`` so
@@ -383,10 +384,12 @@ class TimesArray(np.ndarray[Any, np.dtype[Any]]):
 
 
 def _ext_hook_for_json(code: int, data: bytes) -> Any:
-    if code == _EXT_ARRAY:
-        array = _unpack_array(data)
-        return array.view(TimesArray) if array.dtype.kind == "M" and array.ndim > 1 else array
-    return _ext_hook(code, data)
+    value = _ext_hook(code, data)
+    if value.dtype.kind != "M":
+        return value
+    if np.datetime_data(value.dtype)[0] == "M":  # orjson dies (SIGILL) on a December before 1970 at this unit
+        value = value.astype(f"{value.dtype.str[0]}M8[D]")  # the same times (the first of the month), NaT kept
+    return value.view(TimesArray) if isinstance(value, np.ndarray) and value.ndim > 1 else value
 
 
 def _key(key: Any) -> Any:

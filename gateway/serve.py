@@ -117,7 +117,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
     connections."""
 
     async def main() -> None:
-        backend = Pipelines(job.redis_url, job.names, job.gateway, discover=job.discover)
+        backend = Pipelines(job.redis_url, job.names, replace(job.gateway, json_answers=True), discover=job.discover)
         if not await start_when_reachable(backend, job.redis_url):
             return  # stopped while Redis could not be reached
         metrics = None

@@ -19,6 +19,7 @@ import pytest
 from broker import codec
 from broker.keys import Keys
 from broker.submit import Submitter
+from gateway.client import GatewaySettings
 from gateway.client.hub import Hub
 from gateway.client.lane import InFlight, Lane
 from gateway.client.slot import new_answer
@@ -81,12 +82,14 @@ def test_an_array_of_times_in_rows_is_written_as_the_same_times_in_one_row_are(u
         assert (np.array(one_row, dtype="U64").astype(times.dtype) == flat).all(), label
 
 
-def test_the_gateway_hub_decodes_answers_so_that_json_writes_them_right() -> None:
-    """The answers the gateway reads from Redis are what the HTTP front writes as JSON: decoded as plain
-    ndarrays, a 2-D array of picoseconds went out as ``{"result":[[,[]}``."""
+@pytest.mark.parametrize("json_answers", [True, False])
+def test_the_gateway_hub_decodes_answers_so_that_json_writes_them_right(json_answers: bool) -> None:
+    """The answers an HTTP front's hub reads from Redis are what it writes as JSON: decoded as plain
+    ndarrays, a 2-D array of picoseconds went out as ``{"result":[[,[]}``. The Python API's hub (without
+    ``json_answers``) keeps plain arrays."""
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        hub = Hub("redis://127.0.0.1:1/0")
+        hub = Hub("redis://127.0.0.1:1/0", GatewaySettings(json_answers=json_answers))
         hub.loop = loop
         keys = Keys("t")
         lane = Lane(keys, Submitter(keys, b"reply"), b"reply", b"g-0-", asyncio.Event(), lambda: 1)
@@ -97,6 +100,10 @@ def test_the_gateway_hub_decodes_answers_so_that_json_writes_them_right() -> Non
         result = waiter.result()
         np.testing.assert_array_equal(result["when"], times)
         assert isinstance(result["when"], np.ndarray) and result["when"].dtype == times.dtype
+        assert (type(result["when"]) is np.ndarray) is not json_answers
+        if not json_answers:
+            hub.deadlines.close()
+            return
         assert json.loads(json_encode({"result": result})) == {"result": {"when": [
             ["1970-01-01T00:00:00.000000000001", "1970-01-02T00:00:00.000000000000"]]}}
         hub.deadlines.close()
@@ -135,3 +142,36 @@ def test_rows_of_picoseconds_are_answered_exactly_and_rows_with_nat_are_a_500_ne
             assert AS_MSGPACK in error["message"], error
 
     run(main())
+
+
+MONTHS_BEFORE_1970 = [f"1969-{m:02d}" for m in range(1, 13)] + ["1900-12", "0001-12", "NaT"]
+
+
+@pytest.mark.system  # a child process
+def test_months_before_1970_are_written_as_their_first_day_and_the_process_lives() -> None:
+    """orjson died (SIGILL) writing a December before 1970 at a unit of months, and refused the other months
+    before 1970: as the gateway decodes answers, they are written as their first day, exactly. In a child
+    process: a crash is an exit code there, not the end of the test run."""
+    import subprocess
+    import sys
+
+    script = f"""
+import json, numpy as np
+from broker import codec
+from gateway.http.codecs import NonFiniteNumber, json_encode
+for text in {MONTHS_BEFORE_1970!r}:
+    for value in (np.datetime64(text, "M"), np.array([text, "2020-01"], "M8[M]"),
+                  np.array([[text, "2020-01"]], "M8[M]")):
+        decoded = codec.decode(codec.encode({{"r": value}}), for_json=True)
+        try:
+            written = json.loads(json_encode(decoded))["r"]
+        except NonFiniteNumber:
+            assert text == "NaT", text
+            continue
+        first = np.datetime_as_string(np.datetime64(text, "D")) + "T00:00:00"
+        flat = written if isinstance(written, str) else np.ravel(np.array(written, dtype=object)).tolist()
+        assert (flat if isinstance(flat, str) else flat[0]) == first, (text, written)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])

@@ -415,7 +415,7 @@ class Hub:
 
     def _deliver(self, element: bytes) -> None:
         try:
-            answers = codec.decode(element, for_json=True)  # an answer may go out as JSON: codec.TimesArray
+            answers = codec.decode(element, for_json=self.settings.json_answers)  # GatewaySettings says why
         except codec.CodecError as exc:
             log.error("undecodable reply element dropped error=%s", exc)
             return

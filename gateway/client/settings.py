@@ -42,6 +42,9 @@ class GatewaySettings:
     # A streamed answer's chunks arrived and not yet taken by its reader, at most: past it the stream is
     # cancelled (StreamLagged) and the stage's generator closed (gateway.client.streams).
     stream_buffer_chunks: int = 1024
+    # Answers decoded for an HTTP front that writes them as JSON (broker.codec.decode's for_json: a 2-D
+    # datetime64 array as codec.TimesArray); set by `conveyor gateway`. The Python API keeps plain arrays.
+    json_answers: bool = False
 
     def __post_init__(self) -> None:
         """Refuse, here, a value no gateway could serve with: a bad default timeout made every request without
