@@ -215,7 +215,7 @@ def _parent_gone(parent_pid: int) -> bool:
         with open(f"/proc/{parent_pid}/stat", "rb") as stat:
             state = stat.read().rsplit(b")", 1)[1].split()[0]
     except FileNotFoundError:
-        return True
+        return os.path.isdir("/proc/self")  # gone, where /proc is; unknown (alive: getppid said so) where not
     except (OSError, IndexError):
         return False
     return state in (b"Z", b"X")
