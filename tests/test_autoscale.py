@@ -12,6 +12,7 @@ import re
 import subprocess
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -385,11 +386,23 @@ def _scale_record(redis_url: str) -> ScaleRecord:
     return record
 
 
+@dataclass
+class _Held:
+    """What `_both_held_for` saw: the load's answers, the held items' answers, the records read while both were
+    held, and, taken before the release, the SIGTERMs the workers had got and the supervisor's log (once
+    released, the idle stage is scaled down within a second or so: that SIGTERM is not the one looked for)."""
+
+    answers: list[int]
+    held: list[object]
+    records: list[ScaleRecord]
+    sigterms: dict[str, list[int]]
+    log: str
+
+
 async def _both_held_for(redis_url: str, runs: Path, release: Path, supervisor: WorkerProc,
-                         held_s: float) -> tuple[list[int], list[object], list[ScaleRecord]]:
+                         held_s: float) -> _Held:
     """Two workers, each held in its predict with nothing queued, for ``held_s`` of the autoscaler's turns (its
-    record renewed that long after both were held), then released. Returns the load's answers, the held items'
-    answers and the records read while both were held."""
+    record renewed that long after both were held), then released."""
     answers = await _scale_up(redis_url, supervisor)
     held: list[asyncio.Future[object]] = []
     records: list[ScaleRecord] = []
@@ -405,13 +418,14 @@ async def _both_held_for(redis_url: str, runs: Path, release: Path, supervisor: 
             await asyncio.to_thread(wait_for, held_long_enough, held_s + 10, f"{held_s:g}s of autoscaler turns",
                                     supervisor.report)
             assert not any(_calls(runs)["done"].get(x) for x in ("hold:a", "hold:b")), "a held call returned"
+            sigterms, log = _calls(runs)["sigterm"], supervisor.log(200_000)
             release.touch()
             answered = list(await asyncio.wait_for(asyncio.gather(*held), 15))
     finally:
         release.touch()
         for future in held:
             future.cancel()
-    return answers, answered, records
+    return _Held(answers, answered, records, sigterms, log)
 
 
 @pytest.mark.system
@@ -427,13 +441,12 @@ def test_a_stage_whose_every_worker_is_in_a_long_call_is_not_scaled_down(redis_u
                          AUTOSCALE_SCALE_DOWN_AFTER_S="1.0") as workers:
         workers.wait_ready(HOLD)
         supervisor = workers.stage("Hold")
-        answers, held, records = asyncio.run(_both_held_for(redis_url, runs, release, supervisor, held_s=4.0))
-        assert answers and all(answers) and held == ["hold:a", "hold:b"]
-        log = supervisor.log(200_000)
-        down = [line for line in log.splitlines() if SCALED + "stage=Hold workers=1 " in line]
+        seen = asyncio.run(_both_held_for(redis_url, runs, release, supervisor, held_s=4.0))
+        assert seen.answers and all(seen.answers) and seen.held == ["hold:a", "hold:b"]
+        down = [line for line in seen.log.splitlines() if SCALED + "stage=Hold workers=1 " in line]
         # Nothing said of a scale-down while both were held: neither a decision nor a SIGTERM.
-        assert not _calls(runs)["sigterm"], f"{_calls(runs)['sigterm']}\n{down}"
-        assert [r.workers for r in records] == [2] * len(records), (records, down)
+        assert not seen.sigterms, f"{seen.sigterms}\n{down}"
+        assert [r.workers for r in seen.records] == [2] * len(seen.records), (seen.records, down)
         assert not down, down
         # Idle once released: one worker goes, as before.
         wait_for(lambda: "(scaled down)" in supervisor.log(200_000), 15, "the supervisor scales down",
