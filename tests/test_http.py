@@ -392,10 +392,15 @@ def test_the_first_and_last_days_of_the_years_0000_to_9999_are_written_exactly()
                                             ({"a": {float("nan"): 1, 2: 3}}, "a map key that is NaN or Infinity"),
                                             (b"\x00", "object of type bytes is not JSON serializable"),
                                             (np.array([1 + 2j]), "object of type complex is not JSON serializable"),
-                                            (np.array([5], dtype="m8[D]"), "type timedelta is not JSON serializable")])
+                                            (np.array([5], dtype="m8[D]"), "a numpy timedelta64"),
+                                            (np.array([5, 6], dtype="m8[ns]"), "a numpy timedelta64"),
+                                            (np.timedelta64(5, "ns"), "a numpy timedelta64"),
+                                            (np.array([[1]], dtype="m8[Y]"), "a numpy timedelta64"),
+                                            (np.timedelta64(2, "M"), "a numpy timedelta64")])
 def test_what_a_json_answer_cannot_carry_says_what_to_do(value: Any, said: str) -> None:
     """A NaN or infinite map key was written as the text "null"; orjson's own message ("Type is not JSON
-    serializable: bytes") replaced the hook's, which says to ask in msgpack."""
+    serializable: bytes") replaced the hook's, which says to ask in msgpack. A timedelta64 in nanoseconds,
+    months or years was written as a bare number, its unit lost; at other units it was refused."""
     with pytest.raises((TypeError, ValueError)) as refused:
         json_encode({"result": value})
     assert said in str(refused.value) and AS_MSGPACK in str(refused.value), refused.value

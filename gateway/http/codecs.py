@@ -11,7 +11,9 @@ travel as conveyor's array extension. A numpy datetime64 becomes ISO 8601 text, 
 alone cut nanoseconds to microseconds); NaT ("not a time", as NaN) cannot be sent as JSON, nor can a
 map key that is NaN or an infinity (orjson wrote both as the text "null"), nor a datetime64 before the
 year 0000 or after 9999 (`TimeOutOfRange`): ISO 8601 writes those years only with a sign and more digits
-as both sides agree, which the dates of JSON readers do not parse (Python's end at 9999).
+as both sides agree, which the dates of JSON readers do not parse (Python's end at 9999). A timedelta64
+cannot be sent as JSON either, at any unit (a bare number would drop its unit; months and years have no
+length in seconds): the stage returns numbers in a unit it names, or the caller asks for msgpack.
 """
 
 from __future__ import annotations
@@ -51,14 +53,18 @@ class UnsupportedMediaType(ValueError):
 
 
 _NOT_A_TIME = f"the result holds NaT (not a time), which JSON cannot carry; {AS_MSGPACK}"
+_A_DURATION = ("the result holds a numpy timedelta64, which JSON cannot carry with its unit: return numbers "
+               f"in a unit you name (td / np.timedelta64(1, 's')), or {AS_MSGPACK}")
 
 
 def _json_default(obj: object) -> Any:
     """orjson hook, for what it does not serialize itself: non-contiguous numpy arrays and other
     dtypes become plain lists/numbers; anything else is refused. What it raises, orjson keeps as its
     own error's ``__cause__`` (its message says only "Type is not JSON serializable")."""
-    if isinstance(obj, np.ndarray | np.generic) and obj.dtype.kind == "m" and np.isnat(obj).any():
-        raise NonFiniteNumber(_NOT_A_TIME)  # .tolist() makes it None: null, as orjson writes NaN
+    if isinstance(obj, np.ndarray | np.generic) and obj.dtype.kind == "m":
+        if np.isnat(obj).any():
+            raise NonFiniteNumber(_NOT_A_TIME)  # .tolist() makes it None: null, as orjson writes NaN
+        raise TypeError(_A_DURATION)  # .tolist() gave bare ticks of an unnamed unit (ns, months, years)
     # Not C-ordered (a DataFrame's values), or a broker.codec.TimesArray (2-D or more): as a plain C-ordered one
     if isinstance(obj, np.ndarray) and obj.dtype.kind == "M":
         return _times_as_text(np.ascontiguousarray(obj))  # .tolist() made nanoseconds integers, NaT None (null)
