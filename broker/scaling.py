@@ -56,7 +56,7 @@ class StageLoad:
 
 
 @dataclass
-class _Stream:
+class _StreamBacklog:
     """One stream's share of the backlog, as read: its waiting entries, what each consumer holds, and the
     entries ever delivered to its group (None: not said)."""
 
@@ -88,7 +88,7 @@ def read_load(client: redis.Redis, partitions: Sequence[Keys], stage: int, curso
 def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoad:
     load = StageLoad()
     live: set[bytes] = set()
-    streams: list[_Stream] = []
+    streams: list[_StreamBacklog] = []
     per = 3 * levels + 2
     for p, cursor in enumerate(cursors):
         part = replies[per * p:per * p + per]
@@ -116,13 +116,13 @@ def _load(replies: list[Any], cursors: Sequence[bytes], levels: int) -> StageLoa
     return load
 
 
-def _stream(groups: Any, length: Any, consumers: Any) -> _Stream:
+def _stream(groups: Any, length: Any, consumers: Any) -> _StreamBacklog:
     """One stream's replies: ``XINFO GROUPS``, ``XLEN``, ``XINFO CONSUMERS``."""
     pending, lag, read = 0, None, 0  # no group yet: nothing delivered
     for group in _reply(groups, []):
         if group["name"] in (GROUP, GROUP.encode()):
             pending, lag, read = int(group["pending"]), group.get("lag"), group.get("entries-read")  # 6.2: None
-    out = _Stream(int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending))
+    out = _StreamBacklog(int(lag) if lag is not None else max(0, int(_reply(length, 0)) - pending))
     out.entries_read = None if read is None else int(read)
     for consumer in _reply(consumers, []):
         out.held[as_bytes(consumer["name"])] = int(consumer["pending"])

@@ -25,7 +25,7 @@ from broker.spec import StageInfo, encode_spec
 from tests.acl_stages import AclServer, redis_binaries, start_acl_server
 from tests.cluster import LocalCluster
 from tests.helpers import wait_for
-from workers.loop.heartbeat import Registration
+from workers.loop.heartbeat import RegistrationRenewal
 
 KEYS = Keys("t-live")
 
@@ -167,7 +167,7 @@ def test_a_registration_lost_is_written_again_by_the_next_beat_and_never_overwri
     """A spec evicted (``allkeys-*``) or deleted was never written again: ``/readyz`` 503 for ever, and a
     gateway started after it refused the pipeline while its workers served."""
     keys, spec = Keys("t-lost"), encode_spec([StageInfo(0, "Only")])
-    hook = Registration(keys.pipeline, [keys], spec, 7)
+    hook = RegistrationRenewal(keys.pipeline, [keys], spec, 7)
     for stored in (None, b"other"):
         redis_client.delete(keys.spec, keys.max_backlog)
         if stored is not None:
@@ -184,7 +184,7 @@ def test_a_spec_of_other_stages_written_meanwhile_is_said_by_the_next_beat(redis
     """The spec lost, a worker of another definition started and wrote its own (the check at start saw
     none): the running workers mixed answers with its, and nothing said so."""
     keys, mine = Keys("t-overwritten"), encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Shift")])
-    hook = Registration(keys.pipeline, [keys], mine, None)
+    hook = RegistrationRenewal(keys.pipeline, [keys], mine, None)
     caplog.set_level(logging.ERROR, "conveyor.worker")
     for stored in (mine, encode_spec([StageInfo(0, "Scale", batch_size=8), StageInfo(1, "Shift")]),
                    encode_spec([StageInfo(0, "Scale"), StageInfo(1, "Double"), StageInfo(2, "Shift")])):

@@ -119,7 +119,7 @@ class LiveWorkers:
         """Nothing to undo."""
 
 
-class Registration:
+class RegistrationRenewal:
     """The pipeline's registration, written again with each beat where it is gone (its spec evicted
     by an ``allkeys-*`` policy, deleted by hand): :meth:`broker.liveness.Beat.registration`. A spec of
     other stages found there (written by a worker of another definition as this one's was gone: the

@@ -55,7 +55,7 @@ _Joined = tuple["Work", list[int], float, tuple[int, float, dict[int, tuple[byte
 
 
 @dataclass(slots=True)
-class _Stream:
+class _ItemChunks:
     """One item's stream: how many chunks it sent, and how it ended (None: still running)."""
 
     item: protocol.Item
@@ -71,7 +71,7 @@ class _Stream:
 
 
 # What a free slot of a continuous batch is to a step: an item that is not running (its value is ignored).
-_FREE = _Stream(protocol.Item(b"0-0", b"free", b"", None, None), 0, left=True)
+_FREE = _ItemChunks(protocol.Item(b"0-0", b"free", b"", None, None), 0, left=True)
 
 
 @dataclass
@@ -105,7 +105,7 @@ class StreamRunner:
         tracing = self._tracing
         traced = tracing.before(work, stats, deliveries) if tracing is not None else []
         began = time.perf_counter()
-        streams = [_Stream(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
+        streams = [_ItemChunks(item, deliveries.get(item.entry_id, 1) if deliveries else 1) for item, _ in work]
         joins: list[_Joined] = []
         try:  # idle also after an error (a node lost mid-stream): else its worker looks busy for ever
             if self._spec.continuous:
@@ -124,7 +124,7 @@ class StreamRunner:
         return self._results(done, keys, commit)
 
     @staticmethod
-    def _measure_ends(tracing: StageTracing, stats: BatchStats, groups: list[_Joined], done: list[_Stream]) -> None:
+    def _measure_ends(tracing: StageTracing, stats: BatchStats, groups: list[_Joined], done: list[_ItemChunks]) -> None:
         """The predict spans of the batch's items, the first ones' and each group of joiners' (``done``:
         their streams, in the order they were read), all ending now."""
         ended, at = time.perf_counter(), 0
@@ -153,7 +153,7 @@ class StreamRunner:
 
         return measured
 
-    def _run_slices(self, work: Work, streams: list[_Stream], keys: Keys, stats: BatchStats) -> None:
+    def _run_slices(self, work: Work, streams: list[_ItemChunks], keys: Keys, stats: BatchStats) -> None:
         """Each slice of at most ``batch_size`` (one item for a singleton stage) streamed to its end."""
         size = self._spec.batch_size if self._spec.batched else 1
         for start in range(0, len(work), size):
@@ -169,7 +169,7 @@ class StreamRunner:
             stats.add(len(part), (time.perf_counter() - began) * 1000)
 
     @staticmethod
-    def _results(streams: list[_Stream], keys: Keys, commit: Commit) -> int:
+    def _results(streams: list[_ItemChunks], keys: Keys, commit: Commit) -> int:
         for stream in streams:
             if stream.final is not None:
                 commit.publish(keys.result_key(stream.item.request_id), stream.final, None)
@@ -177,15 +177,15 @@ class StreamRunner:
 
     # -- a continuous batch: new items join between steps -------------------------------------------
 
-    def _run_continuous(self, queue: list[tuple[_Stream, Any]], keys: Keys, stats: BatchStats,
-                        more: More) -> list[_Stream]:
+    def _run_continuous(self, queue: list[tuple[_ItemChunks, Any]], keys: Keys, stats: BatchStats,
+                        more: More) -> list[_ItemChunks]:
         """Generators over a `LiveBatch` until nothing is queued or readable: between steps, the slots of
         items that ended or left are freed and free slots take queued items, then new ones (``more``)."""
-        done: list[_Stream] = [stream for stream, _ in queue]
+        done: list[_ItemChunks] = [stream for stream, _ in queue]
         while queue:
             began = time.perf_counter()
             batch = LiveBatch(self._spec.batch_size)
-            slots: list[_Stream | None] = [None] * self._spec.batch_size
+            slots: list[_ItemChunks | None] = [None] * self._spec.batch_size
             joined = len(self._join(batch, slots, queue, keys, more, done))
             if not joined:
                 break
@@ -193,8 +193,8 @@ class StreamRunner:
             stats.add(joined, (time.perf_counter() - began) * 1000)
         return done
 
-    def _run_live(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]],
-                  keys: Keys, more: More, done: list[_Stream]) -> None:
+    def _run_live(self, batch: LiveBatch, slots: list[_ItemChunks | None], queue: list[tuple[_ItemChunks, Any]],
+                  keys: Keys, more: More, done: list[_ItemChunks]) -> None:
         """One generator over ``batch`` until it is empty or the generator ends (returns or raises):
         an ended generator takes no more items, and those that joined it since its last step, which
         it never served, go back to the head of ``queue`` for a new one (after its first step: a
@@ -205,7 +205,7 @@ class StreamRunner:
             self._failed([s for s in slots if s is not None], exc, keys)
             return
         try:
-            joined: list[tuple[_Stream, Any]] = []  # since the last step; the first step's items are its own
+            joined: list[tuple[_ItemChunks, Any]] = []  # since the last step; the first step's items are its own
             while batch:
                 live = [s for s in slots if s is not None]
                 step = _Step()
@@ -223,16 +223,16 @@ class StreamRunner:
         finally:
             _close(steps)
 
-    def _join(self, batch: LiveBatch, slots: list[_Stream | None], queue: list[tuple[_Stream, Any]], keys: Keys,
-              more: More, done: list[_Stream]) -> list[tuple[_Stream, Any]]:
+    def _join(self, batch: LiveBatch, slots: list[_ItemChunks | None], queue: list[tuple[_ItemChunks, Any]], keys: Keys,
+              more: More, done: list[_ItemChunks]) -> list[tuple[_ItemChunks, Any]]:
         """Free slots take queued items, then newly read ones; returns those that joined. The supervisor's
         watch is told the deadlines of the items the batch now holds: it is stuck only past those."""
         free = [slot for slot, stream in enumerate(slots) if stream is None]
         if free and len(queue) < len(free):
-            fresh = [(_Stream(item, 1), x) for item, x in more(len(free) - len(queue))]
+            fresh = [(_ItemChunks(item, 1), x) for item, x in more(len(free) - len(queue))]
             done += [stream for stream, _ in fresh]
             queue += fresh
-        joined: list[tuple[_Stream, Any]] = []
+        joined: list[tuple[_ItemChunks, Any]] = []
         while free and queue:
             stream, x = queue.pop(0)
             if not stream.running:
@@ -247,7 +247,7 @@ class StreamRunner:
 
     # -- one generator per item ------------------------------------------------------------------
 
-    def _run_one(self, stream: _Stream, x: Any, keys: Keys) -> None:
+    def _run_one(self, stream: _ItemChunks, x: Any, keys: Keys) -> None:
         if self._gone([stream], keys):
             return
         try:
@@ -272,7 +272,7 @@ class StreamRunner:
 
     # -- one generator per slice of a batch ------------------------------------------------------
 
-    def _run_batched(self, part: list[_Stream], inputs: list[Any], keys: Keys) -> None:
+    def _run_batched(self, part: list[_ItemChunks], inputs: list[Any], keys: Keys) -> None:
         """A batch's generator, stepped to its end. One that fails before its first step (the usual place: an
         input it cannot take) sent nothing yet, so its halves run again, on the items decoded again, as a unary
         batch's are: only the bad items get the error, never another caller's message (it may quote the input)."""
@@ -305,7 +305,7 @@ class StreamRunner:
         finally:
             _close(steps)
 
-    def _step(self, steps: Iterator[Any], part: list[_Stream], step: _Step, spare: set[int] | None = None) -> bool:
+    def _step(self, steps: Iterator[Any], part: list[_ItemChunks], step: _Step, spare: set[int] | None = None) -> bool:
         """One step of a batched stream into ``step``: its chunks and the items it ended. False if the
         generator ended (returned or raised), which ends every item it still serves, but for those
         in ``spare`` (ids of items it never served: they stay running)."""
@@ -325,7 +325,7 @@ class StreamRunner:
         self._apply(part, values, step)
         return True
 
-    def _apply(self, part: list[_Stream], values: Sequence[Any], step: _Step) -> None:
+    def _apply(self, part: list[_ItemChunks], values: Sequence[Any], step: _Step) -> None:
         for stream, value in zip(part, values, strict=True):
             if value is None or not stream.running:  # nothing this step, or a finished (or free) slot
                 continue
@@ -336,7 +336,7 @@ class StreamRunner:
 
     # -- records ----------------------------------------------------------------------------------
 
-    def _chunk(self, stream: _Stream, step: _Step, value: Any) -> None:
+    def _chunk(self, stream: _ItemChunks, step: _Step, value: Any) -> None:
         item = stream.item
         record = {"id": item.request_id.decode(), "seq": stream.seq, "chunk": value, "run": stream.run}
         if self._spec.deterministic:
@@ -354,7 +354,7 @@ class StreamRunner:
         stream.seq += 1
         step.add(item.reply, data)
 
-    def _end(self, stream: _Stream, step: _Step, value: Any) -> None:
+    def _end(self, stream: _ItemChunks, step: _Step, value: Any) -> None:
         item = stream.item
         record = {"id": item.request_id.decode(), "ok": True, "value": value, "chunks": stream.seq,
                   "run": stream.run}
@@ -365,20 +365,20 @@ class StreamRunner:
                                f"encoded: {exc}")
         self._final(stream, step, data)
 
-    def _fail(self, stream: _Stream, step: _Step, exc: BaseException) -> None:
+    def _fail(self, stream: _ItemChunks, step: _Step, exc: BaseException) -> None:
         why = stream.error = failure(exc, self._tracebacks)
         self._problems.stage_error(stream.item.request_id, why)
         self._final(stream, step, self._error(stream, why.type, why.message, why.traceback))
 
-    def _error(self, stream: _Stream, type_: str, message: str, traceback: str = "") -> bytes:
+    def _error(self, stream: _ItemChunks, type_: str, message: str, traceback: str = "") -> bytes:
         """The error record ending ``stream``, with its run: a reader drops an earlier run's (a zombie worker's)."""
         return protocol.error_record(stream.item.request_id, type_, message, self._spec.name, traceback, run=stream.run)
 
-    def _final(self, stream: _Stream, step: _Step, record: bytes) -> None:
+    def _final(self, stream: _ItemChunks, step: _Step, record: bytes) -> None:
         stream.final = record
         step.add(stream.item.reply, record)
 
-    def _failed(self, part: list[_Stream], exc: BaseException, keys: Keys) -> None:
+    def _failed(self, part: list[_ItemChunks], exc: BaseException, keys: Keys) -> None:
         """``predict`` raised before its first step: every item's error."""
         step = _Step()
         for stream in part:
@@ -387,13 +387,13 @@ class StreamRunner:
 
     # -- Redis ------------------------------------------------------------------------------------
 
-    def _gone(self, part: list[_Stream], keys: Keys) -> bool:
+    def _gone(self, part: list[_ItemChunks], keys: Keys) -> bool:
         """Before a generator starts: its items already cancelled or past their deadline leave; True
         if none is left to run."""
         self._send(_Step(), part, keys)
         return not any(s.running for s in part)
 
-    def _send(self, step: _Step, part: list[_Stream], keys: Keys) -> None:
+    def _send(self, step: _Step, part: list[_ItemChunks], keys: Keys) -> None:
         """The step's records out, and the markers of the items still running in: those whose callers
         left, and those past their deadline, leave the stream (nobody reads it)."""
         running = [s for s in part if s.running]

@@ -40,7 +40,7 @@ from workers.loop.ahead import ReadAhead
 from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
 from workers.loop.cancels import SLOW_BATCH_S, CancelWatch
 from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
-from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, Registration, Wake
+from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, RegistrationRenewal, Wake
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
@@ -117,7 +117,7 @@ class Worker:
         self._next_claim = time.monotonic() + self.spec.claim_idle_s / 2
         self._next_reap = time.monotonic() + REAP_INTERVAL_S
         # Register before the model loads: the admission limit is in Redis while setup() runs.
-        self._registration = Registration(self.pipeline.name, self.pipeline.partition_keys, encode_spec(
+        self._registration = RegistrationRenewal(self.pipeline.name, self.pipeline.partition_keys, encode_spec(
             self.pipeline.describe(self.settings.max_payload_bytes)), self.pipeline.stages[0].max_backlog)
         if not self._with_redis(self._register):
             self._client.close()
