@@ -108,6 +108,9 @@ def test_base64_is_the_float32_bytes() -> None:
     ({"model": "emb", "input": [True, False]}, 400, "input", "list of strings"),  # booleans are no token ids
     ({"input": "a"}, 400, "model", "'model' is required"),
     ({"model": "emb", "input": "a", "encoding_format": "int8"}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"model": "emb", "input": "a", "encoding_format": ""}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"model": "emb", "input": "a", "encoding_format": False}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"model": "emb", "input": "a", "encoding_format": {}}, 400, "encoding_format", "'float' or 'base64'"),
     ({"model": "emb", "input": "a", "dimensions": 2}, 400, "dimensions", "answers 3 dimensions"),
     ({"model": "nope", "input": "a"}, 404, "model", "does not exist here"),
     ({"model": "plain", "input": "a"}, 404, "model", "not an embeddings model"),

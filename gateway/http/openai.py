@@ -99,8 +99,10 @@ class Query:
             raise OpenAIError(400, "'model' is required: the name of an embeddings pipeline", param="model")
         self.model = model
         self.texts = _texts(doc.get("input"))
-        self.encoding = doc.get("encoding_format") or "float"
-        if self.encoding not in ("float", "base64"):
+        self.encoding = doc.get("encoding_format")
+        if self.encoding is None:  # absent or null: OpenAI's default
+            self.encoding = "float"
+        if not isinstance(self.encoding, str) or self.encoding not in ("float", "base64"):
             raise OpenAIError(400, f"encoding_format must be 'float' or 'base64', got {self.encoding!r}",
                               param="encoding_format")
         self.dimensions = doc.get("dimensions")
