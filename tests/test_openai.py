@@ -18,6 +18,7 @@ from broker.spec import PipelineIO, TensorSpec
 from gateway.errors import StageError
 from gateway.http.predict import Pending
 from gateway.http.routes import Router
+from gateway.http.server import HttpServer
 from gateway.http.settings import HttpSettings
 from gateway.http.types import Reply, Request
 from gateway.monitor.metrics import Metrics
@@ -137,3 +138,32 @@ def test_the_models_own_dimensions_are_accepted_and_models_are_listed() -> None:
     assert status == 200 and body == {"id": "emb", "object": "model", "created": 0, "owned_by": "conveyor"}
     status, body = _call(served, "GET", "/v1/models/nope")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_errors_made_before_the_route_reach_the_openai_package_in_its_shape() -> None:
+    """The connection's 413 and the router's 405 on /v1/embeddings are written in OpenAI's shape, as the
+    route's own errors are: the ``openai`` package reads their type and code."""
+    import openai
+
+    async def main() -> list[openai.APIStatusError]:
+        server = HttpServer(Several(Embedder("emb")), HttpSettings(port=0, max_body_bytes=1024))
+        await server.start()
+        errors = []
+        try:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="-", max_retries=0,
+                                        timeout=5)
+            for call in (client.embeddings.create(model="emb", input="x" * 2000),
+                         client.get("/embeddings", cast_to=object)):
+                with pytest.raises(openai.APIStatusError) as refused:
+                    await call
+                errors.append(refused.value)
+            await client.close()
+        finally:
+            await server.close(drain=False)
+        return errors
+
+    too_large, wrong_method = asyncio.run(asyncio.wait_for(main(), 10))
+    assert too_large.status_code == 413 and wrong_method.status_code == 405
+    for error, code in ((too_large, "PayloadTooLarge"), (wrong_method, "MethodNotAllowed")):
+        assert error.type == "invalid_request_error" and error.code == code, error.body
+        assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param", "code", "request_id"}

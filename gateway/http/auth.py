@@ -16,13 +16,13 @@ from pathlib import Path
 
 import orjson
 
+from gateway.http.request_ids import OPENAI_ROUTES
 from gateway.http.types import HttpError, Reply
 
 __all__ = ["OPEN_ROUTES", "ApiKeys", "NoKeyGiven", "read_keys"]
 
 # Route labels answered without a key: a label opens every route that carries it (routes.Router's table).
 OPEN_ROUTES = frozenset({"healthz", "readyz", "v2_live", "v2_ready"})
-_OPENAI_ROUTES = frozenset({"embeddings", "models", "model"})
 _OIP_ROUTES = frozenset({"infer", "v2_metadata", "v2_model_ready"})
 _CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
@@ -84,7 +84,7 @@ class ApiKeys:
     @staticmethod
     def refusal(label: str) -> Reply:
         message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
-        if label in _OPENAI_ROUTES:
+        if label in OPENAI_ROUTES:
             body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                               "code": "invalid_api_key"}}
             return Reply(401, orjson.dumps(body), headers=_CHALLENGE, outcome="unauthorized")

@@ -29,7 +29,9 @@ as before. Why added where the answer is written (:func:`with_request_id`, calle
 where each error is made: errors are made in a dozen places in three shapes (the routes, the API keys'
 401, the connection's own 400/408/413/503), before a route is known for some; one place covers them all,
 including those still to be written, and it touches error answers only (a decode and an encode of a small
-body), never a 200. The probes' 503 (``/readyz``: not a request's error) keep their bodies.
+body), never a 200. On the OpenAI routes an error made before their handler, in conveyor's shape (the
+router's 405, the connection's 413), is rewritten there in OpenAI's, as those routes promise. The probes' 503
+(``/readyz``: not a request's error) keep their bodies.
 
 A request of several items (a batch of Open Inference Protocol rows, a list of OpenAI texts) submits item
 ``i`` as ``<id>.<i>`` (:func:`item_ids`): a grep for the request's id finds them all.
@@ -39,15 +41,19 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
 from gateway.http.codecs import JSON, MSGPACK
 from gateway.http.types import Reply
 
-__all__ = ["HEADER", "MAX_CLIENT_ID", "RequestIds", "item_ids", "with_request_id"]
+__all__ = ["HEADER", "MAX_CLIENT_ID", "OPENAI_ROUTES", "RequestIds", "item_ids", "with_request_id"]
 
 HEADER = b"x-request-id"
 MAX_CLIENT_ID = 64
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9_.:\-]{1,%d}" % MAX_CLIENT_ID)  # fullmatch: no trailing newline
+# The OpenAI-compatible routes' labels: an error answered there before its handler (the router's 405, the
+# connection's 413, 408 or 400, a drain's 503) is put in OpenAI's shape, which the ``openai`` package reads.
+OPENAI_ROUTES = frozenset({"embeddings", "models", "model"})
 # Routes whose 503 is not a request's error (a probe saying "not ready"): that body is left as it is.
 _PROBES = frozenset({"healthz", "readyz", "v2_live", "v2_ready", "v2_model_ready"})
 
@@ -93,8 +99,17 @@ def with_request_id(reply: Reply, request_id: bytes, route: str) -> Reply:
         error = doc["error"] if isinstance(doc, dict) else None
         if error is None:
             return reply
+        if route in OPENAI_ROUTES and isinstance(error, dict) and "param" not in error:
+            error = doc["error"] = _openai_shape(reply.status, error)
         (error if isinstance(error, dict) else doc)["request_id"] = request_id.decode("ascii")
         body = codec.encode(doc)
     except (ValueError, TypeError, RecursionError):  # never fail an error answer: send it as it was
         return reply
     return Reply(reply.status, body, reply.content_type, reply.outcome, reply.close, reply.headers)
+
+
+def _openai_shape(status: int, error: dict[str, Any]) -> dict[str, Any]:
+    """conveyor's ``{"type", "message", "stage"}`` as OpenAI's ``{"message", "type", "param", "code"}``: its
+    type (``PayloadTooLarge``, ``MethodNotAllowed``, ...) becomes the code, OpenAI's type says whose fault."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"message": error.get("message"), "type": kind, "param": None, "code": error.get("type")}
