@@ -30,6 +30,7 @@ are the spans' own.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import threading
@@ -303,11 +304,17 @@ def start_sink(service_name: str, environ: Mapping[str, str], process: Mapping[s
 
 
 def _env_number(environ: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number of the environment, else ``default`` (warned): a period of 0 or less
+    would spin the sink's thread, an infinite one kill it, and a size must become an int."""
+    raw = environ.get(name)
     try:
-        return float(environ.get(name) or default)
+        value = float(raw or default)
     except ValueError:
-        log.warning("%s is not a number: %g", name, default)
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        log.warning("%s=%s is not a positive number: %g", name, raw, default)
         return default
+    return value
 
 
 def now_ns() -> int:

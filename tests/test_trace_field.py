@@ -235,6 +235,21 @@ def test_closing_a_sink_whose_export_hangs_leaves_it_to_its_thread() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf", "many"])
+def test_batch_variables_that_are_no_positive_number_take_their_defaults(bad: str) -> None:
+    """A schedule delay of 0 or less would spin the sink's thread (a core per process), an infinite one
+    kill it; a size of nan or inf cannot be a count: each is warned of and its default used."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    sink = tracing.start_sink("t", {"OTEL_BSP_SCHEDULE_DELAY": bad, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": bad,
+                                    "OTEL_BSP_MAX_QUEUE_SIZE": bad})
+    try:
+        assert (sink._period_s, sink.MAX_BATCH, sink.MAX_QUEUE) == (5.0, tracing.EXPORT_BATCH, 65_536)
+        assert sink._thread.is_alive()
+    finally:
+        sink.close(timeout_s=1.0)
+
+
+@pytest.mark.unit
 def test_a_spans_error_texts_are_cut() -> None:
     """An error may quote a whole input: its span keeps 8,192 characters of the message and of the
     traceback, so that one span stays far under an export's bound."""
