@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -173,6 +174,24 @@ def test_a_timed_out_request_keeps_its_tree(stack: Stack) -> None:
     spans = tree(stack.receiver.wait_trace(trace_id, 3), span_id)
     assert spans["gateway"].status == 2 and spans["gateway"].attributes["http.response.status_code"] == 504
     assert spans["Prep predict"].duration_ms >= 900
+
+
+def test_a_request_whose_client_left_keeps_its_gateway_span(stack: Stack) -> None:
+    """A client that disconnects before its answer cancels the request: its gateway span is still
+    recorded (outcome ``cancelled``), so the spans its stages recorded keep their parent."""
+    trace_id, span_id, header = caller()
+    body = b'"slow"'
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as sock:
+        sock.sendall(b"POST %b HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\ntraceparent: %b\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (PATH.encode(), header.encode(), len(body), body))
+        stack.receiver.wait(lambda spans: any(s.trace_id == trace_id and s.name == "Prep wait" for s in spans), 20,
+                            "the first stage's wait span (the request is in Prep's predict)")
+    spans = stack.receiver.wait(lambda spans: any(s.trace_id == trace_id and s.service == "conveyor-gateway"
+                                                  for s in spans), 20, "the gateway's span")
+    [gateway] = [s for s in spans if s.trace_id == trace_id and s.service == "conveyor-gateway"]
+    assert gateway.parent_id == span_id and gateway.attributes["conveyor.outcome"] == "cancelled"
+    assert "http.response.status_code" not in gateway.attributes
+    assert all(s.parent_id == gateway.span_id for s in stack.receiver.of(trace_id) if s is not gateway)
 
 
 @pytest.mark.parametrize("path, body", [

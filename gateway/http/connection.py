@@ -59,8 +59,7 @@ _IDLE, _HEAD, _BODY, _DEAD = 0, 1, 2, 3
 
 
 class HttpProtocol(Pacing, asyncio.Protocol):
-    """One client connection; its `RequestReader` calls the hooks ``head_started``, ``head_complete``
-    and ``request_complete`` from ``feed``."""
+    """One client connection; its `RequestReader` calls ``head_started``, ``head_complete``, ``request_complete``."""
 
     def __init__(self, state: ServerState, router: Router, loop: asyncio.AbstractEventLoop) -> None:
         self.server = state
@@ -124,6 +123,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             return None
         if not self.settings.half_close_answers:  # the client left (nginx's reading): cancel, close
             if self.current is not None:
+                self.tracing.abandoned(self.trace, *self.current[:2])
                 abandon(self.current[2])
                 self.current = None
             self.queue.clear()
@@ -137,6 +137,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         if self.current is not None:  # the client left before its answer: the request is cancelled
+            self.tracing.abandoned(self.trace, *self.current[:2])
             abandon(self.current[2])
 
     def pause_writing(self) -> None:
@@ -312,9 +313,8 @@ class HttpProtocol(Pacing, asyncio.Protocol):
     def _respond(self, item: Request, label: str, reply: Reply) -> bool:
         """Send one reply; True if the connection can carry another request."""
         keep = item.keep_alive and not reply.close and not self.server.draining
-        if self.trace is not None:
-            reply = self.tracing.finish(self.trace, item, label, reply)
-            self.trace = None
+        reply = reply if self.trace is None else self.tracing.finish(self.trace, item, label, reply)
+        self.trace = None
         self._send(item, label, reply, close=not keep, head_only=item.method == b"HEAD")
         duration = self.loop.time() - self.started if label in TIMED_ROUTES else None
         self.metrics.observe_request(label, reply.outcome, duration)
@@ -409,6 +409,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         waiting for its answer gets 503 with ``Connection: close``, never a closed socket alone."""
         waiting = self.current is not None or any(isinstance(item, Request) for item in self.queue)
         if self.current is not None and isinstance(self.current[2], StreamReply):
+            self.tracing.abandoned(self.trace, *self.current[:2])
             self.current[2].abandon()  # a stream under way: cut (its client sees the connection end)
             self.current = None
             self.queue.clear()
@@ -419,6 +420,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
             abandon(pending)  # told to retry, the client must not find it run (or running) as well
             cast(Pending, pending).future.cancel()  # (a fake backend's task sees CancelledError)
             reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
+            reply = reply if self.trace is None else self.tracing.finish(self.trace, item, label, reply)
             self.metrics.observe_request(label, reply.outcome)
             self._send(item, label, reply, close=True, head_only=item.method == b"HEAD")
         elif waiting and not self.lingering:

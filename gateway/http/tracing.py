@@ -38,6 +38,7 @@ TRACESTATE = b"tracestate"
 TRACESTATE_MAX_BYTES = 512
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
 _CHUNKS = otlp.key("conveyor.stream.chunks")
+_CANCELLED = otlp.attributes({"conveyor.outcome": "cancelled"})
 _CACHED = 256  # encoded tails kept (routes and paths that run a pipeline; outcomes)
 
 
@@ -78,6 +79,14 @@ class RequestTracing:
         if outcome in _FAILED_OUTCOMES:
             tail += otlp.error("stream", outcome, "", end_ns)
         self._record(sink, trace, tail, end_ns)
+
+    def abandoned(self, trace: RequestTrace | None, request: Request, route: str) -> None:
+        """The span of a request cancelled before its answer was written (its client left, or the
+        gateway stopped while streaming it): outcome ``cancelled``, no status code. Without it the
+        spans its stages recorded would have no parent."""
+        sink = self._sink
+        if trace is not None and trace.sampled and sink is not None:
+            self._record(sink, trace, _route_tail(request.method, request.path, route) + _CANCELLED, time.time_ns())
 
     @staticmethod
     def _record(sink: tracing.SpanSink, trace: RequestTrace, tail: bytes, end_ns: int) -> None:
