@@ -86,13 +86,8 @@ class TraceSettings:
             log.warning("OTEL_TRACES_SAMPLER=%s is not one conveyor knows (%s): parentbased_always_on", sampler,
                         ", ".join(_SAMPLERS))
             sampler = "parentbased_always_on"
-        ratio = 1.0
-        if sampler in _RATIO_SAMPLERS:
-            try:
-                ratio = min(1.0, max(0.0, float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))))
-            except ValueError:
-                log.warning("OTEL_TRACES_SAMPLER_ARG is not a number: sampling every request")
-        return cls(enabled, sampler, ratio)
+        return cls(enabled, sampler, _ratio(environ.get("OTEL_TRACES_SAMPLER_ARG")) if sampler in _RATIO_SAMPLERS
+                   else 1.0)
 
     def __post_init__(self) -> None:
         # What sampled() reads: whether the caller's flag decides, and the odds of a request without one.
@@ -107,6 +102,22 @@ class TraceSettings:
             return bool(parent_flags & 1)
         odds = self._odds
         return odds >= 1.0 or (odds > 0.0 and random.random() < odds)
+
+
+def _ratio(raw: str | None) -> float:
+    """``OTEL_TRACES_SAMPLER_ARG``: a ratio from 0 to 1 (default 1); one that is no number is warned of
+    and every request sampled, one out of range warned of and taken to the nearest bound (``5`` for
+    5 % would otherwise sample every request, unsaid)."""
+    try:
+        ratio = float(raw if raw is not None else 1.0)
+    except ValueError:
+        ratio = math.nan
+    if math.isnan(ratio):
+        log.warning("OTEL_TRACES_SAMPLER_ARG=%s is not a number: sampling every request", raw)
+        return 1.0
+    if not 0.0 <= ratio <= 1.0:
+        log.warning("OTEL_TRACES_SAMPLER_ARG=%s is not a ratio from 0 to 1: %g", raw, min(1.0, max(0.0, ratio)))
+    return min(1.0, max(0.0, ratio))
 
 
 def new_trace_id() -> bytes:

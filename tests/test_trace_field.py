@@ -134,6 +134,17 @@ def test_settings_from_the_standard_variables() -> None:
     assert tracing.TraceSettings(True, "traceidratio", 0.25) == quarter  # what sampled() keeps is not compared
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("arg", "ratio"), [("nan", 1.0), ("five", 1.0), ("5", 1.0), ("-0.5", 0.0)])
+def test_a_sampler_ratio_that_is_no_ratio_is_warned_of(arg: str, ratio: float,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """``nan`` sampled nothing, unsaid; ``5`` (meant as 5 %) sampled everything, unsaid: each is warned of."""
+    settings = tracing.TraceSettings.from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "traceidratio",
+                                               "OTEL_TRACES_SAMPLER_ARG": arg})
+    assert settings.ratio == ratio
+    assert any("OTEL_TRACES_SAMPLER_ARG" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
 def _spans_of(body: bytes) -> list[str]:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
