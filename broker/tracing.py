@@ -302,6 +302,11 @@ def start_sink(service_name: str, environ: Mapping[str, str], process: Mapping[s
     except ImportError as exc:
         raise ImportError(f"tracing is configured (OTEL_*) but the OpenTelemetry SDK is missing: "
                           f"pip install 'conveyor[otel]' ({exc})") from exc
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol and protocol.strip().lower() != "http/protobuf":
+        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: conveyor sends spans over OTLP http/protobuf only (to %s); "
+                    "point it at the collector's OTLP/HTTP receiver (port 4318)", protocol,
+                    environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
     resource = {**(process or {}), **Resource.create(attributes).attributes}
     exporter = OTLPSpanExporter()

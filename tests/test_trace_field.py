@@ -145,6 +145,16 @@ def test_a_sampler_ratio_that_is_no_ratio_is_warned_of(arg: str, ratio: float,
     assert any("OTEL_TRACES_SAMPLER_ARG" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
+@pytest.mark.unit
+def test_an_otlp_protocol_other_than_http_protobuf_is_warned_of_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """conveyor sends OTLP/HTTP protobuf only: ``grpc`` (a collector's port 4317) would fail every export."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    sink = tracing.start_sink("t", {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"})
+    sink.close(timeout_s=1.0)
+    assert any("grpc" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
 def _spans_of(body: bytes) -> list[str]:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
