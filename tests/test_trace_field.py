@@ -96,16 +96,18 @@ def test_traceparent_parsing() -> None:
 
 
 @pytest.mark.unit
-def test_a_tracestate_longer_than_the_spec_asks_to_keep_is_dropped() -> None:
+def test_a_tracestate_longer_than_the_spec_asks_to_keep_or_not_ascii_is_dropped() -> None:
     """W3C: at least 512 characters of tracestate are kept; a longer one would be copied onto the
-    request's span whole (30 kB a request, into every export)."""
+    request's span whole (30 kB a request, into every export). Bytes outside printable ASCII are no
+    tracestate: they would reach the span as mojibake."""
     from gateway.http.tracing import RequestTracing
     from gateway.http.types import Request
 
     front = RequestTracing(tracing.TraceSettings(True), timing_headers=False)
     front._sink = tracing.SpanSink(lambda body: None, {}, period_s=60)
     try:
-        for state, kept in ((b"a=" + b"x" * 510, True), (b"a=" + b"x" * 511, False)):
+        for state, kept in ((b"a=" + b"x" * 510, True), (b"a=" + b"x" * 511, False), (b"a=\xe9\xff", False),
+                            (b"a=b\x00c", False), (b"a=b, c=d", True)):
             trace = front.begin(Request(b"POST", b"/v1/predict", {b"traceparent": TP, b"tracestate": state}))
             assert trace is not None and trace.trace_id == bytes.fromhex(TP[3:35].decode())
             assert trace.tracestate == (state.decode() if kept else None), len(state)

@@ -36,6 +36,7 @@ TRACEPARENT = b"traceparent"
 TRACESTATE = b"tracestate"
 # W3C Trace Context: a vendor propagates at least 512 characters of tracestate and may drop a longer one.
 TRACESTATE_MAX_BYTES = 512
+_TRACESTATE_BYTES = bytes(range(0x20, 0x7F)) + b"\t"  # what a W3C tracestate header holds
 _FAILED_OUTCOMES = frozenset({"stage_error", "timeout", "error"})
 _CHUNKS = otlp.key("conveyor.stream.chunks")
 _CANCELLED = otlp.attributes({"conveyor.outcome": "cancelled"})
@@ -107,8 +108,8 @@ class RequestTracing:
         span_id = tracing.new_span_id()
         own = tracing.traceparent(trace_id, span_id) if sampled else None
         state = headers.get(TRACESTATE) if parent is not None else None  # W3C: not without a traceparent
-        if state is not None and len(state) > TRACESTATE_MAX_BYTES:
-            state = None  # kept on the span, it would weigh on every export
+        if state is not None and (len(state) > TRACESTATE_MAX_BYTES or state.translate(None, _TRACESTATE_BYTES)):
+            state = None  # too long, kept on the span it would weigh on every export; or not W3C's printable ASCII
         return RequestTrace(trace_id, span_id, b"" if parent is None else parent[1], sampled,
                             tracing.field_value(own, self.timing_headers), time.time_ns(),
                             state.decode("latin-1") if state else None)
