@@ -101,6 +101,30 @@ def test_base64_is_the_float32_bytes() -> None:
     assert vector.tolist() == [3.0, 1.0, -0.5]
 
 
+class Misshapen(Embedder):
+    """An embeddings pipeline whose stage answers something else than one vector of its declared 3 dimensions."""
+
+    async def _predict(self, x: Any) -> Any:
+        return {"no map key": {"vector": [1.0, 2.0, 3.0]}, "short": np.ones(2, np.float32), "long": [1.0] * 4,
+                "words": ["a", "b", "c"], "ragged": [[1.0], [2.0, 3.0]], "two": np.ones((2, 3)),
+                "empty": [], "ok": [1.0, 2.0, 3.0]}[x]
+
+
+@pytest.mark.parametrize(("text", "words"), [("no map key", "a map without 'embedding' (its keys: vector)"),
+                                             ("short", "answered 2 dimensions where it declares 3"),
+                                             ("long", "answered 4 dimensions where it declares 3"),
+                                             ("words", "dtype <U1"), ("ragged", "not one vector"),
+                                             ("two", "of shape (2, 3)"), ("empty", "not one vector")])
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_an_answer_that_is_no_vector_of_the_declared_size_is_a_500(text: str, words: str, encoding: str) -> None:
+    """A map without 'embedding' was served as a vector of one NaN in base64, a vector of another length as it
+    came: the caller's index would have mixed sizes."""
+    status, body = _call(Several(Misshapen("emb")), "POST", "/v1/embeddings",
+                         {"model": "emb", "input": ["ok", text], "encoding_format": encoding})
+    assert status == 500 and body["error"]["type"] == "server_error", body
+    assert body["error"]["message"].startswith("input 1: the pipeline answered") and words in body["error"]["message"]
+
+
 @pytest.mark.parametrize(("request_body", "status", "param", "words"), [
     ({"model": "emb"}, 400, "input", "non-empty list"),
     ({"model": "emb", "input": []}, 400, "input", "non-empty list"),

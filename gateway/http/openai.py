@@ -98,6 +98,7 @@ class Query:
         if not isinstance(model, str) or not model:
             raise OpenAIError(400, "'model' is required: the name of an embeddings pipeline", param="model")
         self.model = model
+        self.size = -1  # the declared dimensions (check), -1 if the pipeline does not declare them
         self.texts = _texts(doc.get("input"))
         self.encoding = doc.get("encoding_format")
         if self.encoding is None:  # absent or null: OpenAI's default
@@ -118,11 +119,32 @@ class Query:
                                    "declare task='embeddings')", param="model", code="model_not_found",
                               outcome="not_found")
         embedding = io.output("embedding")
-        size = embedding.shape[1] if embedding is not None else -1
+        size = self.size = embedding.shape[1] if embedding is not None else -1
         if self.dimensions is not None and (self.dimensions != size or size == -1):
             raise OpenAIError(400, f"dimensions={self.dimensions!r} is not supported: the model {self.model!r} "
                                    f"answers {size if size != -1 else 'its own number of'} dimensions; leave "
                                    "dimensions out", param="dimensions")
+
+    def _vector(self, index: int, vector: Any, answer: Any) -> np.ndarray:
+        """The stage's answer for input ``index`` as float32, checked to be one vector of numbers of the
+        declared size: a pipeline of another shape is a 500 naming what it gave, never a vector of
+        another length, or a NaN made of a missing one (base64 would serve either)."""
+        if isinstance(answer, dict) and "embedding" not in answer:
+            raise OpenAIError(500, f"input {index}: the pipeline answered a map without 'embedding' (its keys: "
+                                   f"{', '.join(sorted(map(str, answer))[:8])})", "server_error", outcome="error")
+        try:
+            array = np.asarray(vector)
+        except ValueError:  # ragged lists
+            array = np.asarray(None)
+        if array.dtype.kind not in "biuf" or array.size == 0 or (array.ndim > 1 and array.size != array.shape[-1]):
+            raise OpenAIError(500, f"input {index}: the pipeline answered {type(vector).__name__} of shape "
+                                   f"{array.shape} and dtype {array.dtype}, not one vector of numbers "
+                                   "(a stage of task='embeddings' answers a vector, or a map with 'embedding')",
+                              "server_error", outcome="error")
+        if self.size != -1 and array.size != self.size:
+            raise OpenAIError(500, f"input {index}: the pipeline answered {array.size} dimensions where it declares "
+                                   f"{self.size}", "server_error", outcome="error")
+        return array.astype(np.float32).reshape(-1)
 
     def respond(self, answers: list[Any]) -> Reply:
         data, tokens = [], 0
@@ -134,7 +156,7 @@ class Query:
                                        f"as far as its first {count} tokens): shorten it, or send \"truncate\": "
                                        f"true to embed those {count} tokens", param="input",
                                        code="context_length_exceeded")
-            array = np.asarray(vector, dtype=np.float32).reshape(-1)
+            array = self._vector(index, vector, answer)
             if not bool(np.isfinite(array).all()) and self.encoding == "float":
                 raise OpenAIError(500, f"input {index}: the embedding holds NaN or Infinity, which JSON cannot "
                                        "carry (ask for encoding_format='base64')", "server_error", outcome="error")
