@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from broker.spec import PipelineIO, TensorSpec
-from gateway.errors import StageError
+from gateway.errors import Overloaded, StageError
 from gateway.http.predict import Pending
 from gateway.http.routes import Router
 from gateway.http.server import HttpServer
@@ -55,6 +55,11 @@ class Embedder(FakeBackend):
 
 
 def _call(backends: Any, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    reply = _reply(backends, method, path, body)
+    return reply.status, json.loads(reply.body)
+
+
+def _reply(backends: Any, method: str, path: str, body: Any = None) -> Reply:
     router = Router(backends, HttpSettings(), Metrics(backends), lambda: False)
 
     async def main() -> Reply:
@@ -66,8 +71,7 @@ def _call(backends: Any, method: str, path: str, body: Any = None) -> tuple[int,
             answer = answer.finish(answer.future)
         return answer
 
-    reply = asyncio.run(asyncio.wait_for(main(), 5))
-    return reply.status, json.loads(reply.body)
+    return asyncio.run(asyncio.wait_for(main(), 5))
 
 
 def test_a_list_of_texts_is_answered_in_order_with_usage() -> None:
@@ -99,6 +103,18 @@ def test_base64_is_the_float32_bytes() -> None:
     assert status == 200
     vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     assert vector.tolist() == [3.0, 1.0, -0.5]
+
+
+class Busy(Embedder):
+    async def _predict(self, x: Any) -> Any:
+        raise Overloaded("the pipeline's backlog is full: retry")
+
+
+def test_an_overloaded_pipeline_says_when_to_retry() -> None:
+    """As the other routes' 503 Overloaded: the ``openai`` package waits what retry-after says."""
+    reply = _reply(Several(Busy("emb")), "POST", "/v1/embeddings", {"model": "emb", "input": "a"})
+    assert reply.status == 503 and json.loads(reply.body)["error"]["code"] == "overloaded", reply
+    assert (b"retry-after", b"1") in reply.headers
 
 
 class Misshapen(Embedder):

@@ -63,7 +63,8 @@ class OpenAIError(Exception):
 
     def reply(self) -> Reply:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return Reply(self.status, orjson.dumps(body), outcome=self.outcome)
+        retry = ((b"retry-after", b"1"),) if self.status == 503 else ()  # as the other routes' Overloaded
+        return Reply(self.status, orjson.dumps(body), headers=retry, outcome=self.outcome)
 
 
 def _failure(exc: BaseException) -> OpenAIError:
