@@ -354,6 +354,14 @@ def safe_url(url: str) -> str:
     return text.replace(":/", ":///", 1) if url.startswith(f"{parts.scheme}:///") and not parts.netloc else text
 
 
+def error_text(exc: BaseException) -> str:
+    """An error as conveyor's log lines say it: its type and its message. redis-py 8's exceptions write
+    their category and type alone as ``repr`` (``network:ConnectionError``), without the message that tells
+    a refused connection from a timeout, WRONGPASS from NOPERM, or BUSY from READONLY."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 # What Redis says to a client without the right password or user (as a status's text carries it too).
 _AUTH_REFUSALS = ("NOAUTH", "WRONGPASS", "HELLO must be called with the client already authenticated",
                   "invalid username-password pair")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, is_refusal, is_transient
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, error_text, is_refusal, is_transient
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -13,6 +13,7 @@ __all__ = [
     "RedisError",
     "ReplyError",
     "SyncClient",
+    "error_text",
     "is_refusal",
     "is_transient",
 ]

@@ -28,6 +28,7 @@ from broker.connection import (
     CONNECTION_ERRORS,
     CONNECTION_OR_REPLY_ERRORS,
     control_client,
+    error_text,
     is_cluster_client,
     node_client,
     refresh_slots,
@@ -261,7 +262,7 @@ def mark_stuck(client: redis.Redis, keys: Keys, stage: int, consumer: str) -> bo
         _mark(client, keys.stuck(stage), consumer)
     except CONNECTION_OR_REPLY_ERRORS as exc:
         log_refusal_once(exc, "zadd", keys.stuck(stage))
-        _supervisor_log.warning("could not mark the stuck worker in Redis error=%r", exc)
+        _supervisor_log.warning("could not mark the stuck worker in Redis error=%s", error_text(exc))
         return False
     return True
 

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from broker.connection import CONNECTION_ERRORS, is_cluster_client, is_transient
+from broker.connection import CONNECTION_ERRORS, error_text, is_cluster_client, is_transient
 from broker.families import FIRST_LEVELS, FIRST_STREAM, MAX_BACKLOG, RESULTS
 from broker.held import AsyncHeldConnection
 from broker.keys import Keys
@@ -224,7 +224,7 @@ def _outcome(call: Call, reply: Any) -> Outcome:
     if type(reply) is int:
         return reply
     if isinstance(reply, _LOST):
-        return Lost(repr(reply))
+        return Lost(error_text(reply))
     if isinstance(reply, redis.ResponseError):
         if is_overloaded(reply):
             return Refused(str(reply), True, True)

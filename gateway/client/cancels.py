@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broker.cancels import send_cancels
-from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
 from broker.keys import Keys
 
 __all__ = ["REUSE_HOLD_MS", "Canceller"]
@@ -78,5 +78,5 @@ class Canceller:
                     # (as the hub's reader sees it): closing, the task must end, not wait for the next cancel.
                     if self._closing():
                         return
-                    log.warning("could not mark %d requests cancelled stream=%s error=%r", len(cancels),
-                                keys.stream(0), exc)
+                    log.warning("could not mark %d requests cancelled stream=%s error=%s", len(cancels),
+                                keys.stream(0), error_text(exc))

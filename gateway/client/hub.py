@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from broker import codec, protocol
 from broker.connection import Backoff, RedisSettings, is_cluster_client
-from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
 from broker.keys import Keys
 from broker.replies import ReplyList
 from broker.server_info import acheck_server
@@ -397,7 +397,7 @@ class Hub:
             except CONNECTION_OR_REPLY_ERRORS as exc:  # a dropped connection, or e.g. READONLY after a failover
                 if self._closing:
                     return
-                log.warning("reply connection lost error=%r", exc)
+                log.warning("reply connection lost error=%s", error_text(exc))
                 recovering = True
                 await asyncio.sleep(backoff.next_delay_s())
                 continue

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from types import TracebackType
 
-from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
 from broker.refusals import log_refusal_once
 from broker.registry import registered_pipelines
 from gateway.client.gateway import Gateway
@@ -85,7 +85,7 @@ class Pipelines:
                         log.info("serving pipeline %s (registered now)", name)
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 log_refusal_once(exc, "smembers")
-                log.warning("looking for new pipelines failed (will retry) error=%r", exc)
+                log.warning("looking for new pipelines failed (will retry) error=%s", error_text(exc))
 
     async def close(self) -> None:
         if self._discovery is not None:

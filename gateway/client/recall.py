@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from broker.audit import forgotten
-from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
 from broker.server_info import arun_id
 from gateway.client.lane import InFlight, Lane
 
@@ -109,7 +109,7 @@ class Recall:
             try:
                 await self.audit(client, time.monotonic())
             except CONNECTION_OR_REPLY_ERRORS as exc:  # the reader and flusher say more; try next time
-                log.info("audit of old requests skipped error=%r", exc)
+                log.info("audit of old requests skipped error=%s", error_text(exc))
 
     async def audit(self, client: Any, now_s: float) -> None:
         if not self.enabled:

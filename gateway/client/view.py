@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from broker.commit import ItemExemplar
 from broker.connection import RedisSettings, is_cluster_client
-from broker.errors import CONNECTION_OR_REPLY_ERRORS
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
 from broker.keys import Keys
 from broker.logs import Throttle
 from broker.protocol import now_ms
@@ -333,7 +333,8 @@ class Views:
 
     def _failed(self, views: list[PipelineView], exc: BaseException) -> None:
         if not log_refusal_once(exc) and self._throttle.allow(type(exc)) is not None:
-            log.warning("reading the served pipelines' state failed (will retry in %gs) error=%r", REFRESH_S, exc)
+            log.warning("reading the served pipelines' state failed (will retry in %gs) error=%s", REFRESH_S,
+                        error_text(exc))
         for view in views:
             view.failed(exc)
             view.on_refresh(view)

@@ -37,7 +37,7 @@ from typing import Any
 
 from broker.commit import Commit, Committer, Ttls
 from broker.connection import CONNECTION_OR_REPLY_ERRORS, is_cluster_client
-from broker.errors import SyncClient
+from broker.errors import SyncClient, error_text
 from broker.keys import Keys
 from broker.liveness import Beat
 from broker.refusals import log_refusal_once
@@ -151,7 +151,7 @@ class Handoff:
                 published = self._publish_finished()
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if not log_refusal_once(exc):
-                    log.warning("hand-off failed stage=%s error=%r", self._stage, exc)
+                    log.warning("hand-off failed stage=%s error=%s", self._stage, error_text(exc))
                 return
             finally:
                 self._handing = False

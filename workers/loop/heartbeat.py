@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from broker import protocol
 from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, RedisSettings
-from broker.errors import ReplyError, SyncClient
+from broker.errors import ReplyError, SyncClient, error_text
 from broker.keys import Keys
 from broker.liveness import Beat, leave
 from broker.logs import Throttle
@@ -202,7 +202,7 @@ class Heartbeat:
                 pass
             except ReplyError as exc:  # e.g. NOGROUP for the lease after Redis restarted empty
                 if not log_refusal_once(exc):
-                    log.warning("heartbeat failed stage=%s error=%r", self._stage_name, exc)
+                    log.warning("heartbeat failed stage=%s error=%s", self._stage_name, error_text(exc))
             self._wait()
         if self._ready:
             leave(client, self._hb_keys, self._consumer)
@@ -211,7 +211,7 @@ class Heartbeat:
                 hook.stop(client)
             except CONNECTION_OR_REPLY_ERRORS as exc:
                 if not log_refusal_once(exc):
-                    log.debug("heartbeat hook's last word failed error=%r", exc)
+                    log.debug("heartbeat hook's last word failed error=%s", error_text(exc))
         client.close()
 
     def _wait(self) -> None:
@@ -225,7 +225,7 @@ class Heartbeat:
                 try:
                     watch[1]()
                 except CONNECTION_OR_REPLY_ERRORS as exc:  # the read then ends at its own timeout
-                    log.debug("interrupting a stopping worker's read failed error=%r", exc)
+                    log.debug("interrupting a stopping worker's read failed error=%s", error_text(exc))
                 continue
             self._wake.wait(left)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from broker.commit import BatchStats, Committer
-from broker.connection import CONNECTION_ERRORS, Backoff, is_transient_reply
+from broker.connection import CONNECTION_ERRORS, Backoff, error_text, is_transient_reply
 from broker.keys import Keys
 from broker.streams import StreamReader
 
@@ -46,7 +46,7 @@ class ReadLane:
         return now >= self.retry_at
 
     def set_aside(self, exc: BaseException) -> None:
-        log.warning("redis unavailable stream=%s error=%r", self.stream, exc)
+        log.warning("redis unavailable stream=%s error=%s", self.stream, error_text(exc))
         self.reader.close()
         self.lost()
         self.retry_at = time.monotonic() + self.backoff.next_delay_s()

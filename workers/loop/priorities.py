@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from broker.commit import BatchStats, Commit
-from broker.errors import CONNECTION_OR_REPLY_ERRORS, SyncClient
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, SyncClient, error_text
 from broker.levels import LevelReader
 from broker.streams import Entry, ReadOutcome, read_any
 from workers.loop.ahead import ReadAhead, Settled
@@ -178,7 +178,7 @@ class LevelTurns:
             try:
                 part.reader.hand_back()
             except CONNECTION_OR_REPLY_ERRORS as exc:  # left pending: a peer claims them after claim_idle_s
-                log.warning("read entries not handed back streams=%s error=%r", part.reader.streams, exc)
+                log.warning("read entries not handed back streams=%s error=%s", part.reader.streams, error_text(exc))
             part.reader.close()
 
 
