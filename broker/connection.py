@@ -367,11 +367,23 @@ _AUTH_REFUSALS = ("NOAUTH", "WRONGPASS", "HELLO must be called with the client a
                   "invalid username-password pair")
 
 
+def _has_credentials(url: str) -> bool:
+    """Whether ``url`` gives a user or a password (in its user part or a ``password=`` query)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    return bool(parts.username or parts.password or query.get("username") or query.get("password"))
+
+
 def unreachable(url: str, exc: BaseException) -> str:
     """One line for a Redis that cannot be reached, or that refused our credentials: where, why, and
     what to check."""
     text = str(exc)
     if isinstance(exc, redis.AuthenticationError) or any(m in text for m in _AUTH_REFUSALS):  # reached, refused
+        if _has_credentials(url):
+            return (f"Redis at {safe_url(url)} refused the connection's credentials ({exc}): the user is unknown "
+                    "there or off, or its password differs. Users loaded with `conveyor acl --apply` (ACL SETUSER) "
+                    "live in the server's memory: a Redis restarted without them in its aclfile lost them; load "
+                    "them again (docs/security.md, \"When Redis restarts\")")
         return (f"Redis at {safe_url(url)} refused the connection's credentials ({exc}): give its password "
                 "in the URL, redis://:PASSWORD@host:port or redis://USER:PASSWORD@host:port (--redis or "
                 "CONVEYOR_REDIS_URL)")

@@ -163,4 +163,5 @@ def _apply(url: str, users: list[tuple[str, list[str]]]) -> None:
     except CONNECTION_OR_REPLY_ERRORS as exc:
         raise click.ClickException(f"ACL SETUSER at {safe_url(url)} failed: {exc}") from exc
     click.echo(f"loaded {len(users)} user(s) ({', '.join(name for name, _ in users)}) at {safe_url(url)}"
-               f"{f' on {nodes} nodes' if nodes > 1 else ''}", err=True)
+               f"{f' on {nodes} nodes' if nodes > 1 else ''}, in the server's memory: a restart forgets them unless "
+               "they are saved (ACL SAVE, with an aclfile; docs/security.md, \"When Redis restarts\")", err=True)

@@ -45,6 +45,7 @@ from broker.spec import StageInfo, encode_spec
 from broker.status import NodeReads, PartitionQuery, PartitionReads
 from broker.streams import StreamReader
 from gateway.acl import acl as acl_command
+from gateway.cli import status as status_command
 from gateway.monitor.status import read_all_partitions
 from tests.acl_stages import ADMIN, ADMIN_PASSWORD, AclServer, redis_binaries, start_acl_server
 from tests.cluster import LocalCluster
@@ -356,6 +357,28 @@ def test_the_rules_follow_the_version_of_the_server_named_and_load_there(version
             gateway.close()
         unreachable = run_acl("--role", "gateway", "--redis", f"unix://{s.server.socket_path}.nothere")
         assert unreachable.exit_code == 1 and "cannot reach Redis" in unreachable.stderr
+    finally:
+        s.stop()
+
+
+@pytest.mark.redis
+def test_users_a_restart_lost_are_said_lost_not_a_missing_password() -> None:
+    """``--apply`` says that its users live in the server's memory; once a Redis restarted without them,
+    a command on one of them says that the user is gone there and what to do, not "give its password in
+    the URL" (the URL has it)."""
+    s = start_acl_server(binary("7"), roles=())
+    try:
+        admin_url = f"unix://{ADMIN}:{ADMIN_PASSWORD}@{s.server.socket_path}"
+        applied = run_acl("--role", "monitor", "--redis", admin_url, "--apply", "--password-stdin", stdin="mon-pw\n")
+        assert applied.exit_code == 0 and "a restart forgets them" in applied.stderr, applied.output
+        monitor_url = f"unix://conveyor-monitor:mon-pw@{s.server.socket_path}"
+        before = CliRunner().invoke(status_command, ["p", "--redis", monitor_url])
+        assert before.exit_code == 1, before.output  # reached: the pipeline is not registered
+        s.server.kill()
+        s.server.start()  # empty: none of the users it was given
+        out = CliRunner().invoke(status_command, ["p", "--redis", monitor_url])
+        assert out.exit_code == 2 and "refused the connection's credentials" in out.output, out.output
+        assert "conveyor acl --apply" in out.output and "PASSWORD@" not in out.output, out.output
     finally:
         s.stop()
 
