@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from broker.addresses import host_port
-from broker.connection import CONNECTION_ERRORS, Backoff, unreachable
+from broker.connection import CONNECTION_ERRORS, CONNECTION_OR_REPLY_ERRORS, Backoff, is_transient_reply, unreachable
 from broker.keys import Keys
 from broker.logs import Throttle
 from gateway.client import GatewaySettings
@@ -139,8 +139,9 @@ def serve(job: GatewayJob, started: Any = None) -> None:
 
 
 async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
-    """Start ``backend``, retrying with backoff while Redis cannot be reached (said once, then at
-    most every 10 s); False if SIGTERM or SIGINT came first."""
+    """Start ``backend``, retrying with backoff while Redis cannot be reached or refuses for now (BUSY
+    running a script, MASTERDOWN, ...: as the workers do; said once, then at most every 10 s); False if
+    SIGTERM or SIGINT came first."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -157,7 +158,9 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
                     await backend.close()
                     return False
                 return True
-            except CONNECTION_ERRORS as exc:
+            except CONNECTION_OR_REPLY_ERRORS as exc:
+                if not isinstance(exc, CONNECTION_ERRORS) and not is_transient_reply(exc):
+                    raise  # a refusal that waiting cannot cure (an ACL, a renamed command)
                 attempts += 1
                 if throttle.allow("unreachable") is not None:
                     log.warning("%s retrying attempts=%d", unreachable(redis_url, exc), attempts)

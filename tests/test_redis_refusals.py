@@ -1,13 +1,20 @@
-"""Redis refusing writes (maxmemory reached with noeviction) is overload, not a crash."""
+"""Redis refusing writes (maxmemory reached with noeviction) is overload, not a crash; a gateway started
+while Redis refuses for now (BUSY running a script) waits for it, as for a Redis it cannot reach."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
+import time
 
 import pytest
 import redis
 
 from gateway import Gateway, GatewaySettings, Overloaded
+from gateway.client.pipelines import Pipelines
+from gateway.serve import start_when_reachable
 from tests.helpers import running_workers
 from workers.embedded.server import EmbeddedRedis
 
@@ -37,3 +44,56 @@ def test_out_of_memory_refuses_requests_then_service_resumes(private_redis: Embe
         workers.check_alive()
         assert {c.pid for p in workers.procs for c in p.children()} == pids, "no worker crashed"
     admin.close()
+
+
+def _busy(admin: redis.Redis, url: str) -> threading.Thread:
+    """A script that loops until SCRIPT KILL, on a connection of its own; returns once Redis answers BUSY."""
+    admin.config_set("lua-time-limit", 100)  # BUSY after 0.1 s of script (busy-reply-threshold on Redis 7)
+    blocker = redis.Redis.from_url(url)
+
+    def run() -> None:
+        with contextlib.suppress(redis.ResponseError):  # "Script killed by user"
+            blocker.eval("while true do end", 0)
+        blocker.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            admin.ping()
+        except redis.ResponseError as exc:
+            if "BUSY" in str(exc):
+                return thread
+        time.sleep(0.02)
+    raise AssertionError("Redis never answered BUSY")
+
+
+def test_a_gateway_started_while_redis_runs_a_long_script_waits_for_it(private_redis: EmbeddedRedis,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway (re)started while Redis answers BUSY (a long script, or MASTERDOWN, ...) retries, as the
+    workers do, and starts once Redis serves again: not a traceback and exit 1 (a crash loop under a
+    restart policy)."""
+    admin = redis.Redis.from_url(private_redis.url)
+    thread = _busy(admin, private_redis.url)
+
+    async def scenario() -> None:
+        backend = Pipelines(private_redis.url, ["scale-shift"])
+        started = asyncio.ensure_future(start_when_reachable(backend, private_redis.url))
+        deadline = time.monotonic() + 10
+        while "answers but cannot serve now" not in caplog.text:
+            assert not started.done(), "the start did not wait for the busy Redis"
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.02)
+        admin.script_kill()
+        assert await asyncio.wait_for(started, 20), "not started"
+        await backend.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, "gateway.serve"):
+            asyncio.run(scenario())
+    finally:
+        with contextlib.suppress(redis.ResponseError):  # no script left to kill
+            admin.script_kill()
+        thread.join(10)
+        admin.close()
