@@ -387,7 +387,7 @@ def unreachable(url: str, exc: BaseException) -> str:
         return (f"Redis at {safe_url(url)} refused the connection's credentials ({exc}): give its password "
                 "in the URL, redis://:PASSWORD@host:port or redis://USER:PASSWORD@host:port (--redis or "
                 "CONVEYOR_REDIS_URL)")
-    if is_transient_reply(exc):  # reached: it answers, but cannot serve now
+    if is_transient_reply(exc) or text.split(" ", 1)[0] in TRANSIENT_REPLY_CODES:  # reached, not serving now
         return f"Redis at {safe_url(url)} answers but cannot serve now ({exc})"
     return (f"cannot reach Redis at {safe_url(url)} ({exc}): is the server running, and is the URL right "
             "(--redis or CONVEYOR_REDIS_URL)?")

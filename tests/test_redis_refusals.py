@@ -8,11 +8,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 from gateway import Gateway, GatewaySettings, Overloaded
+from gateway.cli import status as status_command
 from gateway.client.pipelines import Pipelines
 from gateway.serve import start_when_reachable
 from tests.helpers import running_workers
@@ -46,8 +49,11 @@ def test_out_of_memory_refuses_requests_then_service_resumes(private_redis: Embe
     admin.close()
 
 
-def _busy(admin: redis.Redis, url: str) -> threading.Thread:
-    """A script that loops until SCRIPT KILL, on a connection of its own; returns once Redis answers BUSY."""
+@contextlib.contextmanager
+def _busy(url: str) -> Iterator[redis.Redis]:
+    """Redis running a script that loops until SCRIPT KILL (on a connection of its own), answering BUSY to
+    everyone else; yields an admin's client once it does, and kills the script (if still running) after."""
+    admin = redis.Redis.from_url(url)
     admin.config_set("lua-time-limit", 100)  # BUSY after 0.1 s of script (busy-reply-threshold on Redis 7)
     blocker = redis.Redis.from_url(url)
 
@@ -58,15 +64,25 @@ def _busy(admin: redis.Redis, url: str) -> threading.Thread:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            admin.ping()
-        except redis.ResponseError as exc:
-            if "BUSY" in str(exc):
-                return thread
-        time.sleep(0.02)
-    raise AssertionError("Redis never answered BUSY")
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers_busy(admin):
+            assert time.monotonic() < deadline, "Redis never answered BUSY"
+            time.sleep(0.02)
+        yield admin
+    finally:
+        with contextlib.suppress(redis.ResponseError):  # no script left to kill
+            admin.script_kill()
+        thread.join(10)
+        admin.close()
+
+
+def _answers_busy(admin: redis.Redis) -> bool:
+    try:
+        admin.ping()
+    except redis.ResponseError as exc:
+        return "BUSY" in str(exc)
+    return False
 
 
 def test_a_gateway_started_while_redis_runs_a_long_script_waits_for_it(private_redis: EmbeddedRedis,
@@ -74,10 +90,8 @@ def test_a_gateway_started_while_redis_runs_a_long_script_waits_for_it(private_r
     """A gateway (re)started while Redis answers BUSY (a long script, or MASTERDOWN, ...) retries, as the
     workers do, and starts once Redis serves again: not a traceback and exit 1 (a crash loop under a
     restart policy)."""
-    admin = redis.Redis.from_url(private_redis.url)
-    thread = _busy(admin, private_redis.url)
 
-    async def scenario() -> None:
+    async def scenario(admin: redis.Redis) -> None:
         backend = Pipelines(private_redis.url, ["scale-shift"])
         started = asyncio.ensure_future(start_when_reachable(backend, private_redis.url))
         deadline = time.monotonic() + 10
@@ -89,11 +103,14 @@ def test_a_gateway_started_while_redis_runs_a_long_script_waits_for_it(private_r
         assert await asyncio.wait_for(started, 20), "not started"
         await backend.close()
 
-    try:
-        with caplog.at_level(logging.WARNING, "gateway.serve"):
-            asyncio.run(scenario())
-    finally:
-        with contextlib.suppress(redis.ResponseError):  # no script left to kill
-            admin.script_kill()
-        thread.join(10)
-        admin.close()
+    with _busy(private_redis.url) as admin, caplog.at_level(logging.WARNING, "gateway.serve"):
+        asyncio.run(scenario(admin))
+
+
+def test_status_of_a_busy_redis_is_one_line_and_exit_2(private_redis: EmbeddedRedis) -> None:
+    """`conveyor status` against a Redis that answers BUSY says so in one line and exits 2, as for one it
+    cannot reach; not a traceback."""
+    with _busy(private_redis.url):
+        out = CliRunner().invoke(status_command, ["scale-shift", "--redis", private_redis.url])
+    assert out.exit_code == 2, (out.output, out.exception)
+    assert "answers but cannot serve now (BUSY" in out.output and out.output.count("\n") == 1, out.output

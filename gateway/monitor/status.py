@@ -24,8 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from broker.commit import ItemExemplar, item_stats
-from broker.connection import CONNECTION_ERRORS
-from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError, is_transient
 from broker.keys import LIVE_AFTER_MS, Keys
 from broker.protocol import now_ms
 from broker.scaling import ScaleRecord
@@ -169,8 +168,10 @@ async def read_status(client: Any, keys: Keys, marks: dict[int, bytes] | None = 
         starts = tuple(_range_start(marks, stage.index, window_start) for stage in spec)
         [reads] = await read_partitions(client, [PartitionQuery(keys, starts, levels=spec[0].priority_levels
                                                                  if spec else 1)])
-    except CONNECTION_ERRORS as exc:
-        return PipelineStatus(False, [], f"redis unreachable: {exc}")
+    except CONNECTION_OR_REPLY_ERRORS as exc:
+        if isinstance(exc, ReplyError) and not is_transient(exc):
+            raise  # refused for good (an ACL): the caller is told, as by any refused command
+        return PipelineStatus(False, [], f"redis unreachable: {exc}")  # or refusing for now: BUSY, MASTERDOWN
     stages = []
     for info, stage_reads in zip(spec, reads.stages, strict=True):
         status = _stage(info, stage_reads, now)
