@@ -40,16 +40,19 @@ from broker.janitor import reap_dead_consumers
 from broker.keys import GROUP, Keys
 from broker.pins import PinClaims, PinRequest
 from broker.refusals import explain_refusal, family_of, is_acl_refusal, log_refusal_once
+from broker.registry import register
 from broker.share import Sharer
 from broker.spec import StageInfo, encode_spec
 from broker.status import NodeReads, PartitionQuery, PartitionReads
 from broker.streams import StreamReader
+from gateway import Gateway, GatewaySettings
 from gateway.acl import acl as acl_command
 from gateway.cli import status as status_command
 from gateway.monitor.status import read_all_partitions
 from tests.acl_stages import ADMIN, ADMIN_PASSWORD, AclServer, redis_binaries, start_acl_server
 from tests.cluster import LocalCluster
 from tests.helpers import wait_for
+from tests.stages import scale_shift
 from workers.embedded.server import EmbeddedRedis
 from workers.loop.loading import LoadingBeacon
 
@@ -692,3 +695,52 @@ def test_acl_apply_on_a_cluster_loads_every_node(redis_cluster: LocalCluster) ->
     finally:
         for node in nodes:
             node.close()
+
+
+def _gateway_without_xrange(s: AclServer) -> str:
+    """The generated gateway user, less XRANGE (the audit's read of the streams), and the pipeline
+    registered as its workers would: the URL of that user."""
+    line = role_rules("gateway", [Scope()], s.version).setuser("conveyor-gateway", ">gw-secret")
+    assert "+xrange" in line, line
+    s.admin.execute_command(*line.replace("+xrange", "+xlen").split())  # as printed: no quoting
+    s.passwords["conveyor-gateway"] = "gw-secret"
+    url = s.url("conveyor-gateway")
+    keys = Keys(scale_shift.name)
+    register(s.admin, scale_shift.name, [(keys, keys.stream(0)), (keys, keys.stream(1))],
+             encode_spec(scale_shift.describe()), None)
+    return url
+
+
+@pytest.mark.redis
+def test_an_audit_refused_after_a_restart_does_not_stop_the_replies() -> None:
+    """After another run of Redis the gateway audits what it has in flight; a user that may not run the audit
+    (refused for good) used to keep its reply reader retrying that audit for ever, so that no answer was read
+    again: every request of every pipeline timed out. Now what is in flight there is sent again, unaudited."""
+    s = start_acl_server(binary("7"), roles=())
+    try:
+        url = _gateway_without_xrange(s)
+
+        async def scenario() -> None:
+            settings = GatewaySettings(timeout_s=30, audit_after_s=0)
+            async with Gateway(url, scale_shift.name, settings) as gw:
+                held = asyncio.ensure_future(gw.predict(1))  # no worker: it stays in flight
+                await _until(lambda: s.admin.xlen(Keys(scale_shift.name).stream(0)) == 1, "the request submitted")
+                s.server.kill()
+                s.server.start()  # empty, its default user on: the users given again, as an operator would
+                s.admin = redis.Redis(unix_socket_path=str(s.server.socket_path))
+                _gateway_without_xrange(s)
+                await _until(lambda: gw.hub.recall.resubmitted == 1, "the request sent again")
+                await _until(lambda: s.admin.xlen(Keys(scale_shift.name).stream(0)) == 1, "it in the new run")
+                held.cancel()
+                await asyncio.gather(held, return_exceptions=True)
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        s.stop()
+
+
+async def _until(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from broker.audit import forgotten
-from broker.errors import CONNECTION_OR_REPLY_ERRORS, error_text
+from broker.errors import CONNECTION_OR_REPLY_ERRORS, ReplyError, error_text, is_transient
 from broker.server_info import arun_id
 from gateway.client.lane import InFlight, Lane
 
@@ -65,7 +65,8 @@ class Recall:
         """After a reconnect: if the server behind ``lanes`` is another run than the one seen
         before, audit every request in flight on them now and send again those it lost. The first call
         only records the run; so does one that finds nothing lost. A connection error of the audit
-        leaves the old run recorded: the reader's next check audits again."""
+        (or BUSY, LOADING...) leaves the old run recorded: the reader's next check audits again; an audit
+        refused for good (an ACL) sends again every request in flight there."""
         if not self.enabled:
             return
         run = await arun_id(client, lanes[0].keys.stream(0) if lanes else reply_key.decode())
@@ -77,7 +78,16 @@ class Recall:
         for lane in lanes:
             ids = [rid for rid, record in self._requests.items() if record.lane is lane]
             in_flight += len(ids)
-            missing = await self._gone(client, lane, ids, unsure_lost=True)
+            try:
+                missing = await self._gone(client, lane, ids, unsure_lost=True)
+            except ReplyError as exc:
+                if is_transient(exc):
+                    raise  # BUSY, LOADING...: the reader's next check audits again
+                # Refused for good (the gateway's ACL user lacks the audit's commands): raised, it would keep
+                # the reader from ever popping again. Every request not queued is sent again, unaudited.
+                log.warning("the audit at another run of redis failed: every request in flight there is sent "
+                            "again (some may run twice) stream=%s error=%s", lane.keys.stream(0), error_text(exc))
+                missing = await self._gone(client, lane, ids, unsure_lost=True, audit=False)
             lost += len(missing)
             if missing:
                 self._send_again(missing)
@@ -86,16 +96,18 @@ class Recall:
                     "another master) run_id=%s: of the %d requests in flight there, %d lost (in no stage's stream, "
                     "without a result) are sent again", run[:12], in_flight, lost)
 
-    async def _gone(self, client: Any, lane: Lane, ids: list[bytes], unsure_lost: bool = False) -> list[bytes]:
+    async def _gone(self, client: Any, lane: Lane, ids: list[bytes], unsure_lost: bool = False,
+                    audit: bool = True) -> list[bytes]:
         """Of ``ids`` (in flight on ``lane``), those Redis lost: in no stage's stream and without a result
         (``audit.lua``). Not those waiting in the outbox, nor the turn on its way (its call may reach Redis
         after the audit's: after a pause, a lost connection's retries). Every one of them when the pipeline's
         stage count is not known yet (nothing to audit against); ``unsure_lost``: those a scan that gave up
-        did not meet, if without a result (after another run: no later check is sure to come)."""
+        did not meet, if without a result (after another run: no later check is sure to come); ``audit`` False:
+        every one of them, unaudited."""
         queued = {r.submission[0] for r in (*lane.outbox, *lane.sending)}
         ids = [i for i in ids if i not in queued]
         stages = lane.stages()
-        if not ids or stages < 1:
+        if not ids or stages < 1 or not audit:
             return ids
         self.audits += 1
         return await forgotten(client, lane.keys, stages, ids, unsure_lost)
