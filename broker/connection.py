@@ -306,6 +306,8 @@ CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, r
 # On a cluster also MOVED/ASK seen on a connection of our own (a slot moved or failed over) and
 # CLUSTERDOWN (a master lost, its replica not yet promoted).
 TRANSIENT_REPLY_CODES = ("OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS")
+# One of them as a word (a script's error quotes the reply's code after its own): BUSYGROUP is not BUSY.
+_TRANSIENT_CODE = re.compile(r"\b(?:" + "|".join(TRANSIENT_REPLY_CODES) + r")\b")
 _TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                       redis.exceptions.AskError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 
@@ -313,8 +315,7 @@ _TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOn
 def is_transient(exc: redis.ResponseError) -> bool:
     if isinstance(exc, _TRANSIENT_CLASSES):
         return True
-    text = str(exc)
-    return any(code in text for code in TRANSIENT_REPLY_CODES)
+    return _TRANSIENT_CODE.search(str(exc)) is not None
 
 
 def is_transient_reply(exc: BaseException) -> bool:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner
 
-from broker.connection import RedisSettings, RedisURLError, check_redis_url
+from broker.connection import RedisSettings, RedisURLError, check_redis_url, is_transient
 from broker.local_runs import choose_redis
 from workers.cli import main
 
@@ -81,3 +82,16 @@ def test_every_command_says_a_malformed_url_in_one_line(command: str, url: str, 
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert "Redis URL" in errors[0] and ("--redis" in errors[0] or command == "k8s"), errors[0]
+
+
+@pytest.mark.parametrize(("reply", "transient"), [
+    ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", True),
+    ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", True),
+    ("ERR Error running script (call to f_0): @user_script:1: OOM command not allowed", True),
+    ("BUSYGROUP Consumer Group name already exists", False),
+    ("BUSYKEY Target key name already exists.", False),
+    ("ERR unknown command 'XOOMX'", False),
+])
+def test_a_reply_is_transient_only_for_a_code_as_a_word(reply: str, transient: bool) -> None:
+    """BUSYGROUP (a group created twice) or BUSYKEY read as BUSY: waited for, as if Redis were busy."""
+    assert is_transient(redis.ResponseError(reply)) is transient
