@@ -11,7 +11,7 @@ import psutil
 import pytest
 import redis
 
-from broker import protocol
+from broker import codec, protocol
 from broker.keys import Keys
 from gateway import Gateway, GatewaySettings, StageError
 from tests.helpers import read_pipeline_status, running_workers, wait_for
@@ -481,3 +481,30 @@ def test_a_continuous_stage_runs_an_entry_delivered_again_alone(redis_url: str, 
         streams = asyncio.run(scenario())
         workers.wait_ready("t-doomed", 30)
     assert streams == [list(range(n, 0, -1)) for n in (40, 41, 42)]
+
+
+def test_a_stream_past_its_deadline_ends_with_deadline_exceeded_for_a_foreign_reader(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """A producer of its own reads its reply list until the record without ``seq`` (docs/protocol.md): a stream
+    whose deadline passes mid-way ends with a DeadlineExceeded record, also kept in its result key. It used to
+    stop in silence, its reader blocked for ever and no result written."""
+    text = " ".join(f"w{j}" for j in range(200))  # 200 words, 50 ms apart: 10 s, its deadline 0.5 s away
+    with running_workers(redis_url, f"{APP}:slow_words", ["Words"]) as workers:
+        workers.wait_ready("t-slow-words")
+        keys = Keys("t-slow-words")
+        reply = keys.reply("foreign")
+        redis_client.xadd(keys.stream(0), {"id": "foreign-1", "data": codec.encode(text), "reply": reply, "v": 1,
+                                           "deadline_ms": protocol.now_ms() + 500})
+        chunks: list[Any] = []
+        end: dict[str, Any] | None = None
+        while end is None:
+            popped = redis_client.blpop([reply], timeout=3)  # under the client's socket timeout
+            assert popped is not None, f"no end record after {len(chunks)} chunks"
+            for record in codec.decode(popped[1]):
+                chunks += [record["chunk"]] if "seq" in record else []
+                end = end if "seq" in record else record
+        assert 0 < len(chunks) < 200 and chunks == [f"w{j}" for j in range(len(chunks))]
+        assert end["ok"] is False and end["error"]["type"] == "DeadlineExceeded" and end["run"] == 1, end
+        assert f"after {len(chunks)} chunks of the stream" in end["error"]["message"]
+        wait_for(lambda: redis_client.get(keys.result_key(b"foreign-1")) is not None, 5, "the result key")
+        assert codec.decode(redis_client.get(keys.result_key(b"foreign-1")))["error"]["type"] == "DeadlineExceeded"

@@ -5,9 +5,9 @@ A stage whose ``predict`` yields (:class:`workers.stage.Stage`) runs here instea
 batched, each slice of at most ``batch_size`` items has one, whose every step is a sequence aligned
 with the slice (per item a chunk, ``None`` or :data:`workers.stage.END`). After each step one round
 trip (:func:`broker.chunks.publish_step`) pushes the step's chunk records to their callers' reply
-lists and reads the cancel markers of the items still running: an item whose caller left, or whose
-deadline passed, leaves at once; a generator left with no item is closed (``GeneratorExit`` in the
-stage's code) before its next step.
+lists and reads the cancel markers of the items still running: an item whose caller left leaves at
+once, one whose deadline passed ends with ``DeadlineExceeded``; a generator left with no item is closed
+(``GeneratorExit`` in the stage's code) before its next step.
 
 An item's stream ends with its result record (``"chunks": n``), pushed with the step that ended it,
 so that a short answer is not held for the batch's longest; the batch's one commit later writes the
@@ -62,7 +62,7 @@ class _ItemChunks:
     run: int
     seq: int = 0
     final: bytes | None = None  # its result record, once it ended with one
-    left: bool = False  # its caller left (cancelled) or its deadline passed: no record at all
+    left: bool = False  # its caller left (cancelled): no record at all
     error: Failure | None = None  # how it failed, if its stage raised
 
     @property
@@ -388,27 +388,27 @@ class StreamRunner:
     # -- Redis ------------------------------------------------------------------------------------
 
     def _gone(self, part: list[_ItemChunks], keys: Keys) -> bool:
-        """Before a generator starts: its items already cancelled or past their deadline leave; True
-        if none is left to run."""
+        """Before a generator starts: its items already cancelled leave, those past their deadline end
+        (``DeadlineExceeded``); True if none is left to run."""
         self._send(_Step(), part, keys)
         return not any(s.running for s in part)
 
     def _send(self, step: _Step, part: list[_ItemChunks], keys: Keys) -> None:
-        """The step's records out, and the markers of the items still running in: those whose callers
-        left, and those past their deadline, leave the stream (nobody reads it)."""
+        """The step's records out (with a ``DeadlineExceeded`` end for items past their deadline: a reply
+        list's reader waits for an end record), the running items' markers in: a caller who left, leaves."""
+        now = protocol.now_ms()
+        for stream in (s for s in part if s.running and s.item.deadline_ms is not None and now >= s.item.deadline_ms):
+            self._final(stream, step, self._error(stream, protocol.E_DEADLINE, protocol.deadline_passed(
+                stream.item.deadline_ms or 0, f"after {stream.seq} chunks of the stream")))
         running = [s for s in part if s.running]
         pushes = [(reply, protocol.array_of(records)) for reply, records in step.pushes.items()]
         if not pushes and not running:
             return
-        prefix = keys.cancel_prefix
-        left = self._publish(pushes, [prefix + s.item.request_id for s in running])
-        now = protocol.now_ms()
+        left = self._publish(pushes, [keys.cancel_prefix + s.item.request_id for s in running])
         for stream, cancelled in zip(running, left, strict=True):
-            deadline = stream.item.deadline_ms
-            if cancelled or (deadline is not None and now >= deadline):
+            if cancelled:
                 stream.left = True
-                if cancelled:
-                    self._problems.cancelled(1)
+                self._problems.cancelled(1)
 
     def close(self) -> None:
         self._publish.close()
