@@ -169,6 +169,8 @@ class Growing(Stage):
 growing = Pipeline("t-growing").add(Growing)
 # Its worker is stuck 0.3 s after every deadline of its live batch's items passed (the supervisor replaces it).
 watched_growing = Pipeline("t-watched-growing").add(Growing, stuck_grace_s=0.3)
+# Admission bounded: the entries its live batch holds must not count once their streams ended.
+bounded_growing = Pipeline("t-bounded-growing").add(Growing, max_backlog=16)
 
 
 class Fragile(Growing):

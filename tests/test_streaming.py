@@ -13,7 +13,7 @@ import redis
 
 from broker import codec, protocol
 from broker.keys import Keys
-from gateway import Gateway, GatewaySettings, StageError
+from gateway import Gateway, GatewaySettings, Overloaded, StageError
 from tests.helpers import read_pipeline_status, running_workers, wait_for
 from workers import END, Pipeline, PipelineError
 from workers.stage import Stage
@@ -508,3 +508,32 @@ def test_a_stream_past_its_deadline_ends_with_deadline_exceeded_for_a_foreign_re
         assert f"after {len(chunks)} chunks of the stream" in end["error"]["message"]
         wait_for(lambda: redis_client.get(keys.result_key(b"foreign-1")) is not None, 5, "the result key")
         assert codec.decode(redis_client.get(keys.result_key(b"foreign-1")))["error"]["type"] == "DeadlineExceeded"
+
+
+def test_a_continuous_batch_acks_its_items_as_their_streams_end(redis_url: str, redis_client: redis.Redis,
+                                                                tmp_path: Path) -> None:
+    """12 callers, each streaming one short answer after another, keep one live batch of 8 slots going; with
+    ``max_backlog=16`` none is refused. The batch's entries used to be acked only at its end: those whose
+    streams had ended stayed in the stream, counted by the admission, and callers got Overloaded at once."""
+    runs = tmp_path / "runs"
+    with running_workers(redis_url, f"{APP}:bounded_growing", ["Growing"], STREAM_RUNS=str(runs)) as workers:
+        workers.wait_ready("t-bounded-growing")
+
+        async def caller(gw: Gateway, until: float) -> list[Any]:
+            outcomes: list[Any] = []
+            while asyncio.get_running_loop().time() < until:
+                try:
+                    outcomes.append(await _collect(gw.stream(4)))
+                except Overloaded as exc:
+                    outcomes.append(f"{exc} xlen={redis_client.xlen(Keys('t-bounded-growing').stream(0))}")
+            return outcomes
+
+        async def scenario() -> list[Any]:
+            async with Gateway(redis_url, "t-bounded-growing", GatewaySettings(timeout_s=10)) as gw:
+                until = asyncio.get_running_loop().time() + 3
+                return [o for outcomes in await asyncio.gather(*(caller(gw, until) for _ in range(12)))
+                        for o in outcomes]
+
+        outcomes = asyncio.run(scenario())
+    assert len(outcomes) > 24 and all(o == [4, 3, 2, 1] for o in outcomes), [o for o in outcomes if o != [4, 3, 2, 1]]
+    assert redis_client.xlen(Keys("t-bounded-growing").stream(0)) == 0

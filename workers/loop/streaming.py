@@ -11,7 +11,9 @@ once, one whose deadline passed ends with ``DeadlineExceeded``; a generator left
 
 An item's stream ends with its result record (``"chunks": n``), pushed with the step that ended it,
 so that a short answer is not held for the batch's longest; the batch's one commit later writes the
-result keys (without pushing them again) and acks. A generator that raises ends every item it still
+result keys (without pushing them again) and acks. A continuous batch, which under a steady load may
+never end, acks each entry whose items all ended in a commit that pushes their end records and writes
+their result keys (:mod:`workers.loop.joiners`). A generator that raises ends every item it still
 serves with that error: a stream cannot be bisected as a batch is (:mod:`workers.loop.runner`).
 
 Delivery stays at-least-once: a worker killed mid-stream leaves the batch pending and another runs it
@@ -32,11 +34,9 @@ from broker.chunks import StepPublisher
 from broker.commit import BatchStats, Commit
 from broker.errors import SyncClient
 from broker.keys import Keys
-from workers.loop.cancels import CancelWatch
-from workers.loop.heartbeat import Lease
-from workers.loop.lanes import ReadLane
+from workers.loop.joiners import EndedAcks
 from workers.loop.problems import Problems
-from workers.loop.routing import EntryRouter, Work
+from workers.loop.routing import Work
 from workers.loop.runner import USER_ERRORS, Failure, failure
 from workers.loop.tracebacks import Tracebacks
 from workers.loop.tracing import StageTracing
@@ -46,7 +46,7 @@ from workers.stage import END, LiveBatch, Stage
 
 log = logging.getLogger("conveyor.worker")
 
-__all__ = ["More", "StreamRunner", "read_more"]
+__all__ = ["More", "StreamRunner"]
 
 More = Callable[[int], "Work"]  # up to n new items, read and admitted into the batch's commit
 # Items measured together (workers.loop.tracing): the first ones of a batch, or a group that joined it:
@@ -64,6 +64,7 @@ class _ItemChunks:
     final: bytes | None = None  # its result record, once it ended with one
     left: bool = False  # its caller left (cancelled): no record at all
     error: Failure | None = None  # how it failed, if its stage raised
+    acked: bool = False  # its entry acked, its result written, before the batch's end (workers.loop.live_acks)
 
     @property
     def running(self) -> bool:
@@ -75,9 +76,7 @@ _FREE = _ItemChunks(protocol.Item(b"0-0", b"free", b"", None, None), 0, left=Tru
 
 
 @dataclass
-class _Step:
-    """What one step sends: records by reply key."""
-
+class _Step:  # what one step sends: records by reply key
     pushes: dict[bytes, list[bytes]] = field(default_factory=dict)
 
     def add(self, reply: bytes | None, record: bytes) -> None:
@@ -96,12 +95,16 @@ class StreamRunner:
         self._problems = problems
         self._busy = busy
         self._tracebacks = Tracebacks()
+        self._ended: EndedAcks | None = None
+        self._done: list[_ItemChunks] = []
 
     def run(self, work: Work, deliveries: dict[bytes, int] | None, keys: Keys, commit: Commit,
-            stats: BatchStats, more: More | None = None) -> int:
+            stats: BatchStats, more: More | None = None, ended: EndedAcks | None = None) -> int:
         """Stream every item of ``work``; their result records into ``commit`` (written, not pushed
         again: each was pushed as its stream ended). Returns how many items ran. ``more(n)``: up to
-        ``n`` new items, read and admitted into ``commit`` (a continuous stage's joiners)."""
+        ``n`` new items, read and admitted into ``commit`` (a continuous stage's joiners); ``ended``:
+        a continuous batch's, which may outlive many of its items: its entries acked as they end."""
+        self._ended = ended
         tracing = self._tracing
         traced = tracing.before(work, stats, deliveries) if tracing is not None else []
         began = time.perf_counter()
@@ -171,7 +174,7 @@ class StreamRunner:
     @staticmethod
     def _results(streams: list[_ItemChunks], keys: Keys, commit: Commit) -> int:
         for stream in streams:
-            if stream.final is not None:
+            if stream.final is not None and not stream.acked:
                 commit.publish(keys.result_key(stream.item.request_id), stream.final, None)
         return len(streams)
 
@@ -181,7 +184,7 @@ class StreamRunner:
                         more: More) -> list[_ItemChunks]:
         """Generators over a `LiveBatch` until nothing is queued or readable: between steps, the slots of
         items that ended or left are freed and free slots take queued items, then new ones (``more``)."""
-        done: list[_ItemChunks] = [stream for stream, _ in queue]
+        done = self._done = [stream for stream, _ in queue]  # every item's, as they join (self._ended's)
         while queue:
             began = time.perf_counter()
             batch = LiveBatch(self._spec.batch_size)
@@ -400,15 +403,18 @@ class StreamRunner:
         for stream in (s for s in part if s.running and s.item.deadline_ms is not None and now >= s.item.deadline_ms):
             self._final(stream, step, self._error(stream, protocol.E_DEADLINE, protocol.deadline_passed(
                 stream.item.deadline_ms or 0, f"after {stream.seq} chunks of the stream")))
+        ended = self._ended.take(self._done) if self._ended is not None else []  # acked with their ends, after
+        held = {id(s.final) for s in ended if s.final is not None}  # the step's chunks (workers.loop.joiners)
         running = [s for s in part if s.running]
-        pushes = [(reply, protocol.array_of(records)) for reply, records in step.pushes.items()]
-        if not pushes and not running:
-            return
-        left = self._publish(pushes, [keys.cancel_prefix + s.item.request_id for s in running])
-        for stream, cancelled in zip(running, left, strict=True):
-            if cancelled:
+        pushes = [(reply, protocol.array_of(kept)) for reply, records in step.pushes.items()
+                  if (kept := [record for record in records if id(record) not in held])]
+        if pushes or running:
+            left = self._publish(pushes, [keys.cancel_prefix + s.item.request_id for s in running])
+            for stream in (s for s, cancelled in zip(running, left, strict=True) if cancelled):
                 stream.left = True
                 self._problems.cancelled(1)
+        if ended and self._ended is not None:
+            self._ended.ack(ended)
 
     def close(self) -> None:
         self._publish.close()
@@ -434,17 +440,3 @@ def _close(generator: Any) -> None:
     except USER_ERRORS:  # user code
         log.exception("a streaming predict raised as it was closed")
 
-
-def read_more(lane: ReadLane, router: EntryRouter, cancels: CancelWatch, lease: Lease, commit: Commit,
-              stopping: Callable[[], bool], count: int) -> Work:
-    """A continuous batch's joiners: up to ``count`` new entries of ``lane`` (a read that does not block),
-    admitted into the running batch's ``commit`` (acked with it) and held by its lease. None once the worker
-    is ``stopping`` (a stop, a scale-down): the batch ends with what it holds, else under load it never would."""
-    if stopping():
-        return []
-    entries = lane.reader.read(count)
-    if not entries:
-        return []
-    commit.acks += [entry_id for entry_id in dict.fromkeys(e[0] for e in entries)]
-    lease.hold(lane.stream, commit.acks)
-    return cancels.drop(router.admit(entries, None, commit, lane.keys), lane.keys)

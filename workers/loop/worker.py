@@ -41,6 +41,7 @@ from workers.loop.batch_entries import ForwardSizing, NextStage, fed_per_entry
 from workers.loop.cancels import SLOW_BATCH_S, CancelWatch
 from workers.loop.handoff import EarlyAnswers, Handoff, left_to_answer
 from workers.loop.heartbeat import BeatHook, Heartbeat, LiveWorkers, RegistrationRenewal, Wake
+from workers.loop.joiners import EndedAcks, read_more
 from workers.loop.lanes import ReadLane, lane_failure
 from workers.loop.loading import LoadingBeacon
 from workers.loop.predicting import Predictor
@@ -51,7 +52,7 @@ from workers.loop.retry import with_redis
 from workers.loop.routing import EntryRouter, Work
 from workers.loop.runner import Outcome
 from workers.loop.settings import WorkerSettings, check_idle_block
-from workers.loop.streaming import StreamRunner, read_more
+from workers.loop.streaming import StreamRunner
 from workers.loop.tracing import StageTracing
 from workers.pipeline import Pipeline, StageSpec
 from workers.process.pinning import CoreClaim
@@ -406,7 +407,8 @@ class Worker:
             again = deliveries is not None and any(deliveries.get(item.entry_id, 1) > 1 for item, _ in work)
             more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit,
                                       lambda: self.stopping) if self.spec.continuous and not again else None)
-            return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more)
+            ended = None if more is None else EndedAcks(lane, self._heartbeat.lease, self._ahead.settle, commit)
+            return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more, ended)
         handoff = self._handoff
         if handoff is not None:
             handoff.begin(lane.stream, lane.keys, entries, work)
