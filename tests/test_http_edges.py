@@ -232,6 +232,39 @@ def test_a_request_answered_503_retry_at_the_drain_timeout_is_cancelled() -> Non
     assert len(told) == 1, "the request answered 'retry' was left running"
 
 
+class _CancelledStreams(_StreamingBackend):
+    """Streams whose cancels (`Gateway.cancel`) are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told_to_cancel: list[Any] = []
+
+    def cancel(self, waiter: Any) -> bool:
+        self.told_to_cancel.append(waiter)
+        return True
+
+
+def test_a_stream_still_waiting_for_its_first_chunk_at_the_drain_timeout_is_answered_503_retry() -> None:
+    """A stream that has written nothing yet can still be answered as a waiting predict is at the drain timeout:
+    503 "retry" with ``Connection: close``, and its request cancelled. Its connection used to be closed
+    with no answer at all (curl: "Empty reply from server"), which a client cannot tell from a crash."""
+    async def body() -> tuple[int, bytes, list[Any]]:
+        backend = _CancelledStreams()
+        server = HttpServer(cast(Any, backend), HttpSettings(port=0, drain_timeout_s=0.2))
+        await server.start()
+        client = await Client.open(server.port)
+        await client.send(msgpack_request("/v1/stream", 1))
+        await asyncio.wait_for(backend.opened.wait(), 5)
+        await server.close()
+        resp = await asyncio.wait_for(client.response(), 5)
+        await client.close()
+        return resp.status, resp.body, backend.told_to_cancel
+
+    status, answer, told = run(body())
+    assert status == 503 and b"the gateway stopped before the answer came: retry" in answer, (status, answer)
+    assert len(told) == 1, "the stream answered 'retry' was left running"
+
+
 @http_test(body_timeout_s=5.0)
 async def test_a_trailer_line_that_never_ends_is_refused(server: HttpServer, backend: FakeBackend) -> None:
     """An unfinished trailer line was never counted (the partial head's check ran in the head only), and

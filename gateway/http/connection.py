@@ -408,8 +408,7 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         """End the connection now (drain timeout, an impatient second stop): a request still
         waiting for its answer gets 503 with ``Connection: close``, never a closed socket alone."""
         waiting = self.current is not None or any(isinstance(item, Request) for item in self.queue)
-        if self.current is not None and isinstance(self.current[2], StreamReply):
-            self.tracing.abandoned(self.trace, *self.current[:2])
+        if self.current is not None and isinstance(self.current[2], StreamReply) and self.current[2].begun:
             self.current[2].abandon()  # a stream under way: cut (its client sees the connection end)
             self.current = None
             self.queue.clear()
@@ -418,7 +417,8 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         if self.current is not None:
             (item, label, pending), self.current = self.current, None
             abandon(pending)  # told to retry, the client must not find it run (or running) as well
-            cast(Pending, pending).future.cancel()  # (a fake backend's task sees CancelledError)
+            if isinstance(pending, Pending):  # (a stream not begun: its 503 can still be written)
+                pending.future.cancel()  # (a fake backend's task sees CancelledError)
             reply = overloaded("the gateway stopped before the answer came: retry", close=True).reply()
             reply = reply if self.trace is None else self.tracing.finish(self.trace, item, label, reply)
             self.metrics.observe_request(label, reply.outcome)

@@ -147,6 +147,11 @@ class StreamReply:
         self.ended = False
 
     @property
+    def begun(self) -> bool:
+        """Whether the answer's head was written (its status can no longer change)."""
+        return self._head is None
+
+    @property
     def sent(self) -> int:
         """The chunks written so far."""
         return self._sent
