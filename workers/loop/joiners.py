@@ -70,13 +70,16 @@ class EndedAcks:
         ended = [entry_id for entry_id, group in self._open.items() if not any(s.running for s in group)]
         return [stream for entry_id in ended for stream in self._open.pop(entry_id)]
 
-    def ack(self, streams: Sequence[EndedStream]) -> None:
-        """Ack the entries of ``streams`` (from :meth:`take`), their end records pushed and written."""
+    def ack(self, streams: Sequence[EndedStream], held: set[int]) -> None:
+        """Ack the entries of ``streams`` (from :meth:`take`), their end records written, and pushed where
+        ``held`` (the ids of the records this step kept back): an item that ended in an earlier step, while
+        another item of its entry still ran, had its end pushed then."""
         acks = list(dict.fromkeys(s.item.entry_id for s in streams))
         early, keys = Commit(acks=acks), self._lane.keys
         for stream in streams:
             if stream.final is not None:
-                early.publish(keys.result_key(stream.item.request_id), stream.final, stream.item.reply)
+                reply = stream.item.reply if id(stream.final) in held else None
+                early.publish(keys.result_key(stream.item.request_id), stream.final, reply)
         self._settle()  # a commit under way first: the committer holds one at a time
         self._lane.committer(early)
         for stream in streams:

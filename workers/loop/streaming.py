@@ -64,7 +64,7 @@ class _ItemChunks:
     final: bytes | None = None  # its result record, once it ended with one
     left: bool = False  # its caller left (cancelled): no record at all
     error: Failure | None = None  # how it failed, if its stage raised
-    acked: bool = False  # its entry acked, its result written, before the batch's end (workers.loop.live_acks)
+    acked: bool = False  # its entry acked, its result written, before the batch's end (workers.loop.joiners)
 
     @property
     def running(self) -> bool:
@@ -414,7 +414,7 @@ class StreamRunner:
                 stream.left = True
                 self._problems.cancelled(1)
         if ended and self._ended is not None:
-            self._ended.ack(ended)
+            self._ended.ack(ended, held)
 
     def close(self) -> None:
         self._publish.close()
