@@ -404,7 +404,9 @@ class StreamRunner:
             self._final(stream, step, self._error(stream, protocol.E_DEADLINE, protocol.deadline_passed(
                 stream.item.deadline_ms or 0, f"after {stream.seq} chunks of the stream")))
         ended = self._ended.take(self._done) if self._ended is not None else []  # acked with their ends, after
-        held = {id(s.final) for s in ended if s.final is not None}  # the step's chunks (workers.loop.joiners)
+        # the step's chunks (workers.loop.joiners): held back, the ends this step made; those of earlier steps are out
+        made = {id(record) for records in step.pushes.values() for record in records} if ended else set()
+        held = {id(s.final) for s in ended if s.final is not None and id(s.final) in made}
         running = [s for s in part if s.running]
         pushes = [(reply, protocol.array_of(kept)) for reply, records in step.pushes.items()
                   if (kept := [record for record in records if id(record) not in held])]
