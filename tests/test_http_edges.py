@@ -11,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from broker.tracing import TraceSettings
 from gateway.client.slot import Slot
 from gateway.client.streams import StreamSink
 from gateway.http.parsing import RequestReader
@@ -343,3 +344,43 @@ def test_a_chunked_body_with_chunk_extensions_is_read() -> None:
     reads = [CHUNKED_HEAD, *[chunks[i:i + 65536] for i in range(0, len(chunks), 65536)], b"0\r\n\r\n"]
     listener, status = _read(reads)
     assert status is None and [len(r.body) for r in listener.requests] == [32_000], status
+
+
+class _Spans:
+    """A span sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.spans: list[bytes] = []
+
+    def record(self, span: bytes) -> None:
+        self.spans.append(span)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_sampled_stream_cut_at_the_drain_timeout_keeps_its_span() -> None:
+    """A stream under way (its head and first chunk written) that the drain timeout cuts is cancelled: its
+    gateway span is recorded, outcome ``cancelled``, as a stream whose client left (it had none: the
+    spans its stages recorded had no parent)."""
+    async def body() -> list[bytes]:
+        backend = _CancelledStreams()
+        server = HttpServer(cast(Any, backend), HttpSettings(port=0, drain_timeout_s=0.2,
+                                                             traces=TraceSettings(True, "always_on")))
+        spans = _Spans()
+        server.state.tracing._sink = cast(Any, spans)
+        await server.start()
+        client = await Client.open(server.port)
+        await client.send(msgpack_request("/v1/stream", 1))
+        await asyncio.wait_for(backend.opened.wait(), 5)
+        backend.sinks[0].chunk({"seq": 0, "run": 1, "chunk": 1})
+        while b"data:" not in client.buffer:
+            await client._fill()
+        await server.close()
+        assert await client.closed()
+        await client.close()
+        assert len(backend.told_to_cancel) == 1
+        return spans.spans
+
+    spans = run(body())
+    assert len(spans) == 1 and b"cancelled" in spans[0], spans

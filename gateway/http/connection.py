@@ -405,12 +405,12 @@ class HttpProtocol(Pacing, asyncio.Protocol):
         self._set_read_deadline(self.loop.time() + _LINGER_S)
 
     def cancel(self) -> None:
-        """End the connection now (drain timeout, an impatient second stop): a request still
-        waiting for its answer gets 503 with ``Connection: close``, never a closed socket alone."""
+        """End the connection now (drain timeout, a second stop): a request waiting gets 503, ``Connection: close``."""
         waiting = self.current is not None or any(isinstance(item, Request) for item in self.queue)
         if self.current is not None and isinstance(self.current[2], StreamReply) and self.current[2].begun:
+            self.tracing.abandoned(self.trace, *self.current[:2])  # its span: outcome cancelled
             self.current[2].abandon()  # a stream under way: cut (its client sees the connection end)
-            self.current = None
+            self.current, self.trace = None, None
             self.queue.clear()
             self._abort()
             return
