@@ -5,6 +5,7 @@ answers a time at a multiplied unit for "2D"."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
@@ -35,6 +36,10 @@ class Unprintable(Exception):
         raise RuntimeError("no text for this one")
 
 
+class Halt(BaseException):
+    """A library's own BaseException (gevent's Timeout, trio's Cancelled are ones)."""
+
+
 class Raises(Stage):
     """What user code raises beyond Exception, or an exception an error record cannot carry as it is."""
 
@@ -46,6 +51,10 @@ class Raises(Stage):
                 sys.exit(2)  # as argparse's error() does
             if x == "interrupt":
                 raise KeyboardInterrupt
+            if x == "cancelled":
+                raise asyncio.CancelledError("a task of the stage's own event loop")
+            if x == "halt":
+                raise Halt("stop here")
             if x == "surrogate":
                 raise FileNotFoundError(b"no such file: caf\xe9".decode("utf-8", "surrogateescape"))
             if x == "unprintable":

@@ -230,9 +230,10 @@ def _predict_or_none(port: int, x: str) -> tuple[int, object] | None:
 
 
 def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker_lives_on(redis_url: str) -> None:
-    """sys.exit(), a KeyboardInterrupt, a message with a lone surrogate, an exception whose str()
-    raises: each ended the worker at every delivery (six restarts, then "its worker crashed")."""
-    bad = ["exit", "interrupt", "surrogate", "unprintable", "huge"]
+    """sys.exit(), a KeyboardInterrupt, asyncio's CancelledError, a library's own BaseException, a message
+    with a lone surrogate, an exception whose str() raises: each ended the worker at every delivery (six
+    restarts, then "its worker crashed")."""
+    bad = ["exit", "interrupt", "cancelled", "halt", "surrogate", "unprintable", "huge"]
 
     async def main() -> list[object]:
         async with Gateway(redis_url, raises.name) as gw:
@@ -247,6 +248,7 @@ def test_what_stage_code_raises_beyond_exception_answers_its_item_and_the_worker
     assert out["fine"] == "fine"
     types = {x: (e.type, e.stage) for x, e in out.items() if isinstance(e, StageError)}
     assert types == {"exit": ("SystemExit", "Raises"), "interrupt": ("KeyboardInterrupt", "Raises"),
+                     "cancelled": ("CancelledError", "Raises"), "halt": ("Halt", "Raises"),
                      "surrogate": ("FileNotFoundError", "Raises"), "unprintable": ("Unprintable", "Raises"),
                      "huge": ("ValueError", "Raises")}, out
     assert cast(StageError, out["surrogate"]).message == "no such file: caf\\udce9"

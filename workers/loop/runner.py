@@ -45,10 +45,12 @@ class BatchLengthError(Exception):
 
 Outcome = tuple[bool, Any]  # (True, value) or (False, Failure)
 
-# What user code may raise that is its item's answer: any Exception, and what a library raises to end a
-# program (argparse's error() calls sys.exit; a KeyboardInterrupt raised by hand), which would otherwise
-# end the worker at every delivery. A worker's own SIGINT and SIGTERM only set a flag (workers.process.child).
-USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt, GeneratorExit)
+# What user code may raise that is its item's answer: anything, BaseException subclasses too (sys.exit in
+# argparse's error(), a KeyboardInterrupt raised by hand, asyncio's CancelledError out of an event loop the
+# stage runs, a library's own), which would otherwise end the worker at every delivery and take the item to
+# the dead-letter stream as "its worker crashed". A worker's own SIGINT and SIGTERM only set a flag while
+# predict runs (workers.process.child), so nothing of conveyor's own is raised through user code there.
+USER_ERRORS: tuple[type[BaseException], ...] = (BaseException,)
 
 
 def failure(exc: BaseException, tracebacks: Tracebacks | None) -> Failure:
