@@ -83,9 +83,20 @@ class Times(Stage):
         return np.datetime64(100, "2D") if x == "2D" else x
 
 
+class ExitsInSetup(Stage):
+    """A setup() that ends the program, as a library's command-line entry point does."""
+
+    def setup(self) -> None:
+        sys.exit(0)
+
+    def predict(self, x: Any) -> Any:
+        return x
+
+
 sizes = Pipeline("t-sizes").add(Make).add(Double)
 versions_old = Pipeline("t-versions").add(Make)
 versions_new = Pipeline("t-versions").add(Make).add(Double)  # the same name, a stage more
 raises = Pipeline("t-raises").add(Raises)
 dates = Pipeline("t-dates").add(Dates)
 times = Pipeline("t-times").add(Times)
+exits_in_setup = Pipeline("t-exits-in-setup").add(ExitsInSetup)

@@ -1,13 +1,17 @@
 """What a stage's own code may do to its worker: raise any BaseException from ``predict`` (its item's
-answer, batched or not, the worker living on)."""
+answer, batched or not, the worker living on) or from ``setup()`` (a failed start, said with its
+traceback, never the clean exit of a worker asked to stop)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env
 from workers.loop.runner import Failure, run_batch, run_single
 
 
@@ -33,3 +37,25 @@ def test_any_base_exception_from_predict_is_its_items_answer(exc: BaseException)
         assert [value for ok, value in outcomes if ok] == ["a", "b"]
         failure = outcomes[1][1]
         assert isinstance(failure, Failure) and failure.type == type(exc).__name__
+
+
+@pytest.mark.system
+def test_a_setup_that_calls_sys_exit_is_a_failed_start_with_its_traceback(redis_url: str, tmp_path: Path) -> None:
+    """``sys.exit(0)`` in ``setup()`` ended the worker with code 0, the code of a worker stopped on request:
+    three restarts, then "giving up", and nowhere a word of why."""
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(conveyor_argv("worker", "tests.error_stages:exits_in_setup", "--stage",
+                                              "ExitsInSetup"), cwd=REPO_ROOT, env=conveyor_env(redis_url),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = log_path.read_text(errors="replace")
+    assert code != 0, log
+    assert "giving up" in log, log
+    assert "SystemExit" in log and "in setup" in log, log
+    assert "code=0" not in log and log.count("code=3") == 3, log

@@ -136,7 +136,8 @@ def _run(worker: Worker, stage: str) -> int:
     except (PipelineMismatch, UnsupportedServer) as exc:  # in one line: the supervisor stops after a few
         logging.getLogger("conveyor.worker").error("%s", exc)
         return EXIT_SETUP_FAILED
-    except Exception:  # the supervisor restarts it; before 'ready' it counts towards a crash loop
+    except BaseException:  # user code too (a setup() that calls sys.exit): the supervisor restarts it, and
+        # before 'ready' it counts towards a crash loop; said with its traceback, never as a clean exit 0
         traceback.print_exc()
         return EXIT_CRASHED if worker.ready else EXIT_SETUP_FAILED
     return 0
