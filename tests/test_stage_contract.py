@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env
+from workers import Pipeline, Stage
 from workers.loop.runner import Failure, run_batch, run_single
+from workers.pipeline import PipelineError
 
 
 class Halt(BaseException):
@@ -59,3 +62,20 @@ def test_a_setup_that_calls_sys_exit_is_a_failed_start_with_its_traceback(redis_
     assert "giving up" in log, log
     assert "SystemExit" in log and "in setup" in log, log
     assert "code=0" not in log and log.count("code=3") == 3, log
+
+
+class _Batched(Stage):
+    batch_size = 4
+    batch_policy = "deadline"
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return xs
+
+
+@pytest.mark.parametrize("wait_s", [sys.maxsize, 1e10, 1e300, 86_401])
+def test_a_batch_wait_past_a_day_is_refused_where_written(wait_s: float) -> None:
+    """A "forever" written as sys.maxsize was taken: the worker's first batch window overflowed its socket's
+    timeout (OverflowError), crashing it at every restart."""
+    with pytest.raises(PipelineError, match=r"stage _Batched: batch_wait_s must be at most 86400 \(a day"):
+        Pipeline("p").add(_Batched, batch_wait_s=wait_s)
+    assert Pipeline("p").add(_Batched, batch_wait_s=86_400).stages[0].batch_wait_s == 86_400

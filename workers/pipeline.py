@@ -33,6 +33,10 @@ LONG_BATCH_WAIT_S = 1.0  # a longer batch_wait_s is warned of: it is in seconds
 # LiveBatch allocates its slots up front (10**9 took gigabytes at start) and past 2**63 - 1 Redis refuses
 # XREADGROUP's COUNT, failing every read; a worker takes up to this many entries in one reply.
 MAX_BATCH_SIZE = 1_000_000
+# A batch's longest wait, a day: past ~9.2e9 s a socket's timeout overflows the platform's time_t and Redis
+# refuses so long a BLOCK, so a "forever" written as sys.maxsize crashed the worker at its first batch, then at
+# every restart. No caller waits a day for a batch to fill.
+MAX_BATCH_WAIT_S = 86_400.0
 
 log = logging.getLogger("conveyor.pipeline")
 
@@ -109,6 +113,9 @@ class StageSpec:
             value = getattr(self, knob)
             if not (optional and value is None):
                 _check_number(name, knob, value, allow_zero=allow_zero)
+        if self.batch_wait_s > MAX_BATCH_WAIT_S:
+            raise PipelineError(f"stage {name}: batch_wait_s must be at most {MAX_BATCH_WAIT_S:g} (a day, in seconds; "
+                                f"the deadline policy fills a batch within it), got {self.batch_wait_s!r}")
         self._check_choices()
 
     def _check_choices(self) -> None:
