@@ -1,6 +1,7 @@
 """What a stage's own code may do to its worker: raise any BaseException from ``predict`` (its item's
 answer, batched or not, the worker living on) or from ``setup()`` (a failed start, said with its
-traceback, never the clean exit of a worker asked to stop)."""
+traceback, never the clean exit of a worker asked to stop); give a ``batch_wait_s`` no clock can hold (refused
+where written); give ``batch_key`` costs that do not sort (the batch kept in arrival order)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.helpers import REPO_ROOT, conveyor_argv, conveyor_env
 from workers import Pipeline, Stage
+from workers.batching.grouping import run_grouped
 from workers.loop.runner import Failure, run_batch, run_single
 from workers.pipeline import PipelineError
 
@@ -79,3 +81,32 @@ def test_a_batch_wait_past_a_day_is_refused_where_written(wait_s: float) -> None
     with pytest.raises(PipelineError, match=r"stage _Batched: batch_wait_s must be at most 86400 \(a day"):
         Pipeline("p").add(_Batched, batch_wait_s=wait_s)
     assert Pipeline("p").add(_Batched, batch_wait_s=86_400).stages[0].batch_wait_s == 86_400
+
+
+class _Ambiguous:
+    """A cost that does not compare as torch's tensors do: ``<`` raises RuntimeError."""
+
+    def __lt__(self, other: object) -> bool:
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+
+
+class _KeyedBy(Stage):
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def batch_key(self, x: Any) -> Any:
+        return self.key(x)
+
+    def predict(self, xs: list[Any]) -> list[Any]:
+        return [x + 1 for x in xs]
+
+
+@pytest.mark.parametrize("key", [lambda x: _Ambiguous(), lambda x: _raise_on_bad(Halt("no cost"))],
+                         ids=["uncomparable", "base-exception"])
+def test_a_batch_key_whose_costs_do_not_sort_or_that_raises_anything_leaves_the_batch_served(key: Any) -> None:
+    """A RuntimeError out of the costs' comparison, or a BaseException out of batch_key, ended the worker at
+    every batch of two items or more (its items then answered one crash later, one at a time)."""
+    def run(predict: Any, inputs: list[Any], deadlines: Any, payloads: Any) -> list[Any]:
+        return run_batch(predict, inputs)
+
+    assert run_grouped(_KeyedBy(key), [1, 2, 3, 4], 4, run) == [(True, 2), (True, 3), (True, 4), (True, 5)]

@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
-from workers.loop.runner import Failure, detach
+from workers.loop.runner import USER_ERRORS, Failure, detach
 
 # run(predict, inputs, deadlines_ms, payloads): payloads are the inputs' encoded bytes, or () (runner.run_batch)
 Run = Callable[[Callable[[list[Any]], Any], list[Any], Sequence[int | None], Sequence[bytes]], list[Any]]
-OnKeyError = Callable[[Exception], None]
+OnKeyError = Callable[[BaseException], None]
 
 log = logging.getLogger("conveyor.worker")
 # (stage, exception type) pairs already said: a key raising on every item is one fault, said once per process.
@@ -67,7 +67,7 @@ def _cost(key: Callable[[Any], Any], x: Any, on_error: OnKeyError | None = None)
     which must be said (it once was not)."""
     try:
         return (False, key(x))
-    except Exception as exc:  # user code
+    except USER_ERRORS as exc:  # user code, a BaseException too (workers.loop.runner)
         if on_error is not None:
             on_error(exc)
         return (True, 0)
@@ -77,7 +77,7 @@ def key_error_logger(stage: str) -> OnKeyError:
     """``plan_groups``'s ``on_error`` for ``stage``: a warning the first time each exception type is
     raised in this process (with the stage and the exception), then silence: serving goes on, the
     failing items sorted last, and a log line per item would flood the log."""
-    def said(exc: Exception) -> None:
+    def said(exc: BaseException) -> None:
         seen = (stage, type(exc).__name__)
         if seen not in _said:
             _said.add(seen)
@@ -137,7 +137,8 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
     costs = [_cost(key, x, on_error) for x in inputs]
     try:
         order = sorted(range(len(inputs)), key=costs.__getitem__)
-    except (TypeError, ValueError):  # costs that do not compare (mixed types, arrays): keep arrival order
+    except Exception:  # user code: costs that do not compare (mixed types, arrays; a torch tensor's
+        # RuntimeError, a user's __lt__): kept in arrival order, never the worker's crash at every batch
         return _even(list(range(len(inputs))), group_size)
     return [group for run in _runs(order, costs, spread) for group in _even(run, group_size)]
 
