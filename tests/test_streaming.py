@@ -537,3 +537,32 @@ def test_a_continuous_batch_acks_its_items_as_their_streams_end(redis_url: str, 
         outcomes = asyncio.run(scenario())
     assert len(outcomes) > 24 and all(o == [4, 3, 2, 1] for o in outcomes), [o for o in outcomes if o != [4, 3, 2, 1]]
     assert redis_client.xlen(Keys("t-bounded-growing").stream(0)) == 0
+
+
+def test_a_joiner_answered_at_admission_is_answered_and_acked_while_the_live_batch_runs(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """An entry read between a live batch's steps whose item is past its deadline is answered (and acked) at once,
+    not when the batch ends: under a steady load a continuous batch may never end."""
+    keys = Keys("t-growing")
+    with running_workers(redis_url, f"{APP}:growing", ["Growing"]) as workers:
+        workers.wait_ready("t-growing")
+
+        async def scenario() -> tuple[list[Any], float]:
+            async with Gateway(redis_url, "t-growing", GatewaySettings(timeout_s=20)) as gw:
+                long = asyncio.ensure_future(_collect(gw.stream(150)))  # 150 steps of 20 ms: a live batch of 3 s
+                first = gw.stream(3)
+                assert await _collect(first) == [3, 2, 1]  # the batch runs
+                reply = keys.reply("foreign")
+                redis_client.xadd(keys.stream(0), {"id": "late-1", "data": codec.encode(5), "reply": reply, "v": 1,
+                                                   "deadline_ms": protocol.now_ms() - 1})
+                began = asyncio.get_running_loop().time()
+                popped = await asyncio.to_thread(redis_client.blpop, [reply], 2)
+                waited = asyncio.get_running_loop().time() - began
+                assert not long.done(), "the live batch ended before the late entry was answered"
+                assert popped is not None, "no answer for the late entry while the live batch ran"
+                return [*codec.decode(popped[1]), await long], waited
+
+        (record, chunks), waited = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert record["ok"] is False and record["error"]["type"] == "DeadlineExceeded", record
+    assert chunks == list(range(150, 0, -1)) and waited < 2
+    assert redis_client.xpending(keys.stream(0), "workers")["pending"] == 0

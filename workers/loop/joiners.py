@@ -35,19 +35,29 @@ class EndedStream(Protocol):
 
 
 def read_more(lane: ReadLane, router: EntryRouter, cancels: CancelWatch, lease: Lease, commit: Commit,
-              stopping: Callable[[], bool], count: int) -> Work:
+              settle: Callable[[], None], stopping: Callable[[], bool], count: int) -> Work:
     """A continuous batch's joiners: up to ``count`` new entries of ``lane`` (a read that does not block),
-    admitted into the running batch's ``commit`` (acked as they end: :class:`EndedAcks`) and held by
-    its lease. None once the worker
-    is ``stopping`` (a stop, a scale-down): the batch ends with what it holds, else under load it never would."""
+    those with items to run admitted into the running batch's ``commit`` (acked as they end:
+    :class:`EndedAcks`) and held by its lease. Items answered at admission (past their deadline, refused)
+    are written and pushed at once, and the entries with nothing left to run acked with them: the batch
+    may run long after. None once the worker is ``stopping`` (a stop, a scale-down): the batch ends with
+    what it holds, else under load it never would."""
     if stopping():
         return []
     entries = lane.reader.read(count)
     if not entries:
         return []
-    commit.acks += [entry_id for entry_id in dict.fromkeys(e[0] for e in entries)]
+    joined = Commit()
+    work = cancels.drop(router.admit(entries, None, joined, lane.keys), lane.keys)
+    running = {item.entry_id for item, _ in work}
+    read = list(dict.fromkeys(e[0] for e in entries))
+    joined.acks = [entry_id for entry_id in read if entry_id not in running]
+    if joined.acks or joined.results or joined.dead:
+        settle()  # a commit under way first: the committer holds one at a time
+        lane.committer(joined)
+    commit.acks += [entry_id for entry_id in read if entry_id in running]
     lease.hold(lane.stream, commit.acks)
-    return cancels.drop(router.admit(entries, None, commit, lane.keys), lane.keys)
+    return work
 
 
 class EndedAcks:

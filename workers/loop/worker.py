@@ -406,7 +406,8 @@ class Worker:
             # runs alone (workers.loop.recovery): it may be what killed its worker, and joiners would die with it
             again = deliveries is not None and any(deliveries.get(item.entry_id, 1) > 1 for item, _ in work)
             more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit,
-                                      lambda: self.stopping) if self.spec.continuous and not again else None)
+                                      self._ahead.settle, lambda: self.stopping)
+                    if self.spec.continuous and not again else None)
             ended = None if more is None else EndedAcks(lane, self._heartbeat.lease, self._ahead.settle, commit)
             return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more, ended)
         handoff = self._handoff
