@@ -89,7 +89,7 @@ def _records(run: int, raised: BaseException) -> list[dict[str, Any]]:
     import redis
 
     from workers.loop.problems import Problems
-    from workers.loop.streaming import StreamRunner, _Step, _Stream
+    from workers.loop.streaming import StreamRunner, _ItemChunks, _Step
     from workers.pipeline import Pipeline
     from workers.stage import Stage
 
@@ -100,7 +100,7 @@ def _records(run: int, raised: BaseException) -> list[dict[str, Any]]:
     spec = Pipeline("t-runs").add(Words).stages[0]
     runner = StreamRunner(Words(), spec, redis.Redis(port=1), 60_000, 1 << 20, Problems("Words", "t-runs:counts"), None)
     try:
-        stream, step = _Stream(protocol.Item(b"1-0", b"r1", b"", b"reply", None), run), _Step()
+        stream, step = _ItemChunks(protocol.Item(b"1-0", b"r1", b"", b"reply", None), run), _Step()
         runner._fail(stream, step, raised)
         return [codec.decode(record) for record in step.pushes[b"reply"]]
     finally:
