@@ -314,22 +314,26 @@ def start_sink(service_name: str, environ: Mapping[str, str], process: Mapping[s
     if client is None:
         raise ImportError("this opentelemetry-exporter-otlp-proto-http has no transport client: "
                           "pip install 'conveyor[otel]' (the pinned 1.45.2)")
-    return SpanSink(client.export, resource, _env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
-                    int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", EXPORT_BATCH)),
-                    int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 65_536)))
+    return SpanSink(client.export, resource, _env_number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000, 3_600_000) / 1000,
+                    int(_env_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", EXPORT_BATCH, 2**31)),
+                    int(_env_number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 65_536, 2**31)))
 
 
-def _env_number(environ: Mapping[str, str], name: str, default: float) -> float:
-    """A positive, finite number of the environment, else ``default`` (warned): a period of 0 or less
-    would spin the sink's thread, an infinite one kill it, and a size must become an int."""
+def _env_number(environ: Mapping[str, str], name: str, default: float, most: float) -> float:
+    """A number of the environment from 1 to ``most``, else ``default`` (warned), or ``most`` above it
+    (warned): a period of 0 or less would spin the sink's thread, one past ``threading.TIMEOUT_MAX`` (or
+    infinite) kill it, and a size must become an int of at least 1."""
     raw = environ.get(name)
     try:
         value = float(raw or default)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        log.warning("%s=%s is not a positive number: %g", name, raw, default)
+    if not math.isfinite(value) or value < 1:
+        log.warning("%s=%s is not a number from 1 to %g: %g", name, raw, most, default)
         return default
+    if value > most:
+        log.warning("%s=%s is more than %g: %g", name, raw, most, most)
+        return most
     return value
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import redis
@@ -258,7 +259,7 @@ def test_closing_a_sink_whose_export_hangs_leaves_it_to_its_thread() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf", "many"])
+@pytest.mark.parametrize("bad", ["0", "-5", "0.5", "nan", "inf", "many"])
 def test_batch_variables_that_are_no_positive_number_take_their_defaults(bad: str) -> None:
     """A schedule delay of 0 or less would spin the sink's thread (a core per process), an infinite one
     kill it; a size of nan or inf cannot be a count: each is warned of and its default used."""
@@ -267,6 +268,19 @@ def test_batch_variables_that_are_no_positive_number_take_their_defaults(bad: st
                                     "OTEL_BSP_MAX_QUEUE_SIZE": bad})
     try:
         assert (sink._period_s, sink.MAX_BATCH, sink.MAX_QUEUE) == (5.0, tracing.EXPORT_BATCH, 65_536)
+        assert sink._thread.is_alive()
+    finally:
+        sink.close(timeout_s=1.0)
+
+
+@pytest.mark.unit
+def test_a_schedule_delay_past_an_hour_is_an_hour() -> None:
+    """1e13 ms is past threading.TIMEOUT_MAX: the sink's thread died of OverflowError in its first wait."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    sink = tracing.start_sink("t", {"OTEL_BSP_SCHEDULE_DELAY": "1e13", "OTEL_BSP_MAX_QUEUE_SIZE": "1e30"})
+    try:
+        assert (sink._period_s, sink.MAX_QUEUE) == (3600.0, 2**31)
+        time.sleep(0.2)  # the thread's first wait has begun
         assert sink._thread.is_alive()
     finally:
         sink.close(timeout_s=1.0)
