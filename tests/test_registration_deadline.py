@@ -11,7 +11,7 @@ import redis
 
 from broker.keys import Keys
 from broker.spec import StageInfo, encode_spec
-from gateway import Gateway
+from gateway import Gateway, GatewaySettings
 
 pytestmark = pytest.mark.redis
 
@@ -53,3 +53,29 @@ def test_a_request_waiting_for_registration_keeps_its_deadline(redis_url: str, p
     arrived_ms, deadline_ms = asyncio.run(main())
     assert deadline_ms - arrived_ms <= (TIMEOUT_S + WAITED_S / 2) * 1000, \
         f"deadline {deadline_ms - arrived_ms:.0f} ms after arrival, for a timeout of {TIMEOUT_S:g} s"
+
+
+def test_close_fails_requests_waiting_for_registration_with_a_connection_error(redis_url: str) -> None:
+    """Closing the gateway while requests wait for their pipeline's registration fails them with the
+    ConnectionError of any request in flight at a close, at once: not a CancelledError in tasks nobody
+    cancelled (a TaskGroup would take it for its own cancellation). A caller that cancels its own wait
+    still gets its CancelledError."""
+
+    async def main() -> tuple[bool, list[BaseException | None]]:
+        settings = GatewaySettings(register_wait_s=TIMEOUT_S)
+        async with Gateway(redis_url, "reg-closed", settings) as gw:
+            waiting = [asyncio.ensure_future(gw.predict(1, timeout_s=TIMEOUT_S)),
+                       asyncio.ensure_future(gw.predict(2, timeout_s=TIMEOUT_S, key="k")),
+                       asyncio.ensure_future(gw.stream(3, timeout_s=TIMEOUT_S).__anext__())]
+            left = asyncio.ensure_future(gw.predict(4, timeout_s=TIMEOUT_S))
+            await asyncio.sleep(0.2)  # every request waits on the registration's poll
+            left.cancel()
+            await asyncio.wait([left], timeout=T)
+        done, _ = await asyncio.wait(waiting, timeout=T)
+        assert len(done) == len(waiting), "a request still waits after the gateway closed"
+        return left.cancelled(), [None if task.cancelled() else task.exception() for task in waiting]
+
+    left_cancelled, outcomes = asyncio.run(main())
+    assert left_cancelled, "the caller that cancelled its own request did not get its CancelledError"
+    for outcome in outcomes:
+        assert isinstance(outcome, ConnectionError) and "gateway closed" in str(outcome), outcomes

@@ -102,11 +102,21 @@ class Registration:
         Redis cannot be asked, return: the request is submitted as usual (the flusher waits for Redis)."""
         if self._poll is None or self._poll.done():
             self._poll = asyncio.ensure_future(self._until_registered())
+        poll = self._poll
         try:
-            registered = await asyncio.wait_for(asyncio.shield(self._poll), timeout_s)
+            registered = await asyncio.wait_for(asyncio.shield(poll), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer within {timeout_s:g}s: pipeline {self.keys.pipeline!r} is not "
                                "registered in this Redis (yet)") from None
+        except asyncio.CancelledError:
+            # The poll cancelled by the gateway's close, not this caller: a CancelledError would reach a
+            # task nobody cancelled (a TaskGroup takes it for a cancellation); say what happened instead.
+            task = asyncio.current_task()
+            cancelling = task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
+            if poll.cancelled() and not cancelling:
+                raise ConnectionError(f"gateway closed while the request waited for pipeline "
+                                      f"{self.keys.pipeline!r} to be registered") from None
+            raise
         if registered is False:
             known = self._known
             hint = f"; pipelines registered there: {', '.join(known)}" if known else ""
