@@ -187,6 +187,8 @@ class Views:
 
     async def start(self) -> None:
         self._closing = False
+        # A new event: one waited on is bound to that loop, and a start after a close may be on another loop.
+        self._wake = asyncio.Event()
         self._client = self.redis.async_client(1)
         self._nodes = NodeReads(self._client) if is_cluster_client(self._client) else None
         self._outcome = asyncio.get_running_loop().create_future()
