@@ -28,3 +28,21 @@ def test_a_gateway_closed_then_started_on_another_loop_keeps_its_views_refreshin
     assert asyncio.run(run()) == (False, True)
     assert asyncio.run(run()) == (False, True), "the views died on the second loop"
 
+
+def test_a_gateway_whose_loop_ended_says_so_for_request_ids_and_close(redis_url: str) -> None:
+    """A request with the caller's own id (checked in Redis first) and ``close()`` from another loop than
+    the gateway's: the error names the cause, not asyncio's "Event loop is closed"; and a close refused
+    there leaves the gateway as it was (a start then is refused too, not half done)."""
+    gw = Gateway(redis_url, "t-loops-ended", GatewaySettings(timeout_s=T))
+    asyncio.run(gw.start())  # never closed on its loop
+
+    async def elsewhere() -> None:
+        calls = (gw.predict(1, request_id="mine-1"), anext(gw.stream(1, request_id="mine-2")), gw.close())
+        for call in calls:
+            with pytest.raises(RuntimeError, match="started on another event loop"):
+                await asyncio.wait_for(call, T)
+        with pytest.raises(RuntimeError, match="already started"):
+            await asyncio.wait_for(gw.start(), T)
+        assert gw.in_flight == 0
+
+    asyncio.run(elsewhere())

@@ -175,6 +175,7 @@ class Gateway:
                          and now - self._unserved_since_s >= UNSERVED_GRACE_S else None)
 
     async def close(self) -> None:
+        self._check_loop()  # its connections and tasks live on its loop: closed elsewhere, half were left open
         polls = self.registration.polls()
         for task in polls:
             task.cancel()
@@ -302,10 +303,10 @@ class Gateway:
                             request_id: str | bytes | None = None, priority: int = 0) -> StreamSink:
         """:meth:`stream` without the iteration: the request's `StreamSink` (the HTTP front listens to
         it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
+        self._check_loop()
         if request_id is not None:  # as predict: an id whose earlier run may still answer is refused
             timeout_s = await self._unanswered_within(request_id, timeout_s)
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
-        self._check_loop()
         if not self.registration.registered:
             timeout = await self._registered_within(timeout)
         if not self.registration.streams:
@@ -343,16 +344,15 @@ class Gateway:
         return rid, data, timeout
 
     def _check_loop(self) -> None:
-        """Refuse, before anything is sent, a call from another event loop than the one this gateway
-        started on: its connections and tasks live there, and asyncio would raise only once the request
-        was out (a retry then ran it twice)."""
-        if asyncio.get_running_loop() is not self.hub.loop:
-            raise RuntimeError(f"Gateway for {self.pipeline!r} was started on another event loop: start and use it "
-                               "on one (`async with Gateway(...) as gw:` inside the one asyncio.run)")
+        """Refuse, before anything is sent, a call from a loop other than the one its connections and tasks live on."""
+        if self.lanes and asyncio.get_running_loop() is not self.hub.loop:  # not started: _prepare says so
+            raise RuntimeError(f"Gateway for {self.pipeline!r} was started on another event loop: start, use and "
+                               "close it on one (`async with Gateway(...) as gw:` inside the one asyncio.run)")
 
     async def _unanswered_within(self, request_id: str | bytes, timeout_s: float | None) -> float | None:
         """:meth:`_check_unanswered` within the request's own timeout, which it spends (a Redis paused or
         slow must not hold a request past its deadline); returns what is left of it."""
+        self._check_loop()  # before the id's check in Redis, on the client of the gateway's loop
         budget = self.settings.timeout_s if timeout_s is None else timeout_s
         if type(budget) not in (int, float) or not 0 < budget < math.inf:  # submit says what is wrong with it
             await self._check_unanswered(request_id)
