@@ -1,13 +1,18 @@
-"""A Gateway and event loops: started again on another loop after a close, it serves there in full; used
-from another loop while started on one, every call says so at once, before anything reaches Redis."""
+"""A Gateway's calls that ask Redis before submitting: from another event loop than the gateway's, or with
+the caller's own request id, what is wrong is said at once, before Redis is asked; and a gateway started again
+on another loop after a close serves there in full."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
-from gateway import Gateway, GatewaySettings
+from gateway import CodecError, Gateway, GatewaySettings, PayloadTooLarge
+from workers.embedded.server import EmbeddedRedis
 
 pytestmark = pytest.mark.redis
 
@@ -46,3 +51,36 @@ def test_a_gateway_whose_loop_ended_says_so_for_request_ids_and_close(redis_url:
         assert gw.in_flight == 0
 
     asyncio.run(elsewhere())
+
+
+def test_a_request_with_its_own_id_is_refused_for_what_is_wrong_before_redis_is_asked(
+        private_redis: EmbeddedRedis) -> None:
+    """A bad timeout, an input that cannot travel or is too large, under the caller's own id: refused at once,
+    not after the round trip that checks the id is unused (the socket timeout with a Redis that does not
+    answer), nor as that check's TimeoutError."""
+    big = b"x" * (GatewaySettings().max_payload_bytes + 1)
+
+    async def main() -> list[tuple[type[BaseException], float]]:
+        async with Gateway(private_redis.url, "t-own-ids", GatewaySettings(timeout_s=T)) as gw:
+            calls = [gw.predict(1, timeout_s=0, request_id="own-1"),
+                     gw.predict(1, timeout_s=float("nan"), request_id="own-2"),
+                     gw.predict({1, 2}, timeout_s=2, request_id="own-3"),
+                     anext(gw.stream(big, timeout_s=2, request_id="own-4"))]
+            pid = private_redis.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)  # Redis answers nothing meanwhile
+            try:
+                outcomes = []
+                for call in calls:
+                    started = time.monotonic()
+                    try:
+                        await asyncio.wait_for(call, 3 * T)
+                    except (ValueError, CodecError, PayloadTooLarge, TimeoutError) as exc:
+                        outcomes.append((type(exc), time.monotonic() - started))
+                return outcomes
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+    outcomes = asyncio.run(main())
+    assert [kind for kind, _ in outcomes] == [ValueError, ValueError, CodecError, PayloadTooLarge], outcomes
+    assert max(took for _, took in outcomes) < 1.0, outcomes

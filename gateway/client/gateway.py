@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -255,6 +254,7 @@ class Gateway:
         ``priority``: 1 the highest level, 0 the default (``Pipeline(priority_levels=N)``). A caller
         that cancels the awaiting task cancels the request: workers drop it (broker.cancels)."""
         if request_id is not None:
+            self._prepare(x, timeout_s, request_id, priority)  # what is wrong refused at once, before Redis is asked
             timeout_s = await self._unanswered_within(request_id, timeout_s)
         # direct=False: never a Slot
         future = cast(asyncio.Future[Any], self.submit(x, timeout_s, key, request_id=request_id, priority=priority))
@@ -305,6 +305,7 @@ class Gateway:
         it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
         self._check_loop()
         if request_id is not None:  # as predict: an id whose earlier run may still answer is refused
+            self._prepare(x, timeout_s, request_id, priority)
             timeout_s = await self._unanswered_within(request_id, timeout_s)
         rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
         if not self.registration.registered:
@@ -349,14 +350,11 @@ class Gateway:
             raise RuntimeError(f"Gateway for {self.pipeline!r} was started on another event loop: start, use and "
                                "close it on one (`async with Gateway(...) as gw:` inside the one asyncio.run)")
 
-    async def _unanswered_within(self, request_id: str | bytes, timeout_s: float | None) -> float | None:
+    async def _unanswered_within(self, request_id: str | bytes, timeout_s: float | None) -> float:
         """:meth:`_check_unanswered` within the request's own timeout, which it spends (a Redis paused or
         slow must not hold a request past its deadline); returns what is left of it."""
         self._check_loop()  # before the id's check in Redis, on the client of the gateway's loop
-        budget = self.settings.timeout_s if timeout_s is None else timeout_s
-        if type(budget) not in (int, float) or not 0 < budget < math.inf:  # submit says what is wrong with it
-            await self._check_unanswered(request_id)
-            return timeout_s
+        budget = self.settings.timeout_s if timeout_s is None else timeout_s  # checked by _prepare
         started = time.monotonic()
         try:
             await asyncio.wait_for(self._check_unanswered(request_id), budget)
