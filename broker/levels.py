@@ -15,7 +15,7 @@ reader (its *carry*, delivered to this consumer and pending) and leads that leve
 read, which asks Redis for that much less. So a batch never takes more than its room, no entry is
 read twice, and Redis hands its replies straight to the worker (a script doing the same would convert
 every entry into Lua and back: docs/decisions.md). A carry is at most one read of its level;
-it is dropped when a lane of the partition is lost (the lane's recovery reads those entries again,
+it is dropped when its lane is lost (the lane's recovery reads those entries again,
 as this consumer's pending ones) or once older than half the stage's ``claim_idle_s`` (left pending
 for the claim: a peer may have claimed it while a slow batch ran), and handed back to its stream when
 the worker stops (:meth:`LevelReader.hand_back`).
@@ -120,9 +120,11 @@ class LevelReader(UnblockableReader):
                 break
         return out
 
-    def drop_carry(self) -> None:
-        """Forget the carries (a lane of the partition was lost: its recovery reads them again)."""
-        self._carry = [[] for _ in self.streams]
+    def drop_carry(self, levels: Sequence[int] | None = None) -> None:
+        """Forget the carries of ``levels`` (indexes of ``streams``; None: all), whose lanes were lost:
+        their recovery reads them again."""
+        for i in range(len(self.streams)) if levels is None else levels:
+            self._carry[i] = []
 
     def hand_back(self) -> None:
         """Give the carries back to their streams (the worker stops): each entry added again under a new

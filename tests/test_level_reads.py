@@ -150,6 +150,54 @@ def test_a_lost_lane_drops_the_partitions_carry(client: redis.Redis, private_red
             lane.close()
 
 
+def test_a_lost_lane_leaves_the_other_levels_carry(client: redis.Redis) -> None:
+    """Only the lost lane's recovery reads its entries again: another level's carry, still this consumer's and
+    read by no one else (its lane recovers nothing), is handed out, not left pending until the claim."""
+    keys = Keys("t-lr-lost-other")
+    lanes = level_lanes(client, keys, 2)
+    urgent, default = (lane.stream for lane in lanes)
+    add(client, urgent, 4, "u")
+    d = add(client, default, 4, "d")
+    turns = LevelTurns(lanes, 2, 8, lambda names: LevelReader(client, names, CONSUMER))
+    try:
+        segments, _ = turns.ahead(lanes[0], 4)
+        assert [lane.stream for lane, _ in segments] == [urgent]  # the default level's 4 carried
+        lanes[0].lost()  # say its commit failed: its recovery reads the urgent entries again
+        segments, _ = turns.ahead(lanes[0], 4)
+        assert [(lane.stream, [e[0] for e in entries]) for lane, entries in segments] == [(default, d)]
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
+
+
+def test_a_failed_read_ahead_has_every_level_recover_its_carry(client: redis.Redis) -> None:
+    """The read after a full batch fails (the node is lost): the reader drops every level's carry, so every
+    lane of the partition recovers its pending entries, not only the lane the worker is told of."""
+    keys = Keys("t-lr-ahead-fails")
+    lanes = level_lanes(client, keys, 2)
+    urgent, default = (lane.stream for lane in lanes)
+    add(client, urgent, 4, "u")
+    add(client, default, 4, "d")
+    reader = LevelReader(client, [urgent, default], CONSUMER)
+    turns = LevelTurns(lanes, 2, 8, lambda names: reader)
+    try:
+        turns.ahead(lanes[0], 4)
+        assert reader.carried == 4  # the default level's
+
+        def lost(*args: Any, **kwargs: Any) -> None:
+            raise redis.ConnectionError("node lost")
+
+        reader._held.send = lost  # type: ignore[method-assign]
+        with pytest.raises(redis.ConnectionError):
+            turns.ahead(lanes[0], 4)
+        assert reader.carried == 0 and lanes[1].recover  # the default lane reads its pending entries again
+    finally:
+        turns.close()
+        for lane in lanes:
+            lane.close()
+
+
 def test_a_carry_older_than_its_bound_is_left_pending_for_the_claim(client: redis.Redis) -> None:
     """A carry read longer ago than ``max_carry_s`` (half the stage's ``claim_idle_s``: the batch before ran
     that long) may have been claimed by a peer meanwhile: it is not handed out, but left pending."""

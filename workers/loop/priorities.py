@@ -69,10 +69,12 @@ class _Partition:
     reader: LevelReader
     lanes: list[ReadLane]
     streak: int = 0  # first reads in a row served from a level above the lowest
-    losses: int = 0  # the lanes' losses the reader's carry knows of (one more: recovery reads it again)
+    # Each lane's losses the reader's carry knows of (one more: that lane's recovery reads its carry again).
+    losses: list[int] = field(init=False)
     waited: list[int] = field(init=False)  # the levels below the highest, served longest ago first
 
     def __post_init__(self) -> None:
+        self.losses = [lane.losses for lane in self.lanes]
         self.waited = list(range(len(self.lanes) - 1, 0, -1))  # none served yet: the lowest first
 
     def order(self, fair_after: int) -> list[int]:
@@ -109,15 +111,24 @@ class LevelTurns:
         batch may wait to fill."""
         if not self.partitions:
             return [(lane, lane.reader.read(count))], True
-        picked = self._pick(self.partitions[0], count)
+        part = self.partitions[0]
+        try:
+            picked = self._pick(part, count)
+        except Exception:  # the failed read dropped every level's carry: each lane's recovery reads its own
+            for other in part.lanes:
+                if other is not lane:  # ``lane``'s failure is the caller's to handle
+                    other.lost()
+            raise
         return picked if picked is not None else ([], True)
 
     def _pick(self, part: _Partition, count: int) -> tuple[Segments, bool] | None:
         """The first read on one partition: the entries read by lane, and whether the batch may wait to
         fill (the lowest level's alone)."""
-        losses = sum(lane.losses for lane in part.lanes)
-        if losses != part.losses:  # a lane lost since: its recovery runs what the carry held
-            part.reader.drop_carry()
+        losses = [lane.losses for lane in part.lanes]
+        if losses != part.losses:  # a lane lost since: its recovery runs what its carry held (only its own:
+            # another level's carry is still this consumer's, and nothing else would run it before the claim)
+            part.reader.drop_carry([i for i, (now, was) in enumerate(zip(losses, part.losses, strict=True))
+                                    if now != was])
             part.losses = losses
         order = part.order(self.fair_after)
         picked = part.reader.read(order, [lane.reader.entries_for(count) for lane in part.lanes])
