@@ -293,9 +293,11 @@ class Backoff:
 
 # A cluster client raises ClusterError when its retries over a failover ran out, and
 # SlotNotCoveredError while no live node serves a slot: both mean "the server is not there now".
+# InvalidResponse: what answers at the URL does not speak Redis's protocol (a wrong port: an HTTP
+# server, say); redis-py drops that connection, and the server is not there either.
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
-    redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.ClusterError, redis.exceptions.SlotNotCoveredError, redis.exceptions.InvalidResponse,
 )
 CONNECTION_OR_REPLY_ERRORS: tuple[type[Exception], ...] = (*CONNECTION_ERRORS, redis.ResponseError)
 

@@ -309,6 +309,23 @@ def test_status_says_which_redis_and_one_line_when_unreachable(redis_url: str) -
     assert done.returncode == 1 and f"[redis: {redis_url}]" in done.stdout and "not registered" in done.stdout
 
 
+def test_status_at_a_port_that_does_not_speak_redis_says_so_in_one_line() -> None:
+    """A URL naming another service (an HTTP server on a wrong port) ended `conveyor status` with redis-py's
+    InvalidResponse traceback and exit 1 instead of the unreachable line and exit 2."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"redis://127.0.0.1:{server.server_address[1]}/0"
+        done = _run(conveyor_argv("status", "scale-shift", "--redis", url), conveyor_env())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and f"cannot reach Redis at {url}" in done.stderr, done.stderr
+
+
 def test_a_redis_that_refuses_our_password_is_not_called_unreachable() -> None:
     """A password missing from the URL read "cannot reach Redis ... is the server running?"."""
     url = "redis://127.0.0.1:6390/0"
