@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -12,7 +11,8 @@ import redis
 from broker import codec, protocol
 from broker.commit import BatchStats, Commit
 from broker.keys import Keys
-from workers import END, Pipeline, Stage
+from tests.stream_stages import Growing
+from workers import Pipeline
 from workers.loop.joiners import EndedAcks
 from workers.loop.problems import Problems
 from workers.loop.streaming import StreamRunner
@@ -69,25 +69,6 @@ def test_an_item_ended_in_an_earlier_step_is_not_pushed_again_when_its_entry_is_
     assert first.acked and second.acked
 
 
-class _Countdown(Stage):
-    """Continuous: item n yields n chunks, then ends (one step each)."""
-
-    batch_size = 4
-    continuous = True
-
-    def predict(self, batch: Any) -> Iterator[list[Any]]:
-        left: dict[int, int] = {}
-        while batch:
-            for slot in batch.joined():
-                left[slot] = batch[slot]
-            step: list[Any] = [None] * len(batch)
-            for slot in range(len(batch)):
-                if batch.occupied(slot):
-                    step[slot] = left[slot] if left[slot] > 0 else END
-                    left[slot] -= 1
-            yield step
-
-
 def test_a_batch_entrys_item_that_ended_first_has_its_end_pushed_once() -> None:
     """Through the stream runner: a batch entry of two items, the first ending two steps before the
     second. Its end goes out with its step; the entry's ack, when the second ends, writes its result
@@ -98,8 +79,8 @@ def test_a_batch_entrys_item_that_ended_first_has_its_end_pushed_once() -> None:
         pushed.extend(record for _, element in pushes for record in codec.decode(element))
         return [False] * len(markers)
 
-    spec = Pipeline("p").add(_Countdown).stages[0]
-    runner = StreamRunner(_Countdown(), spec, redis.Redis(port=9), 60_000, 1 << 20, Problems("c", keys.counts(0)),
+    spec = Pipeline("p").add(Growing).stages[0]
+    runner = StreamRunner(Growing(), spec, redis.Redis(port=9), 60_000, 1 << 20, Problems("c", keys.counts(0)),
                           None)
     runner._publish = publish  # type: ignore[assignment]
     lane, batch = _Lane(), Commit(acks=[b"1-0"])
