@@ -110,3 +110,19 @@ def test_a_batch_key_whose_costs_do_not_sort_or_that_raises_anything_leaves_the_
         return run_batch(predict, inputs)
 
     assert run_grouped(_KeyedBy(key), [1, 2, 3, 4], 4, run) == [(True, 2), (True, 3), (True, 4), (True, 5)]
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this one")
+
+
+def test_a_batch_key_raising_an_exception_whose_str_raises_leaves_the_batch_served() -> None:
+    """The warning of a failing batch_key quoted ``str(exc)``: one whose ``__str__`` raises ended the worker at
+    its first such batch, then again after every restart (the warning is said once per process)."""
+    def run(predict: Any, inputs: list[Any], deadlines: Any, payloads: Any) -> list[Any]:
+        return run_batch(predict, inputs)
+
+    key = lambda x: _raise_on_bad(_Unprintable())  # noqa: E731
+    assert run_grouped(_KeyedBy(key), [1, 2, 3], 4, run, stage_name="unprintable-key") == [(True, 2), (True, 3),
+                                                                                           (True, 4)]

@@ -83,8 +83,17 @@ def key_error_logger(stage: str) -> OnKeyError:
             _said.add(seen)
             log.warning("batch_key raised stage=%s type=%s message=%s: its items sort last (cost 0), so "
                         "length-aware batching is off for them; said once per stage and exception type",
-                        stage, type(exc).__name__, str(exc)[:500])
+                        stage, type(exc).__name__, _text(exc)[:500])
     return said
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what went wrong with it: an exception whose ``__str__`` raises (user code) must not
+    end the worker where it is logged (workers.loop.runner.failure says such an item's error so)."""
+    try:
+        return str(exc)
+    except USER_ERRORS as err:
+        return f"<str() of this {type(exc).__name__} raised {type(err).__name__}>"
 
 
 def _number(cost: tuple[bool, Any]) -> float | None:
