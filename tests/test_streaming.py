@@ -566,3 +566,27 @@ def test_a_joiner_answered_at_admission_is_answered_and_acked_while_the_live_bat
     assert record["ok"] is False and record["error"]["type"] == "DeadlineExceeded", record
     assert chunks == list(range(150, 0, -1)) and waited < 2
     assert redis_client.xpending(keys.stream(0), "workers")["pending"] == 0
+
+
+def test_an_item_of_a_live_batchs_first_read_answered_at_admission_is_answered_while_the_batch_runs(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The first read of a continuous batch: an entry past its deadline read with one that runs long is answered
+    and acked at once, as a joiner is, not when the batch ends (under a steady load it may never end)."""
+    keys = Keys("t-growing")
+    with running_workers(redis_url, f"{APP}:growing", ["Growing"]) as workers:
+        workers.wait_ready("t-growing")
+        long_reply, late_reply = keys.reply("foreign-long"), keys.reply("foreign-late")
+        now = protocol.now_ms()
+        with redis_client.pipeline(transaction=True) as both:  # in one read: the worker waits on the stream
+            both.xadd(keys.stream(0), {"id": "long-1", "data": codec.encode(150), "reply": long_reply, "v": 1,
+                                       "deadline_ms": now + 20_000})  # 150 steps of 20 ms: a live batch of 3 s
+            both.xadd(keys.stream(0), {"id": "late-2", "data": codec.encode(5), "reply": late_reply, "v": 1,
+                                       "deadline_ms": now - 1})
+            both.execute()
+        popped = redis_client.blpop([late_reply], 2)
+        assert popped is not None, "no answer for the late entry while the live batch ran"
+        assert not redis_client.exists(keys.result_key(b"long-1")), "the live batch ended first"
+        (record,) = codec.decode(popped[1])
+        assert record["ok"] is False and record["error"]["type"] == "DeadlineExceeded", record
+        wait_for(lambda: redis_client.exists(keys.result_key(b"long-1")), 10, "the long stream's end")
+    assert redis_client.xpending(keys.stream(0), "workers")["pending"] == 0

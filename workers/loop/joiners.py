@@ -20,7 +20,7 @@ from workers.loop.heartbeat import Lease
 from workers.loop.lanes import ReadLane
 from workers.loop.routing import EntryRouter, Work
 
-__all__ = ["EndedAcks", "EndedStream", "read_more"]
+__all__ = ["EndedAcks", "EndedStream", "answer_at_once", "read_more"]
 
 
 class EndedStream(Protocol):
@@ -49,15 +49,22 @@ def read_more(lane: ReadLane, router: EntryRouter, cancels: CancelWatch, lease: 
         return []
     joined = Commit()
     work = cancels.drop(router.admit(entries, None, joined, lane.keys), lane.keys)
-    running = {item.entry_id for item, _ in work}
-    read = list(dict.fromkeys(e[0] for e in entries))
-    joined.acks = [entry_id for entry_id in read if entry_id not in running]
-    if joined.acks or joined.results or joined.dead:
-        settle()  # a commit under way first: the committer holds one at a time
-        lane.committer(joined)
-    commit.acks += [entry_id for entry_id in read if entry_id in running]
+    commit.acks += answer_at_once(lane, settle, joined, list(dict.fromkeys(e[0] for e in entries)), work)
     lease.hold(lane.stream, commit.acks)
     return work
+
+
+def answer_at_once(lane: ReadLane, settle: Callable[[], None], answered: Commit, read: list[bytes],
+                   work: Work) -> list[bytes]:
+    """Commit now ``answered`` (the records of items answered at admission: past their deadline, refused) with
+    the acks of the entries of ``read`` that have no item in ``work``; the others, returned, are acked as their
+    streams end. For a live batch's first read as for its joiners: the batch may run long after."""
+    running = {item.entry_id for item, _ in work}
+    answered.acks = [entry_id for entry_id in read if entry_id not in running]
+    if answered.acks or answered.results or answered.dead:
+        settle()  # a commit under way first: the committer holds one at a time
+        lane.committer(answered)
+    return [entry_id for entry_id in read if entry_id in running]
 
 
 class EndedAcks:
@@ -71,6 +78,16 @@ class EndedAcks:
         self._lane, self._lease, self._settle, self._commit = lane, lease, settle, commit
         self._seen = 0  # streams of the batch looked at so far
         self._open: dict[bytes, list[EndedStream]] = {}  # not yet acked, by entry
+
+    def admitted(self, work: Work) -> EndedAcks:
+        """Commit at once what the batch's first read answered at admission (past their deadline, refused),
+        as :func:`read_more` does its joiners', with the acks of its entries of which nothing runs (``work``:
+        the items that run); the others stay in the batch's ``commit``, acked as their streams end."""
+        commit = self._commit
+        answered, commit.results, commit.dead = Commit(results=commit.results, dead=commit.dead), [], []
+        commit.acks = answer_at_once(self._lane, self._settle, answered, commit.acks, work)
+        self._lease.hold(self._lane.stream, commit.acks)
+        return self
 
     def take(self, streams: Sequence[EndedStream]) -> list[EndedStream]:
         """Of ``streams`` (the batch's so far), those of the entries whose every item's stream ended."""

@@ -408,7 +408,8 @@ class Worker:
             more = (functools.partial(read_more, lane, self._router, self._cancels, self._heartbeat.lease, commit,
                                       self._ahead.settle, lambda: self.stopping)
                     if self.spec.continuous and not again else None)
-            ended = None if more is None else EndedAcks(lane, self._heartbeat.lease, self._ahead.settle, commit)
+            ended = None if more is None else EndedAcks(lane, self._heartbeat.lease, self._ahead.settle,
+                                                        commit).admitted(work)  # its first read's answers: now
             return self._streaming.run(work, deliveries, lane.keys, commit, lane.stats, more, ended)
         handoff = self._handoff
         if handoff is not None:
