@@ -304,10 +304,9 @@ class Gateway:
         """:meth:`stream` without the iteration: the request's `StreamSink` (the HTTP front listens to
         it); refusals (Overloaded, CodecError, PayloadTooLarge, ValueError) raise here."""
         self._check_loop()
+        rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)  # refused before Redis is asked
         if request_id is not None:  # as predict: an id whose earlier run may still answer is refused
-            self._prepare(x, timeout_s, request_id, priority)
-            timeout_s = await self._unanswered_within(request_id, timeout_s)
-        rid, data, timeout = self._prepare(x, timeout_s, request_id, priority)
+            timeout = await self._unanswered_within(request_id, timeout)
         if not self.registration.registered:
             timeout = await self._registered_within(timeout)
         if not self.registration.streams:
