@@ -146,7 +146,7 @@ def plan_groups(inputs: Sequence[Any], key: Callable[[Any], Any], group_size: in
     costs = [_cost(key, x, on_error) for x in inputs]
     try:
         order = sorted(range(len(inputs)), key=costs.__getitem__)
-    except Exception:  # user code: costs that do not compare (mixed types, arrays; a torch tensor's
+    except USER_ERRORS:  # user code: costs that do not compare (mixed types, arrays; a torch tensor's
         # RuntimeError, a user's __lt__): kept in arrival order, never the worker's crash at every batch
         return _even(list(range(len(inputs))), group_size)
     return [group for run in _runs(order, costs, spread) for group in _even(run, group_size)]
