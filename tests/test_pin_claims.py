@@ -9,6 +9,7 @@ stage pin to different cores, a killed worker's core is freed when its claim exp
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -20,7 +21,12 @@ import redis
 from broker.keys import Keys
 from broker.pins import PinClaims, PinRequest
 from tests.helpers import WorkerProc, kill_group, start_worker, stop_process, wait_for
+from tests.stages import scale_shift
+from workers.loop.settings import WorkerSettings
+from workers.process import supervisor as supervisor_module
+from workers.process.child import ChildSettings
 from workers.process.pinning import allowed_cpus, assign_cpus, host_id
+from workers.process.supervisor import Supervisor, Unit
 
 APP = "tests.stages:scale_shift"  # Scale: explicit cpus; Shift: none
 KEYS = Keys("t-scale-shift")
@@ -163,3 +169,17 @@ def test_explicit_cpus_and_pin_slot_pin_as_before(redis_url: str, redis_client: 
     with workers(redis_url, "Scale", 2) as explicit, workers(redis_url, "Shift", 2, CONVEYOR_PIN="slot") as slot:
         assert wait_pinned(explicit + slot) == [CORES[0]] * 4
         assert redis_client.zcard(key) == 0  # neither claims a core
+
+
+@pytest.mark.parametrize(("workers", "warned"), [(3, True), (2, False)])
+def test_more_workers_than_cores_is_said(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                         workers: int, warned: bool) -> None:
+    """`conveyor worker --workers 3` on 2 cores: two workers share a core, and the log says so once."""
+    monkeypatch.setattr(supervisor_module, "allowed_cpus", lambda: [0, 1])  # a 2-core host
+    spec = scale_shift.stage("Shift")  # no explicit cpus
+    child = ChildSettings(worker=WorkerSettings(pin="slot"))  # no claim: no Redis involved
+    with caplog.at_level(logging.WARNING, logger="conveyor.supervisor"):
+        Supervisor([Unit(APP, spec, workers)], child)._make_slots()
+    said = [r.getMessage() for r in caplog.records if "share a core" in r.getMessage()]
+    assert said == (["3 workers to pin on 2 cores (0,1): some share a core, each slower than alone; run fewer "
+                     "workers (--workers, a stage's workers) or give this process more cores"] if warned else [])

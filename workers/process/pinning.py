@@ -69,6 +69,16 @@ def assign_cpus(slot: int, explicit: Sequence[int] | None, allowed: Sequence[int
     return int(allowed[(offset + slot) % len(allowed)])
 
 
+def say_if_cores_shared(spread: int, allowed: Sequence[int]) -> None:
+    """One warning when a supervisor spreads more workers (those without explicit ``cpus``) than it has
+    cores: some then share a core, each running at a fraction of its speed, which no other line says."""
+    if allowed and spread > len(allowed):
+        logging.getLogger("conveyor.supervisor").warning(
+            "%d workers to pin on %d cores (%s): some share a core, each slower than alone; run fewer workers "
+            "(--workers, a stage's workers) or give this process more cores", spread, len(allowed),
+            ",".join(map(str, allowed)))
+
+
 def claims_cpu(mode: str, explicit: Sequence[int] | None) -> bool:
     """Whether a worker claims its core through Redis (else it pins to the core it is given)."""
     if mode not in PIN_MODES:

@@ -44,7 +44,7 @@ from workers.pipeline import StageSpec
 from workers.process.child import ChildSettings
 from workers.process.companion import Companion
 from workers.process.extras import Extras
-from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, thread_env
+from workers.process.pinning import allowed_cpus, assign_cpus, claims_cpu, host_id, say_if_cores_shared, thread_env
 from workers.process.procs import HangupRepeats, detached_preexec
 from workers.process.scaling import Scaling
 from workers.process.starts import SlowStarts
@@ -149,6 +149,7 @@ class Supervisor:
                                              claim=claims_cpu(self.child.worker.pin, spec.cpus), index=len(self.slots),
                                              parked=n >= unit.count))
             spread += max(unit.count, unit.max_count)
+        say_if_cores_shared(sum(not (s.parked or s.spec.cpus) for s in self.slots), allowed)
         for keys in dict.fromkeys(u.keys for u in self.units if u.keys is not None):
             self._lay_out_claims(allowed, keys)
 
@@ -308,8 +309,7 @@ class Supervisor:
                  slot.proc.pid, slot.cpu)
 
     def _send_settings(self, proc: subprocess.Popen[bytes]) -> None:
-        """One JSON line on the child's stdin, then EOF (a child that died at once is not our
-        problem here: its status pipe reports the death)."""
+        """One JSON line on the child's stdin, then EOF (a child that died at once: its status pipe says so)."""
         assert proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
             proc.stdin.write(self._child_record)
