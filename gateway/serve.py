@@ -39,7 +39,7 @@ from broker.keys import Keys
 from broker.logs import Throttle
 from gateway.client import GatewaySettings
 from gateway.client.pipelines import Pipelines
-from gateway.http.server import CannotListen, HttpServer, HttpSettings, check_port_free
+from gateway.http.server import STOP_SIGNALS, CannotListen, HttpServer, HttpSettings, check_port_free
 from gateway.http.server import run as serve_http
 from gateway.monitor.metrics import Metrics
 from gateway.monitor.process_counts import ProcessCountsSettings, SiblingCounts
@@ -144,7 +144,7 @@ async def start_when_reachable(backend: Pipelines, redis_url: str) -> bool:
     SIGTERM or SIGINT came first."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = STOP_SIGNALS
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     backoff, throttle, attempts = Backoff(), Throttle(10.0), 0
@@ -275,7 +275,7 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     stop = _Stop()
-    previous = {sig: signal.signal(sig, stop.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop.handler) for sig in STOP_SIGNALS}
     children = [ctx.Process(target=_child, args=(child_job, i, ready, os.getpid()), name=f"gateway-{i}",
                             daemon=False) for i in range(processes)]
     try:

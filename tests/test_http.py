@@ -996,19 +996,22 @@ def test_drain_answers_new_requests_on_kept_alive_connections_503_close() -> Non
     run(main())
 
 
-def test_sigint_and_sigterm_together_are_one_stop() -> None:
-    """Ctrl-C reaches the whole group while a parent forwards SIGTERM: no cancellation."""
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGTERM), (signal.SIGHUP, signal.SIGHUP)])
+def test_sigint_and_sigterm_together_are_one_stop(signals: tuple[int, int]) -> None:
+    """Ctrl-C reaches the whole group while a parent forwards SIGTERM: no cancellation. A closed terminal
+    (`conveyor gateway` run in it) sends SIGHUP twice: a drain too, not a kill, nor a cancellation."""
     async def main() -> None:
         backend = FakeBackend()
         server = HttpServer(backend, HttpSettings(port=0, drain_timeout_s=5.0))
         await server.start()
+        unhandled = signal.signal(signal.SIGHUP, lambda *_: None)  # one the server does not take: not our death
         server.install_signal_handlers()
         try:
             client = await Client.open(server.port)
             await client.send(predict_json({"op": "block"}))
             await asyncio.wait_for(backend.entered.wait(), WAIT_S)
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGTERM)
+            for sig in signals:
+                os.kill(os.getpid(), sig)
             for _ in range(5):
                 await asyncio.sleep(0)
             assert server.draining and not backend.cancelled.is_set()
@@ -1018,6 +1021,7 @@ def test_sigint_and_sigterm_together_are_one_stop() -> None:
             await client.close()
         finally:
             server.remove_signal_handlers()
+            signal.signal(signal.SIGHUP, unhandled)
     run(main())
 
 

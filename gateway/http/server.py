@@ -17,7 +17,8 @@ connections are refused), requests already being answered finish within ``drain_
 meanwhile get 503 with ``Connection: close``, idle connections are closed after a short grace;
 then whatever is left is cancelled. SIGINT and SIGTERM arriving together (Ctrl-C reaches the
 whole process group while a supervisor forwards SIGTERM) count as one stop; the same signal
-twice (an impatient second Ctrl-C) cancels what is still in flight.
+twice (an impatient second Ctrl-C) cancels what is still in flight. SIGHUP (the terminal was closed)
+drains too, and a closed terminal sends it twice, milliseconds apart: one stop.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = ["Backend", "Backends", "CannotListen", "HttpServer", "HttpSettings", 
 log = logging.getLogger(__name__)
 
 _COALESCE_S = 2.0  # a different stop signal within this of the first is the same stop
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: a closed terminal, not a hard kill
 
 
 class CannotListen(OSError):
@@ -162,15 +164,15 @@ class HttpServer:
                 log.info("received %s: draining", signal.Signals(sig).name)
             self._close_task = self.loop.create_task(self.close())
             return
-        if sig is not None and sig != self._stop_signal and now - self._stop_at < _COALESCE_S:
+        if sig is not None and (sig != self._stop_signal or sig == signal.SIGHUP) and now - self._stop_at < _COALESCE_S:
             log.info("received %s too: the same stop", signal.Signals(sig).name)
             return
         log.warning("second stop request: cancelling %d open connections", len(self.state.connections))
         for conn in list(self.state.connections):
             conn.cancel()
 
-    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        """SIGTERM/SIGINT start a graceful drain instead of killing in-flight requests."""
+    def install_signal_handlers(self, signals: Sequence[int] = STOP_SIGNALS) -> None:
+        """SIGTERM/SIGINT/SIGHUP start a graceful drain instead of killing in-flight requests."""
         loop = asyncio.get_running_loop()
         for sig in signals:
             loop.add_signal_handler(sig, self.request_close, sig)
