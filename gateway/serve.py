@@ -126,7 +126,7 @@ def serve(job: GatewayJob, started: Any = None) -> None:
                               siblings=SiblingCounts(job.counts, str(os.getpid())))
         publishing = asyncio.ensure_future(metrics.publish_periodically()) if metrics is not None else None
         try:
-            await serve_http(backend, job.http, metrics, started=started)
+            await serve_http(backend, job.http, metrics, started=started, supervised=job.counts is not None)
         finally:
             if publishing is not None and metrics is not None:
                 publishing.cancel()

@@ -99,7 +99,10 @@ def test_a_host_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatc
     assert "cannot listen on no-such-host.invalid:0" in lines[0] and "--host (CONVEYOR_HOST)" in lines[0], lines
 
 
-def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path, ctrl_c: bool) -> None:
+    """SIGTERM to the parent, or a Ctrl-C (SIGINT to the whole group: a child drained before the parent's
+    SIGTERM reached it was ended by that SIGTERM, and the gateway exited 1): exit 0 either way."""
     port = free_port()
     log = tmp_path / "gateway.log"
     with log.open("wb") as err:
@@ -116,7 +119,10 @@ def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path:
         assert len(listeners) == 2, log.read_text()
         for _ in range(10):  # every connection is answered, whichever process the kernel picks
             assert _healthz(port).startswith(b"HTTP/1.1 200")
-        proc.send_signal(signal.SIGTERM)
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0, log.read_text()
     finally:
         if proc.poll() is None:

@@ -178,11 +178,15 @@ class HttpServer:
             loop.add_signal_handler(sig, self.request_close, sig)
             self._signals.append(sig)
 
-    def remove_signal_handlers(self) -> None:
-        """Give the signals back (to their default action) once this server is done with them."""
+    def remove_signal_handlers(self, ignore: bool = False) -> None:
+        """Give the signals back (to their default action) once this server is done with them; ``ignore``:
+        ignore them from now on instead (a drained process that its parent stops too, see `run`)."""
         loop = asyncio.get_running_loop()
         while self._signals:
-            loop.remove_signal_handler(self._signals.pop())
+            sig = self._signals.pop()
+            loop.remove_signal_handler(sig)
+            if ignore:
+                signal.signal(sig, signal.SIG_IGN)
 
     async def close(self, drain: bool = True) -> None:
         """Stop accepting, answer new requests 503, let admitted requests finish, then close.
@@ -228,12 +232,16 @@ class HttpServer:
 
 
 async def run(backend: Backend | Backends, settings: HttpSettings | None = None, metrics: Metrics | None = None,
-              *, handle_signals: bool = True, started: Callable[[HttpServer], None] | None = None) -> None:
+              *, handle_signals: bool = True, started: Callable[[HttpServer], None] | None = None,
+              supervised: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain: the whole HTTP side of ``conveyor gateway``.
 
     ``started`` is called once the socket is bound and signals are handled (e.g. to print the
     port when it was 0). The backend is not closed here: its owner closes it after `run`
-    returns, once every in-flight request has been answered.
+    returns, once every in-flight request has been answered. ``supervised``: one of several processes
+    whose parent forwards the stop as SIGTERM; a Ctrl-C (or systemd) also signals this process, which may
+    be drained before the parent's SIGTERM comes: once drained, stop signals are ignored (their default
+    action would end the process as killed, and the whole gateway with exit 1).
     """
     server = HttpServer(backend, settings, metrics)
     await server.start()
@@ -246,4 +254,4 @@ async def run(backend: Backend | Backends, settings: HttpSettings | None = None,
     finally:
         await server.close()
         if handle_signals:
-            server.remove_signal_handlers()
+            server.remove_signal_handlers(ignore=supervised)
