@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -215,3 +216,20 @@ def test_a_first_batch_stuck_before_its_ready_is_read_is_a_stuck_predict(caplog:
         proc.wait()
         watch.close()
     assert "worker stuck: predict ran past max_run_s" in caplog.text, caplog.text
+
+
+def test_the_stack_files_have_no_name_a_killed_supervisor_could_leave(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGKILLed `conveyor run` or `conveyor worker` left its directory of stack files in /tmp, one per run."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where anything named would be made
+    watch = StuckWatch(2, RedisSettings("redis://127.0.0.1:9/0"))  # never reached
+    try:
+        assert list(tmp_path.iterdir()) == []  # as a SIGKILL would find it: nothing to leave behind
+        args = watch.child_args(1)
+        stack_file = args[args.index("--stack-file") + 1]
+        assert stack_file.startswith("/dev/fd/") and int(stack_file[8:]) in watch.fds(1)
+        with open(stack_file, "a") as worker_side:  # as the worker opens it: appended to
+            worker_side.write("Current thread 0x1 (most recent call first):\n")
+        assert os.pread(watch.fds(1)[1], 100, 0).startswith(b"Current thread")
+    finally:
+        watch.close()

@@ -296,8 +296,8 @@ class Supervisor:
         try:
             # A session of its own: a Ctrl-C in the terminal reaches only us, and we stop it in
             # order (see the module docstring); it still dies with us (workers.process.procs).
-            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd, self._stuck.fd), stdin=subprocess.PIPE,
-                                         start_new_session=True, preexec_fn=detached_preexec())
+            slot.proc = subprocess.Popen(cmd, env=env, pass_fds=(write_fd, *self._stuck.fds(slot.index)),
+                                         stdin=subprocess.PIPE, start_new_session=True, preexec_fn=detached_preexec())
         finally:
             os.close(write_fd)
         self._send_settings(slot.proc)

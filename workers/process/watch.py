@@ -25,10 +25,10 @@ emptied the file starts at its beginning; the supervisor reads the file once its
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -36,7 +36,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from broker.connection import RedisSettings
 from broker.keys import Keys
@@ -56,11 +55,20 @@ def _monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
-def _size(path: Path) -> int:
+def _size(fd: int) -> int:
     try:
-        return path.stat().st_size
+        return os.fstat(fd).st_size
     except OSError:
         return 0
+
+
+def _unnamed_file() -> int:
+    """A file with no name (unlinked at once), appended to: a worker's stack file, which it opens again as
+    ``/dev/fd/N``. Nothing is left in /tmp by a supervisor that is SIGKILLed (a directory of them was)."""
+    with tempfile.TemporaryFile() as named_or_not:
+        fd = os.dup(named_or_not.fileno())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    return fd
 
 # Stuck at, unwanted at (0: not watched), the batch's start (0: idle): Unix ms, the worker loop's; and the
 # process's last sign of life: CLOCK_MONOTONIC ms (one clock for the whole host, which neither a step of the
@@ -177,20 +185,22 @@ class StuckWatch:
 
     def __init__(self, slots: int, redis: RedisSettings) -> None:
         self._board = BusyBoard(slots)
-        self._stacks = Path(tempfile.mkdtemp(prefix="conveyor-stacks-"))
+        self._stacks = [_unnamed_file() for _ in range(slots)]
         self._redis = redis
 
     def child_args(self, index: int) -> list[str]:
         """The worker's command-line arguments for its cell and stack file (and its cell cleared)."""
         self._board.clear(index)
-        return ["--busy-fd", str(self._board.fd), "--busy-slot", str(index), "--stack-file", str(self._stack(index))]
+        return ["--busy-fd", str(self._board.fd), "--busy-slot", str(index), "--stack-file",
+                f"/dev/fd/{self._stacks[index]}"]
 
     @property
     def fd(self) -> int:
         return self._board.fd
 
-    def _stack(self, index: int) -> Path:
-        return self._stacks / f"slot-{index}.stack"
+    def fds(self, index: int) -> tuple[int, int]:
+        """What the worker of slot ``index`` inherits: the board, its stack file."""
+        return self._board.fd, self._stacks[index]
 
     def wait_s(self, index: int) -> float | None:
         """Seconds until this slot's batch becomes stuck (None: not watched now)."""
@@ -260,9 +270,9 @@ class StuckWatch:
 
     def _dump_stack(self, index: int, proc: subprocess.Popen[bytes]) -> str:
         """faulthandler's dump of every thread (SIGUSR1), read back once, within a bounded wait."""
-        path = self._stack(index)
+        fd = self._stacks[index]
         with contextlib.suppress(OSError):
-            path.write_text("")  # emptied: the worker appends, so its dump starts at the beginning
+            os.ftruncate(fd, 0)  # emptied: the worker appends, so its dump starts at the beginning
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGUSR1)
         # The child's signal handler writes the dump in one burst; nothing signals its end but its size,
@@ -271,12 +281,12 @@ class StuckWatch:
         size = 0
         while time.monotonic() < deadline:
             time.sleep(_STACK_POLL_S)
-            now = _size(path)
+            now = _size(fd)
             if now and now == size:
                 break
             size = now
         with contextlib.suppress(OSError):
-            return path.read_text().strip() or _NO_STACK
+            return os.pread(fd, _size(fd), 0).decode("utf-8", "replace").strip() or _NO_STACK
         return _NO_STACK
 
     def _mark(self, keys: Keys, stage: int, consumer: str) -> None:
@@ -289,4 +299,5 @@ class StuckWatch:
 
     def close(self) -> None:
         self._board.close()
-        shutil.rmtree(self._stacks, ignore_errors=True)
+        for fd in self._stacks:
+            os.close(fd)
