@@ -273,9 +273,12 @@ def serve_processes(job: GatewayJob, processes: int) -> int:
     child_job = replace(job, http=replace(job.http, port=port, reuse_port=True),
                         counts=ProcessCountsSettings(counts_dir))
     ctx = multiprocessing.get_context("spawn")
+    # The queue starts multiprocessing's resource tracker, which inherits SIGHUP ignored: a closed terminal's
+    # SIGHUP (to the whole group) would kill it, and its tracebacks would end the drain's log.
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ready = ctx.Queue()
     stop = _Stop()
-    previous = {sig: signal.signal(sig, stop.handler) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, stop.handler) for sig in STOP_SIGNALS} | {signal.SIGHUP: hangup}
     children = [ctx.Process(target=_child, args=(child_job, i, ready, os.getpid()), name=f"gateway-{i}",
                             daemon=False) for i in range(processes)]
     try:

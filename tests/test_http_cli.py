@@ -99,10 +99,12 @@ def test_a_host_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatc
     assert "cannot listen on no-such-host.invalid:0" in lines[0] and "--host (CONVEYOR_HOST)" in lines[0], lines
 
 
-@pytest.mark.parametrize("ctrl_c", [False, True])
-def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path, ctrl_c: bool) -> None:
-    """SIGTERM to the parent, or a Ctrl-C (SIGINT to the whole group: a child drained before the parent's
-    SIGTERM reached it was ended by that SIGTERM, and the gateway exited 1): exit 0 either way."""
+@pytest.mark.parametrize("to_group", [(), (signal.SIGINT,), (signal.SIGHUP, signal.SIGHUP)])
+def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path: Path,
+                                                      to_group: tuple[int, ...]) -> None:
+    """SIGTERM to the parent, a Ctrl-C (SIGINT to the whole group: a child drained before the parent's
+    SIGTERM reached it was ended by that SIGTERM, and the gateway exited 1) or a closed terminal (its two
+    SIGHUPs to the group also killed multiprocessing's resource tracker: tracebacks): exit 0, a clean log."""
     port = free_port()
     log = tmp_path / "gateway.log"
     with log.open("wb") as err:
@@ -119,9 +121,9 @@ def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path:
         assert len(listeners) == 2, log.read_text()
         for _ in range(10):  # every connection is answered, whichever process the kernel picks
             assert _healthz(port).startswith(b"HTTP/1.1 200")
-        if ctrl_c:
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
+        for sig in to_group:
+            os.killpg(proc.pid, sig)
+        if not to_group:
             proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0, log.read_text()
     finally:
@@ -130,7 +132,7 @@ def test_processes_share_the_port_and_drain_on_sigterm(redis_url: str, tmp_path:
             proc.wait(5)
     text = log.read_text()
     assert text.count("drain: done") == 2, text
-    assert "all processes stopped" in text
+    assert "all processes stopped" in text and "Traceback" not in text, text
     assert not any(p.is_running() for p in psutil.Process().children() if p.pid in listeners)
 
 
