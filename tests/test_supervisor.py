@@ -54,7 +54,7 @@ def test_a_stage_whose_setup_keeps_failing_makes_conveyor_worker_exit_non_zero(r
     log = proc.log()
     assert code != 0, log
     assert "model file is missing" in log
-    assert "failed to start" in log
+    assert "failed to start 3 times in a row (exit codes 3,3,3): giving up" in log, log  # 3: setup() raised
     assert log.count("started worker") >= 2  # it was retried before giving up
     assert descendants(proc.pid) == []
 

@@ -55,8 +55,9 @@ class Extras:
             if slot.start_failures < self._max_start_failures:
                 continue
             scaled = self._scaling.stage_of(slot.unit) if slot.number >= slot.unit.count else None
-            if scaled is None:
-                log.error("stage %s failed to start %d times in a row: giving up", slot.spec.name, slot.start_failures)
+            if scaled is None:  # how each ended: 3, setup() raised; -9, killed (out of memory? setup_timeout_s?)
+                log.error("stage %s failed to start %d times in a row (exit codes %s): giving up", slot.spec.name,
+                          slot.start_failures, ",".join(map(str, slot.history[-slot.start_failures:])))
                 return True
             self._cap(slot, scaled)
         return False
