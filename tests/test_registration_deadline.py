@@ -68,7 +68,12 @@ def test_close_fails_requests_waiting_for_registration_with_a_connection_error(r
                        asyncio.ensure_future(gw.predict(2, timeout_s=TIMEOUT_S, key="k")),
                        asyncio.ensure_future(gw.stream(3, timeout_s=TIMEOUT_S).__anext__())]
             left = asyncio.ensure_future(gw.predict(4, timeout_s=TIMEOUT_S))
-            await asyncio.sleep(0.2)  # every request waits on the registration's poll
+            for _ in range(1000):  # every request waits on the registration's poll (started by the first)
+                if gw.registration.polls():
+                    break
+                await asyncio.sleep(0.005)
+            assert gw.registration.polls(), "no request waits on the registration"
+            await asyncio.sleep(0)  # the others, started in the same turn, reach it too
             left.cancel()
             await asyncio.wait([left], timeout=T)
         done, _ = await asyncio.wait(waiting, timeout=T)
